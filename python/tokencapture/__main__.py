@@ -1,0 +1,3 @@
+from tokencapture.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""The captured-token record (`TokenEntry`), its token digest and lineage stamping.
+
+The record shape, defaults and validation rules follow NeMo Gym's `token_id_capture.records`
+so that entries are interchangeable field for field. The token digest runs in the Rust core
+(`tokencapture._core.compute_digest`); it accepts a list of ints or any buffer of integers
+(`array('Q')`, a numpy array) without boxing every id as a Python int.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from tokencapture import _core
+
+__all__ = [
+    "TOKEN_ENTRY_MIN_SCHEMA_VERSION",
+    "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
+    "TOKEN_FIELDS",
+    "UNCOMMITTED_CALL_REASON",
+    "UNRESOLVED_PARENT_REASON",
+    "ParentResolutionStatus",
+    "TokenEntry",
+    "compute_digest",
+    "cumulative_tokens",
+    "stamp_lineage",
+]
+
+TOKEN_ENTRY_RECORD_SCHEMA_VERSION = 1
+TOKEN_ENTRY_MIN_SCHEMA_VERSION = 1
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
+UNRESOLVED_PARENT_REASON = "unresolved_parent"
+UNCOMMITTED_CALL_REASON = "request_finished_without_staged_coordinates"
+
+
+class ParentResolutionStatus(StrEnum):
+    """How a call's parent was decided at request time."""
+
+    ROOT = "root"
+    RESOLVED = "resolved"
+    UNRESOLVED = "unresolved"
+
+
+class TokenEntry(BaseModel):
+    """One model call's exact prompt tokens, generated tokens and log-probs.
+
+    Unknown fields are kept and round-trip byte for byte through the store. Non-finite floats
+    are accepted here (as the reference model does) but refused by `put`, before any byte is
+    written, because JSON cannot carry them back.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    schema_version: int = TOKEN_ENTRY_RECORD_SCHEMA_VERSION
+    rollout_id: str
+    model_call_id: str
+    model: str = ""
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    routed_experts: Any | None = None
+    output_items: list[dict[str, Any]] = []
+    token_item_index: int | None = None
+    response_id: str | None = None
+    created_at: float = 0.0
+    parent_call_id: str | None = None
+    cum_len: int | None = None
+    digest: str | None = None
+    parent_resolution: ParentResolutionStatus | None = None
+    continuation_fingerprint: str = ""
+    continuation_context_len: int = 0
+    continuation_context_digest: str = ""
+    parent_resolution_reason: str = ""
+    fingerprint_version: int | None = None
+    prompt_is_delta: bool = False
+    prefix_requested: bool = False
+    prefix_supplied: bool = False
+
+    @model_validator(mode="after")
+    def _check_invariants(self) -> TokenEntry:
+        if self.schema_version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {self.schema_version} is newer than this reader supports "
+                f"({TOKEN_ENTRY_RECORD_SCHEMA_VERSION}); upgrade tokencapture to read it"
+            )
+        if self.schema_version < TOKEN_ENTRY_MIN_SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {self.schema_version} is below the minimum "
+                f"{TOKEN_ENTRY_MIN_SCHEMA_VERSION}"
+            )
+        if len(self.generation_token_ids) != len(self.generation_log_probs):
+            raise ValueError(
+                f"generation_log_probs has {len(self.generation_log_probs)} values for "
+                f"{len(self.generation_token_ids)} generated tokens"
+            )
+        if self.token_item_index is not None and not (
+            0 <= self.token_item_index < len(self.output_items)
+        ):
+            raise ValueError(
+                f"token_item_index {self.token_item_index} does not index output_items "
+                f"(length {len(self.output_items)})"
+            )
+        _check_parent(self.parent_resolution, self.parent_call_id, self.prompt_is_delta)
+        return self
+
+
+def _check_parent(
+    status: ParentResolutionStatus | None, parent_call_id: str | None, prompt_is_delta: bool
+) -> None:
+    if status is ParentResolutionStatus.RESOLVED and not parent_call_id:
+        raise ValueError("parent_resolution 'resolved' requires parent_call_id")
+    if (
+        status in (ParentResolutionStatus.ROOT, ParentResolutionStatus.UNRESOLVED)
+        and parent_call_id is not None
+    ):
+        raise ValueError(f"parent_resolution {status.value!r} forbids parent_call_id")
+    if prompt_is_delta and status is not ParentResolutionStatus.RESOLVED:
+        raise ValueError("prompt_is_delta requires a resolved parent")
+
+
+def compute_digest(token_ids: Sequence[int] | Any) -> str:
+    """Lowercase hex SHA-256 of a token-id sequence in the reference's framing.
+
+    `token_ids` is a sequence of ints or a buffer of integers. A negative id or one above
+    2**64-1 raises `ValueError`.
+    """
+    return _core.compute_digest(token_ids)
+
+
+def cumulative_tokens(entry: TokenEntry) -> list[int]:
+    """The full token sequence after this call: prompt followed by generation."""
+    if entry.prompt_is_delta:
+        raise ValueError(
+            f"entry {entry.model_call_id!r} stores its prompt as a delta; rebuild its "
+            "cumulative tokens through the parent chain"
+        )
+    return [*entry.prompt_token_ids, *entry.generation_token_ids]
+
+
+def stamp_lineage(
+    entry: TokenEntry,
+    parent_call_id: str | None,
+    *,
+    parent_resolution: ParentResolutionStatus | None = None,
+    cumulative: Sequence[int] | None = None,
+) -> TokenEntry:
+    """Set parent, status, `cum_len` and `digest` on `entry` (in place) and return it."""
+    if cumulative is None:
+        cumulative = cumulative_tokens(entry)
+    elif not entry.prompt_is_delta and list(cumulative) != cumulative_tokens(entry):
+        raise ValueError(
+            f"cumulative tokens given for {entry.model_call_id!r} differ from its own "
+            "prompt + generation"
+        )
+    _check_parent(parent_resolution, parent_call_id, entry.prompt_is_delta)
+    entry.cum_len = len(cumulative)
+    entry.digest = compute_digest(cumulative)
+    entry.parent_call_id = parent_call_id
+    entry.parent_resolution = parent_resolution
+    return entry

@@ -1,0 +1,279 @@
+"""`TokenCaptureStore`: the durable, rollout-keyed JSONL store, backed by the Rust core.
+
+The Python side turns an entry into its canonical line (orjson, sorted keys) once; the native
+store does everything else with the GIL released: per-rollout flock, tail reconciliation,
+payload digests, append + fdatasync, the state index, fences. Async methods run the native
+call on a dedicated thread pool so the event loop never blocks on a disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+import orjson
+from pydantic import BaseModel
+
+from tokencapture import _core
+from tokencapture.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
+from tokencapture.records import TokenEntry
+
+__all__ = [
+    "TokenCaptureStore",
+    "canonical_line",
+    "make_token_store",
+    "validate_rollout_id",
+    "validate_rollout_ids",
+]
+
+logger = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+# Enough threads that fsyncs of different rollouts overlap: the disk rewards concurrency.
+_IO_THREADS = 64
+_executor: ThreadPoolExecutor | None = None
+_executor_pid = 0
+_executor_lock = threading.Lock()
+
+
+def _io_executor() -> ThreadPoolExecutor:
+    """The process-wide pool for blocking store calls (recreated in a forked child)."""
+    global _executor, _executor_pid
+    pid = os.getpid()
+    if _executor is None or _executor_pid != pid:
+        with _executor_lock:
+            if _executor is None or _executor_pid != pid:
+                _executor = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="tokencapture-io")
+                _executor_pid = pid
+    return _executor
+
+
+async def _off_loop(func: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_io_executor(), lambda: func(*args, **kwargs))
+
+
+def validate_rollout_id(rollout_id: str) -> str:
+    """Reject anything that could escape the store directory or index a bad file."""
+    if not isinstance(rollout_id, str):
+        raise TypeError(f"rollout_id must be a str, not {type(rollout_id).__name__}")
+    _core.validate_rollout_id(rollout_id)
+    return rollout_id
+
+
+def validate_rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
+    """Validate a whole batch before anything changes, and drop duplicates (first order kept).
+
+    A bare string is rejected: it is a sequence of one-character rollout ids.
+    """
+    if isinstance(rollout_ids, str | bytes):
+        raise TypeError("rollout_ids must be a sequence of rollout ids, not a single string")
+    return list(dict.fromkeys(validate_rollout_id(rollout_id) for rollout_id in rollout_ids))
+
+
+def _as_token_entry(entry: object) -> TokenEntry:
+    if isinstance(entry, TokenEntry):
+        return entry
+    if isinstance(entry, BaseModel):
+        # A foreign model with the same fields (NeMo Gym's own TokenEntry): revalidate its
+        # Python-mode values so nothing (NaN included) is converted before our checks.
+        return TokenEntry.model_validate(entry.model_dump())
+    if isinstance(entry, Mapping):
+        return TokenEntry.model_validate(dict(entry))
+    raise TypeError(
+        "expected a TokenEntry, a pydantic model with TokenEntry's fields, or a dict; "
+        f"got {type(entry).__name__}"
+    )
+
+
+def canonical_line(entry: TokenEntry) -> bytes:
+    """The stored form of an entry: `orjson.dumps(model_dump(mode="json"), OPT_SORT_KEYS)`.
+
+    Raises `ValueError`, before anything is written, for an entry that would not read back
+    (a non-finite float, an integer beyond 64 bits, a non-string key, runaway nesting).
+    """
+    values = dict(entry.__dict__)
+    if entry.__pydantic_extra__:
+        values.update(entry.__pydantic_extra__)
+    status = values["parent_resolution"]
+    if status is not None:
+        values["parent_resolution"] = str(status.value if hasattr(status, "value") else status)
+    try:
+        # Plain JSON values serialize with orjson exactly as pydantic's JSON mode would, without
+        # building a second copy of the token arrays; anything exotic goes through pydantic.
+        payload = values if _core.scan_json_values(values) else entry.model_dump(mode="json")
+        return orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONEncodeError, RecursionError) as exc:
+        raise ValueError(
+            f"entry {entry.model_call_id!r} of rollout {entry.rollout_id!r} cannot be stored as "
+            f"JSON that reads back: {exc}"
+        ) from exc
+
+
+def _marker_line(model_call_id: object) -> bytes:
+    """One line for the incomplete file, whatever the call id holds (it must never fail)."""
+    text = model_call_id if isinstance(model_call_id, str) else str(model_call_id)
+    if "\n" not in text and "\r" not in text:
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:
+            pass
+    return json.dumps(text).encode("ascii")
+
+
+class TokenCaptureStore:
+    """Durable, rollout-keyed JSONL sink and source for `TokenEntry` records.
+
+    Safe to share between threads, and between processes that open the same directory.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, cached_rollouts: int = 128) -> None:
+        self._root = Path(root)
+        self._native = _core.Store(os.fspath(self._root), cached_rollouts)
+
+    def __repr__(self) -> str:
+        return f"TokenCaptureStore({os.fspath(self._root)!r})"
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    # Paths -------------------------------------------------------------------------------
+
+    def _file(self, rollout_id: str, suffix: str) -> Path:
+        return self._root / f"{validate_rollout_id(rollout_id)}.tokens.{suffix}"
+
+    def path_for(self, rollout_id: str) -> Path:
+        return self._file(rollout_id, "jsonl")
+
+    def state_path_for(self, rollout_id: str) -> Path:
+        return self._file(rollout_id, "state.json")
+
+    def intents_path_for(self, rollout_id: str) -> Path:
+        """The durable per-call intent file."""
+        return self._file(rollout_id, "intents")
+
+    def incomplete_path_for(self, rollout_id: str) -> Path:
+        """Sentinel marking that at least one call of this rollout failed to capture."""
+        return self._file(rollout_id, "incomplete")
+
+    def lock_path_for(self, rollout_id: str) -> Path:
+        return self._file(rollout_id, "lock")
+
+    # Writes ------------------------------------------------------------------------------
+
+    def append(self, entry: TokenEntry) -> None:
+        """Idempotently append one entry and fsync it before returning."""
+        token_entry = _as_token_entry(entry)
+        line = canonical_line(token_entry)
+        self._native.put(token_entry.rollout_id, token_entry.model_call_id, line)
+
+    async def put(self, entry: TokenEntry) -> None:
+        """Store an entry durably without blocking the event loop."""
+        await _off_loop(self.append, entry)
+
+    def _begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Synchronous `begin_call` (the reference's name)."""
+        self._native.begin_call(rollout_id, model_call_id)
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Durably record that a captured call is about to be dispatched.
+
+        An intent with no entry at freeze masks the rollout.
+        """
+        await _off_loop(self._begin_call, rollout_id, model_call_id)
+
+    def _mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+        """Synchronous `mark_incomplete` (the reference's name)."""
+        self._native.mark_incomplete(rollout_id, _marker_line(model_call_id))
+
+    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+        """Durably record that a call was lost (allowed after freeze, refused after retire)."""
+        await _off_loop(self._mark_incomplete, rollout_id, model_call_id)
+
+    # Reads and lifecycle -----------------------------------------------------------------
+
+    def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Synchronously freeze one rollout and return its stable snapshot."""
+        lines, incomplete, snapshot_id, version = self._native.freeze(rollout_id)
+        entries = tuple(TokenEntry.model_validate_json(line) for line in lines)
+        return TokenCaptureSnapshot(rollout_id, entries, incomplete, snapshot_id, version)
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        return await _off_loop(self.freeze_now, rollout_id)
+
+    def read_entries(self, rollout_id: str) -> list[TokenEntry]:
+        """The stored entries (a torn tail is ignored; nothing is created or changed)."""
+        return [TokenEntry.model_validate_json(line) for line in self._native.read_lines(rollout_id)]
+
+    def is_incomplete(self, rollout_id: str) -> bool:
+        return self._native.is_incomplete(rollout_id)
+
+    def _drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+        """Synchronous `drop` (the reference's name)."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            return False
+        return self._native.drop_snapshot(rollout_id, snapshot_id, version)
+
+    async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+        """Delete the consumed snapshot's records and keep its fence, if nothing changed."""
+        return await _off_loop(self._drop, rollout_id, snapshot_id, version)
+
+    def retire_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Synchronous `retire`: fence every rollout durably, then remove their records."""
+        removed, absent = self._native.retire(validate_rollout_ids(rollout_ids))
+        return {"removed": removed, "absent": absent}
+
+    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove rollouts' records and keep a fence, whatever their state."""
+        ids = validate_rollout_ids(rollout_ids)
+        return await _off_loop(self.retire_now, ids)
+
+    def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Synchronous `delete`: remove records, fences and lock files."""
+        removed, absent = self._native.delete(validate_rollout_ids(rollout_ids))
+        return {"removed": removed, "absent": absent}
+
+    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove rollouts' records and fences, so a reused id starts empty."""
+        ids = validate_rollout_ids(rollout_ids)
+        return await _off_loop(self.delete_now, ids)
+
+    def inspect(self, rollout_id: str) -> dict[str, Any] | None:
+        """The rollout's state as a reader sees it (tail folded in), or None without files."""
+        raw = self._native.inspect(rollout_id)
+        return None if raw is None else dict(orjson.loads(raw))
+
+    async def close(self) -> None:
+        """The file store owns no persistent handles beyond a small cache; nothing to flush."""
+
+
+def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
+    """Build the training-token file store from a NeMo Gym global config.
+
+    Reads `token_id_capture.{enabled, dir, sink}`, falling back to a top-level
+    `model_call_capture_dir`. Returns None when capture is disabled, when a custom sink owns
+    the records, or when no directory resolves. A relative directory is a `ValueError`.
+    """
+    config = global_config_dict if global_config_dict is not None else {}
+    capture = config.get("token_id_capture") or {}
+    if not capture.get("enabled", True):
+        return None
+    if capture.get("sink"):
+        return None
+    directory = capture.get("dir") or config.get("model_call_capture_dir")
+    if not directory:
+        return None
+    path = Path(os.fspath(directory)).expanduser()
+    if not path.is_absolute():
+        raise ValueError(f"token capture directory must be absolute, got {os.fspath(directory)!r}")
+    return TokenCaptureStore(path)

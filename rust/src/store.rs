@@ -1,0 +1,831 @@
+//! Rollout operations: put, begin_call, mark_incomplete, freeze, drop, retire, delete, reads.
+//!
+//! Every mutation holds the rollout's exclusive flock for its whole duration, so writers to one
+//! rollout are serialized across threads and processes while different rollouts never wait on
+//! each other.
+//!
+//! **The per-process index cache.** A put must know the payload digests already stored for
+//! the rollout. Rereading the state file (and re-folding the log) on every put would dominate
+//! its cost, so each `Store` keeps the folded state of recently used rollouts, together with
+//! open handles on the log and the state file it was built from. An open handle pins its inode
+//! (an unlinked inode cannot be reused while open), so "the path still names the inode we hold"
+//! proves the file was not replaced. Under the lock, a cached entry is used only if that holds
+//! for both files; a log that grew behind our back (another process appended) is folded
+//! incrementally, anything else reloads from disk.
+//!
+//! **What a put writes.** The line and its newline, then `fdatasync`. The first put of a
+//! rollout also writes the state index durably and fsyncs the directory. Later puts leave the
+//! state index lagging the log (the tail is acknowledged and every reader folds it
+//! identically), except for a durable checkpoint every [`CHECKPOINT_ENTRIES`] entries or
+//! [`CHECKPOINT_BYTES`] bytes, which bounds how much a cold reader has to fold.
+
+use std::collections::HashSet;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::num::NonZeroUsize;
+use std::ops::Range;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use lru::LruCache;
+
+use crate::digest::payload_digest;
+use crate::error::{Error, IoContext, Result};
+use crate::lock::{LockMode, RolloutLock};
+use crate::log::{append_line, complete_lines, complete_prefix_len, extract_call_id, read_at};
+use crate::state::{self, State};
+
+/// Longest accepted rollout id: the longest file name we derive from it must fit in 255 bytes.
+pub const MAX_ROLLOUT_ID_LEN: usize = 200;
+/// Unindexed entries after which a put checkpoints the state index.
+pub const CHECKPOINT_ENTRIES: usize = 64;
+/// Unindexed log bytes after which a put checkpoints the state index.
+pub const CHECKPOINT_BYTES: u64 = 4 << 20;
+/// Default number of rollouts whose folded index a store keeps (two descriptors each).
+pub const DEFAULT_CACHED_ROLLOUTS: usize = 128;
+
+/// Check a rollout id: non-empty, ASCII letters, digits, `.`, `_`, `-`, and short enough.
+pub fn validate_rollout_id(rollout_id: &str) -> Result<()> {
+    if rollout_id.is_empty() {
+        return Err(Error::InvalidInput("rollout_id must not be empty".into()));
+    }
+    if rollout_id.len() > MAX_ROLLOUT_ID_LEN {
+        return Err(Error::InvalidInput(format!(
+            "rollout_id is {} bytes long; at most {MAX_ROLLOUT_ID_LEN} fit in the file names",
+            rollout_id.len()
+        )));
+    }
+    if let Some(bad) = rollout_id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(Error::InvalidInput(format!(
+            "rollout_id {rollout_id:?} contains {bad:?}; only ASCII letters, digits, '.', '_' \
+             and '-' are allowed"
+        )));
+    }
+    Ok(())
+}
+
+/// Validate a batch before anything changes; duplicates are dropped, first order kept.
+pub fn validate_rollout_ids<S: AsRef<str>>(rollout_ids: &[S]) -> Result<Vec<String>> {
+    let mut seen = HashSet::new();
+    let mut unique = Vec::with_capacity(rollout_ids.len());
+    for id in rollout_ids {
+        let id = id.as_ref();
+        validate_rollout_id(id)?;
+        if seen.insert(id) {
+            unique.push(id.to_owned());
+        }
+    }
+    Ok(unique)
+}
+
+/// A call id must be one line of the intents file: non-empty, no line break.
+pub fn validate_call_id(call_id: &str) -> Result<()> {
+    if call_id.is_empty() {
+        return Err(Error::InvalidInput(
+            "model_call_id must not be empty".into(),
+        ));
+    }
+    if call_id.contains(['\n', '\r']) {
+        return Err(Error::InvalidInput(format!(
+            "model_call_id {call_id:?} contains a line break"
+        )));
+    }
+    Ok(())
+}
+
+fn validate_line(line: &[u8], what: &str) -> Result<()> {
+    if memchr::memchr2(b'\n', b'\r', line).is_some() {
+        return Err(Error::InvalidInput(format!("{what} must be a single line")));
+    }
+    Ok(())
+}
+
+/// The files of one rollout.
+#[derive(Debug, Clone)]
+pub struct RolloutPaths {
+    pub log: PathBuf,
+    pub state: PathBuf,
+    pub state_tmp: PathBuf,
+    pub intents: PathBuf,
+    pub incomplete: PathBuf,
+    pub lock: PathBuf,
+}
+
+impl RolloutPaths {
+    pub fn new(root: &Path, rollout_id: &str) -> Self {
+        let file = |suffix: &str| root.join(format!("{rollout_id}.tokens.{suffix}"));
+        RolloutPaths {
+            log: file("jsonl"),
+            state: file("state.json"),
+            state_tmp: file("state.json.tmp"),
+            intents: file("intents"),
+            incomplete: file("incomplete"),
+            lock: file("lock"),
+        }
+    }
+
+    /// The files that hold records (as opposed to the fence and the lock).
+    fn records(&self) -> [&Path; 3] {
+        [&self.log, &self.intents, &self.incomplete]
+    }
+}
+
+/// What a put did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutOutcome {
+    Appended,
+    /// The same call id with the same payload digest was already stored: nothing changed.
+    Duplicate,
+}
+
+/// Unique records of a log, in file order: ranges into `buf` (lines without newlines).
+#[derive(Debug, Default)]
+pub struct Records {
+    pub buf: Vec<u8>,
+    pub lines: Vec<Range<usize>>,
+}
+
+/// What freeze returns.
+#[derive(Debug)]
+pub struct Snapshot {
+    pub records: Records,
+    pub incomplete: bool,
+    pub snapshot_id: String,
+    pub version: u64,
+}
+
+/// Result of a batch retire or delete.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Removal {
+    pub removed: Vec<String>,
+    pub absent: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+}
+
+impl FileId {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        FileId {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        }
+    }
+}
+
+/// An open handle and the identity it pins.
+#[derive(Debug)]
+struct Pinned {
+    file: File,
+    id: FileId,
+}
+
+impl Pinned {
+    fn new(file: File, path: &Path) -> Result<Self> {
+        let id = FileId::of(&file.metadata().ctx("stat", path)?);
+        Ok(Pinned { file, id })
+    }
+}
+
+/// One rollout's folded index as this process last saw it.
+#[derive(Debug, Default)]
+struct Cached {
+    log: Option<Pinned>,
+    state_file: Option<Pinned>,
+    /// The folded state; `state.indexed_size` is how much of the log it covers.
+    state: State,
+    /// How much of the log, and how many entries, the state file on disk covers.
+    disk_indexed_size: u64,
+    disk_entries: usize,
+}
+
+impl Cached {
+    fn needs_checkpoint(&self) -> bool {
+        self.state.entry_digests.len() >= self.disk_entries + CHECKPOINT_ENTRIES
+            || self.state.indexed_size >= self.disk_indexed_size + CHECKPOINT_BYTES
+    }
+}
+
+/// How `fold` treats the one thing it may change in the log.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TornTail {
+    /// Truncate it (we hold the exclusive lock).
+    Truncate,
+}
+
+/// The durable, rollout-keyed store over one directory.
+#[derive(Debug)]
+pub struct Store {
+    root: PathBuf,
+    dir: File,
+    cache: Mutex<LruCache<String, Cached>>,
+}
+
+fn file_id(path: &Path) -> Result<Option<FileId>> {
+    match std::fs::metadata(path) {
+        Ok(meta) => Ok(Some(FileId::of(&meta))),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(err) => Err(err).ctx("stat", path),
+    }
+}
+
+fn open_existing(options: &OpenOptions, path: &Path, op: &'static str) -> Result<Option<File>> {
+    match options.open(path) {
+        Ok(file) => Ok(Some(file)),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(err) => Err(err).ctx(op, path),
+    }
+}
+
+fn log_options() -> OpenOptions {
+    let mut options = OpenOptions::new();
+    options.read(true).append(true);
+    options
+}
+
+/// Remove `path`; true when it existed.
+fn remove_if_exists(path: &Path) -> Result<bool> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(true),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(err) => Err(err).ctx("remove", path),
+    }
+}
+
+fn check_writable(rollout_id: &str, state: &State) -> Result<()> {
+    if state.retired {
+        Err(Error::Retired(rollout_id.to_owned()))
+    } else if state.frozen {
+        Err(Error::Frozen(rollout_id.to_owned()))
+    } else {
+        Ok(())
+    }
+}
+
+/// What one line does to the index.
+enum Fold {
+    New,
+    Duplicate,
+    Conflict,
+}
+
+/// Apply one acknowledged line (call id and payload digest) to the state.
+fn fold_line(state: &mut State, call_id: String, digest: String) -> Fold {
+    match state.entry_digests.get(&call_id) {
+        None => {
+            state.entry_digests.insert(call_id, digest);
+            state.version += 1;
+            Fold::New
+        }
+        Some(known) if *known == digest => Fold::Duplicate,
+        Some(_) => {
+            // Two committed payloads for one call id: the rollout has a hole it cannot repair.
+            state.incomplete = true;
+            state.version += 1;
+            Fold::Conflict
+        }
+    }
+}
+
+impl Store {
+    /// Open (creating if needed) the store directory.
+    pub fn open(root: impl Into<PathBuf>, cached_rollouts: usize) -> Result<Self> {
+        let root: PathBuf = root.into();
+        if !root.is_dir() {
+            std::fs::create_dir_all(&root).ctx("create directory", &root)?;
+            // Make the new directory's own entry durable, or a crash could lose every record.
+            if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
+                File::open(parent)
+                    .and_then(|dir| dir.sync_all())
+                    .ctx("fsync directory", parent)?;
+            }
+        }
+        let dir = File::open(&root).ctx("open directory", &root)?;
+        let capacity = NonZeroUsize::new(cached_rollouts.max(1)).unwrap_or(NonZeroUsize::MIN);
+        Ok(Store {
+            root,
+            dir,
+            cache: Mutex::new(LruCache::new(capacity)),
+        })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn paths(&self, rollout_id: &str) -> RolloutPaths {
+        RolloutPaths::new(&self.root, rollout_id)
+    }
+
+    fn sync_dir(&self) -> Result<()> {
+        self.dir.sync_all().ctx("fsync directory", &self.root)
+    }
+
+    fn cache(&self) -> MutexGuard<'_, LruCache<String, Cached>> {
+        // A panic elsewhere cannot leave a half-updated entry behind: entries are taken out
+        // while in use, so a poisoned map is still consistent.
+        self.cache
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn forget(&self, rollout_id: &str) {
+        self.cache().pop(rollout_id);
+    }
+
+    /// Take the rollout's cached index if both of its files are still the ones it pins,
+    /// otherwise load it from disk. Call only under the rollout's exclusive lock.
+    fn checkout(&self, rollout_id: &str, paths: &RolloutPaths) -> Result<Cached> {
+        let cached = self.cache().pop(rollout_id);
+        if let Some(cached) = cached {
+            let state_now = file_id(&paths.state)?;
+            let log_now = file_id(&paths.log)?;
+            if state_now == cached.state_file.as_ref().map(|p| p.id)
+                && log_now == cached.log.as_ref().map(|p| p.id)
+            {
+                return Ok(cached);
+            }
+        }
+        self.load(paths)
+    }
+
+    fn load(&self, paths: &RolloutPaths) -> Result<Cached> {
+        let (state_file, state) = match state::open_and_read(&paths.state)? {
+            Some((file, state)) => (Some(Pinned::new(file, &paths.state)?), state),
+            None => (None, State::default()),
+        };
+        let log = match open_existing(&log_options(), &paths.log, "open log")? {
+            Some(file) => Some(Pinned::new(file, &paths.log)?),
+            None => None,
+        };
+        Ok(Cached {
+            log,
+            state_file,
+            disk_indexed_size: state.indexed_size,
+            disk_entries: state.entry_digests.len(),
+            state,
+        })
+    }
+
+    /// Run `op` under the exclusive lock with the rollout's index checked out. The index goes
+    /// back to the cache unless the operation failed in a way that may have left it stale.
+    fn exclusive<T>(
+        &self,
+        rollout_id: &str,
+        op: impl FnOnce(&mut Cached, &RolloutPaths) -> Result<T>,
+    ) -> Result<T> {
+        let paths = self.paths(rollout_id);
+        let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
+        let mut cached = self.checkout(rollout_id, &paths)?;
+        let result = op(&mut cached, &paths);
+        if !matches!(result, Err(Error::Io { .. } | Error::Corrupt { .. })) {
+            self.cache().put(rollout_id.to_owned(), cached);
+        }
+        result
+    }
+
+    /// Lock a rollout only if it has any file; `None` (and nothing created) otherwise.
+    fn lock_existing(&self, paths: &RolloutPaths, mode: LockMode) -> Result<Option<RolloutLock>> {
+        if let Some(lock) = RolloutLock::acquire_if_exists(&paths.lock, mode)? {
+            return Ok(Some(lock));
+        }
+        let any_file = paths.records().into_iter().chain([paths.state.as_path()]);
+        for path in any_file {
+            if file_id(path)?.is_some() {
+                // Files without a lock file (an operator removed it): recreate it.
+                return RolloutLock::acquire(&paths.lock, mode).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Atomically write the cached state; with `sync_dir`, also make the rename durable.
+    fn persist(&self, cached: &mut Cached, paths: &RolloutPaths, sync_dir: bool) -> Result<()> {
+        let file = state::write_atomic(&paths.state, &paths.state_tmp, &cached.state)?;
+        cached.state_file = Some(Pinned::new(file, &paths.state)?);
+        cached.disk_indexed_size = cached.state.indexed_size;
+        cached.disk_entries = cached.state.entry_digests.len();
+        if sync_dir {
+            self.sync_dir()?;
+        }
+        Ok(())
+    }
+
+    /// Fold log bytes past the cached index into it (another process appended them), and
+    /// truncate a torn final line.
+    fn fold_tail(&self, cached: &mut Cached, paths: &RolloutPaths, torn: TornTail) -> Result<()> {
+        let Some(log) = &cached.log else {
+            return Ok(());
+        };
+        let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
+        let covered = cached.state.indexed_size;
+        if len < covered {
+            return Err(Error::corrupt(
+                &paths.log,
+                len,
+                format!("log ends at byte {len} but its state index covers {covered} bytes"),
+            ));
+        }
+        if len == covered {
+            return Ok(());
+        }
+        let tail =
+            read_at(&log.file, covered, (len - covered) as usize).ctx("read log", &paths.log)?;
+        for (offset, line) in complete_lines(&tail, covered) {
+            let call_id =
+                extract_call_id(line).map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
+            fold_line(&mut cached.state, call_id, payload_digest(line));
+        }
+        let complete_end = covered + complete_prefix_len(&tail) as u64;
+        cached.state.indexed_size = complete_end;
+        if complete_end < len && torn == TornTail::Truncate {
+            log.file
+                .set_len(complete_end)
+                .ctx("truncate torn line", &paths.log)?;
+        }
+        Ok(())
+    }
+
+    /// Durably append one line to an intents or incomplete file; true if it created the file.
+    fn append_marker(&self, path: &Path, line: &[u8]) -> Result<bool> {
+        let mut options = OpenOptions::new();
+        options.append(true);
+        let (file, created) = match open_existing(&options, path, "open")? {
+            Some(file) => (file, false),
+            None => (options.create(true).open(path).ctx("create", path)?, true),
+        };
+        let before = file.metadata().ctx("stat", path)?.len();
+        if let Err(err) = append_line(&file, line).and_then(|()| file.sync_data()) {
+            let _ = file.set_len(before); // leave no partial line behind
+            return Err(err).ctx("append", path);
+        }
+        Ok(created)
+    }
+
+    /// Durably store one entry line. `line` is the canonical JSON of the entry (one line).
+    pub fn put(&self, rollout_id: &str, call_id: &str, line: &[u8]) -> Result<PutOutcome> {
+        validate_rollout_id(rollout_id)?;
+        validate_call_id(call_id)?;
+        validate_line(line, "an entry line")?;
+        if line.is_empty() {
+            return Err(Error::InvalidInput(
+                "an entry line must not be empty".into(),
+            ));
+        }
+        let digest = payload_digest(line);
+        self.exclusive(rollout_id, |cached, paths| {
+            self.fold_tail(cached, paths, TornTail::Truncate)?;
+            check_writable(rollout_id, &cached.state)?;
+            match cached.state.entry_digests.get(call_id) {
+                Some(known) if *known == digest => return Ok(PutOutcome::Duplicate),
+                Some(_) => {
+                    cached.state.incomplete = true;
+                    cached.state.version += 1;
+                    self.persist(cached, paths, true)?;
+                    return Err(Error::Conflict {
+                        rollout_id: rollout_id.to_owned(),
+                        call_id: call_id.to_owned(),
+                    });
+                }
+                None => {}
+            }
+            let created = cached.log.is_none();
+            let log = match &cached.log {
+                Some(log) => log,
+                None => {
+                    let file = log_options()
+                        .create(true)
+                        .open(&paths.log)
+                        .ctx("create log", &paths.log)?;
+                    cached.log.insert(Pinned::new(file, &paths.log)?)
+                }
+            };
+            let before = cached.state.indexed_size;
+            if let Err(err) = append_line(&log.file, line).and_then(|()| log.file.sync_data()) {
+                // Leave no partial line: the caller was told this put failed.
+                let _ = log.file.set_len(before);
+                return Err(err).ctx("append", &paths.log);
+            }
+            cached.state.indexed_size = before + line.len() as u64 + 1;
+            cached.state.version += 1;
+            cached
+                .state
+                .entry_digests
+                .insert(call_id.to_owned(), digest);
+            if created {
+                if cached.state_file.is_none() {
+                    self.persist(cached, paths, false)?;
+                }
+                self.sync_dir()?;
+            } else if cached.needs_checkpoint() {
+                // The rename need not be durable: the older state plus the log reads the same.
+                self.persist(cached, paths, false)?;
+            }
+            Ok(PutOutcome::Appended)
+        })
+    }
+
+    /// Durably record that a call is about to be dispatched.
+    pub fn begin_call(&self, rollout_id: &str, call_id: &str) -> Result<()> {
+        validate_rollout_id(rollout_id)?;
+        validate_call_id(call_id)?;
+        self.exclusive(rollout_id, |cached, paths| {
+            check_writable(rollout_id, &cached.state)?;
+            if self.append_marker(&paths.intents, call_id.as_bytes())? {
+                self.sync_dir()?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Durably record that a call of this rollout failed to capture. `line` is the call id as
+    /// one line (the Python layer encodes ids that cannot be one). Allowed after freeze.
+    pub fn mark_incomplete(&self, rollout_id: &str, line: &[u8]) -> Result<()> {
+        validate_rollout_id(rollout_id)?;
+        validate_line(line, "an incomplete-marker line")?;
+        self.exclusive(rollout_id, |cached, paths| {
+            if cached.state.retired {
+                return Err(Error::Retired(rollout_id.to_owned()));
+            }
+            self.append_marker(&paths.incomplete, line)?;
+            cached.state.incomplete = true;
+            cached.state.version += 1;
+            // One directory fsync covers both the marker file's creation and the rename.
+            self.persist(cached, paths, true)
+        })
+    }
+
+    /// Freeze the rollout (first call mints the snapshot id) and return its records.
+    pub fn freeze(&self, rollout_id: &str) -> Result<Snapshot> {
+        validate_rollout_id(rollout_id)?;
+        self.exclusive(rollout_id, |cached, paths| {
+            if cached.state.retired {
+                return Err(Error::Retired(rollout_id.to_owned()));
+            }
+            let records = self.scan_and_fold(cached, paths)?;
+            let mut changed = cached.state.indexed_size != cached.disk_indexed_size;
+            if !cached.state.frozen {
+                cached.state.frozen = true;
+                cached.state.snapshot_id = uuid::Uuid::new_v4().simple().to_string();
+                cached.state.version += 1;
+                changed = true;
+            }
+            if changed {
+                self.persist(cached, paths, true)?;
+            }
+            let dangling = has_dangling_intent(&paths.intents, &cached.state)?;
+            Ok(Snapshot {
+                records,
+                incomplete: cached.state.incomplete || dangling,
+                snapshot_id: cached.state.snapshot_id.clone(),
+                version: cached.state.version,
+            })
+        })
+    }
+
+    /// Read the whole log once: verify every indexed line against its digest, fold the
+    /// unindexed tail, truncate a torn final line. Returns the unique records.
+    fn scan_and_fold(&self, cached: &mut Cached, paths: &RolloutPaths) -> Result<Records> {
+        let Some(log) = &cached.log else {
+            return Ok(Records::default());
+        };
+        let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
+        let buf = read_at(&log.file, 0, len as usize).ctx("read log", &paths.log)?;
+        let complete_end = complete_prefix_len(&buf) as u64;
+        let indexed = cached.state.indexed_size;
+        if indexed > complete_end {
+            return Err(Error::corrupt(
+                &paths.log,
+                complete_end,
+                format!("state index covers {indexed} bytes but the log's complete lines end here"),
+            ));
+        }
+        let mut lines = Vec::new();
+        let mut seen: HashSet<String> = HashSet::new();
+        for (offset, line) in complete_lines(&buf, 0) {
+            let call_id =
+                extract_call_id(line).map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
+            let digest = payload_digest(line);
+            let first = !seen.contains(&call_id);
+            if offset < indexed {
+                if !first {
+                    continue; // a later copy; the index judged it when it was folded
+                }
+                match cached.state.entry_digests.get(&call_id) {
+                    Some(known) if *known == digest => {}
+                    Some(_) => {
+                        return Err(Error::corrupt(
+                            &paths.log,
+                            offset,
+                            format!(
+                                "line of {call_id:?} does not match its payload digest in {}",
+                                paths.state.display()
+                            ),
+                        ))
+                    }
+                    None => {
+                        return Err(Error::corrupt(
+                            &paths.log,
+                            offset,
+                            format!("{call_id:?} is missing from {}", paths.state.display()),
+                        ))
+                    }
+                }
+            } else if !matches!(
+                fold_line(&mut cached.state, call_id.clone(), digest),
+                Fold::New
+            ) {
+                continue;
+            }
+            seen.insert(call_id);
+            let start = offset as usize;
+            lines.push(start..start + line.len());
+        }
+        cached.state.indexed_size = complete_end;
+        if complete_end < len {
+            log.file
+                .set_len(complete_end)
+                .ctx("truncate torn line", &paths.log)?;
+        }
+        Ok(Records { buf, lines })
+    }
+
+    /// Delete the frozen snapshot's records and keep the fence, only if `snapshot_id` and
+    /// `version` are exactly the current ones.
+    pub fn drop_snapshot(&self, rollout_id: &str, snapshot_id: &str, version: u64) -> Result<bool> {
+        validate_rollout_id(rollout_id)?;
+        let paths = self.paths(rollout_id);
+        let Some(_lock) = self.lock_existing(&paths, LockMode::Exclusive)? else {
+            return Ok(false);
+        };
+        let mut cached = self.checkout(rollout_id, &paths)?;
+        self.fold_tail(&mut cached, &paths, TornTail::Truncate)?;
+        let state = &cached.state;
+        if !(state.frozen && state.snapshot_id == snapshot_id && state.version == version) {
+            self.cache().put(rollout_id.to_owned(), cached);
+            return Ok(false);
+        }
+        if !state.retired {
+            cached.state = state.fenced();
+            // The fence must be durable before any removal can be.
+            self.persist(&mut cached, &paths, true)?;
+        }
+        self.forget(rollout_id);
+        self.remove_records(&paths)?;
+        self.sync_dir()?;
+        Ok(true)
+    }
+
+    fn remove_records(&self, paths: &RolloutPaths) -> Result<bool> {
+        let mut had = false;
+        for path in paths.records() {
+            had |= remove_if_exists(path)?;
+        }
+        remove_if_exists(&paths.state_tmp)?;
+        Ok(had)
+    }
+
+    /// Remove records and keep a fence, whatever the state. Two phases, each ending in one
+    /// directory fsync: every missing fence first, then the removals, so a removal can never
+    /// be durable before its fence.
+    pub fn retire<S: AsRef<str>>(&self, rollout_ids: &[S]) -> Result<Removal> {
+        let ids = validate_rollout_ids(rollout_ids)?;
+        if ids.is_empty() {
+            return Ok(Removal::default());
+        }
+        for id in &ids {
+            let paths = self.paths(id);
+            let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
+            self.forget(id);
+            // A corrupt state is replaced by a bare fence: retiring is how it gets cleaned up.
+            let state = state::open_and_read(&paths.state)
+                .map(|found| found.map(|(_, state)| state).unwrap_or_default())
+                .unwrap_or_default();
+            if !state.retired {
+                state::write_atomic(&paths.state, &paths.state_tmp, &state.fenced())?;
+            }
+        }
+        // Even when no fence was written: one found may come from an overlapping retire that
+        // has not synced yet, and this call must not return before it is durable.
+        self.sync_dir()?;
+        let mut removal = Removal::default();
+        for id in ids {
+            let paths = self.paths(&id);
+            let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
+            self.forget(&id);
+            if self.remove_records(&paths)? {
+                removal.removed.push(id);
+            } else {
+                removal.absent.push(id);
+            }
+        }
+        self.sync_dir()?;
+        Ok(removal)
+    }
+
+    /// Remove records, fences and lock files, so a reused id starts empty.
+    pub fn delete<S: AsRef<str>>(&self, rollout_ids: &[S]) -> Result<Removal> {
+        let ids = validate_rollout_ids(rollout_ids)?;
+        if ids.is_empty() {
+            return Ok(Removal::default());
+        }
+        let mut removal = Removal::default();
+        for id in ids {
+            let paths = self.paths(&id);
+            let lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
+            self.forget(&id);
+            let mut had = self.remove_records(&paths)?;
+            had |= remove_if_exists(&paths.state)?;
+            // Unlink the lock while holding it; a waiter on the old inode notices and retries.
+            remove_if_exists(&paths.lock)?;
+            drop(lock);
+            if had {
+                removal.removed.push(id);
+            } else {
+                removal.absent.push(id);
+            }
+        }
+        // Always, even when nothing was found: an overlapping delete may not have synced yet.
+        self.sync_dir()?;
+        Ok(removal)
+    }
+
+    /// The stored incomplete flag (a call in flight is not a hole until freeze judges it).
+    pub fn is_incomplete(&self, rollout_id: &str) -> Result<bool> {
+        validate_rollout_id(rollout_id)?;
+        let paths = self.paths(rollout_id);
+        Ok(state::open_and_read(&paths.state)?.is_some_and(|(_, state)| state.incomplete))
+    }
+
+    /// The current state as readers see it (stored state with the log tail folded in),
+    /// without changing anything. `None` when the rollout has no files.
+    pub fn inspect(&self, rollout_id: &str) -> Result<Option<State>> {
+        validate_rollout_id(rollout_id)?;
+        let paths = self.paths(rollout_id);
+        let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
+            return Ok(None);
+        };
+        let mut loaded = self.load(&paths)?;
+        // Under a shared lock a torn line is ignored, never truncated.
+        let Some(log) = &loaded.log else {
+            return Ok(Some(loaded.state));
+        };
+        let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
+        let covered = loaded.state.indexed_size.min(len);
+        let tail =
+            read_at(&log.file, covered, (len - covered) as usize).ctx("read log", &paths.log)?;
+        for (offset, line) in complete_lines(&tail, covered) {
+            let call_id =
+                extract_call_id(line).map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
+            fold_line(&mut loaded.state, call_id, payload_digest(line));
+        }
+        loaded.state.indexed_size = covered + complete_prefix_len(&tail) as u64;
+        Ok(Some(loaded.state))
+    }
+
+    /// The unique records of a rollout, under the shared lock; a torn tail is ignored.
+    pub fn read_records(&self, rollout_id: &str) -> Result<Records> {
+        validate_rollout_id(rollout_id)?;
+        let paths = self.paths(rollout_id);
+        let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
+            return Ok(Records::default());
+        };
+        let Some(log) = open_existing(OpenOptions::new().read(true), &paths.log, "open log")?
+        else {
+            return Ok(Records::default());
+        };
+        let len = log.metadata().ctx("stat log", &paths.log)?.len();
+        let buf = read_at(&log, 0, len as usize).ctx("read log", &paths.log)?;
+        let mut seen = HashSet::new();
+        let mut lines = Vec::new();
+        for (offset, line) in complete_lines(&buf, 0) {
+            let call_id =
+                extract_call_id(line).map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
+            if seen.insert(call_id) {
+                let start = offset as usize;
+                lines.push(start..start + line.len());
+            }
+        }
+        Ok(Records { buf, lines })
+    }
+}
+
+/// True when an acknowledged intent has no stored entry.
+fn has_dangling_intent(path: &Path, state: &State) -> Result<bool> {
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(err) => return Err(err).ctx("read intents", path),
+    };
+    let dangling = complete_lines(&bytes, 0).any(|(_, line)| {
+        std::str::from_utf8(line).map_or(true, |id| !state.entry_digests.contains_key(id))
+    });
+    Ok(dangling)
+}
