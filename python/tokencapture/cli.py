@@ -45,7 +45,9 @@ async def _demo(rollouts: int, calls: int) -> int:
         for index in range(rollouts):
             rollout_id = f"demo-{index}"
             snapshot = await store.freeze(rollout_id)
-            tokens = sum(len(e.prompt_token_ids) + len(e.generation_token_ids) for e in snapshot.entries)
+            tokens = sum(
+                len(e.prompt_token_ids) + len(e.generation_token_ids) for e in snapshot.entries
+            )
             dropped = await store.drop(rollout_id, snapshot.snapshot_id, snapshot.version)
             print(
                 f"{rollout_id}: {len(snapshot.entries)} entries, {tokens} tokens, "
@@ -61,7 +63,9 @@ async def _demo(rollouts: int, calls: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokencapture", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="put, freeze, drop and retire a few rollouts in a temp dir")
+    demo = commands.add_parser(
+        "demo", help="put, freeze, drop and retire a few rollouts in a temp dir"
+    )
     demo.add_argument("--rollouts", type=int, default=4)
     demo.add_argument("--calls", type=int, default=3)
     args = parser.parse_args(argv)

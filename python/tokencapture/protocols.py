@@ -140,8 +140,9 @@ class TokenSource(Protocol):
 class LineageResolver(Protocol):
     """Resolves request-time lineage from entries a token sink committed."""
 
-    async def resolve(self, rollout_id: str, request_items: list[dict[str, Any]]) -> LineageResolution:
-        ...
+    async def resolve(
+        self, rollout_id: str, request_items: list[dict[str, Any]]
+    ) -> LineageResolution: ...
 
     def is_process_shared(self) -> bool: ...
 

@@ -31,7 +31,12 @@ __all__ = [
 
 TOKEN_ENTRY_RECORD_SCHEMA_VERSION = 1
 TOKEN_ENTRY_MIN_SCHEMA_VERSION = 1
-TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
+TOKEN_FIELDS = (
+    "prompt_token_ids",
+    "generation_token_ids",
+    "generation_log_probs",
+    "routed_experts",
+)
 UNRESOLVED_PARENT_REASON = "unresolved_parent"
 UNCOMMITTED_CALL_REASON = "request_finished_without_staged_coordinates"
 

@@ -213,7 +213,9 @@ class TokenCaptureStore:
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The stored entries (a torn tail is ignored; nothing is created or changed)."""
-        return [TokenEntry.model_validate_json(line) for line in self._native.read_lines(rollout_id)]
+        return [
+            TokenEntry.model_validate_json(line) for line in self._native.read_lines(rollout_id)
+        ]
 
     def is_incomplete(self, rollout_id: str) -> bool:
         return self._native.is_incomplete(rollout_id)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The whole test suite: installs what it needs (Rust crates from crates.io, Python packages from
+# PyPI), then runs the Rust checks, the Python linters and type checker, and pytest.
+# Usage: bash scripts/test.sh            (TOKENCAPTURE_LONG=1 adds the long crash/soak runs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "install (release build of the Rust extension + test tools)"
+python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+python -m pip install --quiet -e ".[test,dev]"
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+step "cargo clippy (core, and core + bindings) -D warnings"
+cargo clippy --quiet --all-targets -- -D warnings
+cargo clippy --quiet --features python -- -D warnings
+step "cargo test (the core, no Python)"
+cargo test --quiet
+
+step "ruff"
+python -m ruff check python tests benches
+python -m ruff format --check python tests benches
+step "mypy --strict (package, including the _core.pyi stub)"
+python -m mypy
+python -m mypy.stubtest tokencapture._core
+
+step "pytest"
+python -m pytest -W error -q

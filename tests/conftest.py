@@ -1,0 +1,41 @@
+"""Shared test helpers: the golden vectors and entry factories."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokencapture.records import TokenEntry
+
+GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
+
+
+def make_entry(rollout_id: str = "r1", call: int | str = 1, **fields: Any) -> TokenEntry:
+    """A small valid entry; `call` names it, other fields override the defaults."""
+    call_id = call if isinstance(call, str) else f"call-{call}"
+    seed = sum(call_id.encode())
+    values: dict[str, Any] = {
+        "rollout_id": rollout_id,
+        "model_call_id": call_id,
+        "model": "test-model",
+        "prompt_token_ids": [seed, seed + 1, seed + 2],
+        "generation_token_ids": [seed + 10, seed + 11],
+        "generation_log_probs": [-0.5, -0.25],
+        "created_at": 1700000000.0 + seed,
+    }
+    values.update(fields)
+    return TokenEntry(**values)
+
+
+@pytest.fixture
+def golden_store(tmp_path: Path) -> Path:
+    """A writable copy of the directory the reference store wrote (shared/ is read-only)."""
+    target = tmp_path / "golden-store"
+    shutil.copytree(GOLDEN / "store-0.7.0", target)
+    for path in target.iterdir():
+        path.chmod(0o644)
+    target.chmod(0o755)
+    return target

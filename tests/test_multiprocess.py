@@ -1,0 +1,58 @@
+"""Several processes writing shared and separate rollouts at once."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+from tests.conftest import make_entry
+
+from tokencapture.store import TokenCaptureStore, canonical_line
+
+WRITERS = 4
+PUTS = 40
+
+
+def writer(root: str, index: int) -> list[tuple[str, str]]:
+    """Put into a private rollout and a shared one; return what was acknowledged."""
+    store = TokenCaptureStore(root)
+    acknowledged = []
+    for n in range(PUTS):
+        for rollout_id in (f"own-{index}", "shared"):
+            entry = make_entry(
+                rollout_id, call=f"w{index}-c{n}", prompt_token_ids=list(range(n, n + 50))
+            )
+            store.append(entry)
+            store.append(entry)  # an identical retry is a no-op
+            acknowledged.append((rollout_id, entry.model_call_id))
+        if n % 10 == 0:
+            store._begin_call("shared", f"intent-w{index}-{n}")
+            store.append(make_entry("shared", call=f"intent-w{index}-{n}"))
+            acknowledged.append(("shared", f"intent-w{index}-{n}"))
+    return acknowledged
+
+
+def test_concurrent_processes_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "capture"
+    TokenCaptureStore(root)
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(WRITERS) as pool:
+        results = pool.starmap(writer, [(str(root), i) for i in range(WRITERS)])
+    expected: dict[str, set[str]] = {}
+    for acknowledged in results:
+        for rollout_id, call_id in acknowledged:
+            expected.setdefault(rollout_id, set()).add(call_id)
+    store = TokenCaptureStore(root)
+    for rollout_id, call_ids in expected.items():
+        snapshot = store.freeze_now(rollout_id)
+        stored = [e.model_call_id for e in snapshot.entries]
+        assert len(stored) == len(set(stored)), "duplicated entries"
+        assert set(stored) == call_ids
+        # One version per stored entry plus the freeze: no lost or phantom bumps.
+        assert snapshot.version == len(call_ids) + 1
+        assert not snapshot.incomplete
+        lines = store.path_for(rollout_id).read_bytes().splitlines()
+        assert len(lines) == len(call_ids)
+        for entry in snapshot.entries:
+            assert canonical_line(entry) in lines
+    assert len(expected["shared"]) == WRITERS * (PUTS + PUTS // 10)

@@ -1,0 +1,201 @@
+"""TokenEntry validation, lineage stamping, and the protocol module's rules."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from tests.conftest import make_entry
+
+from tokencapture import protocols
+from tokencapture.protocols import (
+    LineageMatch,
+    LineageResolution,
+    TokenCaptureFrozenError,
+    TokenCaptureRetiredError,
+    TokenSink,
+    TokenSource,
+)
+from tokencapture.records import (
+    TOKEN_FIELDS,
+    ParentResolutionStatus,
+    TokenEntry,
+    compute_digest,
+    cumulative_tokens,
+    stamp_lineage,
+)
+from tokencapture.store import TokenCaptureStore
+
+
+def independent_digest(ids: list[int]) -> str:
+    body = b"nemo-gym-tokens"
+    if ids:
+        body += (
+            bytes([1]) + struct.pack(">Q", len(ids)) + b"".join(struct.pack(">Q", i) for i in ids)
+        )
+    return hashlib.sha256(body).hexdigest()
+
+
+def test_defaults_and_field_order_follow_the_reference() -> None:
+    entry = TokenEntry(
+        rollout_id="r",
+        model_call_id="c",
+        prompt_token_ids=[],
+        generation_token_ids=[],
+        generation_log_probs=[],
+    )
+    assert list(TokenEntry.model_fields)[:3] == ["schema_version", "rollout_id", "model_call_id"]
+    assert entry.schema_version == 1 and entry.model == "" and entry.output_items == []
+    assert entry.parent_resolution is None and entry.continuation_fingerprint == ""
+    assert TOKEN_FIELDS == (
+        "prompt_token_ids",
+        "generation_token_ids",
+        "generation_log_probs",
+        "routed_experts",
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"schema_version": 2}, "newer"),
+        ({"schema_version": 0}, "below"),
+        ({"generation_log_probs": [-0.1]}, "generation_log_probs"),
+        ({"token_item_index": 0}, "token_item_index"),
+        ({"parent_resolution": "resolved"}, "requires parent_call_id"),
+        ({"parent_resolution": "root", "parent_call_id": "p"}, "forbids"),
+        ({"parent_resolution": "unresolved", "parent_call_id": "p"}, "forbids"),
+        ({"prompt_is_delta": True}, "prompt_is_delta"),
+    ],
+)
+def test_validation_rules(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message) as info:
+        make_entry(**fields)
+    assert isinstance(info.value, ValueError)
+
+
+def test_valid_parent_combinations() -> None:
+    make_entry(parent_resolution="resolved", parent_call_id="p", prompt_is_delta=True)
+    make_entry(parent_resolution="root")
+    make_entry(output_items=[{"type": "message"}], token_item_index=0)
+
+
+def test_digest_matches_an_independent_implementation() -> None:
+    for ids in ([], [0], [5, 2**64 - 1, 3], list(range(2000))):
+        assert compute_digest(ids) == independent_digest(ids)
+
+
+def test_cumulative_tokens_and_stamp_lineage() -> None:
+    entry = make_entry(
+        prompt_token_ids=[1, 2], generation_token_ids=[3], generation_log_probs=[-1.0]
+    )
+    assert cumulative_tokens(entry) == [1, 2, 3]
+    stamped = stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.ROOT)
+    assert stamped is entry and entry.cum_len == 3 and entry.digest == independent_digest([1, 2, 3])
+    with pytest.raises(ValueError, match="differ"):
+        stamp_lineage(entry, None, cumulative=[9, 9, 9])
+    with pytest.raises(ValueError, match="requires parent_call_id"):
+        stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.RESOLVED)
+    delta = make_entry(
+        prompt_token_ids=[4],
+        generation_token_ids=[5],
+        generation_log_probs=[-1.0],
+        parent_call_id="p",
+        parent_resolution="resolved",
+        prompt_is_delta=True,
+    )
+    with pytest.raises(ValueError, match="delta"):
+        cumulative_tokens(delta)
+    stamp_lineage(
+        delta, "p", parent_resolution=ParentResolutionStatus.RESOLVED, cumulative=[1, 2, 3, 4, 5]
+    )
+    assert delta.cum_len == 5 and delta.digest == independent_digest([1, 2, 3, 4, 5])
+
+
+def test_status_is_a_str_enum() -> None:
+    assert ParentResolutionStatus("resolved") == "resolved"
+    assert [s.value for s in ParentResolutionStatus] == ["root", "resolved", "unresolved"]
+
+
+def test_exception_hierarchy() -> None:
+    assert issubclass(TokenCaptureFrozenError, RuntimeError)
+    assert issubclass(TokenCaptureRetiredError, TokenCaptureFrozenError)
+    assert issubclass(protocols.RolloutRetiredError, LookupError)
+
+
+def test_lineage_resolution_rules() -> None:
+    match = LineageMatch("c", (1, 2), "d")
+    assert LineageResolution(ParentResolutionStatus.RESOLVED, match).match is match
+    with pytest.raises(ValueError):
+        LineageResolution(ParentResolutionStatus.RESOLVED)
+    with pytest.raises(ValueError):
+        LineageResolution(ParentResolutionStatus.ROOT, match)
+    with pytest.raises(ValueError):
+        LineageResolution(ParentResolutionStatus.UNRESOLVED, match, "no_match")
+    assert (
+        LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="ambiguous").reason
+        == "ambiguous"
+    )
+
+
+def test_store_satisfies_the_runtime_protocols(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    assert isinstance(store, TokenSink) and isinstance(store, TokenSource)
+    assert not isinstance(object(), TokenSink)
+
+
+def test_install_functions(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    try:
+        protocols.install_token_sink(store)
+        assert protocols.installed_token_sink() is store
+        protocols.install_token_source(store)
+        assert protocols.installed_token_source() is store
+
+        class NoMark:
+            async def put(self, entry: TokenEntry) -> None: ...
+
+            async def close(self) -> None: ...
+
+        with pytest.raises(TypeError, match="mark_incomplete"):
+            protocols.install_token_sink(NoMark())  # type: ignore[arg-type]
+        assert protocols.installed_token_sink() is store
+        protocols.install_token_sink(None)
+        assert protocols.installed_token_sink() is None
+        with pytest.raises(TypeError):
+            protocols.install_lineage_store(object())  # type: ignore[arg-type]
+    finally:
+        protocols.install_token_sink(None)
+        protocols.install_token_source(None)
+        protocols.install_lineage_store(None)
+
+
+def test_every_name_on_the_seed_pages_exists() -> None:
+    import tokencapture
+    import tokencapture.store as store_module
+
+    protocol_names = """
+        CaptureLedger LineageMatch LineageResolution LineageResolver RolloutRemovalPayload
+        RolloutRetiredError TokenCaptureFrozenError TokenCaptureRetiredError TokenCaptureSnapshot
+        TokenSink TokenSource install_lineage_store install_token_sink install_token_source
+        installed_lineage_store installed_token_sink installed_token_source
+        _INSTALLED_LINEAGE_STORE _INSTALLED_SINK _INSTALLED_SOURCE
+    """
+    store_functions = "TokenCaptureStore make_token_store validate_rollout_id validate_rollout_ids"
+    store_methods = """
+        _begin_call _drop _mark_incomplete append begin_call close delete delete_now drop freeze
+        freeze_now incomplete_path_for intents_path_for is_incomplete lock_path_for
+        mark_incomplete path_for put read_entries retire retire_now state_path_for root
+    """
+    for name in protocol_names.split():
+        assert hasattr(protocols, name), name
+    for name in [*store_functions.split(), "logger"]:
+        assert hasattr(store_module, name), name
+    for name in store_methods.split():
+        assert hasattr(TokenCaptureStore, name), name
+    for name in tokencapture.__all__:
+        assert hasattr(tokencapture, name), name
