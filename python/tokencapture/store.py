@@ -9,10 +9,12 @@ call on a dedicated thread pool so the event loop never blocks on a disk.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,8 +60,62 @@ def _io_executor() -> ThreadPoolExecutor:
 
 
 async def _off_loop(func: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """Run a blocking call that builds Python objects (freeze, batches) on the thread pool."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_io_executor(), lambda: func(*args, **kwargs))
+
+
+class _LoopBridge:
+    """Completions of native jobs for one event loop.
+
+    The hot writes (put, begin_call, mark_incomplete) run on the Rust worker pool without the
+    GIL; each finished job is queued in `completions`, whose descriptor the loop watches. One
+    wake-up drains every job finished since the last one, so a put costs the loop a future and a
+    dictionary entry, not a thread hop.
+    """
+
+    __slots__ = ("__weakref__", "completions", "futures", "tokens")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.completions = _core.Completions()
+        self.futures: dict[int, asyncio.Future[Any]] = {}
+        self.tokens = itertools.count()
+        loop.add_reader(self.completions.fileno(), self._drain)
+
+    def _drain(self) -> None:
+        for token, value, failed in self.completions.drain():
+            future = self.futures.pop(token, None)
+            if future is None or future.done():  # the awaiting task was cancelled
+                continue
+            if failed:
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+
+_bridges: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopBridge] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _native_job(start: Callable[..., None], *args: object) -> asyncio.Future[Any]:
+    """Start `start(completions, token, *args)` on the worker pool; a future for its result.
+
+    A cancelled await does not stop the job: a durable write either completes or fails whole.
+    """
+    loop = asyncio.get_running_loop()
+    bridge = _bridges.get(loop)
+    if bridge is None:
+        bridge = _bridges[loop] = _LoopBridge(loop)
+    token = next(bridge.tokens)
+    future = loop.create_future()
+    bridge.futures[token] = future
+    try:
+        start(bridge.completions, token, *args)
+    except BaseException:
+        del bridge.futures[token]
+        raise
+    return future
 
 
 def validate_rollout_id(rollout_id: str) -> str:
@@ -178,8 +234,16 @@ class TokenCaptureStore:
         self._native.put(token_entry.rollout_id, token_entry.model_call_id, line)
 
     async def put(self, entry: TokenEntry) -> None:
-        """Store an entry durably without blocking the event loop."""
-        await _off_loop(self.append, entry)
+        """Store an entry durably without blocking the event loop.
+
+        The canonical line is built on the calling thread (CPU work that holds the GIL
+        wherever it runs); the lock, append and fsync run natively on the worker pool.
+        """
+        token_entry = _as_token_entry(entry)
+        line = canonical_line(token_entry)
+        await _native_job(
+            self._native.submit_put, token_entry.rollout_id, token_entry.model_call_id, line
+        )
 
     def _begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Synchronous `begin_call` (the reference's name)."""
@@ -190,7 +254,7 @@ class TokenCaptureStore:
 
         An intent with no entry at freeze masks the rollout.
         """
-        await _off_loop(self._begin_call, rollout_id, model_call_id)
+        await _native_job(self._native.submit_begin_call, rollout_id, model_call_id)
 
     def _mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Synchronous `mark_incomplete` (the reference's name)."""
@@ -198,7 +262,9 @@ class TokenCaptureStore:
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Durably record that a call was lost (allowed after freeze, refused after retire)."""
-        await _off_loop(self._mark_incomplete, rollout_id, model_call_id)
+        await _native_job(
+            self._native.submit_mark_incomplete, rollout_id, _marker_line(model_call_id)
+        )
 
     # Reads and lifecycle -----------------------------------------------------------------
 

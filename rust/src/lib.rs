@@ -32,6 +32,7 @@ pub mod digest;
 pub mod error;
 pub mod lock;
 pub mod log;
+pub mod pool;
 pub mod state;
 pub mod store;
 

@@ -3,7 +3,11 @@
 //! Every call that touches a file, waits for a lock or hashes runs detached from the
 //! interpreter (`Python::detach`), so other Python threads and the event loop keep running.
 
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyValueError};
@@ -13,6 +17,7 @@ use pyo3::types::{PyBytes, PyList, PyString, PyTuple, PyType};
 
 use crate::digest;
 use crate::error::Error;
+use crate::pool::WorkerPool;
 use crate::store::{self, Store, DEFAULT_CACHED_ROLLOUTS};
 
 /// Exception classes defined in `tokencapture.protocols`, looked up once.
@@ -83,10 +88,152 @@ fn bytes_list<'py>(py: Python<'py>, records: &store::Records) -> Bound<'py, PyLi
     PyList::new(py, items).expect("a list of bytes builds")
 }
 
+// ---- async bridge ----------------------------------------------------------------------------
+//
+// Async puts run on a native worker pool and report to a `Completions` queue that the event loop
+// watches (its read end is registered with `loop.add_reader`). Workers never take the GIL; the
+// first completion after a drain writes one wake-up byte, so a burst of completions costs the
+// loop one wake-up and one `drain` call.
+
+/// Workers of the process-wide pool: enough concurrent fsyncs to keep the disk busy.
+const POOL_WORKERS: usize = 64;
+
+static POOL: Mutex<Option<Arc<WorkerPool>>> = Mutex::new(None);
+
+/// The process-wide worker pool, restarted in a forked child (which inherits no threads).
+fn worker_pool() -> PyResult<Arc<WorkerPool>> {
+    let mut slot = POOL.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(pool) = slot
+        .as_ref()
+        .filter(|pool| pool.pid() == std::process::id())
+    {
+        return Ok(Arc::clone(pool));
+    }
+    let pool = Arc::new(WorkerPool::new(POOL_WORKERS, "tokencapture-io")?);
+    *slot = Some(Arc::clone(&pool));
+    Ok(pool)
+}
+
+/// What a finished job hands back to the loop.
+enum Outcome {
+    Unit,
+    Bool(bool),
+    Failed(Error),
+    Panicked,
+}
+
+impl From<crate::Result<()>> for Outcome {
+    fn from(result: crate::Result<()>) -> Self {
+        result.map_or_else(Outcome::Failed, |()| Outcome::Unit)
+    }
+}
+
+impl From<crate::Result<bool>> for Outcome {
+    fn from(result: crate::Result<bool>) -> Self {
+        result.map_or_else(Outcome::Failed, Outcome::Bool)
+    }
+}
+
+/// A completion queue for one event loop.
+#[pyclass(frozen, module = "tokencapture._core")]
+struct Completions {
+    done: Mutex<Vec<(u64, Outcome)>>,
+    wake_tx: UnixStream,
+    wake_rx: UnixStream,
+}
+
+impl Completions {
+    fn complete(&self, token: u64, outcome: Outcome) {
+        let first = {
+            let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
+            done.push((token, outcome));
+            done.len() == 1
+        };
+        if first {
+            // Non-blocking: a full socket buffer already holds a pending wake-up.
+            let _ = (&self.wake_tx).write(&[1]);
+        }
+    }
+}
+
+#[pymethods]
+impl Completions {
+    #[new]
+    fn new() -> PyResult<Self> {
+        let (wake_tx, wake_rx) = UnixStream::pair()?;
+        wake_tx.set_nonblocking(true)?;
+        wake_rx.set_nonblocking(true)?;
+        Ok(Completions {
+            done: Mutex::new(Vec::new()),
+            wake_tx,
+            wake_rx,
+        })
+    }
+
+    /// The descriptor to watch for readability.
+    fn fileno(&self) -> i32 {
+        self.wake_rx.as_raw_fd()
+    }
+
+    /// Take every finished job: `[(token, value, failed)]`, `value` being the result or the
+    /// exception to raise.
+    fn drain<'py>(&self, py: Python<'py>) -> Vec<(u64, Bound<'py, PyAny>, bool)> {
+        // Consume wake-ups before taking the queue, so a completion racing this drain either
+        // lands in this batch or leaves a byte for the next one.
+        let mut sink = [0u8; 256];
+        while matches!((&self.wake_rx).read(&mut sink), Ok(n) if n > 0) {}
+        let done = std::mem::take(&mut *self.done.lock().unwrap_or_else(PoisonError::into_inner));
+        done.into_iter()
+            .map(|(token, outcome)| {
+                let (value, failed) = match outcome {
+                    Outcome::Unit => (py.None().into_bound(py), false),
+                    Outcome::Bool(flag) => (
+                        pyo3::types::PyBool::new(py, flag).to_owned().into_any(),
+                        false,
+                    ),
+                    Outcome::Failed(err) => (
+                        to_pyerr(py, err).into_value(py).into_bound(py).into_any(),
+                        true,
+                    ),
+                    Outcome::Panicked => (
+                        pyo3::exceptions::PyRuntimeError::new_err(
+                            "tokencapture worker panicked; the operation did not complete",
+                        )
+                        .into_value(py)
+                        .into_bound(py)
+                        .into_any(),
+                        true,
+                    ),
+                };
+                (token, value, failed)
+            })
+            .collect()
+    }
+}
+
+/// Run `op` on the worker pool and report its outcome to `completions` under `token`.
+fn spawn_job<T>(
+    completions: &Bound<'_, Completions>,
+    token: u64,
+    op: impl FnOnce() -> T + Send + 'static,
+) -> PyResult<()>
+where
+    T: Into<Outcome>,
+{
+    let completions: Py<Completions> = completions.clone().unbind();
+    worker_pool()?
+        .submit(move || {
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(op))
+                .map_or(Outcome::Panicked, Into::into);
+            completions.get().complete(token, outcome);
+        })
+        .map_err(|closed| pyo3::exceptions::PyRuntimeError::new_err(closed.to_string()))
+}
+
 /// The native store. The Python class `tokencapture.store.TokenCaptureStore` wraps it.
 #[pyclass(frozen, name = "Store", module = "tokencapture._core")]
 struct PyStore {
-    inner: Store,
+    inner: Arc<Store>,
 }
 
 #[pymethods]
@@ -97,7 +244,9 @@ impl PyStore {
         let inner = py
             .detach(|| Store::open(root, cached_rollouts))
             .map_err(|e| to_pyerr(py, e))?;
-        Ok(PyStore { inner })
+        Ok(PyStore {
+            inner: Arc::new(inner),
+        })
     }
 
     /// Store one canonical line; True if appended, False if the same payload was already there.
@@ -113,6 +262,58 @@ impl PyStore {
         py.detach(|| self.inner.put(rollout_id, call_id, line))
             .map(|outcome| outcome == store::PutOutcome::Appended)
             .map_err(|e| to_pyerr(py, e))
+    }
+
+    /// `put` on the worker pool; the outcome (True/False or the error) goes to `completions`.
+    fn submit_put(
+        &self,
+        completions: &Bound<'_, Completions>,
+        token: u64,
+        rollout_id: &Bound<'_, PyString>,
+        model_call_id: &Bound<'_, PyString>,
+        line: &[u8],
+    ) -> PyResult<()> {
+        let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+        let call_id = text(model_call_id, "model_call_id")?.to_owned();
+        let line = line.to_vec();
+        let store = Arc::clone(&self.inner);
+        spawn_job(completions, token, move || {
+            store
+                .put(&rollout_id, &call_id, &line)
+                .map(|outcome| outcome == store::PutOutcome::Appended)
+        })
+    }
+
+    /// `begin_call` on the worker pool.
+    fn submit_begin_call(
+        &self,
+        completions: &Bound<'_, Completions>,
+        token: u64,
+        rollout_id: &Bound<'_, PyString>,
+        model_call_id: &Bound<'_, PyString>,
+    ) -> PyResult<()> {
+        let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+        let call_id = text(model_call_id, "model_call_id")?.to_owned();
+        let store = Arc::clone(&self.inner);
+        spawn_job(completions, token, move || {
+            store.begin_call(&rollout_id, &call_id)
+        })
+    }
+
+    /// `mark_incomplete` on the worker pool.
+    fn submit_mark_incomplete(
+        &self,
+        completions: &Bound<'_, Completions>,
+        token: u64,
+        rollout_id: &Bound<'_, PyString>,
+        line: &[u8],
+    ) -> PyResult<()> {
+        let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+        let line = line.to_vec();
+        let store = Arc::clone(&self.inner);
+        spawn_job(completions, token, move || {
+            store.mark_incomplete(&rollout_id, &line)
+        })
     }
 
     fn begin_call(
@@ -290,83 +491,85 @@ fn payload_digest(py: Python<'_>, line: &[u8]) -> String {
 /// Nesting the walk refuses (JSON readers refuse far less; this protects the native stack).
 const MAX_JSON_DEPTH: usize = 512;
 
-/// Walk `value`: raise ValueError at the first non-finite float; return whether everything is
-/// a plain JSON type (exact dict with str keys, list, tuple, str, int, float, bool, None).
-/// Plain values serialize with orjson exactly as pydantic's JSON mode would; anything else
-/// takes the pydantic path. The walk continues past exotic values so no NaN hides behind one
-/// that is visible to it.
-fn scan_value(value: &Bound<'_, PyAny>, depth: usize, path: &mut Vec<String>) -> PyResult<bool> {
+/// Why a value cannot be stored; `path` is filled in (innermost first) while unwinding, so
+/// the common, valid case allocates nothing.
+struct ScanError {
+    path: Vec<String>,
+    problem: String,
+}
+
+impl ScanError {
+    fn at(mut self, segment: impl FnOnce() -> String) -> Self {
+        self.path.push(segment());
+        self
+    }
+
+    fn into_pyerr(self) -> PyErr {
+        let path: Vec<String> = self.path.into_iter().rev().collect();
+        PyValueError::new_err(format!("{} {}", path.join("."), self.problem))
+    }
+}
+
+/// Walk `value`: fail at the first non-finite float; return whether everything is a plain
+/// JSON type (exact dict with str keys, list, tuple, str, int, float, bool, None). Plain values
+/// serialize with orjson exactly as pydantic's JSON mode would; anything else takes the
+/// pydantic path. The walk continues past exotic values so no visible NaN hides behind one.
+fn scan_value(value: &Bound<'_, PyAny>, depth: usize) -> Result<bool, ScanError> {
     use pyo3::types::{PyBool, PyDict, PyFloat, PyInt};
-    if depth > MAX_JSON_DEPTH {
-        return Err(PyValueError::new_err(format!(
-            "value at {} is nested deeper than {MAX_JSON_DEPTH} levels",
-            render_path(path)
-        )));
-    }
-    if let Ok(float) = value.cast::<PyFloat>() {
-        if !float.value().is_finite() {
-            return Err(PyValueError::new_err(format!(
-                "{} is {}: JSON cannot carry non-finite floats, so the entry would not read back",
-                render_path(path),
-                float.value()
-            )));
-        }
-        return Ok(value.is_exact_instance_of::<PyFloat>());
-    }
-    if value.is_none()
+    if value.is_exact_instance_of::<PyInt>()
         || value.is_exact_instance_of::<PyString>()
-        || value.is_exact_instance_of::<PyInt>()
+        || value.is_none()
         || value.is_exact_instance_of::<PyBool>()
     {
         return Ok(true);
     }
+    if let Ok(float) = value.cast::<PyFloat>() {
+        let number = float.value();
+        if !number.is_finite() {
+            return Err(ScanError {
+                path: Vec::new(),
+                problem: format!(
+                    "is {number}: JSON cannot carry non-finite floats, so the entry would not \
+                     read back"
+                ),
+            });
+        }
+        return Ok(value.is_exact_instance_of::<PyFloat>());
+    }
+    if depth > MAX_JSON_DEPTH {
+        return Err(ScanError {
+            path: Vec::new(),
+            problem: format!("is nested deeper than {MAX_JSON_DEPTH} levels"),
+        });
+    }
     let mut plain = true;
     if let Ok(list) = value.cast_exact::<PyList>() {
         for (index, item) in list.iter().enumerate() {
-            path.push(index.to_string());
-            plain &= scan_value(&item, depth + 1, path)?;
-            path.pop();
+            plain &= scan_value(&item, depth + 1).map_err(|e| e.at(|| index.to_string()))?;
         }
-        return Ok(plain);
-    }
-    if let Ok(tuple) = value.cast_exact::<PyTuple>() {
+    } else if let Ok(tuple) = value.cast_exact::<PyTuple>() {
         for (index, item) in tuple.iter().enumerate() {
-            path.push(index.to_string());
-            plain &= scan_value(&item, depth + 1, path)?;
-            path.pop();
+            plain &= scan_value(&item, depth + 1).map_err(|e| e.at(|| index.to_string()))?;
         }
-        return Ok(plain);
-    }
-    if let Ok(dict) = value.cast_exact::<PyDict>() {
+    } else if let Ok(dict) = value.cast_exact::<PyDict>() {
         for (key, item) in dict.iter() {
             plain &= key.is_exact_instance_of::<PyString>();
-            path.push(key.str().map(|k| k.to_string()).unwrap_or_default());
-            plain &= scan_value(&item, depth + 1, path)?;
-            path.pop();
+            plain &= scan_value(&item, depth + 1).map_err(|e| e.at(|| key.to_string()))?;
         }
-        return Ok(plain);
-    }
-    Ok(false)
-}
-
-fn render_path(path: &[String]) -> String {
-    if path.is_empty() {
-        "the value".to_owned()
     } else {
-        path.join(".")
+        plain = false;
     }
+    Ok(plain)
 }
 
 /// Check an entry's field values before serialization (see `scan_value`).
 #[pyfunction]
 fn scan_json_values(values: &Bound<'_, pyo3::types::PyDict>) -> PyResult<bool> {
-    let mut path = Vec::new();
     let mut plain = true;
     for (key, value) in values.iter() {
-        path.push(key.str()?.to_string());
-        let value_plain = scan_value(&value, 1, &mut path)?;
+        let value_plain =
+            scan_value(&value, 1).map_err(|e| e.at(|| key.to_string()).into_pyerr())?;
         plain &= value_plain && key.is_exact_instance_of::<PyString>();
-        path.pop();
     }
     Ok(plain)
 }
@@ -381,6 +584,7 @@ fn validate_rollout_id(rollout_id: &Bound<'_, PyString>) -> PyResult<()> {
 #[pymodule]
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PyStore>()?;
+    module.add_class::<Completions>()?;
     module.add_function(wrap_pyfunction!(compute_digest, module)?)?;
     module.add_function(wrap_pyfunction!(payload_digest, module)?)?;
     module.add_function(wrap_pyfunction!(validate_rollout_id, module)?)?;
