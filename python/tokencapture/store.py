@@ -15,8 +15,9 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -24,7 +25,14 @@ import orjson
 from pydantic import BaseModel
 
 from tokencapture import _core
-from tokencapture.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
+from tokencapture.metrics import Metrics
+from tokencapture.protocols import (
+    RolloutRemovalPayload,
+    TokenCaptureConflictError,
+    TokenCaptureCorruptionError,
+    TokenCaptureFrozenError,
+    TokenCaptureSnapshot,
+)
 from tokencapture.records import TokenEntry
 
 __all__ = [
@@ -195,6 +203,30 @@ class TokenCaptureStore:
     def __init__(self, root: str | os.PathLike[str], *, cached_rollouts: int = 128) -> None:
         self._root = Path(root)
         self._native = _core.Store(os.fspath(self._root), cached_rollouts)
+        self._metrics = Metrics()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per-operation counts, failures and latency histograms (see `tokencapture.metrics`)."""
+        return self._metrics.snapshot()
+
+    @contextmanager
+    def _operation(self, name: str, rollout_id: object) -> Iterator[None]:
+        """Time one operation and log the failures an operator must see."""
+        with self._metrics.timed(name):
+            try:
+                yield
+            except TokenCaptureFrozenError:
+                logger.debug("%s refused for fenced rollout %r", name, rollout_id)
+                raise
+            except TokenCaptureConflictError as exc:
+                logger.warning("%s: %s", name, exc)
+                raise
+            except TokenCaptureCorruptionError as exc:
+                logger.error("%s of rollout %r found corruption: %s", name, rollout_id, exc)
+                raise
+            except OSError as exc:
+                logger.warning("%s of rollout %r failed: %s", name, rollout_id, exc)
+                raise
 
     def __repr__(self) -> str:
         return f"TokenCaptureStore({os.fspath(self._root)!r})"
@@ -229,9 +261,10 @@ class TokenCaptureStore:
 
     def append(self, entry: TokenEntry) -> None:
         """Idempotently append one entry and fsync it before returning."""
-        token_entry = _as_token_entry(entry)
-        line = canonical_line(token_entry)
-        self._native.put(token_entry.rollout_id, token_entry.model_call_id, line)
+        with self._operation("put", getattr(entry, "rollout_id", None)):
+            token_entry = _as_token_entry(entry)
+            line = canonical_line(token_entry)
+            self._native.put(token_entry.rollout_id, token_entry.model_call_id, line)
 
     async def put(self, entry: TokenEntry) -> None:
         """Store an entry durably without blocking the event loop.
@@ -239,40 +272,46 @@ class TokenCaptureStore:
         The canonical line is built on the calling thread (CPU work that holds the GIL
         wherever it runs); the lock, append and fsync run natively on the worker pool.
         """
-        token_entry = _as_token_entry(entry)
-        line = canonical_line(token_entry)
-        await _native_job(
-            self._native.submit_put, token_entry.rollout_id, token_entry.model_call_id, line
-        )
+        with self._operation("put", getattr(entry, "rollout_id", None)):
+            token_entry = _as_token_entry(entry)
+            line = canonical_line(token_entry)
+            await _native_job(
+                self._native.submit_put, token_entry.rollout_id, token_entry.model_call_id, line
+            )
 
     def _begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Synchronous `begin_call` (the reference's name)."""
-        self._native.begin_call(rollout_id, model_call_id)
+        with self._operation("begin_call", rollout_id):
+            self._native.begin_call(rollout_id, model_call_id)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record that a captured call is about to be dispatched.
 
         An intent with no entry at freeze masks the rollout.
         """
-        await _native_job(self._native.submit_begin_call, rollout_id, model_call_id)
+        with self._operation("begin_call", rollout_id):
+            await _native_job(self._native.submit_begin_call, rollout_id, model_call_id)
 
     def _mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Synchronous `mark_incomplete` (the reference's name)."""
-        self._native.mark_incomplete(rollout_id, _marker_line(model_call_id))
+        with self._operation("mark_incomplete", rollout_id):
+            self._native.mark_incomplete(rollout_id, _marker_line(model_call_id))
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Durably record that a call was lost (allowed after freeze, refused after retire)."""
-        await _native_job(
-            self._native.submit_mark_incomplete, rollout_id, _marker_line(model_call_id)
-        )
+        with self._operation("mark_incomplete", rollout_id):
+            await _native_job(
+                self._native.submit_mark_incomplete, rollout_id, _marker_line(model_call_id)
+            )
 
     # Reads and lifecycle -----------------------------------------------------------------
 
     def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Synchronously freeze one rollout and return its stable snapshot."""
-        lines, incomplete, snapshot_id, version = self._native.freeze(rollout_id)
-        entries = tuple(TokenEntry.model_validate_json(line) for line in lines)
-        return TokenCaptureSnapshot(rollout_id, entries, incomplete, snapshot_id, version)
+        with self._operation("freeze", rollout_id):
+            lines, incomplete, snapshot_id, version = self._native.freeze(rollout_id)
+            entries = tuple(TokenEntry.model_validate_json(line) for line in lines)
+            return TokenCaptureSnapshot(rollout_id, entries, incomplete, snapshot_id, version)
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         return await _off_loop(self.freeze_now, rollout_id)
@@ -290,7 +329,8 @@ class TokenCaptureStore:
         """Synchronous `drop` (the reference's name)."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             return False
-        return self._native.drop_snapshot(rollout_id, snapshot_id, version)
+        with self._operation("drop", rollout_id):
+            return self._native.drop_snapshot(rollout_id, snapshot_id, version)
 
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Delete the consumed snapshot's records and keep its fence, if nothing changed."""
@@ -298,7 +338,9 @@ class TokenCaptureStore:
 
     def retire_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `retire`: fence every rollout durably, then remove their records."""
-        removed, absent = self._native.retire(validate_rollout_ids(rollout_ids))
+        ids = validate_rollout_ids(rollout_ids)
+        with self._operation("retire", ids):
+            removed, absent = self._native.retire(ids)
         return {"removed": removed, "absent": absent}
 
     async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
@@ -308,7 +350,9 @@ class TokenCaptureStore:
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `delete`: remove records, fences and lock files."""
-        removed, absent = self._native.delete(validate_rollout_ids(rollout_ids))
+        ids = validate_rollout_ids(rollout_ids)
+        with self._operation("delete", ids):
+            removed, absent = self._native.delete(ids)
         return {"removed": removed, "absent": absent}
 
     async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
@@ -317,9 +361,17 @@ class TokenCaptureStore:
         return await _off_loop(self.delete_now, ids)
 
     def inspect(self, rollout_id: str) -> dict[str, Any] | None:
-        """The rollout's state as a reader sees it (tail folded in), or None without files."""
-        raw = self._native.inspect(rollout_id)
-        return None if raw is None else dict(orjson.loads(raw))
+        """The rollout's state as a reader sees it, or None when it has no files.
+
+        Read-only: every indexed line is checked against its payload digest (a mismatch raises
+        `TokenCaptureCorruptionError`) and the unindexed tail is folded in, as freeze would.
+        The state index's keys plus `entry_count` (unique records in the log).
+        """
+        found = self._native.inspect(rollout_id)
+        if found is None:
+            return None
+        raw, entry_count = found
+        return {**orjson.loads(raw), "entry_count": entry_count}
 
     async def close(self) -> None:
         """The file store owns no persistent handles beyond a small cache; nothing to flush."""

@@ -411,17 +411,18 @@ impl PyStore {
         Ok(bytes_list(py, &records))
     }
 
-    /// The state as readers see it (tail folded, nothing changed), as JSON; None if no files.
+    /// The verified state as readers see it (tail folded, nothing changed) as JSON, and the
+    /// number of unique records; None if the rollout has no files.
     fn inspect<'py>(
         &self,
         py: Python<'py>,
         rollout_id: &Bound<'py, PyString>,
-    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, usize)>> {
         let rollout_id = text(rollout_id, "rollout_id")?;
-        let state = py
+        let found = py
             .detach(|| self.inner.inspect(rollout_id))
             .map_err(|e| to_pyerr(py, e))?;
-        Ok(state.map(|s| PyBytes::new(py, &s.to_json())))
+        Ok(found.map(|(state, records)| (PyBytes::new(py, &state.to_json()), records)))
     }
 }
 
@@ -581,6 +582,331 @@ fn validate_rollout_id(rollout_id: &Bound<'_, PyString>) -> PyResult<()> {
     store::validate_rollout_id(rollout_id).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+// ---- lineage ----------------------------------------------------------------------------------
+//
+// Request-time lineage (`rust/src/lineage.rs`). Request items are copied into JSON values with
+// the GIL held; anything but plain JSON types (exact dict/list/str/int/float/bool/None) yields
+// None so that Python's `tokencapture.fingerprint` decides. Hashing, file reads, locks and
+// materialization run detached. Integrity failures raise
+// `tokencapture.lineage.LineageIntegrityError` (a `ValueError`); store errors map as above.
+mod lineage_py {
+    use std::collections::HashMap;
+    use std::path::PathBuf;
+
+    use pyo3::prelude::*;
+    use pyo3::sync::PyOnceLock;
+    use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
+    use serde_json::Value;
+
+    use super::{text, to_pyerr, token_ids};
+    use crate::lineage::{
+        self, FileLineage, HashedRequest, ItemsRequest, LineageError, MemoryLineage, Missing,
+        Outcome, Step,
+    };
+
+    static INTEGRITY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+    fn lineage_err(py: Python<'_>, err: LineageError) -> PyErr {
+        match err {
+            LineageError::Store(err) => to_pyerr(py, err),
+            LineageError::Integrity(message) => {
+                let class = INTEGRITY.get_or_try_init(py, || {
+                    py.import("tokencapture.lineage")?
+                        .getattr("LineageIntegrityError")?
+                        .cast_into::<PyType>()
+                        .map(Bound::unbind)
+                        .map_err(PyErr::from)
+                });
+                match class {
+                    Ok(class) => PyErr::from_type(class.bind(py).clone(), message),
+                    Err(import_error) => import_error,
+                }
+            }
+        }
+    }
+
+    /// Nesting deeper than this defers to Python (orjson refuses far deeper values itself).
+    const MAX_DEPTH: usize = 128;
+
+    /// A plain-JSON Python value as a JSON value; None for anything else.
+    fn json_value(value: &Bound<'_, PyAny>, depth: usize) -> Option<Value> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        if let Ok(text) = value.cast_exact::<PyString>() {
+            return text.to_str().ok().map(|s| Value::String(s.to_owned()));
+        }
+        if let Ok(dict) = value.cast_exact::<PyDict>() {
+            let mut map = serde_json::Map::new();
+            for (key, item) in dict.iter() {
+                let key = key.cast_exact::<PyString>().ok()?.to_str().ok()?;
+                map.insert(key.to_owned(), json_value(&item, depth + 1)?);
+            }
+            return Some(Value::Object(map));
+        }
+        if let Ok(list) = value.cast_exact::<PyList>() {
+            return list
+                .iter()
+                .map(|item| json_value(&item, depth + 1))
+                .collect::<Option<Vec<_>>>()
+                .map(Value::Array);
+        }
+        if value.is_none() {
+            return Some(Value::Null);
+        }
+        if let Ok(flag) = value.cast_exact::<PyBool>() {
+            return Some(Value::Bool(flag.is_true()));
+        }
+        if value.is_exact_instance_of::<PyInt>() {
+            if let Ok(int) = value.extract::<i64>() {
+                return Some(Value::from(int));
+            }
+            return value.extract::<u64>().ok().map(Value::from);
+        }
+        if let Ok(float) = value.cast_exact::<PyFloat>() {
+            return serde_json::Number::from_f64(float.value()).map(Value::Number);
+        }
+        None
+    }
+
+    /// Request items (an exact list of plain-JSON values), or None to defer to Python.
+    fn request_values(items: &Bound<'_, PyAny>) -> Option<Vec<Value>> {
+        let list = items.cast_exact::<PyList>().ok()?;
+        list.iter().map(|item| json_value(&item, 1)).collect()
+    }
+
+    /// `None` (defer to Python), a list of prefix lengths whose digests are needed, or
+    /// `(status, model_call_id, cumulative_token_ids, digest, reason)`.
+    fn step_to_py(py: Python<'_>, step: Step) -> PyResult<Py<PyAny>> {
+        Ok(match step {
+            Step::Missing(Missing::Fallback) => py.None(),
+            Step::Missing(Missing::Need(lens)) => PyList::new(py, lens)?.into_any().unbind(),
+            Step::Done(Outcome::Root) => ("root", py.None(), py.None(), "", "")
+                .into_pyobject(py)?
+                .into_any()
+                .unbind(),
+            Step::Done(Outcome::Unresolved { reason }) => {
+                ("unresolved", py.None(), py.None(), "", reason)
+                    .into_pyobject(py)?
+                    .into_any()
+                    .unbind()
+            }
+            Step::Done(Outcome::Resolved {
+                call_id,
+                tokens,
+                digest,
+            }) => {
+                let tokens = PyTuple::new(py, tokens.iter().copied())?;
+                ("resolved", call_id, tokens, digest, "")
+                    .into_pyobject(py)?
+                    .into_any()
+                    .unbind()
+            }
+        })
+    }
+
+    fn hashed(
+        fingerprint: String,
+        n_items: usize,
+        digests: HashMap<usize, String>,
+    ) -> HashedRequest {
+        HashedRequest {
+            fingerprint,
+            len: n_items,
+            digests,
+        }
+    }
+
+    /// The lineage resolver over a store directory (`tokencapture.lineage.FileLineageStore`).
+    #[pyclass(frozen, name = "FileLineage", module = "tokencapture._core")]
+    struct PyFileLineage {
+        inner: FileLineage,
+    }
+
+    #[pymethods]
+    impl PyFileLineage {
+        #[new]
+        #[pyo3(signature = (
+            root,
+            max_cached_rollouts = lineage::DEFAULT_CACHED_ROLLOUTS,
+            max_cached_tokens = lineage::DEFAULT_CACHED_TOKENS,
+        ))]
+        fn new(root: PathBuf, max_cached_rollouts: usize, max_cached_tokens: usize) -> Self {
+            PyFileLineage {
+                inner: FileLineage::new(root, max_cached_rollouts, max_cached_tokens),
+            }
+        }
+
+        /// Resolve with the native hashes; None when the items need Python's.
+        fn resolve(
+            &self,
+            py: Python<'_>,
+            rollout_id: &Bound<'_, PyString>,
+            items: &Bound<'_, PyAny>,
+        ) -> PyResult<Py<PyAny>> {
+            let rollout_id = text(rollout_id, "rollout_id")?;
+            let Some(values) = request_values(items) else {
+                return Ok(py.None());
+            };
+            let mut request = ItemsRequest::new(values);
+            let step = py
+                .detach(|| self.inner.resolve(rollout_id, &mut request))
+                .map_err(|e| lineage_err(py, e))?;
+            step_to_py(py, step)
+        }
+
+        /// Resolve with hashes computed by the caller; a list of prefix lengths means
+        /// "call again with their digests added".
+        fn resolve_hashed(
+            &self,
+            py: Python<'_>,
+            rollout_id: &Bound<'_, PyString>,
+            fingerprint: String,
+            n_items: usize,
+            digests: HashMap<usize, String>,
+        ) -> PyResult<Py<PyAny>> {
+            let rollout_id = text(rollout_id, "rollout_id")?;
+            let mut request = hashed(fingerprint, n_items, digests);
+            let step = py
+                .detach(|| self.inner.resolve(rollout_id, &mut request))
+                .map_err(|e| lineage_err(py, e))?;
+            step_to_py(py, step)
+        }
+
+        fn clear(&self, py: Python<'_>) {
+            py.detach(|| self.inner.clear());
+        }
+
+        fn cached_tokens(&self) -> usize {
+            self.inner.cached_tokens()
+        }
+
+        fn cached_rollouts(&self) -> usize {
+            self.inner.cached_rollouts()
+        }
+    }
+
+    /// The bounded in-process resolver (`tokencapture.lineage.InMemoryLineageStore`).
+    #[pyclass(frozen, name = "MemoryLineage", module = "tokencapture._core")]
+    struct PyMemoryLineage {
+        inner: MemoryLineage,
+    }
+
+    #[pymethods]
+    impl PyMemoryLineage {
+        #[new]
+        fn new(max_rollouts: usize, max_tokens: u64, max_cached_tokens: usize) -> Self {
+            PyMemoryLineage {
+                inner: MemoryLineage::new(max_rollouts, max_tokens, max_cached_tokens),
+            }
+        }
+
+        /// Index one canonical entry line; False when the same bytes were already there.
+        fn put(
+            &self,
+            py: Python<'_>,
+            rollout_id: &Bound<'_, PyString>,
+            line: &[u8],
+        ) -> PyResult<bool> {
+            let rollout_id = text(rollout_id, "rollout_id")?;
+            py.detach(|| self.inner.put(rollout_id, line))
+                .map_err(|e| lineage_err(py, e))
+        }
+
+        fn resolve(
+            &self,
+            py: Python<'_>,
+            rollout_id: &Bound<'_, PyString>,
+            items: &Bound<'_, PyAny>,
+        ) -> PyResult<Py<PyAny>> {
+            let rollout_id = text(rollout_id, "rollout_id")?;
+            let Some(values) = request_values(items) else {
+                return Ok(py.None());
+            };
+            let mut request = ItemsRequest::new(values);
+            let step = py
+                .detach(|| self.inner.resolve(rollout_id, &mut request))
+                .map_err(|e| lineage_err(py, e))?;
+            step_to_py(py, step)
+        }
+
+        fn resolve_hashed(
+            &self,
+            py: Python<'_>,
+            rollout_id: &Bound<'_, PyString>,
+            fingerprint: String,
+            n_items: usize,
+            digests: HashMap<usize, String>,
+        ) -> PyResult<Py<PyAny>> {
+            let rollout_id = text(rollout_id, "rollout_id")?;
+            let mut request = hashed(fingerprint, n_items, digests);
+            let step = py
+                .detach(|| self.inner.resolve(rollout_id, &mut request))
+                .map_err(|e| lineage_err(py, e))?;
+            step_to_py(py, step)
+        }
+
+        /// Forget rollouts; returns `(removed, absent)`.
+        fn delete(
+            &self,
+            py: Python<'_>,
+            rollout_ids: Vec<String>,
+        ) -> PyResult<(Vec<String>, Vec<String>)> {
+            py.detach(|| self.inner.delete(&rollout_ids))
+                .map_err(|e| lineage_err(py, e))
+        }
+
+        fn clear(&self) {
+            self.inner.clear();
+        }
+
+        fn stored_tokens(&self) -> u64 {
+            self.inner.stored_tokens()
+        }
+
+        fn rollout_count(&self) -> usize {
+            self.inner.rollout_count()
+        }
+
+        fn cached_tokens(&self) -> usize {
+            self.inner.cached_tokens()
+        }
+    }
+
+    /// `(assistant_fingerprint(items), conversation_digest(items[:context_len]))` by the
+    /// native port, or None when the items need Python's implementation.
+    #[pyfunction]
+    fn continuation_hashes(
+        py: Python<'_>,
+        items: &Bound<'_, PyAny>,
+        context_len: usize,
+    ) -> Option<(String, String)> {
+        let values = request_values(items)?;
+        py.detach(|| lineage::continuation_hashes(&values, context_len).ok())
+    }
+
+    /// Whether the token ids `ids` start with `prefix` (both lists, tuples or buffers).
+    #[pyfunction]
+    fn tokens_extend(
+        py: Python<'_>,
+        prefix: &Bound<'_, PyAny>,
+        ids: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let prefix = token_ids(prefix)?;
+        let ids = token_ids(ids)?;
+        Ok(py.detach(|| lineage::extends(&prefix, &ids)))
+    }
+
+    pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
+        module.add_class::<PyFileLineage>()?;
+        module.add_class::<PyMemoryLineage>()?;
+        module.add_function(wrap_pyfunction!(continuation_hashes, module)?)?;
+        module.add_function(wrap_pyfunction!(tokens_extend, module)?)?;
+        Ok(())
+    }
+}
+// ---- end lineage ------------------------------------------------------------------------------
+
 #[pymodule]
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PyStore>()?;
@@ -590,5 +916,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(validate_rollout_id, module)?)?;
     module.add_function(wrap_pyfunction!(scan_json_values, module)?)?;
     module.add("MAX_ROLLOUT_ID_LEN", store::MAX_ROLLOUT_ID_LEN)?;
+    lineage_py::register(module)?;
     Ok(())
 }

@@ -598,57 +598,8 @@ impl Store {
         };
         let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
         let buf = read_at(&log.file, 0, len as usize).ctx("read log", &paths.log)?;
-        let complete_end = complete_prefix_len(&buf) as u64;
-        let indexed = cached.state.indexed_size;
-        if indexed > complete_end {
-            return Err(Error::corrupt(
-                &paths.log,
-                complete_end,
-                format!("state index covers {indexed} bytes but the log's complete lines end here"),
-            ));
-        }
-        let mut lines = Vec::new();
-        let mut seen: HashSet<String> = HashSet::new();
-        for (offset, line) in complete_lines(&buf, 0) {
-            let call_id =
-                extract_call_id(line).map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
-            let digest = payload_digest(line);
-            let first = !seen.contains(&call_id);
-            if offset < indexed {
-                if !first {
-                    continue; // a later copy; the index judged it when it was folded
-                }
-                match cached.state.entry_digests.get(&call_id) {
-                    Some(known) if *known == digest => {}
-                    Some(_) => {
-                        return Err(Error::corrupt(
-                            &paths.log,
-                            offset,
-                            format!(
-                                "line of {call_id:?} does not match its payload digest in {}",
-                                paths.state.display()
-                            ),
-                        ))
-                    }
-                    None => {
-                        return Err(Error::corrupt(
-                            &paths.log,
-                            offset,
-                            format!("{call_id:?} is missing from {}", paths.state.display()),
-                        ))
-                    }
-                }
-            } else if !matches!(
-                fold_line(&mut cached.state, call_id.clone(), digest),
-                Fold::New
-            ) {
-                continue;
-            }
-            seen.insert(call_id);
-            let start = offset as usize;
-            lines.push(start..start + line.len());
-        }
-        cached.state.indexed_size = complete_end;
+        let lines = verify_and_fold(&mut cached.state, &buf, paths)?;
+        let complete_end = cached.state.indexed_size;
         if complete_end < len {
             log.file
                 .set_len(complete_end)
@@ -764,30 +715,25 @@ impl Store {
         Ok(state::open_and_read(&paths.state)?.is_some_and(|(_, state)| state.incomplete))
     }
 
-    /// The current state as readers see it (stored state with the log tail folded in),
-    /// without changing anything. `None` when the rollout has no files.
-    pub fn inspect(&self, rollout_id: &str) -> Result<Option<State>> {
+    /// The current state as readers see it, without changing anything: every indexed line is
+    /// checked against its digest and the tail is folded in (a torn line is ignored). Returns
+    /// the state and the number of unique records; `None` when the rollout has no files.
+    pub fn inspect(&self, rollout_id: &str) -> Result<Option<(State, usize)>> {
         validate_rollout_id(rollout_id)?;
         let paths = self.paths(rollout_id);
         let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
             return Ok(None);
         };
         let mut loaded = self.load(&paths)?;
-        // Under a shared lock a torn line is ignored, never truncated.
-        let Some(log) = &loaded.log else {
-            return Ok(Some(loaded.state));
+        let records = match &loaded.log {
+            Some(log) => {
+                let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
+                let buf = read_at(&log.file, 0, len as usize).ctx("read log", &paths.log)?;
+                verify_and_fold(&mut loaded.state, &buf, &paths)?.len()
+            }
+            None => 0,
         };
-        let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
-        let covered = loaded.state.indexed_size.min(len);
-        let tail =
-            read_at(&log.file, covered, (len - covered) as usize).ctx("read log", &paths.log)?;
-        for (offset, line) in complete_lines(&tail, covered) {
-            let call_id =
-                extract_call_id(line).map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
-            fold_line(&mut loaded.state, call_id, payload_digest(line));
-        }
-        loaded.state.indexed_size = covered + complete_prefix_len(&tail) as u64;
-        Ok(Some(loaded.state))
+        Ok(Some((loaded.state, records)))
     }
 
     /// The unique records of a rollout, under the shared lock; a torn tail is ignored.
@@ -815,6 +761,67 @@ impl Store {
         }
         Ok(Records { buf, lines })
     }
+}
+
+/// Check every complete line of a whole log against the state: an indexed line must carry the
+/// payload digest the index recorded for its call id; lines past the index are folded in.
+/// Leaves `state.indexed_size` at the end of the complete lines and returns the ranges of the
+/// unique records (the first line of each call id) in file order.
+fn verify_and_fold(
+    state: &mut State,
+    buf: &[u8],
+    paths: &RolloutPaths,
+) -> Result<Vec<Range<usize>>> {
+    let complete_end = complete_prefix_len(buf) as u64;
+    let indexed = state.indexed_size;
+    if indexed > complete_end {
+        return Err(Error::corrupt(
+            &paths.log,
+            complete_end,
+            format!(
+                "{} covers {indexed} bytes but the log's complete lines end here",
+                paths.state.display()
+            ),
+        ));
+    }
+    let mut lines = Vec::new();
+    let mut seen: HashSet<String> = HashSet::new();
+    for (offset, line) in complete_lines(buf, 0) {
+        let call_id = extract_call_id(line).map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
+        let digest = payload_digest(line);
+        if offset < indexed {
+            if seen.contains(&call_id) {
+                continue; // a later copy; the index judged it when it was folded
+            }
+            match state.entry_digests.get(&call_id) {
+                Some(known) if *known == digest => {}
+                Some(_) => {
+                    return Err(Error::corrupt(
+                        &paths.log,
+                        offset,
+                        format!(
+                            "line of {call_id:?} does not match its payload digest in {}",
+                            paths.state.display()
+                        ),
+                    ))
+                }
+                None => {
+                    return Err(Error::corrupt(
+                        &paths.log,
+                        offset,
+                        format!("{call_id:?} is missing from {}", paths.state.display()),
+                    ))
+                }
+            }
+        } else if !matches!(fold_line(state, call_id.clone(), digest), Fold::New) {
+            continue;
+        }
+        seen.insert(call_id);
+        let start = offset as usize;
+        lines.push(start..start + line.len());
+    }
+    state.indexed_size = complete_end;
+    Ok(lines)
 }
 
 /// True when an acknowledged intent has no stored entry.

@@ -1,0 +1,115 @@
+"""Counters and latency histograms for store operations, readable from Python.
+
+Each `TokenCaptureStore` keeps a `Metrics` (see `TokenCaptureStore.stats()`); `snapshot()`
+merges every live store's figures so a server can export them in one call. Latencies are what
+the caller experienced (an async put includes waiting for the worker pool).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["BUCKET_BOUNDS_SECONDS", "Metrics", "snapshot"]
+
+# Upper bounds of the histogram buckets: 16 µs doubling up to ~17 s, then +inf.
+BUCKET_BOUNDS_SECONDS: tuple[float, ...] = tuple(16e-6 * 2**i for i in range(21))
+
+
+class _Operation:
+    __slots__ = ("buckets", "count", "failures", "max_seconds", "total_seconds")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.failures = 0
+        self.total_seconds = 0.0
+        self.max_seconds = 0.0
+        self.buckets = [0] * (len(BUCKET_BOUNDS_SECONDS) + 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "failures": self.failures,
+            "total_seconds": self.total_seconds,
+            "max_seconds": self.max_seconds,
+            "buckets": list(self.buckets),
+        }
+
+
+def _bucket(seconds: float) -> int:
+    for index, bound in enumerate(BUCKET_BOUNDS_SECONDS):
+        if seconds <= bound:
+            return index
+    return len(BUCKET_BOUNDS_SECONDS)
+
+
+class Metrics:
+    """Thread-safe per-operation counters (calls, failures) and latency histograms."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._operations: dict[str, _Operation] = {}
+        _live.add(self)
+
+    def observe(self, operation: str, seconds: float, *, failed: bool = False) -> None:
+        with self._lock:
+            stats = self._operations.get(operation)
+            if stats is None:
+                stats = self._operations[operation] = _Operation()
+            stats.count += 1
+            stats.failures += failed
+            stats.total_seconds += seconds
+            stats.max_seconds = max(stats.max_seconds, seconds)
+            stats.buckets[_bucket(seconds)] += 1
+
+    @contextmanager
+    def timed(self, operation: str) -> Iterator[None]:
+        """Time the block; an exception counts as a failure and propagates."""
+        started = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            self.observe(operation, time.perf_counter() - started, failed=True)
+            raise
+        self.observe(operation, time.perf_counter() - started)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """`{operation: {count, failures, total_seconds, max_seconds, buckets}}`.
+
+        `buckets[i]` counts calls that took at most `BUCKET_BOUNDS_SECONDS[i]`; the last bucket
+        counts the slower ones.
+        """
+        with self._lock:
+            return {name: stats.as_dict() for name, stats in self._operations.items()}
+
+
+_live: weakref.WeakSet[Metrics] = weakref.WeakSet()
+
+
+def snapshot() -> dict[str, dict[str, Any]]:
+    """Every live store's figures merged, for a process-wide export."""
+    merged: dict[str, dict[str, Any]] = {}
+    for metrics in list(_live):
+        for name, stats in metrics.snapshot().items():
+            into = merged.setdefault(
+                name,
+                {
+                    "count": 0,
+                    "failures": 0,
+                    "total_seconds": 0.0,
+                    "max_seconds": 0.0,
+                    "buckets": [0] * (len(BUCKET_BOUNDS_SECONDS) + 1),
+                },
+            )
+            into["count"] += stats["count"]
+            into["failures"] += stats["failures"]
+            into["total_seconds"] += stats["total_seconds"]
+            into["max_seconds"] = max(into["max_seconds"], stats["max_seconds"])
+            into["buckets"] = [
+                a + b for a, b in zip(into["buckets"], stats["buckets"], strict=True)
+            ]
+    return merged
