@@ -396,3 +396,17 @@ def test_lock_file_deleted_under_a_live_store_is_recreated(store: TokenCaptureSt
     store.append(make_entry(call=2))
     assert store.lock_path_for("r1").exists()
     assert len(store.freeze_now("r1").entries) == 2
+
+
+def test_a_vanished_log_with_an_index_is_corruption_not_a_fresh_start(
+    store: TokenCaptureStore,
+) -> None:
+    store.append(make_entry(call=1))
+    store.freeze_now("other")  # unrelated rollout keeps working
+    os.unlink(store.path_for("r1"))
+    for action in (lambda: store.append(make_entry(call=2)), lambda: store.freeze_now("r1")):
+        with pytest.raises(TokenCaptureCorruptionError, match="missing"):
+            action()
+    assert not store.path_for("r1").exists()
+    store._mark_incomplete("r1", "call-2")  # the most available write still works
+    assert store.retire_now(["r1"]) == {"removed": ["r1"], "absent": []}

@@ -422,7 +422,7 @@ impl Store {
     /// truncate a torn final line.
     fn fold_tail(&self, cached: &mut Cached, paths: &RolloutPaths, torn: TornTail) -> Result<()> {
         let Some(log) = &cached.log else {
-            return Ok(());
+            return missing_log(cached, paths);
         };
         let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
         let covered = cached.state.indexed_size;
@@ -594,7 +594,7 @@ impl Store {
     /// unindexed tail, truncate a torn final line. Returns the unique records.
     fn scan_and_fold(&self, cached: &mut Cached, paths: &RolloutPaths) -> Result<Records> {
         let Some(log) = &cached.log else {
-            return Ok(Records::default());
+            return missing_log(cached, paths).map(|()| Records::default());
         };
         let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
         let buf = read_at(&log.file, 0, len as usize).ctx("read log", &paths.log)?;
@@ -822,6 +822,23 @@ fn verify_and_fold(
     }
     state.indexed_size = complete_end;
     Ok(lines)
+}
+
+/// A rollout without a log is fine unless its state index says the log held records: then
+/// acknowledged entries vanished, and carrying on would index new lines at wrong offsets.
+fn missing_log(cached: &Cached, paths: &RolloutPaths) -> Result<()> {
+    if cached.state.indexed_size > 0 {
+        return Err(Error::corrupt(
+            &paths.log,
+            0,
+            format!(
+                "the log is missing but {} indexes {} bytes of it",
+                paths.state.display(),
+                cached.state.indexed_size
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// True when an acknowledged intent has no stored entry.
