@@ -204,6 +204,10 @@ struct Cached {
     /// How much of the log, and how many entries, the state file on disk covers.
     disk_indexed_size: u64,
     disk_entries: usize,
+    /// Whether this process has fsynced the directory since it opened the log. A log found on
+    /// disk may have been created by a writer that crashed before making its name durable, so
+    /// the first append through a freshly loaded index fsyncs the directory too.
+    dir_synced: bool,
 }
 
 impl Cached {
@@ -211,13 +215,6 @@ impl Cached {
         self.state.entry_digests.len() >= self.disk_entries + CHECKPOINT_ENTRIES
             || self.state.indexed_size >= self.disk_indexed_size + CHECKPOINT_BYTES
     }
-}
-
-/// How `fold` treats the one thing it may change in the log.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum TornTail {
-    /// Truncate it (we hold the exclusive lock).
-    Truncate,
 }
 
 /// The durable, rollout-keyed store over one directory.
@@ -370,6 +367,7 @@ impl Store {
             state_file,
             disk_indexed_size: state.indexed_size,
             disk_entries: state.entry_digests.len(),
+            dir_synced: false,
             state,
         })
     }
@@ -414,13 +412,14 @@ impl Store {
         cached.disk_entries = cached.state.entry_digests.len();
         if sync_dir {
             self.sync_dir()?;
+            cached.dir_synced = true;
         }
         Ok(())
     }
 
     /// Fold log bytes past the cached index into it (another process appended them), and
-    /// truncate a torn final line.
-    fn fold_tail(&self, cached: &mut Cached, paths: &RolloutPaths, torn: TornTail) -> Result<()> {
+    /// truncate a torn final line (callers hold the exclusive lock).
+    fn fold_tail(&self, cached: &mut Cached, paths: &RolloutPaths) -> Result<()> {
         let Some(log) = &cached.log else {
             return missing_log(cached, paths);
         };
@@ -445,7 +444,7 @@ impl Store {
         }
         let complete_end = covered + complete_prefix_len(&tail) as u64;
         cached.state.indexed_size = complete_end;
-        if complete_end < len && torn == TornTail::Truncate {
+        if complete_end < len {
             log.file
                 .set_len(complete_end)
                 .ctx("truncate torn line", &paths.log)?;
@@ -453,7 +452,8 @@ impl Store {
         Ok(())
     }
 
-    /// Durably append one line to an intents or incomplete file; true if it created the file.
+    /// Durably append one line to an intents or incomplete file; true if the directory must be
+    /// fsynced to make the file's name durable.
     fn append_marker(&self, path: &Path, line: &[u8]) -> Result<bool> {
         let mut options = OpenOptions::new();
         options.append(true);
@@ -466,7 +466,9 @@ impl Store {
             let _ = file.set_len(before); // leave no partial line behind
             return Err(err).ctx("append", path);
         }
-        Ok(created)
+        // An empty file found on disk may come from a failed first append whose name was never
+        // made durable: treat it like one we created.
+        Ok(created || before == 0)
     }
 
     /// Durably store one entry line. `line` is the canonical JSON of the entry (one line).
@@ -481,7 +483,7 @@ impl Store {
         }
         let digest = payload_digest(line);
         self.exclusive(rollout_id, |cached, paths| {
-            self.fold_tail(cached, paths, TornTail::Truncate)?;
+            self.fold_tail(cached, paths)?;
             check_writable(rollout_id, &cached.state)?;
             match cached.state.entry_digests.get(call_id) {
                 Some(known) if *known == digest => return Ok(PutOutcome::Duplicate),
@@ -519,11 +521,12 @@ impl Store {
                 .state
                 .entry_digests
                 .insert(call_id.to_owned(), digest);
-            if created {
-                if cached.state_file.is_none() {
-                    self.persist(cached, paths, false)?;
-                }
+            if cached.state_file.is_none() {
+                self.persist(cached, paths, false)?;
+            }
+            if created || !cached.dir_synced {
                 self.sync_dir()?;
+                cached.dir_synced = true;
             } else if cached.needs_checkpoint() {
                 // The rename need not be durable: the older state plus the log reads the same.
                 self.persist(cached, paths, false)?;
@@ -617,7 +620,7 @@ impl Store {
             return Ok(false);
         };
         let mut cached = self.checkout(rollout_id, &paths)?;
-        self.fold_tail(&mut cached, &paths, TornTail::Truncate)?;
+        self.fold_tail(&mut cached, &paths)?;
         let state = &cached.state;
         if !(state.frozen && state.snapshot_id == snapshot_id && state.version == version) {
             self.cache().put(rollout_id.to_owned(), cached);
