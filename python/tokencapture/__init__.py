@@ -10,6 +10,17 @@ from tokencapture.fingerprint import (
     canonicalize_tool_arguments,
     conversation_digest,
 )
+from tokencapture.ledger import (
+    CaptureLedgerConflictError,
+    FileCaptureLedger,
+)
+from tokencapture.lineage import (
+    FileLineageStore,
+    InMemoryLineageStore,
+    LineageIntegrityError,
+    encode_delta,
+    stamp_continuation,
+)
 from tokencapture.protocols import (
     CaptureLedger,
     LineageMatch,
@@ -60,6 +71,11 @@ __all__ = [
     "UNCOMMITTED_CALL_REASON",
     "UNRESOLVED_PARENT_REASON",
     "CaptureLedger",
+    "CaptureLedgerConflictError",
+    "FileCaptureLedger",
+    "FileLineageStore",
+    "InMemoryLineageStore",
+    "LineageIntegrityError",
     "LineageMatch",
     "LineageResolution",
     "LineageResolver",
@@ -80,6 +96,7 @@ __all__ = [
     "compute_digest",
     "conversation_digest",
     "cumulative_tokens",
+    "encode_delta",
     "install_lineage_store",
     "install_token_sink",
     "install_token_source",
@@ -87,6 +104,7 @@ __all__ = [
     "installed_token_sink",
     "installed_token_source",
     "make_token_store",
+    "stamp_continuation",
     "stamp_lineage",
     "validate_rollout_id",
     "validate_rollout_ids",

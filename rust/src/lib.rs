@@ -30,6 +30,8 @@
 
 pub mod digest;
 pub mod error;
+pub mod ledger;
+pub mod lineage;
 pub mod lock;
 pub mod log;
 pub mod pool;

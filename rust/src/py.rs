@@ -592,6 +592,9 @@ fn validate_rollout_id(rollout_id: &Bound<'_, PyString>) -> PyResult<()> {
 mod lineage_py {
     use std::collections::HashMap;
     use std::path::PathBuf;
+    use std::sync::{Arc, Mutex, PoisonError};
+
+    use lru::LruCache;
 
     use pyo3::prelude::*;
     use pyo3::sync::PyOnceLock;
@@ -601,7 +604,7 @@ mod lineage_py {
     use super::{text, to_pyerr, token_ids};
     use crate::lineage::{
         self, FileLineage, HashedRequest, ItemsRequest, LineageError, MemoryLineage, Missing,
-        Outcome, Step,
+        Outcome, Step, Tokens,
     };
 
     static INTEGRITY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -677,7 +680,12 @@ mod lineage_py {
 
     /// `None` (defer to Python), a list of prefix lengths whose digests are needed, or
     /// `(status, model_call_id, cumulative_token_ids, digest, reason)`.
-    fn step_to_py(py: Python<'_>, step: Step) -> PyResult<Py<PyAny>> {
+    fn step_to_py(
+        py: Python<'_>,
+        step: Step,
+        memo: &TupleMemo,
+        rollout_id: &str,
+    ) -> PyResult<Py<PyAny>> {
         Ok(match step {
             Step::Missing(Missing::Fallback) => py.None(),
             Step::Missing(Missing::Need(lens)) => PyList::new(py, lens)?.into_any().unbind(),
@@ -696,13 +704,128 @@ mod lineage_py {
                 tokens,
                 digest,
             }) => {
-                let tokens = PyTuple::new(py, tokens.iter().copied())?;
+                let tokens = memo.tuple(py, rollout_id, &tokens)?;
                 ("resolved", call_id, tokens, digest, "")
                     .into_pyobject(py)?
                     .into_any()
                     .unbind()
             }
         })
+    }
+
+    /// The last answer's tuple per rollout, bounded by tokens. The next answer of a rollout
+    /// usually extends the last one (its parent's cumulative tokens plus the new turn), so its
+    /// tuple is the memoized one concatenated with the new ids: copied references instead of a
+    /// lookup per id. A repeated answer returns the same (immutable) tuple.
+    struct TupleMemo {
+        inner: Mutex<MemoInner>,
+        budget: usize,
+    }
+
+    struct MemoInner {
+        lru: LruCache<String, (Tokens, Py<PyTuple>)>,
+        tokens: usize,
+    }
+
+    impl TupleMemo {
+        fn new(budget: usize) -> Self {
+            TupleMemo {
+                inner: Mutex::new(MemoInner {
+                    lru: LruCache::unbounded(),
+                    tokens: 0,
+                }),
+                budget,
+            }
+        }
+
+        fn lock(&self) -> std::sync::MutexGuard<'_, MemoInner> {
+            self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+        }
+
+        fn clear(&self) {
+            let mut inner = self.lock();
+            inner.lru.clear();
+            inner.tokens = 0;
+        }
+
+        fn tuple<'py>(
+            &self,
+            py: Python<'py>,
+            rollout_id: &str,
+            tokens: &Tokens,
+        ) -> PyResult<Bound<'py, PyTuple>> {
+            // The entry is taken out while the tuple is built: building allocates, which may
+            // run the garbage collector and other threads, so no lock is held across it.
+            let previous = {
+                let mut inner = self.lock();
+                let taken = inner.lru.pop(rollout_id);
+                if let Some((old, _)) = &taken {
+                    inner.tokens -= old.len();
+                }
+                taken
+            };
+            let built = match previous {
+                Some((old, tuple)) if Arc::ptr_eq(&old, tokens) => tuple.into_bound(py),
+                Some((old, tuple)) if lineage::extends(&old, tokens) => {
+                    let suffix = token_tuple(py, &tokens[old.len()..])?;
+                    tuple
+                        .bind(py)
+                        .as_sequence()
+                        .concat(suffix.as_sequence())?
+                        .into_any()
+                        .cast_into::<PyTuple>()?
+                }
+                _ => token_tuple(py, tokens)?,
+            };
+            if tokens.len() <= self.budget {
+                let mut inner = self.lock();
+                inner.tokens += tokens.len();
+                if let Some((_, (old, _))) = inner
+                    .lru
+                    .push(rollout_id.to_owned(), (tokens.clone(), built.clone().unbind()))
+                {
+                    inner.tokens -= old.len();
+                }
+                while inner.tokens > self.budget {
+                    match inner.lru.pop_lru() {
+                        Some((_, (old, _))) => inner.tokens -= old.len(),
+                        None => break,
+                    }
+                }
+            }
+            Ok(built)
+        }
+    }
+
+    /// Token ids below this share one interned Python int each (every vocabulary in use fits).
+    const INTERNED_IDS: usize = 1 << 18;
+
+    /// One Python int per small token id, created on first use. Building a 30k-token tuple
+    /// then costs a reference count per id instead of an allocation (and its later free).
+    /// Bounded: at most `INTERNED_IDS` ints (about 10 MB) per process.
+    static INTERNED: Mutex<Vec<Option<Py<PyAny>>>> = Mutex::new(Vec::new());
+
+    fn token_tuple<'py>(py: Python<'py>, tokens: &[u64]) -> PyResult<Bound<'py, PyTuple>> {
+        let mut table = INTERNED.lock().unwrap_or_else(PoisonError::into_inner);
+        if table.is_empty() {
+            table.resize_with(INTERNED_IDS, || None);
+        }
+        let mut items = Vec::with_capacity(tokens.len());
+        for &id in tokens {
+            let Some(slot) = usize::try_from(id).ok().and_then(|i| table.get_mut(i)) else {
+                items.push(id.into_pyobject(py)?.into_any().unbind());
+                continue;
+            };
+            let int = match slot {
+                Some(int) => int.clone_ref(py),
+                None => slot
+                    .insert(id.into_pyobject(py)?.into_any().unbind())
+                    .clone_ref(py),
+            };
+            items.push(int);
+        }
+        drop(table);
+        PyTuple::new(py, items)
     }
 
     fn hashed(
@@ -721,6 +844,7 @@ mod lineage_py {
     #[pyclass(frozen, name = "FileLineage", module = "tokencapture._core")]
     struct PyFileLineage {
         inner: FileLineage,
+        memo: TupleMemo,
     }
 
     #[pymethods]
@@ -734,6 +858,7 @@ mod lineage_py {
         fn new(root: PathBuf, max_cached_rollouts: usize, max_cached_tokens: usize) -> Self {
             PyFileLineage {
                 inner: FileLineage::new(root, max_cached_rollouts, max_cached_tokens),
+                memo: TupleMemo::new(max_cached_tokens),
             }
         }
 
@@ -752,7 +877,7 @@ mod lineage_py {
             let step = py
                 .detach(|| self.inner.resolve(rollout_id, &mut request))
                 .map_err(|e| lineage_err(py, e))?;
-            step_to_py(py, step)
+            step_to_py(py, step, &self.memo, rollout_id)
         }
 
         /// Resolve with hashes computed by the caller; a list of prefix lengths means
@@ -770,10 +895,11 @@ mod lineage_py {
             let step = py
                 .detach(|| self.inner.resolve(rollout_id, &mut request))
                 .map_err(|e| lineage_err(py, e))?;
-            step_to_py(py, step)
+            step_to_py(py, step, &self.memo, rollout_id)
         }
 
         fn clear(&self, py: Python<'_>) {
+            self.memo.clear();
             py.detach(|| self.inner.clear());
         }
 
@@ -790,6 +916,7 @@ mod lineage_py {
     #[pyclass(frozen, name = "MemoryLineage", module = "tokencapture._core")]
     struct PyMemoryLineage {
         inner: MemoryLineage,
+        memo: TupleMemo,
     }
 
     #[pymethods]
@@ -798,6 +925,7 @@ mod lineage_py {
         fn new(max_rollouts: usize, max_tokens: u64, max_cached_tokens: usize) -> Self {
             PyMemoryLineage {
                 inner: MemoryLineage::new(max_rollouts, max_tokens, max_cached_tokens),
+                memo: TupleMemo::new(max_cached_tokens),
             }
         }
 
@@ -827,7 +955,7 @@ mod lineage_py {
             let step = py
                 .detach(|| self.inner.resolve(rollout_id, &mut request))
                 .map_err(|e| lineage_err(py, e))?;
-            step_to_py(py, step)
+            step_to_py(py, step, &self.memo, rollout_id)
         }
 
         fn resolve_hashed(
@@ -843,7 +971,7 @@ mod lineage_py {
             let step = py
                 .detach(|| self.inner.resolve(rollout_id, &mut request))
                 .map_err(|e| lineage_err(py, e))?;
-            step_to_py(py, step)
+            step_to_py(py, step, &self.memo, rollout_id)
         }
 
         /// Forget rollouts; returns `(removed, absent)`.
@@ -857,6 +985,7 @@ mod lineage_py {
         }
 
         fn clear(&self) {
+            self.memo.clear();
             self.inner.clear();
         }
 
@@ -907,6 +1036,282 @@ mod lineage_py {
 }
 // ---- end lineage ------------------------------------------------------------------------------
 
+// ---- ledger -----------------------------------------------------------------------------------
+//
+// The file-backed capture ledger (`rust/src/ledger.rs`), wrapped by
+// `tokencapture.ledger.FileCaptureLedger`. Row parsing, payload digests, locks, file I/O and
+// candidate filtering run detached. Reads of a retired rollout raise
+// `tokencapture.protocols.RolloutRetiredError`; a conflicting commit raises
+// `tokencapture.ledger.CaptureLedgerConflictError` (a `ValueError`). The async record jobs
+// report through the shared `Completions` queue, whose outcomes carry only core errors: there a
+// conflict travels as `Error::Conflict` and the Python wrapper re-raises it as the ledger's own
+// exception.
+mod ledger_py {
+    use std::collections::HashMap;
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use pyo3::prelude::*;
+    use pyo3::sync::PyOnceLock;
+    use pyo3::types::{PyList, PyString, PyTuple, PyType};
+
+    use super::{spawn_job, text, to_pyerr, Completions, ExceptionClass, Outcome};
+    use crate::error::Error;
+    use crate::ledger::{
+        self, Ledger, LedgerError, LedgerStep, RecordOutcome, Resolution, DEFAULT_CACHED_ROLLOUTS,
+    };
+    use crate::lineage::{HashedRequest, Missing};
+
+    static ROLLOUT_RETIRED: ExceptionClass = ExceptionClass::new("RolloutRetiredError");
+    static LEDGER_CONFLICT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+    fn ledger_err(py: Python<'_>, err: LedgerError) -> PyErr {
+        let message = err.to_string();
+        match err {
+            LedgerError::Store(err) => to_pyerr(py, err),
+            LedgerError::Retired(_) => ROLLOUT_RETIRED.err(py, message),
+            LedgerError::Conflict { .. } => {
+                let class = LEDGER_CONFLICT.get_or_try_init(py, || {
+                    py.import("tokencapture.ledger")?
+                        .getattr("CaptureLedgerConflictError")?
+                        .cast_into::<PyType>()
+                        .map(Bound::unbind)
+                        .map_err(PyErr::from)
+                });
+                match class {
+                    Ok(class) => PyErr::from_type(class.bind(py).clone(), message),
+                    Err(import_error) => import_error,
+                }
+            }
+        }
+    }
+
+    /// True when the row is stored (appended now or already there), False when the fence
+    /// discarded it.
+    fn stored(outcome: RecordOutcome) -> bool {
+        outcome != RecordOutcome::Discarded
+    }
+
+    fn job_outcome(result: ledger::Result<RecordOutcome>) -> Outcome {
+        match result {
+            Ok(outcome) => Outcome::Bool(stored(outcome)),
+            Err(LedgerError::Store(err)) => Outcome::Failed(err),
+            Err(LedgerError::Conflict {
+                rollout_id,
+                call_id,
+            }) => Outcome::Failed(Error::Conflict {
+                rollout_id,
+                call_id,
+            }),
+            // Writes never read a fence as an error; keep the mapping total anyway.
+            Err(LedgerError::Retired(rollout_id)) => Outcome::Failed(Error::Retired(rollout_id)),
+        }
+    }
+
+    /// `(status, model_call_id, digest, staging_chain, prev_len, chain_hash, reason)`, or the
+    /// list of prefix lengths whose conversation digests are needed first.
+    fn step_to_py(py: Python<'_>, step: LedgerStep) -> PyResult<Py<PyAny>> {
+        let none: Option<String> = None;
+        let empty = PyTuple::empty(py);
+        Ok(match step {
+            LedgerStep::Missing(Missing::Need(lens)) => PyList::new(py, lens)?.into_any().unbind(),
+            LedgerStep::Missing(Missing::Fallback) => PyList::empty(py).into_any().unbind(),
+            LedgerStep::Done(Resolution::Root) => ("root", none, "", empty, 0u64, "", "")
+                .into_pyobject(py)?
+                .into_any()
+                .unbind(),
+            LedgerStep::Done(Resolution::Unresolved(reason)) => {
+                ("unresolved", none, "", empty, 0u64, "", reason)
+                    .into_pyobject(py)?
+                    .into_any()
+                    .unbind()
+            }
+            LedgerStep::Done(Resolution::Resolved(found)) => {
+                let chain = PyTuple::new(py, found.staging_chain)?;
+                (
+                    "resolved",
+                    Some(found.model_call_id),
+                    found.digest,
+                    chain,
+                    found.prev_len,
+                    found.chain_hash,
+                    "",
+                )
+                    .into_pyobject(py)?
+                    .into_any()
+                    .unbind()
+            }
+        })
+    }
+
+    /// The native ledger (`tokencapture.ledger.FileCaptureLedger`).
+    #[pyclass(frozen, name = "Ledger", module = "tokencapture._core")]
+    struct PyLedger {
+        inner: Arc<Ledger>,
+    }
+
+    #[pymethods]
+    impl PyLedger {
+        #[new]
+        #[pyo3(signature = (root, cached_rollouts = DEFAULT_CACHED_ROLLOUTS))]
+        fn new(py: Python<'_>, root: PathBuf, cached_rollouts: usize) -> PyResult<Self> {
+            let inner = py
+                .detach(|| Ledger::open(root, cached_rollouts))
+                .map_err(|e| to_pyerr(py, e))?;
+            Ok(PyLedger {
+                inner: Arc::new(inner),
+            })
+        }
+
+        /// Append one row (a canonical commit line); see `stored` for the result.
+        fn record(
+            &self,
+            py: Python<'_>,
+            rollout_id: &Bound<'_, PyString>,
+            line: &[u8],
+        ) -> PyResult<bool> {
+            let rollout_id = text(rollout_id, "rollout_id")?;
+            py.detach(|| self.inner.record(rollout_id, line))
+                .map(stored)
+                .map_err(|e| ledger_err(py, e))
+        }
+
+        /// `record` on the worker pool; the outcome goes to `completions`.
+        fn submit_record(
+            &self,
+            completions: &Bound<'_, Completions>,
+            token: u64,
+            rollout_id: &Bound<'_, PyString>,
+            line: &[u8],
+        ) -> PyResult<()> {
+            let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+            let line = line.to_vec();
+            let ledger = Arc::clone(&self.inner);
+            spawn_job(completions, token, move || {
+                job_outcome(ledger.record(&rollout_id, &line))
+            })
+        }
+
+        fn record_failure(
+            &self,
+            py: Python<'_>,
+            rollout_id: &Bound<'_, PyString>,
+            model_call_id: &Bound<'_, PyString>,
+            reason: &Bound<'_, PyString>,
+        ) -> PyResult<bool> {
+            let rollout_id = text(rollout_id, "rollout_id")?;
+            let call_id = text(model_call_id, "model_call_id")?;
+            let reason = text(reason, "reason")?;
+            py.detach(|| self.inner.record_failure(rollout_id, call_id, reason))
+                .map(stored)
+                .map_err(|e| ledger_err(py, e))
+        }
+
+        fn submit_record_failure(
+            &self,
+            completions: &Bound<'_, Completions>,
+            token: u64,
+            rollout_id: &Bound<'_, PyString>,
+            model_call_id: &Bound<'_, PyString>,
+            reason: &Bound<'_, PyString>,
+        ) -> PyResult<()> {
+            let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+            let call_id = text(model_call_id, "model_call_id")?.to_owned();
+            let reason = text(reason, "reason")?.to_owned();
+            let ledger = Arc::clone(&self.inner);
+            spawn_job(completions, token, move || {
+                job_outcome(ledger.record_failure(&rollout_id, &call_id, &reason))
+            })
+        }
+
+        fn has_rows(&self, py: Python<'_>, rollout_id: &Bound<'_, PyString>) -> PyResult<bool> {
+            let rollout_id = text(rollout_id, "rollout_id")?;
+            py.detach(|| self.inner.has_rows(rollout_id))
+                .map_err(|e| ledger_err(py, e))
+        }
+
+        /// `([(model_call_id, record_json)], [(model_call_id, reason)])`.
+        #[allow(clippy::type_complexity)]
+        fn manifest<'py>(
+            &self,
+            py: Python<'py>,
+            rollout_id: &Bound<'py, PyString>,
+        ) -> PyResult<(
+            Vec<(String, Bound<'py, pyo3::types::PyBytes>)>,
+            Vec<(String, String)>,
+        )> {
+            let rollout_id = text(rollout_id, "rollout_id")?;
+            let manifest = py
+                .detach(|| self.inner.manifest(rollout_id))
+                .map_err(|e| ledger_err(py, e))?;
+            let records = manifest
+                .records
+                .into_iter()
+                .map(|(call_id, record)| (call_id, pyo3::types::PyBytes::new(py, &record)))
+                .collect();
+            Ok((records, manifest.failures))
+        }
+
+        /// Resolve with hashes computed by the caller (`tokencapture.ledger` hashes natively
+        /// through `continuation_hashes` where it can).
+        fn resolve_hashed(
+            &self,
+            py: Python<'_>,
+            rollout_id: &Bound<'_, PyString>,
+            fingerprint: String,
+            n_items: usize,
+            digests: HashMap<usize, String>,
+        ) -> PyResult<Py<PyAny>> {
+            let rollout_id = text(rollout_id, "rollout_id")?;
+            let mut request = HashedRequest {
+                fingerprint,
+                len: n_items,
+                digests,
+            };
+            let step = py
+                .detach(|| self.inner.resolve(rollout_id, &mut request))
+                .map_err(|e| ledger_err(py, e))?;
+            step_to_py(py, step)
+        }
+
+        /// Fence, then remove the rows; returns `(removed, absent)`.
+        fn retire(
+            &self,
+            py: Python<'_>,
+            rollout_ids: Vec<String>,
+        ) -> PyResult<(Vec<String>, Vec<String>)> {
+            py.detach(|| self.inner.retire(&rollout_ids))
+                .map(|r| (r.removed, r.absent))
+                .map_err(|e| to_pyerr(py, e))
+        }
+
+        /// Remove rows and fences; returns `(removed, absent)`.
+        fn delete(
+            &self,
+            py: Python<'_>,
+            rollout_ids: Vec<String>,
+        ) -> PyResult<(Vec<String>, Vec<String>)> {
+            py.detach(|| self.inner.delete(&rollout_ids))
+                .map(|r| (r.removed, r.absent))
+                .map_err(|e| to_pyerr(py, e))
+        }
+
+        fn clear(&self, py: Python<'_>) {
+            py.detach(|| self.inner.clear());
+        }
+
+        fn cached_rollouts(&self) -> usize {
+            self.inner.cached_rollouts()
+        }
+    }
+
+    pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
+        module.add_class::<PyLedger>()?;
+        Ok(())
+    }
+}
+// ---- end ledger -------------------------------------------------------------------------------
+
 #[pymodule]
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PyStore>()?;
@@ -917,5 +1322,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(scan_json_values, module)?)?;
     module.add("MAX_ROLLOUT_ID_LEN", store::MAX_ROLLOUT_ID_LEN)?;
     lineage_py::register(module)?;
+    ledger_py::register(module)?;
     Ok(())
 }

@@ -23,6 +23,8 @@ from tokencapture.records import UNCOMMITTED_CALL_REASON, UNRESOLVED_PARENT_REAS
 __all__ = [
     "CALL_RECORD_DIGEST_VERSION",
     "CALL_RECORD_EXTRAS_DIGEST_VERSION",
+    "CONFLICTING_CALL_RECORD_REASON",
+    "INVALID_CALL_RECORD_REASON",
     "LEDGER_SCHEMA_VERSION",
     "MISSING_CHAIN_DIGEST_REASON",
     "MISSING_RESPONSE_ID_REASON",
@@ -45,6 +47,10 @@ MISSING_RESPONSE_ID_REASON: Final = "missing_response_id"
 """The engine returned no response id, so the staged token data cannot be located."""
 MISSING_CHAIN_DIGEST_REASON: Final = "missing_chain_digest"
 """The staging layer reported no chain digest, so the call's tokens cannot be verified."""
+INVALID_CALL_RECORD_REASON: Final = "invalid_call_record"
+"""A committed ledger row whose record is not a valid `CallRecord` (a foreign or older writer)."""
+CONFLICTING_CALL_RECORD_REASON: Final = "conflicting_call_record"
+"""Two different committed ledger rows for one call id: neither can be trusted."""
 
 Identifier = Annotated[str, StringConstraints(strict=True, min_length=1)]
 Digest = Annotated[str, StringConstraints(strict=True, pattern=r"^[0-9a-f]{64}$")]

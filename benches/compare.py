@@ -1,0 +1,811 @@
+"""Side-by-side comparison of the Rust-backed store, the pure-Python reference and two baselines.
+
+    python benches/compare.py [--repeats N] [--quick] [--json PATH]
+
+Every (workload, column, repeat) runs in a fresh subprocess, so no run shares caches, thread
+pools or peak RSS with another; columns are interleaved within each repeat (and their order
+rotated between repeats) so load from other processes on a shared machine hits every column
+alike. The table shows medians; the JSON file holds every sample too. See benches/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import inspect
+import json
+import os
+import platform
+import resource
+import shutil
+import sqlite3
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+BENCHES = Path(__file__).resolve().parent
+if str(BENCHES) not in sys.path:
+    sys.path.insert(0, str(BENCHES))
+
+from bench_data import (  # noqa: E402
+    AgenticShape,
+    SmallShape,
+    agentic_rollouts,
+    conversation_rollouts,
+    small_rollouts,
+)
+from tokencapture.records import TokenEntry  # noqa: E402
+from tokencapture.store import canonical_line  # noqa: E402
+
+COLUMNS = ("tokencapture", "reference", "sqlite", "raw")
+WORKLOADS = ("W1", "W2", "W3", "W4")
+W4_COLUMNS = ("tokencapture", "reference")  # only the two stores have a lineage resolver
+RESULT_PREFIX = "RESULT "
+DEFAULT_JSON = BENCHES / "results" / "latest.json"
+DEFAULT_SCRATCH = BENCHES / ".scratch"
+
+FULL_SHAPES = {"W1": SmallShape(), "W2": AgenticShape()}
+QUICK_SHAPES = {
+    "W1": SmallShape(rollouts=4, calls=4, prompt_tokens=64, generated_tokens=16, in_flight=4),
+    "W2": AgenticShape(
+        rollouts=2,
+        calls=4,
+        first_prompt_tokens=200,
+        new_tokens_per_turn=50,
+        generated_tokens=32,
+        in_flight=2,
+    ),
+}
+
+
+def shapes(quick: bool) -> dict[str, Any]:
+    return QUICK_SHAPES if quick else FULL_SHAPES
+
+
+# Columns (run inside a worker subprocess) --------------------------------------------------
+
+
+class Column(Protocol):
+    async def put(self, entry: TokenEntry) -> None: ...
+
+    def freeze(self, rollout_id: str) -> Sequence[TokenEntry]: ...
+
+    def close(self) -> None: ...
+
+
+class StoreColumn:
+    """`tokencapture.store.TokenCaptureStore` or the reference twin, used as a user would."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    async def put(self, entry: TokenEntry) -> None:
+        await self._store.put(entry)
+
+    def freeze(self, rollout_id: str) -> Sequence[TokenEntry]:
+        return self._store.freeze_now(rollout_id).entries  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        pass
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class RawColumn:
+    """The ceiling: canonical bytes appended with os.write + os.fsync, no bookkeeping at all.
+
+    One file per rollout, its descriptor kept open; no lock, no index, no duplicate check, no
+    directory fsync. Freeze reads the file back and materializes every line.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._fds: dict[str, int] = {}
+
+    def _path(self, rollout_id: str) -> Path:
+        return self._root / f"{rollout_id}.raw.jsonl"
+
+    def _put(self, entry: TokenEntry) -> None:
+        line = canonical_line(entry)
+        fd = self._fds.get(entry.rollout_id)
+        if fd is None:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+            fd = self._fds.setdefault(
+                entry.rollout_id, os.open(self._path(entry.rollout_id), flags)
+            )
+        _write_all(fd, line + b"\n")
+        os.fsync(fd)
+
+    async def put(self, entry: TokenEntry) -> None:
+        await asyncio.to_thread(self._put, entry)
+
+    def freeze(self, rollout_id: str) -> Sequence[TokenEntry]:
+        data = self._path(rollout_id).read_bytes()
+        return tuple(TokenEntry.model_validate_json(line) for line in data.splitlines())
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class SqliteColumn:
+    """What a user would otherwise pick: SQLite in WAL mode with synchronous=FULL.
+
+    One row per entry (rollout_id, model_call_id, canonical line), one transaction and commit
+    per put, a connection per worker thread. SQLite admits one writer at a time; writers queue
+    on a process lock rather than on SQLite's busy handler (which sleeps in millisecond steps
+    and would make this column look far worse than a careful user's). A repeated call id with
+    the same bytes is a no-op, with different bytes an error, like the stores.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self._path = root / "tokens.sqlite3"
+        self._local = threading.local()
+        self._write_lock = threading.Lock()
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
+        conn = self._conn()
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS entries ("
+            " rollout_id TEXT NOT NULL, model_call_id TEXT NOT NULL, line BLOB NOT NULL,"
+            " UNIQUE (rollout_id, model_call_id))"
+        )
+
+    def _conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(
+                self._path, timeout=60.0, isolation_level=None, check_same_thread=False
+            )
+            conn.execute("PRAGMA synchronous=FULL")
+            self._local.conn = conn
+            with self._connections_lock:
+                self._connections.append(conn)
+        return conn
+
+    def _put(self, entry: TokenEntry) -> None:
+        line = canonical_line(entry)
+        conn = self._conn()
+        with self._write_lock:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                inserted = conn.execute(
+                    "INSERT INTO entries (rollout_id, model_call_id, line) VALUES (?, ?, ?)"
+                    " ON CONFLICT DO NOTHING",
+                    (entry.rollout_id, entry.model_call_id, line),
+                ).rowcount
+                if not inserted:
+                    (stored,) = conn.execute(
+                        "SELECT line FROM entries WHERE rollout_id = ? AND model_call_id = ?",
+                        (entry.rollout_id, entry.model_call_id),
+                    ).fetchone()
+                    if stored != line:
+                        raise ValueError(f"conflicting payload for {entry.model_call_id!r}")
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    async def put(self, entry: TokenEntry) -> None:
+        await asyncio.to_thread(self._put, entry)
+
+    def freeze(self, rollout_id: str) -> Sequence[TokenEntry]:
+        rows = self._conn().execute(
+            "SELECT line FROM entries WHERE rollout_id = ? ORDER BY rowid", (rollout_id,)
+        )
+        return tuple(TokenEntry.model_validate_json(line) for (line,) in rows)
+
+    def close(self) -> None:
+        with self._connections_lock:
+            for conn in self._connections:
+                conn.close()
+            self._connections.clear()
+
+
+def open_column(column: str, root: Path) -> Column:
+    if column == "tokencapture":
+        from tokencapture.store import TokenCaptureStore
+
+        return StoreColumn(TokenCaptureStore(root))
+    if column == "reference":
+        from tokencapture.reference import TokenCaptureStore as ReferenceStore
+
+        return StoreColumn(ReferenceStore(root))
+    if column == "sqlite":
+        return SqliteColumn(root)
+    if column == "raw":
+        return RawColumn(root)
+    raise ValueError(f"unknown column {column!r}")
+
+
+# Workloads (run inside a worker subprocess) ------------------------------------------------
+
+
+def _usage() -> tuple[float, float]:
+    """(process CPU seconds, user + sys over every thread; peak RSS in MiB)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+
+
+async def _timed_puts(
+    column: Column, rollouts: list[list[TokenEntry]], in_flight: int
+) -> dict[str, float]:
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(in_flight, thread_name_prefix="bench"))
+    barrier = threading.Barrier(in_flight)
+    await asyncio.gather(*(asyncio.to_thread(barrier.wait) for _ in range(in_flight)))
+    warm = small_rollouts(SmallShape(rollouts=1, calls=1), prefix="warmup", seed=99)[0][0]
+    await column.put(warm)
+    semaphore = asyncio.Semaphore(in_flight)
+
+    async def one(calls: list[TokenEntry]) -> None:
+        for entry in calls:
+            async with semaphore:
+                await column.put(entry)
+
+    cpu0, rss_setup = _usage()
+    begin = time.perf_counter()
+    await asyncio.gather(*(one(calls) for calls in rollouts))
+    wall = time.perf_counter() - begin
+    cpu1, rss_peak = _usage()
+    return {"wall": wall, "cpu": cpu1 - cpu0, "rss_setup": rss_setup, "rss_peak": rss_peak}
+
+
+def run_puts(column_name: str, root: Path, workload: str, quick: bool) -> dict[str, Any]:
+    shape = shapes(quick)[workload]
+    rollouts = small_rollouts(shape) if workload == "W1" else agentic_rollouts(shape)
+    puts = sum(len(calls) for calls in rollouts)
+    column = open_column(column_name, root)
+    try:
+        timed = asyncio.run(_timed_puts(column, rollouts, shape.in_flight))
+    finally:
+        column.close()
+    return {
+        "puts": puts,
+        "wall_s": timed["wall"],
+        "puts_per_s": puts / timed["wall"],
+        "cpu_us_per_put": timed["cpu"] / puts * 1e6,
+        "rss_setup_mb": timed["rss_setup"],
+        "peak_rss_mb": timed["rss_peak"],
+    }
+
+
+def run_freeze(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
+    """W3: a fresh store (as a trainer process) freezes and reads back every W2 rollout."""
+    shape: AgenticShape = shapes(quick)["W2"]
+    rollout_ids = [f"w2-r{r:04d}" for r in range(shape.rollouts)]
+    column = open_column(column_name, root)
+    try:
+        cpu0, rss_setup = _usage()
+        begin = time.perf_counter()
+        snapshots = [column.freeze(rollout_id) for rollout_id in rollout_ids]
+        wall = time.perf_counter() - begin
+        cpu1, rss_peak = _usage()
+    finally:
+        column.close()
+    for rollout_id, entries in zip(rollout_ids, snapshots, strict=True):
+        if len(entries) != shape.calls or not all(isinstance(e, TokenEntry) for e in entries):
+            raise RuntimeError(f"{column_name}: {rollout_id} froze {len(entries)} entries")
+        last = entries[-1]
+        if len(last.prompt_token_ids) != shape.final_prompt_tokens():
+            raise RuntimeError(f"{column_name}: {rollout_id} read back a truncated prompt")
+    return {
+        "freezes": len(rollout_ids),
+        "wall_s": wall,
+        "ms_per_freeze": wall / len(rollout_ids) * 1e3,
+        "cpu_ms_per_freeze": (cpu1 - cpu0) / len(rollout_ids) * 1e3,
+        "rss_setup_mb": rss_setup,
+        "peak_rss_mb": rss_peak,
+    }
+
+
+# W4: lineage resolution. The resolvers are built by another workstream; until both
+# `tokencapture.lineage` and `tokencapture.reference.lineage` import, W4 reports "skipped".
+# TODO(W4): once the lineage modules land, check that the names below match their API
+# (`FileLineageStore(root)`, async or sync `resolve(rollout_id, request_items)` returning a
+# `LineageResolution` with `.status` and `.match.model_call_id`, `stamp_continuation`).
+LINEAGE_MODULES = {
+    "tokencapture": "tokencapture.lineage",
+    "reference": "tokencapture.reference.lineage",
+}
+
+
+def lineage_unavailable() -> str | None:
+    """Why W4 cannot run here, or None when both resolvers import."""
+    for module_name in LINEAGE_MODULES.values():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            return f"{module_name} is not importable ({exc})"
+        if not hasattr(module, "FileLineageStore"):
+            return f"{module_name} has no FileLineageStore"
+    if not hasattr(importlib.import_module("tokencapture.lineage"), "stamp_continuation"):
+        return "tokencapture.lineage has no stamp_continuation"
+    return None
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def run_resolve(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
+    """W4: resolve the continuation of every call of a W2 variant, as a serving worker does.
+
+    A resolver is created on an empty directory, then the calls are replayed round-robin over
+    the rollouts (call 0 of every rollout, then call 1, ...): each entry is stamped with
+    `stamp_continuation` and put synchronously (untimed; the Rust store, since both stores write
+    the same bytes), then the request that continues it is resolved (timed), which must answer
+    RESOLVED to that call. So every resolve first picks up one new line, incrementally, then
+    materializes and verifies the parent's cumulative tokens.
+    """
+    from tokencapture.lineage import stamp_continuation
+    from tokencapture.store import TokenCaptureStore
+
+    shape: AgenticShape = shapes(quick)["W2"]
+    data = conversation_rollouts(shape)
+    for r, calls in enumerate(data.rollouts):
+        for c, entry in enumerate(calls):
+            stamp_continuation(entry, data.requests[r][c])
+    order = [(r, c) for c in range(shape.calls) for r in range(shape.rollouts)]
+    writer = TokenCaptureStore(root)
+    resolver_type = importlib.import_module(LINEAGE_MODULES[column_name]).FileLineageStore
+
+    async def replay() -> tuple[float, float, list[Any]]:
+        resolver = resolver_type(root)
+        wall = cpu = 0.0
+        answers = []
+        for r, c in order:
+            entry = data.rollouts[r][c]
+            writer.append(entry)
+            cpu0 = time.process_time()
+            begin = time.perf_counter()
+            answer = await _maybe_await(
+                resolver.resolve(entry.rollout_id, data.continuations[r][c])
+            )
+            wall += time.perf_counter() - begin
+            cpu += time.process_time() - cpu0
+            answers.append(answer)
+        with contextlib.suppress(AttributeError):
+            await _maybe_await(resolver.close())
+        return wall, cpu, answers
+
+    _, rss_setup = _usage()
+    wall, cpu, answers = asyncio.run(replay())
+    _, rss_peak = _usage()
+    for (r, c), answer in zip(order, answers, strict=True):
+        call_id = data.rollouts[r][c].model_call_id
+        match = getattr(answer, "match", None)
+        if getattr(match, "model_call_id", None) != call_id:
+            raise RuntimeError(f"{column_name}: {call_id} resolved as {answer!r}")
+    return {
+        "resolves": len(order),
+        "wall_s": wall,
+        "us_per_resolve": wall / len(order) * 1e6,
+        "cpu_us_per_resolve": cpu / len(order) * 1e6,
+        "rss_setup_mb": rss_setup,
+        "peak_rss_mb": rss_peak,
+    }
+
+
+def _has_debug_info(path: Path) -> bool:
+    """Whether an ELF shared object carries DWARF sections (a debug build: not for benchmarks)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if data[:4] != b"\x7fELF" or data[4] != 2:  # only 64-bit ELF is inspected
+        return False
+    order = "<" if data[5] == 1 else ">"
+    (shoff,) = struct.unpack_from(order + "Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from(order + "HHH", data, 0x3A)
+    names_offset = struct.unpack_from(order + "Q", data, shoff + shstrndx * shentsize + 0x18)[0]
+    for index in range(shnum):
+        (name,) = struct.unpack_from(order + "I", data, shoff + index * shentsize)
+        start = names_offset + name
+        if data[start : data.index(b"\0", start)] == b".debug_info":
+            return True
+    return False
+
+
+def native_build() -> dict[str, Any]:
+    """Which native module this process loaded, and whether it is a debug build."""
+    path = Path(importlib.import_module("tokencapture._core").__file__ or "")
+    stat = path.stat()
+    return {
+        "path": os.fspath(path),
+        "size": stat.st_size,
+        "mtime": stat.st_mtime,
+        "debug": _has_debug_info(path),
+    }
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    root = Path(spec["dir"])
+    workload, column, quick = spec["workload"], spec["column"], spec["quick"]
+    if workload in ("W1", "W2"):
+        root.mkdir(parents=True, exist_ok=True)
+        result = run_puts(column, root, workload, quick)
+    elif workload == "W3":
+        result = run_freeze(column, root, quick)
+    elif workload == "W4":
+        root.mkdir(parents=True, exist_ok=True)
+        result = run_resolve(column, root, quick)
+    else:
+        raise ValueError(f"unknown workload {workload!r}")
+    result["native_build"] = native_build()
+    return result
+
+
+# The driver --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    workload: str
+    key: str
+    label: str
+    unit_format: str  # format spec for the median
+
+
+METRICS = (
+    Metric("W1", "puts_per_s", "W1 small      puts/s", ",.0f"),
+    Metric("W1", "cpu_us_per_put", "              CPU us/put", ",.0f"),
+    Metric("W1", "peak_rss_mb", "              peak RSS MiB", ",.0f"),
+    Metric("W2", "puts_per_s", "W2 agentic    puts/s", ",.0f"),
+    Metric("W2", "cpu_us_per_put", "              CPU us/put", ",.0f"),
+    Metric("W2", "peak_rss_mb", "              peak RSS MiB", ",.0f"),
+    Metric("W2", "rss_growth_mb", "              RSS growth MiB", ",.0f"),
+    Metric("W3", "ms_per_freeze", "W3 freeze     ms/freeze", ",.1f"),
+    Metric("W3", "cpu_ms_per_freeze", "              CPU ms/freeze", ",.1f"),
+    Metric("W3", "peak_rss_mb", "              peak RSS MiB", ",.0f"),
+    Metric("W4", "us_per_resolve", "W4 resolve    us/resolve", ",.0f"),
+    Metric("W4", "cpu_us_per_resolve", "              CPU us/resolve", ",.0f"),
+)
+
+
+def run_worker_process(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, os.fspath(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX) and proc.returncode == 0:
+            result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX) :])
+            return result
+    raise RuntimeError(
+        f"worker {spec['workload']}/{spec['column']} failed (exit {proc.returncode}):\n"
+        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
+
+
+def rotated(items: Sequence[str], shift: int) -> list[str]:
+    shift %= max(len(items), 1)
+    return [*items[shift:], *items[:shift]]
+
+
+def median(values: Iterable[float]) -> float | None:
+    data = list(values)
+    return statistics.median(data) if data else None
+
+
+def summarize(samples: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    medians: dict[str, dict[str, dict[str, float | None]]] = {}
+    spreads: dict[str, dict[str, dict[str, float | None]]] = {}
+    for workload, by_column in samples.items():
+        for column, runs in by_column.items():
+            for run in runs:
+                if "rss_setup_mb" in run and "peak_rss_mb" in run:
+                    run.setdefault("rss_growth_mb", run["peak_rss_mb"] - run["rss_setup_mb"])
+            keys = sorted({key for run in runs for key in run})
+            m = {key: median(run[key] for run in runs if key in run) for key in keys}
+            medians.setdefault(workload, {})[column] = m
+            spread: dict[str, float | None] = {}
+            for key in keys:
+                values = [run[key] for run in runs if key in run]
+                mid = m[key]
+                spread[key] = (max(values) - min(values)) / 2 / mid if values and mid else None
+            spreads.setdefault(workload, {})[column] = spread
+    return {"medians": medians, "spreads": spreads}
+
+
+def _get(medians: dict[str, Any], workload: str, column: str, key: str) -> float | None:
+    value = medians.get(workload, {}).get(column, {}).get(key)
+    return float(value) if value is not None else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+RATIO_TERMS: dict[str, tuple[str, str, str, str]] = {
+    # name: (workload, numerator column, denominator column, metric)
+    "W1 tokencapture/reference puts/s": ("W1", "tokencapture", "reference", "puts_per_s"),
+    "W1 tokencapture/raw puts/s": ("W1", "tokencapture", "raw", "puts_per_s"),
+    "W1 tokencapture/sqlite puts/s": ("W1", "tokencapture", "sqlite", "puts_per_s"),
+    "W1 reference CPU / tokencapture CPU": ("W1", "reference", "tokencapture", "cpu_us_per_put"),
+    "W2 tokencapture/reference puts/s": ("W2", "tokencapture", "reference", "puts_per_s"),
+    "W2 tokencapture/raw puts/s": ("W2", "tokencapture", "raw", "puts_per_s"),
+    "W2 reference CPU / tokencapture CPU": ("W2", "reference", "tokencapture", "cpu_us_per_put"),
+    "W2 peak RSS tokencapture/reference": ("W2", "tokencapture", "reference", "peak_rss_mb"),
+    "W3 reference ms / tokencapture ms": ("W3", "reference", "tokencapture", "ms_per_freeze"),
+    "W3 reference CPU / tokencapture CPU": ("W3", "reference", "tokencapture", "cpu_ms_per_freeze"),
+    "W4 reference us / tokencapture us": ("W4", "reference", "tokencapture", "us_per_resolve"),
+    "W4 reference CPU / tokencapture CPU": (
+        "W4",
+        "reference",
+        "tokencapture",
+        "cpu_us_per_resolve",
+    ),
+}
+
+
+def paired_ratios(samples: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, float | None]:
+    """Per ratio, the median over repeats of the ratio within one repeat."""
+    paired: dict[str, float | None] = {}
+    for name, (workload, top, bottom, key) in RATIO_TERMS.items():
+        by_column = samples.get(workload, {})
+        pairs = zip(by_column.get(top, []), by_column.get(bottom, []), strict=False)
+        paired[name] = median(a[key] / b[key] for a, b in pairs if b.get(key))
+    return paired
+
+
+def ratios_and_targets(medians: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    ratios = {
+        name: _ratio(_get(medians, w, top, key), _get(medians, w, bottom, key))
+        for name, (w, top, bottom, key) in RATIO_TERMS.items()
+    }
+    # (name, ratio key, threshold, higher is better)
+    spec = [
+        ("W1 puts/s >= 8x reference", "W1 tokencapture/reference puts/s", 8.0, True),
+        ("W1 puts/s >= 50% of raw", "W1 tokencapture/raw puts/s", 0.5, True),
+        ("W1 CPU/put <= 1/10 reference", "W1 reference CPU / tokencapture CPU", 10.0, True),
+        ("W2 puts/s >= 3x reference", "W2 tokencapture/reference puts/s", 3.0, True),
+        ("W3 freeze >= 5x reference", "W3 reference ms / tokencapture ms", 5.0, True),
+        ("W2 peak RSS <= reference", "W2 peak RSS tokencapture/reference", 1.0, False),
+        ("W4 resolve >= 5x reference", "W4 reference us / tokencapture us", 5.0, True),
+    ]
+    targets = []
+    for name, key, threshold, higher in spec:
+        value = ratios[key]
+        if value is None:
+            status, margin = "N/A", None
+        else:
+            ok = value >= threshold if higher else value <= threshold
+            status = "PASS" if ok else "MISS"
+            margin = value / threshold - 1 if higher else threshold / value - 1
+        targets.append(
+            {
+                "target": name,
+                "ratio": key,
+                "value": value,
+                "threshold": threshold,
+                "status": status,
+                "margin": margin,
+            }
+        )
+    return ratios, targets
+
+
+def _cell(value: float | None, spread: float | None, fmt: str) -> str:
+    if value is None:
+        return "n/a"
+    text = format(value, fmt)
+    if spread is not None:
+        text += f" ±{spread * 100:.0f}%"
+    return text
+
+
+def render(report: dict[str, Any]) -> str:
+    medians, spreads = report["medians"], report["spreads"]
+    columns = report["meta"]["columns"]
+    width = 19
+    lines = [f"WARNING: {warning}" for warning in report.get("warnings", [])]
+    lines += [
+        f"medians of {report['meta']['repeats']} fresh-process runs per cell "
+        "(± = half the min-max range, relative to the median)",
+        "",
+        f"{'':<28}" + "".join(f"{column:>{width}}" for column in columns),
+    ]
+    for metric in METRICS:
+        if metric.workload not in medians:
+            continue
+        row = f"{metric.label:<28}"
+        for column in columns:
+            value = _get(medians, metric.workload, column, metric.key)
+            spread = spreads.get(metric.workload, {}).get(column, {}).get(metric.key)
+            row += f"{_cell(value, spread, metric.unit_format):>{width}}"
+        lines.append(row)
+    if report.get("w4_skipped"):
+        lines.append(f"W4 resolve    skipped: {report['w4_skipped']}")
+    lines += ["", f"{'ratios':<42}{'of medians':>12}{'paired':>10}"]
+    paired = report.get("paired_ratios", {})
+    for name, value in report["ratios"].items():
+        other = paired.get(name)
+        lines.append(
+            f"  {name:<40}{'n/a' if value is None else f'{value:.2f}':>12}"
+            f"{'n/a' if other is None else f'{other:.2f}':>10}"
+        )
+    lines += ["", "targets"]
+    for target in report["targets"]:
+        value = target["value"]
+        detail = "" if value is None else f"{value:.2f} vs {target['threshold']:g}"
+        if target["margin"] is not None:
+            detail += f" ({target['margin'] * 100:+.0f}%)"
+        lines.append(f"  {target['status']:<5} {target['target']:<34} {detail}")
+    return "\n".join(lines)
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", os.fspath(BENCHES.parent), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return ""
+    return out.stdout.strip()
+
+
+def drive(args: argparse.Namespace) -> dict[str, Any]:
+    columns = list(args.columns)
+    workloads = list(args.workloads)
+    w4_skipped = lineage_unavailable() if "W4" in workloads else None
+    if w4_skipped:
+        workloads.remove("W4")
+    if "W3" in workloads and "W2" not in workloads:
+        raise SystemExit("W3 freezes what W2 wrote: include W2")
+    scratch = Path(args.scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="compare-", dir=scratch))
+    samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    builds: dict[str, list[str]] = {}
+    log: Callable[[str], None] = (
+        (lambda _: None) if args.silent else (lambda text: print(text, file=sys.stderr, flush=True))
+    )
+    load_before = os.getloadavg()
+    started = time.time()
+    try:
+        for repeat in range(args.repeats):
+            order = rotated(columns, repeat)
+            for workload in workloads:
+                for column in order:
+                    if workload == "W4" and column not in W4_COLUMNS:
+                        continue
+                    target = "W2" if workload == "W3" else workload
+                    spec = {
+                        "workload": workload,
+                        "column": column,
+                        "quick": args.quick,
+                        "dir": os.fspath(run_dir / f"{target}-{column}-{repeat}"),
+                    }
+                    result = run_worker_process(spec, args.timeout)
+                    build = result.pop("native_build")
+                    builds.setdefault(json.dumps(build, sort_keys=True), []).append(
+                        f"{workload}/{column}/{repeat}"
+                    )
+                    samples.setdefault(workload, {}).setdefault(column, []).append(result)
+                    log(f"repeat {repeat + 1}/{args.repeats} {workload} {column}: {result}")
+            for child in run_dir.iterdir():  # this repeat's logs are no longer needed
+                shutil.rmtree(child, ignore_errors=True)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            scratch.rmdir()  # only when empty: a concurrent run may be using it
+    summary = summarize(samples)
+    ratios, targets = ratios_and_targets(summary["medians"])
+    native_builds = [{**json.loads(key), "runs": len(runs)} for key, runs in builds.items()]
+    warnings = []
+    if any(build["debug"] for build in native_builds):
+        warnings.append(
+            "the native module is a DEBUG build (it has DWARF sections): these figures say "
+            "nothing about release performance; rebuild with `pip install -e . "
+            "--no-build-isolation` or run with --package (see benches/README.md)"
+        )
+    if len(native_builds) > 1:
+        warnings.append(
+            "the native module changed during the run (someone rebuilt it): samples mix builds; "
+            "use --package with a private release build"
+        )
+    return {
+        "warnings": warnings,
+        "meta": {
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "columns": columns,
+            "workloads": list(args.workloads),
+            "shapes": {name: asdict(shape) for name, shape in shapes(args.quick).items()},
+            "git_commit": _git_commit(),
+            "native_builds": native_builds,
+            "package": args.package,
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+            "started_at": started,
+            "duration_s": time.time() - started,
+        },
+        "w4_skipped": w4_skipped,
+        "samples": samples,
+        **summary,
+        "ratios": ratios,
+        "paired_ratios": paired_ratios(samples),
+        "targets": targets,
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="runs per cell (default 5)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    parser.add_argument("--json", default=os.fspath(DEFAULT_JSON), help="where to write figures")
+    parser.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS))
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--scratch", default=os.fspath(DEFAULT_SCRATCH), help="data directory")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per worker run")
+    parser.add_argument("--silent", action="store_true", help="no per-run progress on stderr")
+    parser.add_argument(
+        "--package",
+        help="import tokencapture from this directory (e.g. an unpacked release wheel) in every "
+        "run, instead of the installed one",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.package and not args.worker:
+        package = os.fspath(Path(args.package).resolve())
+        if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != package:
+            # Re-run with the package first on the path: the driver and every worker import it.
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [package, os.environ.get("PYTHONPATH")])
+                ),
+            }
+            script = os.fspath(Path(__file__).resolve())
+            argv_list = list(sys.argv[1:] if argv is None else argv)
+            return subprocess.run(
+                [sys.executable, script, *argv_list], env=env, check=False
+            ).returncode
+    if args.worker:
+        print(RESULT_PREFIX + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return 0
+    report = drive(args)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(render(report))
+    print(f"\nfigures written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,30 @@
+//! The tail scan a reader runs over the bytes past the state index: `complete_lines` plus
+//! `extract_call_id` on every line. On arbitrary bytes it must never panic, must yield
+//! exactly the newline-terminated lines (in order, at their offsets, without newlines) and
+//! must leave out the torn tail after the last newline.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use tokencapture::log::{complete_lines, complete_prefix_len, extract_call_id};
+
+fuzz_target!(|input: (u32, &[u8])| {
+    let (base, buf) = input;
+    let base = u64::from(base);
+    let prefix = complete_prefix_len(buf);
+    assert!(prefix <= buf.len());
+    assert!(prefix == 0 || buf[prefix - 1] == b'\n');
+    assert!(
+        !buf[prefix..].contains(&b'\n'),
+        "a newline was left in the torn tail"
+    );
+    let mut rebuilt = Vec::with_capacity(prefix);
+    for (offset, line) in complete_lines(buf, base) {
+        assert_eq!(offset, base + rebuilt.len() as u64);
+        assert!(!line.contains(&b'\n'));
+        rebuilt.extend_from_slice(line);
+        rebuilt.push(b'\n');
+        // Either a record or an error the store turns into corruption; never a panic.
+        let _ = extract_call_id(line);
+    }
+    assert_eq!(&rebuilt[..], &buf[..prefix]);
+});

@@ -1,0 +1,867 @@
+use serde_json::{json, Value};
+
+use super::*;
+use crate::store::Store;
+
+fn user(text: &str) -> Value {
+    json!({"role": "user", "content": text})
+}
+
+fn assistant(text: &str) -> Value {
+    json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]})
+}
+
+/// One committed call: what it saw, what it said, its tokens.
+struct Turn {
+    call_id: String,
+    request: Vec<Value>,
+    output: Value,
+    prompt: Vec<u64>,
+    generation: Vec<u64>,
+}
+
+impl Turn {
+    fn cumulative(&self) -> Vec<u64> {
+        [self.prompt.clone(), self.generation.clone()].concat()
+    }
+
+    /// The canonical-ish line of this call (serde_json sorts keys like orjson does).
+    fn line(&self, parent: Option<&str>, delta_of: Option<&[u64]>) -> Vec<u8> {
+        let mut all = self.request.clone();
+        all.push(self.output.clone());
+        let (fp, context_digest) = continuation_hashes(&all, self.request.len()).unwrap();
+        let cumulative = self.cumulative();
+        let prompt: Vec<u64> = match delta_of {
+            Some(prefix) => self.prompt[prefix.len()..].to_vec(),
+            None => self.prompt.clone(),
+        };
+        serde_json::to_vec(&json!({
+            "schema_version": 1,
+            "rollout_id": "r",
+            "model_call_id": self.call_id,
+            "prompt_token_ids": prompt,
+            "generation_token_ids": self.generation,
+            "generation_log_probs": vec![-0.5; self.generation.len()],
+            "output_items": [self.output],
+            "continuation_fingerprint": fp,
+            "continuation_context_len": self.request.len(),
+            "continuation_context_digest": context_digest,
+            "fingerprint_version": 2,
+            "cum_len": cumulative.len(),
+            "digest": token_digest(&cumulative),
+            "parent_call_id": parent,
+            "parent_resolution": if parent.is_some() { "resolved" } else { "root" },
+            "prompt_is_delta": delta_of.is_some(),
+        }))
+        .unwrap()
+    }
+
+    /// The request that continues this call.
+    fn next_request(&self, text: &str) -> Vec<Value> {
+        let mut next = self.request.clone();
+        next.push(self.output.clone());
+        next.push(user(text));
+        next
+    }
+}
+
+/// A conversation of `n` turns whose prompts extend the previous cumulative tokens.
+fn conversation(n: usize, prefix: &str) -> Vec<Turn> {
+    let mut turns: Vec<Turn> = Vec::new();
+    let mut request = vec![user(&format!("{prefix} start"))];
+    let mut cumulative: Vec<u64> = Vec::new();
+    for i in 0..n {
+        let mut prompt = cumulative.clone();
+        prompt.extend((0..5).map(|j| 1000 + (i * 10 + j) as u64));
+        let generation: Vec<u64> = (0..3).map(|j| 5000 + (i * 10 + j) as u64).collect();
+        let turn = Turn {
+            call_id: format!("{prefix}-call-{i:03}"),
+            request: request.clone(),
+            output: assistant(&format!("{prefix} reply {i}")),
+            prompt,
+            generation,
+        };
+        cumulative = turn.cumulative();
+        request = turn.next_request(&format!("{prefix} follow-up {i}"));
+        turns.push(turn);
+    }
+    turns
+}
+
+fn resolve_mem(lineage: &MemoryLineage, rollout: &str, items: &[Value]) -> Outcome {
+    match lineage
+        .resolve(rollout, &mut ItemsRequest::new(items.to_vec()))
+        .unwrap()
+    {
+        Step::Done(outcome) => outcome,
+        Step::Missing(missing) => panic!("unexpected {missing:?}"),
+    }
+}
+
+fn resolve_file(lineage: &FileLineage, rollout: &str, items: &[Value]) -> Result<Outcome> {
+    match lineage.resolve(rollout, &mut ItemsRequest::new(items.to_vec()))? {
+        Step::Done(outcome) => Ok(outcome),
+        Step::Missing(missing) => panic!("unexpected {missing:?}"),
+    }
+}
+
+fn resolved(outcome: &Outcome) -> (&str, &[u64]) {
+    match outcome {
+        Outcome::Resolved {
+            call_id, tokens, ..
+        } => (call_id, tokens),
+        other => panic!("expected resolved, got {other:?}"),
+    }
+}
+
+fn unresolved(reason: &'static str) -> Outcome {
+    Outcome::Unresolved { reason }
+}
+
+// ---- scanning --------------------------------------------------------------------------------
+
+#[test]
+fn scan_finds_the_lineage_fields_and_token_spans() {
+    let line = br#"{"continuation_context_digest":"cd","continuation_context_len":3,"continuation_fingerprint":"fp","cum_len":7,"digest":"d","fingerprint_version":2,"generation_token_ids":[203],"model_call_id":"call-\"2\"","output_items":[{"content":[{"text":"]}","type":"output_text"}]}],"parent_call_id":"call-1","prompt_is_delta":true,"prompt_token_ids":[101, 102 ,103]}"#;
+    let meta = scan_line(line).unwrap();
+    assert_eq!(meta.call_id, "call-\"2\"");
+    assert_eq!(meta.fingerprint, "fp");
+    assert_eq!(meta.context_len, Some(3));
+    assert_eq!(meta.context_digest, "cd");
+    assert_eq!(meta.cum_len, Some(7));
+    assert_eq!(meta.digest.as_deref(), Some("d"));
+    assert_eq!(meta.parent_call_id.as_deref(), Some("call-1"));
+    assert!(meta.prompt_is_delta);
+    assert_eq!(&line[meta.prompt.clone().unwrap()], b"[101, 102 ,103]");
+    assert_eq!(&line[meta.generation.clone().unwrap()], b"[203]");
+    assert_eq!(meta.token_count(line), 4);
+}
+
+#[test]
+fn scan_defaults_and_version_gate() {
+    let meta = scan_line(br#"{"model_call_id":"a","continuation_fingerprint":"fp","fingerprint_version":1,"digest":"","continuation_context_len":-1}"#).unwrap();
+    assert_eq!(meta.fingerprint, "", "only version 2 is indexed");
+    assert_eq!(meta.digest, None, "an empty digest reads as absent");
+    assert_eq!(meta.context_len, None, "a negative context never matches");
+    let meta = scan_line(
+        br#"{"model_call_id":"a","fingerprint_version":null,"cum_len":null,"parent_call_id":null}"#,
+    )
+    .unwrap();
+    assert_eq!(meta.fingerprint, "");
+    assert_eq!(meta.cum_len, None);
+    assert_eq!(meta.prompt, None);
+}
+
+#[test]
+fn scan_refuses_what_is_not_an_entry() {
+    for bad in [
+        &b""[..],
+        b"[1]",
+        b"{\"model_call_id\":1}",
+        b"{\"x\":1}",
+        b"{\"model_call_id\":\"a\"",
+        b"{\"model_call_id\":\"a\"} x",
+        b"{\"model_call_id\":\"a\",\"cum_len\":\"7\"}",
+        b"{\"model_call_id\":\"a\",\"prompt_is_delta\":1}",
+        b"{\"model_call_id\":\"a\",\"fingerprint_version\":2.0}",
+        b"{\"model_call_id\":\"a\",\"p\":[1,}2]}",
+        b"{\"model_call_id\":\"a\",\"p\":[1,2}",
+    ] {
+        assert!(scan_line(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+    }
+}
+
+#[test]
+fn token_arrays_parse_strictly() {
+    let mut out = Vec::new();
+    parse_token_array(b" [ 1 , 2,3 ,18446744073709551615 ] ", &mut out).unwrap();
+    assert_eq!(out, vec![1, 2, 3, u64::MAX]);
+    out.clear();
+    parse_token_array(b"[]", &mut out).unwrap();
+    parse_token_array(b"[ ]", &mut out).unwrap();
+    assert!(out.is_empty());
+    parse_token_array(b"[0, 10 ,\n9999999999999999999,0]", &mut out).unwrap();
+    assert_eq!(out, vec![0, 10, 9_999_999_999_999_999_999, 0]);
+    for bad in [
+        &b"[-1]"[..],
+        b"[1.0]",
+        b"[1e3]",
+        b"[01]",
+        b"[18446744073709551616]",
+        b"[1,]",
+        b"[,1]",
+        b"[1] x",
+        b"null",
+        b"[true]",
+        b"[\"1\"]",
+        b"[1",
+        b"[1 2]",
+        b"[00]",
+        b"[0 1]",
+        b"[1]]",
+        b"]",
+        b"[123456789012345678901]",
+    ] {
+        assert!(
+            parse_token_array(bad, &mut Vec::new()).is_err(),
+            "{}",
+            String::from_utf8_lossy(bad)
+        );
+    }
+}
+
+#[test]
+fn the_fast_path_agrees_with_the_general_parser() {
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for round in 0..2000 {
+        let len = (next() % 40) as usize;
+        let ids: Vec<u64> = (0..len)
+            .map(|_| match next() % 10 {
+                0 => next(),                   // up to twenty digits
+                1 => next() % 10,              // one digit
+                2 => 10_000_000 + next() % 10, // exactly eight digits
+                _ => next() % 200_000,
+            })
+            .collect();
+        let text = format!(
+            "[{}]",
+            ids.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+        );
+        let mut out = vec![42];
+        parse_token_array(text.as_bytes(), &mut out).unwrap();
+        assert_eq!(out[1..], ids[..], "round {round}: {text}");
+        let mut fast = Vec::new();
+        let inner = &text.as_bytes()[1..text.len() - 1];
+        if parse_canonical_ids(inner, &mut fast) {
+            assert_eq!(fast, ids, "{text}");
+        } else {
+            assert!(ids.is_empty() || ids.iter().any(|&id| id >= 10_000_000), "{text}");
+        }
+    }
+    for bad in [&b"1,"[..], b",1", b"1,,2", b"01", b"1 ", b"1,x", b"12345678a"] {
+        assert!(!parse_canonical_ids(bad, &mut Vec::new()), "{}", String::from_utf8_lossy(bad));
+    }
+}
+
+// ---- candidate rules (in memory) -------------------------------------------------------------
+
+#[test]
+fn a_conversation_resolves_turn_by_turn() {
+    let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+    let turns = conversation(6, "c");
+    // The first request has no model-authored history.
+    assert_eq!(resolve_mem(&lineage, "r", &turns[0].request), Outcome::Root);
+    for turn in &turns {
+        assert!(lineage.put("r", &turn.line(None, None)).unwrap());
+        let next = turn.next_request("next");
+        let outcome = resolve_mem(&lineage, "r", &next);
+        let (call_id, tokens) = resolved(&outcome);
+        assert_eq!(call_id, turn.call_id);
+        assert_eq!(tokens, turn.cumulative().as_slice());
+    }
+    // The same put again is a no-op.
+    assert!(!lineage.put("r", &turns[0].line(None, None)).unwrap());
+}
+
+#[test]
+fn a_rewritten_or_truncated_context_is_unresolved() {
+    let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+    let turns = conversation(3, "c");
+    for turn in &turns {
+        lineage.put("r", &turn.line(None, None)).unwrap();
+    }
+    let mut rewritten = turns[2].next_request("x");
+    rewritten[0] = user("a different first message");
+    assert_eq!(
+        resolve_mem(&lineage, "r", &rewritten),
+        unresolved(REASON_NO_MATCH)
+    );
+    // Dropping the context the call saw: the fingerprint still matches, the context cannot.
+    let full = turns[2].next_request("x");
+    let truncated: Vec<Value> = full[full.len() - 3..].to_vec();
+    assert_eq!(
+        resolve_mem(&lineage, "r", &truncated),
+        unresolved(REASON_NO_MATCH)
+    );
+    assert_eq!(
+        resolve_mem(&lineage, "other", &full),
+        unresolved(REASON_NO_MATCH)
+    );
+}
+
+#[test]
+fn same_output_different_tokens_is_ambiguous_and_identical_retries_collapse() {
+    let turns = conversation(1, "c");
+    let first = &turns[0];
+    let twin = Turn {
+        call_id: "c-call-twin".into(),
+        request: first.request.clone(),
+        output: first.output.clone(),
+        prompt: first.prompt.clone(),
+        generation: vec![7, 7, 7],
+    };
+    let retry = Turn {
+        call_id: "a-retry".into(),
+        request: first.request.clone(),
+        output: first.output.clone(),
+        prompt: first.prompt.clone(),
+        generation: first.generation.clone(),
+    };
+    let next = first.next_request("n");
+
+    let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+    lineage.put("r", &first.line(None, None)).unwrap();
+    lineage.put("r", &twin.line(None, None)).unwrap();
+    assert_eq!(
+        resolve_mem(&lineage, "r", &next),
+        unresolved(REASON_AMBIGUOUS)
+    );
+
+    let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+    lineage.put("r", &first.line(None, None)).unwrap();
+    lineage.put("r", &retry.line(None, None)).unwrap();
+    let outcome = resolve_mem(&lineage, "r", &next);
+    assert_eq!(resolved(&outcome).0, "a-retry", "the smallest call id wins");
+}
+
+#[test]
+fn a_conflicting_payload_counts_as_zero_candidates() {
+    let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+    let turns = conversation(1, "c");
+    lineage.put("r", &turns[0].line(None, None)).unwrap();
+    let mut other = turns[0].line(None, None);
+    other.extend_from_slice(b" ");
+    assert!(matches!(
+        lineage.put("r", &other),
+        Err(LineageError::Store(Error::Conflict { .. }))
+    ));
+    assert_eq!(
+        resolve_mem(&lineage, "r", &turns[0].next_request("n")),
+        unresolved(REASON_NO_MATCH)
+    );
+}
+
+#[test]
+fn an_empty_recorded_context_digest_never_matches() {
+    let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+    let turns = conversation(1, "c");
+    let mut value: Value = serde_json::from_slice(&turns[0].line(None, None)).unwrap();
+    value["continuation_context_digest"] = json!("");
+    lineage
+        .put("r", &serde_json::to_vec(&value).unwrap())
+        .unwrap();
+    assert_eq!(
+        resolve_mem(&lineage, "r", &turns[0].next_request("n")),
+        unresolved(REASON_NO_MATCH)
+    );
+}
+
+#[test]
+fn hashed_requests_ask_for_the_digests_they_need() {
+    let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+    let turns = conversation(2, "c");
+    for turn in &turns {
+        lineage.put("r", &turn.line(None, None)).unwrap();
+    }
+    let next = turns[1].next_request("n");
+    let fp = fingerprint::assistant_fingerprint(&next).unwrap();
+    let mut request = HashedRequest {
+        fingerprint: fp,
+        len: next.len(),
+        digests: HashMap::new(),
+    };
+    let step = lineage.resolve("r", &mut request).unwrap();
+    assert_eq!(step, Step::Missing(Missing::Need(vec![3])));
+    request
+        .digests
+        .insert(3, fingerprint::conversation_digest(&next[..3]).unwrap());
+    match lineage.resolve("r", &mut request).unwrap() {
+        Step::Done(outcome) => assert_eq!(resolved(&outcome).0, turns[1].call_id),
+        other => panic!("{other:?}"),
+    }
+}
+
+// ---- materialization -------------------------------------------------------------------------
+
+#[test]
+fn a_fifty_link_delta_chain_rebuilds_the_full_prompts() {
+    let turns = conversation(50, "d");
+    let full = MemoryLineage::new(8, 1 << 30, 0);
+    let delta = MemoryLineage::new(8, 1 << 30, 0);
+    let mut parent: Option<&Turn> = None;
+    for turn in &turns {
+        full.put("r", &turn.line(None, None)).unwrap();
+        let parent_cumulative = parent.map(Turn::cumulative);
+        delta
+            .put(
+                "r",
+                &turn.line(
+                    parent.map(|p| p.call_id.as_str()),
+                    parent_cumulative.as_deref(),
+                ),
+            )
+            .unwrap();
+        parent = Some(turn);
+    }
+    let next = turns[49].next_request("n");
+    let a = resolve_mem(&full, "r", &next);
+    let b = resolve_mem(&delta, "r", &next);
+    assert_eq!(a, b);
+    assert_eq!(resolved(&b).1, turns[49].cumulative().as_slice());
+    // Every earlier link resolves too (no cache: each walk goes back to the root).
+    for turn in &turns[..49] {
+        let outcome = resolve_mem(&delta, "r", &turn.next_request("n"));
+        assert_eq!(resolved(&outcome).1, turn.cumulative().as_slice());
+    }
+}
+
+#[test]
+fn cached_ancestors_shorten_the_walk_and_answers_stay_verified() {
+    let turns = conversation(10, "d");
+    let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+    let mut parent: Option<&Turn> = None;
+    for turn in &turns {
+        let parent_cumulative = parent.map(Turn::cumulative);
+        lineage
+            .put(
+                "r",
+                &turn.line(
+                    parent.map(|p| p.call_id.as_str()),
+                    parent_cumulative.as_deref(),
+                ),
+            )
+            .unwrap();
+        let outcome = resolve_mem(&lineage, "r", &turn.next_request("n"));
+        assert_eq!(resolved(&outcome).1, turn.cumulative().as_slice());
+        parent = Some(turn);
+    }
+    assert!(lineage.cached_tokens() > 0);
+    // A repeat is served from the cache: same tokens, same allocation.
+    let next = turns[9].next_request("n");
+    let (Outcome::Resolved { tokens: a, .. }, Outcome::Resolved { tokens: b, .. }) = (
+        resolve_mem(&lineage, "r", &next),
+        resolve_mem(&lineage, "r", &next),
+    ) else {
+        panic!("expected resolved");
+    };
+    assert!(Arc::ptr_eq(&a, &b));
+}
+
+#[test]
+fn a_full_prompt_extending_its_cached_parent_is_parsed_from_the_new_turn_on() {
+    // Resolving in order caches each parent; the next winner reuses it. A winner whose prompt
+    // re-tokenizes the parent's tokens (same length, different ids; or shorter) must still
+    // come back exactly.
+    let mut turns = conversation(6, "p");
+    turns[3].prompt[1] += 1; // diverges inside the parent's span
+    turns[4].prompt = turns[4].prompt[..3].to_vec(); // shorter than its parent
+    let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+    let mut parent: Option<String> = None;
+    for turn in &turns {
+        lineage
+            .put("r", &turn.line(parent.as_deref(), None))
+            .unwrap();
+        parent = Some(turn.call_id.clone());
+    }
+    for turn in &turns {
+        let outcome = resolve_mem(&lineage, "r", &turn.next_request("n"));
+        assert_eq!(resolved(&outcome).1, turn.cumulative().as_slice(), "{}", turn.call_id);
+    }
+    // A parent whose cached tokens are the winner's whole prompt (an empty new turn).
+    let mut twin = conversation(2, "q");
+    twin[1].prompt = twin[0].cumulative();
+    let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+    lineage.put("r", &twin[0].line(None, None)).unwrap();
+    lineage
+        .put("r", &twin[1].line(Some(&twin[0].call_id), None))
+        .unwrap();
+    for turn in &twin {
+        let outcome = resolve_mem(&lineage, "r", &turn.next_request("n"));
+        assert_eq!(resolved(&outcome).1, turn.cumulative().as_slice());
+    }
+}
+
+fn corrupted(
+    turn: &Turn,
+    parent: Option<&str>,
+    delta_of: Option<&[u64]>,
+    edit: impl Fn(&mut Value),
+) -> Vec<u8> {
+    let mut value: Value = serde_json::from_slice(&turn.line(parent, delta_of)).unwrap();
+    edit(&mut value);
+    serde_json::to_vec(&value).unwrap()
+}
+
+#[test]
+fn integrity_failures_raise_never_answer() {
+    let turns = conversation(3, "i");
+    let c0 = turns[0].cumulative();
+    let c1 = turns[1].cumulative();
+    let cases: Vec<(&str, Vec<Vec<u8>>)> = vec![
+        (
+            "digest",
+            vec![corrupted(&turns[0], None, None, |v| {
+                v["digest"] = json!(token_digest(&[1, 2, 3]))
+            })],
+        ),
+        (
+            "cum_len",
+            vec![corrupted(&turns[0], None, None, |v| {
+                v["cum_len"] = json!(3)
+            })],
+        ),
+        ("parent", vec![turns[1].line(Some("nobody"), Some(&c0))]),
+        (
+            "cycle",
+            vec![
+                turns[0].line(Some(&turns[1].call_id), Some(&[])),
+                turns[1].line(Some(&turns[0].call_id), Some(&c0)),
+            ],
+        ),
+        (
+            "no parent id",
+            vec![corrupted(&turns[0], None, Some(&[]), |v| {
+                v["parent_resolution"] = json!("resolved")
+            })],
+        ),
+        (
+            "token array",
+            vec![corrupted(&turns[0], None, None, |v| {
+                v["generation_token_ids"] = json!([1, -2])
+            })],
+        ),
+        (
+            "missing array",
+            vec![corrupted(&turns[0], None, None, |v| {
+                v.as_object_mut().unwrap().remove("prompt_token_ids");
+            })],
+        ),
+    ];
+    let _ = c1;
+    for (name, lines) in cases {
+        let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+        for line in &lines {
+            lineage.put("r", line).unwrap();
+        }
+        let winner = if name == "cycle" || name == "parent" {
+            1
+        } else {
+            0
+        };
+        let result = lineage.resolve("r", &mut ItemsRequest::new(turns[winner].next_request("n")));
+        assert!(
+            matches!(result, Err(LineageError::Integrity(_))),
+            "{name}: {result:?}"
+        );
+    }
+}
+
+#[test]
+fn an_unstamped_digest_is_computed_for_a_full_prompt() {
+    let turns = conversation(1, "u");
+    let lineage = MemoryLineage::new(8, 1 << 30, 1 << 20);
+    lineage
+        .put(
+            "r",
+            &corrupted(&turns[0], None, None, |v| {
+                v["digest"] = Value::Null;
+                v["cum_len"] = Value::Null;
+            }),
+        )
+        .unwrap();
+    let outcome = resolve_mem(&lineage, "r", &turns[0].next_request("n"));
+    let Outcome::Resolved { digest, tokens, .. } = outcome else {
+        panic!("expected resolved");
+    };
+    assert_eq!(digest, token_digest(&tokens));
+}
+
+// ---- memory bounds ---------------------------------------------------------------------------
+
+#[test]
+fn memory_eviction_is_lru_by_tokens_and_never_the_only_rollout() {
+    let turns = conversation(4, "m");
+    let per_line = |turn: &Turn| (turn.prompt.len() + turn.generation.len()) as u64;
+    let lineage = MemoryLineage::new(8, per_line(&turns[0]), 0);
+    // A single rollout larger than the budget is kept whole.
+    for turn in &turns {
+        lineage.put("big", &turn.line(None, None)).unwrap();
+    }
+    assert_eq!(lineage.rollout_count(), 1);
+    let next = turns[3].next_request("n");
+    assert_eq!(
+        resolved(&resolve_mem(&lineage, "big", &next)).0,
+        turns[3].call_id
+    );
+    // Another rollout pushes it out.
+    lineage.put("small", &turns[0].line(None, None)).unwrap();
+    assert_eq!(lineage.rollout_count(), 1);
+    assert_eq!(
+        resolve_mem(&lineage, "big", &next),
+        unresolved(REASON_NO_MATCH)
+    );
+    assert_eq!(lineage.stored_tokens(), per_line(&turns[0]));
+
+    let lineage = MemoryLineage::new(2, 1 << 30, 0);
+    for rollout in ["a", "b", "c"] {
+        lineage.put(rollout, &turns[0].line(None, None)).unwrap();
+    }
+    assert_eq!(lineage.rollout_count(), 2);
+    let (removed, absent) = lineage.delete(&["a", "b", "c"]).unwrap();
+    assert_eq!(
+        (removed, absent),
+        (vec!["b".into(), "c".into()], vec!["a".to_string()])
+    );
+    assert_eq!(lineage.stored_tokens(), 0);
+}
+
+#[test]
+fn token_cache_evicts_by_tokens() {
+    let cache = TokenCache::new(10);
+    cache.insert("a".into(), Arc::new(vec![1u64; 6]));
+    cache.insert("b".into(), Arc::new(vec![2u64; 4]));
+    assert_eq!(cache.tokens(), 10);
+    assert!(cache.get("a").is_some()); // a is now the most recent
+    cache.insert("c".into(), Arc::new(vec![3u64; 3]));
+    assert!(cache.get("b").is_none());
+    assert_eq!(cache.tokens(), 9);
+    cache.insert("huge".into(), Arc::new(vec![0u64; 11]));
+    assert!(cache.get("huge").is_none());
+}
+
+// ---- files -----------------------------------------------------------------------------------
+
+#[test]
+fn file_lineage_sees_every_put_and_reads_incrementally() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 8).unwrap();
+    let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
+    let turns = conversation(5, "f");
+    // Nothing on disk: no match, and reading created nothing.
+    assert_eq!(
+        resolve_file(&lineage, "r", &turns[0].next_request("n")).unwrap(),
+        unresolved(REASON_NO_MATCH)
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    for turn in &turns {
+        store
+            .put("r", &turn.call_id, &turn.line(None, None))
+            .unwrap();
+        let outcome = resolve_file(&lineage, "r", &turn.next_request("n")).unwrap();
+        assert_eq!(resolved(&outcome).1, turn.cumulative().as_slice());
+    }
+    // A torn final line is ignored until it is completed.
+    let log = dir.path().join("r.tokens.jsonl");
+    let extra = conversation(1, "g");
+    let line = extra[0].line(None, None);
+    {
+        use std::io::Write;
+        let mut file = OpenOptions::new().append(true).open(&log).unwrap();
+        file.write_all(&line[..line.len() / 2]).unwrap();
+        let next = extra[0].next_request("n");
+        assert_eq!(
+            resolve_file(&lineage, "r", &next).unwrap(),
+            unresolved(REASON_NO_MATCH)
+        );
+        file.write_all(&line[line.len() / 2..]).unwrap();
+        file.write_all(b"\n").unwrap();
+        assert_eq!(
+            resolved(&resolve_file(&lineage, "r", &next).unwrap()).0,
+            extra[0].call_id
+        );
+    }
+}
+
+#[test]
+fn file_lineage_resets_on_delete_replace_and_truncate() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 8).unwrap();
+    let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
+    let old = conversation(3, "old");
+    let new = conversation(3, "new");
+    for turn in &old {
+        store
+            .put("r", &turn.call_id, &turn.line(None, None))
+            .unwrap();
+    }
+    let old_next = old[2].next_request("n");
+    assert_eq!(
+        resolved(&resolve_file(&lineage, "r", &old_next).unwrap()).0,
+        old[2].call_id
+    );
+
+    // Retire: the records go, nothing resolves.
+    store.retire(&["r"]).unwrap();
+    assert_eq!(
+        resolve_file(&lineage, "r", &old_next).unwrap(),
+        unresolved(REASON_NO_MATCH)
+    );
+    // Delete and reuse: only the new entries resolve (same call ids, different content).
+    store.delete(&["r"]).unwrap();
+    for (turn, old_turn) in new.iter().zip(&old) {
+        let reused = Turn {
+            call_id: old_turn.call_id.clone(),
+            request: turn.request.clone(),
+            output: turn.output.clone(),
+            prompt: turn.prompt.clone(),
+            generation: turn.generation.iter().map(|t| t + 1).collect(),
+        };
+        store
+            .put("r", &reused.call_id, &reused.line(None, None))
+            .unwrap();
+    }
+    assert_eq!(
+        resolve_file(&lineage, "r", &old_next).unwrap(),
+        unresolved(REASON_NO_MATCH)
+    );
+    let outcome = resolve_file(&lineage, "r", &new[2].next_request("n")).unwrap();
+    assert_eq!(resolved(&outcome).0, old[2].call_id);
+    assert_eq!(
+        resolved(&outcome).1[..new[2].prompt.len()],
+        new[2].prompt[..]
+    );
+
+    // Replaced by rename: a different inode resets the index.
+    let log = dir.path().join("r.tokens.jsonl");
+    let replacement = dir.path().join("replacement");
+    std::fs::write(
+        &replacement,
+        [old[0].line(None, None), b"\n".to_vec()].concat(),
+    )
+    .unwrap();
+    std::fs::rename(&replacement, &log).unwrap();
+    assert_eq!(
+        resolved(&resolve_file(&lineage, "r", &old[0].next_request("n")).unwrap()).0,
+        old[0].call_id
+    );
+    assert_eq!(
+        resolve_file(&lineage, "r", &new[2].next_request("n")).unwrap(),
+        unresolved(REASON_NO_MATCH)
+    );
+
+    // Truncated in place below the cursor: read again from the start.
+    let file = OpenOptions::new().write(true).open(&log).unwrap();
+    file.set_len(0).unwrap();
+    assert_eq!(
+        resolve_file(&lineage, "r", &old[0].next_request("n")).unwrap(),
+        unresolved(REASON_NO_MATCH)
+    );
+    let append = |line: Vec<u8>| {
+        use std::io::Write;
+        let mut file = OpenOptions::new().append(true).open(&log).unwrap();
+        file.write_all(&[line, b"\n".to_vec()].concat()).unwrap();
+    };
+    append(old[1].line(None, None));
+    assert_eq!(
+        resolved(&resolve_file(&lineage, "r", &old[1].next_request("n")).unwrap()).0,
+        old[1].call_id
+    );
+    // Rewritten in place with longer content: the cursor no longer ends a line, so the
+    // index starts over instead of parsing from the middle of a line.
+    file.set_len(0).unwrap();
+    append(old[2].line(None, None));
+    assert_eq!(
+        resolved(&resolve_file(&lineage, "r", &old[2].next_request("n")).unwrap()).0,
+        old[2].call_id
+    );
+    assert_eq!(
+        resolve_file(&lineage, "r", &old[1].next_request("n")).unwrap(),
+        unresolved(REASON_NO_MATCH)
+    );
+}
+
+#[test]
+fn file_lineage_conflicting_lines_count_as_zero_candidates() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("r.tokens.jsonl");
+    let turns = conversation(2, "x");
+    let first = turns[0].line(None, None);
+    let mut conflicting: Value = serde_json::from_slice(&first).unwrap();
+    conflicting["created_at"] = json!(5);
+    let lines = [
+        first.clone(),
+        first.clone(), // an identical copy is a duplicate, not a conflict
+        turns[1].line(None, None),
+    ];
+    std::fs::write(&log, lines.map(|l| [l, b"\n".to_vec()].concat()).concat()).unwrap();
+    let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
+    let next = turns[0].next_request("n");
+    assert_eq!(
+        resolved(&resolve_file(&lineage, "r", &next).unwrap()).0,
+        turns[0].call_id
+    );
+    {
+        use std::io::Write;
+        let mut file = OpenOptions::new().append(true).open(&log).unwrap();
+        file.write_all(&serde_json::to_vec(&conflicting).unwrap())
+            .unwrap();
+        file.write_all(b"\n").unwrap();
+    }
+    assert_eq!(
+        resolve_file(&lineage, "r", &next).unwrap(),
+        unresolved(REASON_NO_MATCH)
+    );
+    // The other call is unaffected.
+    let outcome = resolve_file(&lineage, "r", &turns[1].next_request("n")).unwrap();
+    assert_eq!(resolved(&outcome).0, turns[1].call_id);
+}
+
+#[test]
+fn a_corrupt_line_raises_with_its_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("r.tokens.jsonl");
+    let turns = conversation(1, "x");
+    let first = turns[0].line(None, None);
+    std::fs::write(&log, [first.clone(), b"\nnot json\n".to_vec()].concat()).unwrap();
+    let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
+    match resolve_file(&lineage, "r", &turns[0].next_request("n")) {
+        Err(LineageError::Store(Error::Corrupt { offset, .. })) => {
+            assert_eq!(offset, first.len() as u64 + 1)
+        }
+        other => panic!("{other:?}"),
+    }
+    // Roots never touch the files.
+    assert_eq!(
+        resolve_file(&lineage, "r", &[user("hi")]).unwrap(),
+        Outcome::Root
+    );
+    assert!(lineage
+        .resolve("bad/id", &mut ItemsRequest::new(vec![]))
+        .is_err());
+}
+
+#[test]
+fn file_lineage_lru_bounds_rollouts() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 8).unwrap();
+    let lineage = FileLineage::new(dir.path(), 2, 1 << 20);
+    let turns = conversation(1, "l");
+    for rollout in ["a", "b", "c"] {
+        store
+            .put(rollout, &turns[0].call_id, &turns[0].line(None, None))
+            .unwrap();
+        let outcome = resolve_file(&lineage, rollout, &turns[0].next_request("n")).unwrap();
+        assert_eq!(resolved(&outcome).0, turns[0].call_id);
+    }
+    assert_eq!(lineage.cached_rollouts(), 2);
+    // An evicted rollout is simply read again.
+    let outcome = resolve_file(&lineage, "a", &turns[0].next_request("n")).unwrap();
+    assert_eq!(resolved(&outcome).0, turns[0].call_id);
+    lineage.clear();
+    assert_eq!((lineage.cached_rollouts(), lineage.cached_tokens()), (0, 0));
+}
+
+#[test]
+fn extends_is_a_prefix_check() {
+    assert!(extends(&[], &[]));
+    assert!(extends(&[1, 2], &[1, 2]));
+    assert!(extends(&[1, 2], &[1, 2, 3]));
+    assert!(!extends(&[1, 2], &[1]));
+    assert!(!extends(&[1, 2], &[1, 3, 2]));
+}

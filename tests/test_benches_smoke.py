@@ -1,0 +1,61 @@
+"""Smoke test of the comparison command: `benches/compare.py --quick --repeats 1` end to end.
+
+Tiny sizes, every column, every workload, in fresh subprocesses; checks that the JSON report
+carries every column's figures. The real comparison is `python benches/compare.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMPARE = Path(__file__).resolve().parents[1] / "benches" / "compare.py"
+COLUMNS = ("tokencapture", "reference", "sqlite", "raw")
+PUT_KEYS = ("puts_per_s", "cpu_us_per_put", "peak_rss_mb")
+
+
+def test_compare_quick_writes_every_column(tmp_path: Path) -> None:
+    pytest.importorskip("tokencapture.reference", reason="the reference store is not built yet")
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(COMPARE),
+            "--quick",
+            "--repeats",
+            "1",
+            "--silent",
+            "--json",
+            str(out),
+            "--scratch",
+            str(tmp_path / "scratch"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "targets" in proc.stdout
+
+    report = json.loads(out.read_text())
+    medians = report["medians"]
+    for workload in ("W1", "W2"):
+        for column in COLUMNS:
+            figures = medians[workload][column]
+            for key in PUT_KEYS:
+                assert figures[key] > 0, (workload, column, key)
+    for column in COLUMNS:
+        assert medians["W3"][column]["ms_per_freeze"] > 0, column
+    if report["w4_skipped"] is None:
+        for column in ("tokencapture", "reference"):
+            assert medians["W4"][column]["us_per_resolve"] > 0, column
+    else:
+        assert "W4" not in medians
+    assert {target["status"] for target in report["targets"]} <= {"PASS", "MISS", "N/A"}
+    assert len(report["targets"]) == 7
+    assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())

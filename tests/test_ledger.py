@@ -1,0 +1,657 @@
+"""`FileCaptureLedger`: write-once rows, manifests, fences, parent resolution, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import multiprocessing
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from pydantic import ValidationError
+from tests.conftest import make_entry
+
+from tokencapture import (
+    CaptureLedgerConflictError,
+    FileCaptureLedger,
+    TokenCaptureStore,
+)
+from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
+from tokencapture.protocols import (
+    CaptureLedger,
+    LineageMatch,
+    RolloutRetiredError,
+    TokenCaptureCorruptionError,
+)
+from tokencapture.records import ParentResolutionStatus, compute_digest
+from tokencapture.staging.records import (
+    CONFLICTING_CALL_RECORD_REASON,
+    INVALID_CALL_RECORD_REASON,
+    MISSING_CHAIN_DIGEST_REASON,
+    MISSING_RESPONSE_ID_REASON,
+    UNCOMMITTED_CALL_REASON,
+    CallRecord,
+    CaptureLedgerCommit,
+    RolloutManifest,
+    RolloutRemoval,
+)
+
+ROOT = ParentResolutionStatus.ROOT
+RESOLVED = ParentResolutionStatus.RESOLVED
+UNRESOLVED = ParentResolutionStatus.UNRESOLVED
+
+Items = list[dict[str, Any]]
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def make_commit(
+    call: str = "c1",
+    rollout_id: str = "r1",
+    *,
+    request: Items | None = None,
+    response: Items | None = None,
+    parent: str | None = None,
+    prev_len: int = 0,
+    delta_len: int = 5,
+    digest: str | None = None,
+    staging_chain: tuple[str, ...] = ("stage-a",),
+    response_id: str | None = None,
+) -> CaptureLedgerCommit:
+    """A valid commit whose continuation hashes match its items."""
+    request = [user("question")] if request is None else request
+    response = [assistant(f"answer of {call}")] if response is None else response
+    cum_len = prev_len + delta_len
+    record = CallRecord(
+        model_call_id=call,
+        response_id=response_id or f"resp-{call}",
+        parent_call_id=parent,
+        mode="token_in" if parent else "text",
+        prev_len=prev_len,
+        delta_len=delta_len,
+        cum_len=cum_len,
+        digest=digest or compute_digest(list(range(cum_len))),
+        chain_hash=sha(f"chain-{call}"),
+        continuation_fingerprint=assistant_fingerprint([*request, *response]),
+        continuation_context_len=len(request),
+        continuation_context_digest=conversation_digest(request),
+    )
+    return CaptureLedgerCommit(
+        rollout_id=rollout_id,
+        record=record,
+        staging_chain=staging_chain,
+        request_items=request,
+        response_items=response,
+    )
+
+
+def row_line(commit: CaptureLedgerCommit) -> bytes:
+    """The documented row of a commit: sorted keys, compact separators."""
+    row = {
+        "kind": "commit",
+        "record": commit.record.model_dump(mode="json"),
+        "rollout_id": commit.rollout_id,
+        "schema_version": 2,
+        "staging_chain": list(commit.staging_chain),
+    }
+    return json.dumps(row, sort_keys=True, separators=(",", ":")).encode()
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(path.name for path in root.iterdir())
+
+
+def validated(manifest: dict[str, Any]) -> RolloutManifest:
+    """The manifest validates as `RolloutManifest` and carries no token arrays."""
+    assert "token_ids" not in orjson.dumps(manifest).decode()
+    return RolloutManifest.model_validate(manifest)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "ledger"
+
+
+@pytest.fixture
+def ledger(root: Path) -> FileCaptureLedger:
+    return FileCaptureLedger(root)
+
+
+# ---- protocol, rows, replay ------------------------------------------------------------------
+
+
+async def test_implements_the_capture_ledger_protocol(ledger: FileCaptureLedger) -> None:
+    assert isinstance(ledger, CaptureLedger)
+    assert ledger.is_process_shared() is True
+    await ledger.close()
+    await ledger.close()  # idempotent, and the ledger stays usable
+    await ledger.record(make_commit())
+    assert await ledger.has_rows("r1")
+
+
+async def test_record_writes_one_sorted_compact_row_and_a_token_free_manifest(
+    ledger: FileCaptureLedger, root: Path
+) -> None:
+    commit = make_commit(staging_chain=("stage-a", "stage-b"))
+    assert not await ledger.has_rows("r1")
+    await ledger.record(commit)
+    assert ledger.path_for("r1").read_bytes() == row_line(commit) + b"\n"
+    assert listing(root) == ["r1.lineage.jsonl", "r1.tokens.lock"]
+    manifest = await ledger.manifest("r1")
+    assert manifest == {
+        "schema_version": 2,
+        "rollout_id": "r1",
+        "records": [commit.record.model_dump(mode="json")],
+        "failures": [],
+    }
+    assert validated(manifest).records == (commit.record,)
+    assert await ledger.has_rows("r1")
+
+
+async def test_identical_replay_is_a_no_op_and_a_different_row_conflicts(
+    ledger: FileCaptureLedger,
+) -> None:
+    commit = make_commit()
+    await ledger.record(commit)
+    await ledger.record(commit)
+    assert ledger.record_now(commit) is True
+    before = ledger.path_for("r1").read_bytes()
+    assert before.count(b"\n") == 1
+
+    different = make_commit(response_id="another-response")
+    with pytest.raises(CaptureLedgerConflictError, match="already recorded"):
+        await ledger.record(different)
+    with pytest.raises(CaptureLedgerConflictError):
+        ledger.record_now(different)
+    assert issubclass(CaptureLedgerConflictError, ValueError)
+    assert ledger.path_for("r1").read_bytes() == before
+    # The conflict changed nothing: the first row still resolves.
+    found = await ledger.resolve("r1", [user("question"), assistant("answer of c1"), user("more")])
+    assert found.match is not None and found.match.model_call_id == "c1"
+
+
+async def test_failure_rows_are_listed_deduplicated_and_never_resolve(
+    ledger: FileCaptureLedger,
+) -> None:
+    await ledger.record_failure("r1", "c1", UNCOMMITTED_CALL_REASON)
+    await ledger.record_failure("r1", "c1", UNCOMMITTED_CALL_REASON)  # no-op
+    assert ledger.record_failure_now("r1", "c1", MISSING_RESPONSE_ID_REASON) is True
+    assert ledger.path_for("r1").read_bytes().count(b"\n") == 2
+    manifest = await ledger.manifest("r1")
+    assert validated(manifest).failures[0].reason == UNCOMMITTED_CALL_REASON
+    assert [f["reason"] for f in manifest["failures"]] == [
+        UNCOMMITTED_CALL_REASON,
+        MISSING_RESPONSE_ID_REASON,
+    ]
+    assert manifest["records"] == []
+    assert await ledger.has_rows("r1")
+    first_row = orjson.loads(ledger.path_for("r1").read_bytes().splitlines()[0])
+    assert first_row == {
+        "kind": "failure",
+        "model_call_id": "c1",
+        "reason": UNCOMMITTED_CALL_REASON,
+        "rollout_id": "r1",
+        "schema_version": 2,
+    }
+
+    # A committed call that also has a failure row is listed twice and never resolves.
+    await ledger.record(make_commit("c2"))
+    continuation = [user("question"), assistant("answer of c2"), user("next")]
+    assert (await ledger.resolve("r1", continuation)).status is RESOLVED
+    await ledger.record_failure("r1", "c2", "staging_lost")
+    after = await ledger.resolve("r1", continuation)
+    assert (after.status, after.reason) == (UNRESOLVED, "no_match")
+    manifest = await ledger.manifest("r1")
+    assert [r["model_call_id"] for r in validated(manifest).model_dump()["records"]] == ["c2"]
+
+
+# ---- poison rows, torn and corrupt lines -----------------------------------------------------
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]], tail: bytes = b"") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [orjson.dumps(row, option=orjson.OPT_SORT_KEYS) + b"\n" for row in rows]
+    path.write_bytes(b"".join(lines) + tail)
+
+
+def commit_row(record: dict[str, Any], rollout_id: str = "r1", **extra: Any) -> dict[str, Any]:
+    return {
+        "kind": "commit",
+        "record": record,
+        "rollout_id": rollout_id,
+        "schema_version": 2,
+        "staging_chain": [],
+        **extra,
+    }
+
+
+def poisoned(call: str, **changes: Any) -> dict[str, Any]:
+    record = make_commit(call).record.model_dump(mode="json")
+    for key, value in changes.items():
+        if value is ...:
+            del record[key]
+        else:
+            record[key] = value
+    return record
+
+
+async def test_poison_rows_become_failures_with_the_matching_reason(
+    ledger: FileCaptureLedger,
+) -> None:
+    rows = [
+        commit_row(poisoned("no-response", response_id=...)),
+        commit_row(poisoned("null-response", response_id=None)),
+        commit_row(poisoned("empty-response", response_id="")),
+        commit_row(poisoned("no-chain", chain_hash=...)),
+        commit_row(poisoned("null-digest", digest=None)),
+        commit_row(poisoned("bad-lengths", cum_len=99)),
+        commit_row(poisoned("old-schema", schema_version=1)),
+        commit_row(poisoned("extra-field", surprise=True)),
+        commit_row(poisoned("empty-context", continuation_context_digest="")),
+        commit_row(make_commit("good").record.model_dump(mode="json")),
+        commit_row(make_commit("twice").record.model_dump(mode="json")),
+        commit_row(make_commit("twice", response_id="other").record.model_dump(mode="json")),
+    ]
+    write_rows(ledger.path_for("r1"), rows)
+    manifest = await ledger.manifest("r1")
+    parsed = validated(manifest)
+    assert [r.model_call_id for r in parsed.records] == ["good"]
+    assert [(f.model_call_id, f.reason) for f in parsed.failures] == [
+        ("no-response", MISSING_RESPONSE_ID_REASON),
+        ("null-response", MISSING_RESPONSE_ID_REASON),
+        ("empty-response", MISSING_RESPONSE_ID_REASON),
+        ("no-chain", MISSING_CHAIN_DIGEST_REASON),
+        ("null-digest", MISSING_CHAIN_DIGEST_REASON),
+        ("bad-lengths", INVALID_CALL_RECORD_REASON),
+        ("old-schema", INVALID_CALL_RECORD_REASON),
+        ("extra-field", INVALID_CALL_RECORD_REASON),
+        ("empty-context", INVALID_CALL_RECORD_REASON),
+        ("twice", CONFLICTING_CALL_RECORD_REASON),
+    ]
+    # Poison and conflicting rows are never candidates; every one of them shares the good
+    # row's request, so a match on any of them would be ambiguous.
+    for call in ["no-response", "no-chain", "bad-lengths", "empty-context", "twice"]:
+        request = [user("question"), assistant(f"answer of {call}"), user("go on")]
+        found = await ledger.resolve("r1", request)
+        assert (found.status, found.reason) == (UNRESOLVED, "no_match"), call
+    good = await ledger.resolve("r1", [user("question"), assistant("answer of good")])
+    assert good.match is not None and good.match.model_call_id == "good"
+    # A poisoned call id is still write-once: the identical good row conflicts with it.
+    with pytest.raises(CaptureLedgerConflictError):
+        await ledger.record(make_commit("twice"))
+
+
+async def test_torn_final_line_is_ignored_then_truncated_by_the_next_write(
+    ledger: FileCaptureLedger,
+) -> None:
+    first = make_commit("c1")
+    torn = row_line(make_commit("c-torn"))[:40]
+    ledger.path_for("r1").parent.mkdir(parents=True, exist_ok=True)
+    ledger.path_for("r1").write_bytes(row_line(first) + b"\n" + torn)
+    manifest = await ledger.manifest("r1")
+    assert [r["model_call_id"] for r in manifest["records"]] == ["c1"]
+    second = make_commit("c2")
+    await ledger.record(second)
+    assert ledger.path_for("r1").read_bytes() == row_line(first) + b"\n" + row_line(second) + b"\n"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"not json",
+        b"[1,2]",
+        b'{"kind":"mystery","model_call_id":"c"}',
+        b'{"kind":"commit","record":{"response_id":"x"}}',
+        b'{"kind":"failure","model_call_id":"c"}',
+        b'{"kind":"failure","model_call_id":"c","reason":"x","rollout_id":"someone-else"}',
+        b'{"kind":"failure","model_call_id":"c","reason":"x","schema_version":3}',
+    ],
+)
+async def test_a_corrupt_complete_line_raises_and_blocks_writes(
+    ledger: FileCaptureLedger, line: bytes
+) -> None:
+    good = row_line(make_commit("c1"))
+    content = good + b"\n" + line + b"\n"
+    write_rows(ledger.path_for("r1"), [])
+    ledger.path_for("r1").write_bytes(content)
+    with pytest.raises(TokenCaptureCorruptionError, match=r"r1\.lineage\.jsonl.*offset"):
+        await ledger.manifest("r1")
+    with pytest.raises(TokenCaptureCorruptionError):
+        await ledger.record(make_commit("c2"))
+    assert ledger.path_for("r1").read_bytes() == content
+
+
+# ---- visibility across processes -------------------------------------------------------------
+
+RECORD_IN_CHILD = textwrap.dedent(
+    """
+    import sys
+    from tests.test_ledger import make_commit
+    from tokencapture import FileCaptureLedger
+
+    ledger = FileCaptureLedger(sys.argv[1])
+    ledger.record_now(make_commit(sys.argv[2], request=[{"role": "user", "content": "hi"}]))
+    ledger.record_failure_now("r1", "lost-call", "engine_crashed")
+    """
+)
+
+
+def test_a_record_in_another_process_is_visible_to_an_existing_ledger(
+    ledger: FileCaptureLedger, root: Path
+) -> None:
+    # The parent's ledger has already read (and cached) the rollout before the child writes.
+    ledger.record_now(make_commit("c0"))
+    assert [r["model_call_id"] for r in ledger.manifest_now("r1")["records"]] == ["c0"]
+    continuation = [{"role": "user", "content": "hi"}, assistant("answer of c1"), user("more")]
+    assert ledger.resolve_now("r1", continuation).status is UNRESOLVED
+
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", RECORD_IN_CHILD, str(root), "c1"], check=True, cwd=repo)
+    manifest = validated(ledger.manifest_now("r1"))
+    assert [r.model_call_id for r in manifest.records] == ["c0", "c1"]
+    assert [(f.model_call_id, f.reason) for f in manifest.failures] == [
+        ("lost-call", "engine_crashed")
+    ]
+    found = ledger.resolve_now("r1", continuation)
+    assert found.match is not None and found.match.model_call_id == "c1"
+
+
+def concurrent_writer(root: str, index: int) -> None:
+    ledger = FileCaptureLedger(root)
+    for n in range(15):
+        commit = make_commit(f"w{index}-c{n}", "shared")
+        ledger.record_now(commit)
+        ledger.record_now(commit)  # an identical retry is a no-op
+        ledger.record_now(make_commit("common", "shared"))  # every writer, one row
+
+
+def test_concurrent_processes_write_each_row_once(root: Path) -> None:
+    FileCaptureLedger(root)
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        pool.starmap(concurrent_writer, [(str(root), 0), (str(root), 1)])
+    manifest = validated(FileCaptureLedger(root).manifest_now("shared"))
+    assert not manifest.failures
+    assert len(manifest.records) == 31
+    assert (root / "shared.lineage.jsonl").read_bytes().count(b"\n") == 31
+
+
+async def test_concurrent_async_records_in_one_process(ledger: FileCaptureLedger) -> None:
+    commits = [make_commit(f"c{n}", f"r{n % 3}") for n in range(30)]
+    await asyncio.gather(*(ledger.record(c) for c in commits + commits))
+    for rollout in ("r0", "r1", "r2"):
+        manifest = validated(await ledger.manifest(rollout))
+        assert len(manifest.records) == 10
+        assert ledger.path_for(rollout).read_bytes().count(b"\n") == 10
+
+
+# ---- parent resolution -----------------------------------------------------------------------
+
+
+async def test_resolution_returns_a_token_free_match(ledger: FileCaptureLedger) -> None:
+    turn1 = [user("solve it")]
+    out1 = [assistant("thinking"), {"type": "function_call", "call_id": "t1", "name": "calc"}]
+    root_commit = make_commit("c1", request=turn1, response=out1, staging_chain=("s1",))
+    await ledger.record(root_commit)
+    turn2 = [*turn1, *out1, {"type": "function_call_output", "call_id": "t1", "output": "4"}]
+    found = await ledger.resolve("r1", turn2)
+    record = root_commit.record
+    assert found.status is RESOLVED
+    assert found.match == LineageMatch(
+        model_call_id="c1",
+        cumulative_token_ids=(),
+        digest=record.digest,
+        staging_chain=("s1",),
+        prev_len=record.cum_len,
+        chain_hash=record.chain_hash,
+    )
+    # The child, recorded on top of its parent, resolves the next turn in turn.
+    out2 = [assistant("the answer is 4")]
+    child = make_commit(
+        "c2",
+        request=turn2,
+        response=out2,
+        parent="c1",
+        prev_len=record.cum_len,
+        staging_chain=("s1", "s2"),
+    )
+    await ledger.record(child)
+    found = await ledger.resolve("r1", [*turn2, *out2, user("thanks")])
+    assert found.match is not None
+    assert (found.match.model_call_id, found.match.staging_chain) == ("c2", ("s1", "s2"))
+    assert found.match.prev_len == child.record.cum_len
+
+
+async def test_a_request_without_model_history_is_root_and_reads_nothing(
+    ledger: FileCaptureLedger, root: Path
+) -> None:
+    before = listing(root)
+    found = await ledger.resolve("never-written", [user("hello"), {"role": "system"}])
+    assert found.status is ROOT and found.match is None
+    assert listing(root) == before
+
+
+async def test_context_must_be_verified(ledger: FileCaptureLedger) -> None:
+    await ledger.record(make_commit("c1", request=[user("q1"), user("q1b")]))
+    # Same model-authored history, different earlier context: no match.
+    changed = [user("q1"), user("DIFFERENT"), assistant("answer of c1")]
+    found = await ledger.resolve("r1", changed)
+    assert (found.status, found.reason) == (UNRESOLVED, "no_match")
+    # Context longer than the request: no match either.
+    short = [assistant("answer of c1")]
+    assert (await ledger.resolve("r1", short)).reason == "no_match"
+    # An unknown rollout, and an unknown history, are no_match.
+    assert (await ledger.resolve("other", changed)).reason == "no_match"
+    exact = [user("q1"), user("q1b"), assistant("answer of c1")]
+    assert (await ledger.resolve("r1", exact)).status is RESOLVED
+
+
+async def test_identical_retries_collapse_and_different_ones_are_ambiguous(
+    ledger: FileCaptureLedger,
+) -> None:
+    request, response = [user("q")], [assistant("same output")]
+    digest = compute_digest([1, 2, 3, 4, 5])
+    for call in ("retry-b", "retry-a", "retry-c"):
+        await ledger.record(make_commit(call, request=request, response=response, digest=digest))
+    found = await ledger.resolve("r1", [*request, *response, user("next")])
+    assert found.match is not None and found.match.model_call_id == "retry-a"
+
+    other = make_commit("retry-0", request=request, response=response, delta_len=6)
+    await ledger.record(other)
+    found = await ledger.resolve("r1", [*request, *response, user("next")])
+    assert (found.status, found.reason) == (UNRESOLVED, "ambiguous")
+
+
+async def test_resolution_hashes_non_plain_items_in_python(ledger: FileCaptureLedger) -> None:
+    class Text(str):
+        pass
+
+    await ledger.record(make_commit("c1"))
+    request = [user("question"), {"role": "assistant", "content": Text("answer of c1")}]
+    found = await ledger.resolve("r1", request)
+    assert found.match is not None and found.match.model_call_id == "c1"
+
+
+# ---- retire and delete -----------------------------------------------------------------------
+
+
+async def test_retire_fences_the_rollout(ledger: FileCaptureLedger, root: Path) -> None:
+    await ledger.record(make_commit("c1"))
+    await ledger.record_failure("r2", "x", "boom")
+    removal = await ledger.retire(["r1", "r2", "r1", "never"])
+    assert removal == {"removed": ["r1", "r2"], "absent": ["never"]}
+    RolloutRemoval.model_validate(removal)
+    assert not ledger.path_for("r1").exists()
+    assert ledger.fence_path_for("r1").read_bytes() == b""
+    assert ledger.fence_path_for("never").exists()
+
+    with pytest.raises(RolloutRetiredError, match="retired"):
+        await ledger.manifest("r1")
+    with pytest.raises(RolloutRetiredError):
+        await ledger.has_rows("never")
+    # Later writes are discarded silently and leave no rows.
+    before = listing(root)
+    await ledger.record(make_commit("c2"))
+    await ledger.record_failure("r1", "c3", "late")
+    assert ledger.record_now(make_commit("c4")) is False
+    assert ledger.record_failure_now("r1", "c5", "late") is False
+    assert listing(root) == before
+    found = await ledger.resolve("r1", [user("question"), assistant("answer of c1")])
+    assert (found.status, found.reason) == (UNRESOLVED, "no_match")
+    # Retiring again is a no-op.
+    assert await ledger.retire(["r1"]) == {"removed": [], "absent": ["r1"]}
+    assert listing(root) == before
+
+
+async def test_a_fence_left_with_rows_by_a_crash_still_reads_as_retired(
+    ledger: FileCaptureLedger,
+) -> None:
+    # A crash between retire's phases: the fence is durable, the rows not yet removed.
+    await ledger.record(make_commit("c1"))
+    ledger.fence_path_for("r1").touch()
+    with pytest.raises(RolloutRetiredError):
+        await ledger.manifest("r1")
+    assert ledger.record_now(make_commit("c2")) is False
+    assert await ledger.retire(["r1"]) == {"removed": ["r1"], "absent": []}
+
+
+async def test_delete_clears_rows_and_fences_so_the_id_can_be_reused(
+    ledger: FileCaptureLedger, root: Path
+) -> None:
+    await ledger.record(make_commit("c1"))
+    await ledger.retire(["r1"])
+    removal = await ledger.delete(["r1", "never"])
+    assert removal == {"removed": ["r1"], "absent": ["never"]}
+    RolloutRemoval.model_validate(removal)
+    assert listing(root) == []
+    assert await ledger.has_rows("r1") is False
+    assert validated(await ledger.manifest("r1"))
+    assert listing(root) == []  # reading an unused id creates nothing
+    # Reuse: the new execution starts from an empty ledger, so even a differing row is new.
+    reused = make_commit("c1", response_id="second-execution")
+    await ledger.record(reused)
+    assert (await ledger.manifest("r1"))["records"] == [reused.record.model_dump(mode="json")]
+    assert await ledger.delete(["r1"]) == {"removed": ["r1"], "absent": []}
+    assert await ledger.delete(["r1"]) == {"removed": [], "absent": ["r1"]}
+    assert listing(root) == []
+
+
+async def test_shares_the_directory_and_lock_with_the_token_store(root: Path) -> None:
+    store = TokenCaptureStore(root)
+    ledger = FileCaptureLedger(root)
+    await store.put(make_entry("r1", call=1))
+    await ledger.record(make_commit("c1"))
+    assert ledger.lock_path_for("r1") == store.lock_path_for("r1")
+    await ledger.delete(["r1"])
+    # The token store's files (and their lock) are untouched.
+    assert listing(root) == ["r1.tokens.jsonl", "r1.tokens.lock", "r1.tokens.state.json"]
+    assert [e.model_call_id for e in (await store.freeze("r1")).entries] == ["call-1"]
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+def bad_calls(ledger: FileCaptureLedger) -> list[tuple[type[Exception], Any]]:
+    valid = make_commit()
+    wrong_hash = make_commit().model_copy(update={"request_items": [user("something else")]})
+    invalid_record = CaptureLedgerCommit.model_construct(
+        rollout_id="r1",
+        record=CallRecord.model_construct(**{**valid.record.model_dump(), "cum_len": 3}),
+        staging_chain=(),
+        request_items=valid.request_items,
+        response_items=valid.response_items,
+    )
+    empty_stage = valid.model_copy(update={"staging_chain": ("",)})
+    bad_commit = valid.model_dump()
+    bad_commit["record"]["digest"] = "XYZ"
+    return [
+        (TypeError, lambda: ledger.record_now(123)),  # type: ignore[arg-type]
+        (ValidationError, lambda: ledger.record_now({"rollout_id": "r1"})),
+        (ValidationError, lambda: ledger.record_now(bad_commit)),
+        (ValueError, lambda: ledger.record_now(make_commit(rollout_id="bad/id"))),
+        (ValueError, lambda: ledger.record_now(make_commit(rollout_id="x" * 300))),
+        (ValueError, lambda: ledger.record_now(wrong_hash)),
+        (ValueError, lambda: ledger.record_now(invalid_record)),
+        (ValueError, lambda: ledger.record_now(empty_stage)),
+        (ValueError, lambda: ledger.record_failure_now("r1", "", "reason")),
+        (ValueError, lambda: ledger.record_failure_now("r1", "c1", "")),
+        (ValueError, lambda: ledger.record_failure_now("r1", "c\ud800", "reason")),
+        (ValueError, lambda: ledger.record_failure_now("bad id", "c1", "reason")),
+        (TypeError, lambda: ledger.record_failure_now("r1", 7, "reason")),  # type: ignore[arg-type]
+        (TypeError, lambda: ledger.record_failure_now(None, "c1", "reason")),  # type: ignore[arg-type]
+        (TypeError, lambda: ledger.retire_now("r1")),
+        (TypeError, lambda: ledger.delete_now(b"r1")),  # type: ignore[arg-type]
+        (ValueError, lambda: ledger.retire_now(["r1", "bad/id"])),
+        (ValueError, lambda: ledger.delete_now(["r1", ""])),
+        (TypeError, lambda: ledger.retire_now(["r1", 5])),  # type: ignore[list-item]
+        (ValueError, lambda: ledger.manifest_now("../escape")),
+        (TypeError, lambda: ledger.has_rows_now(5)),  # type: ignore[arg-type]
+        (ValueError, lambda: ledger.resolve_now("a b", [assistant("x")])),
+        (ValueError, lambda: ledger.resolve_now("r1", ["not a dict"])),  # type: ignore[list-item]
+    ]
+
+
+async def test_bad_input_is_refused_and_writes_nothing(
+    ledger: FileCaptureLedger, root: Path
+) -> None:
+    await ledger.record(make_commit("existing", "r0"))
+    await ledger.retire(["retired"])
+    before = {path.name: path.read_bytes() for path in root.iterdir()}
+    for error, call in bad_calls(ledger):
+        with pytest.raises(error):
+            call()
+    with pytest.raises(TypeError):
+        await ledger.retire("r1")
+    with pytest.raises(ValueError, match="rollout_id"):
+        await ledger.delete(["ok", "no spaces"])
+    with pytest.raises(TypeError):
+        await ledger.record("not a commit")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must not be empty"):
+        await ledger.record_failure("r1", "", "x")
+    assert {path.name: path.read_bytes() for path in root.iterdir()} == before
+    # Empty batches change nothing either.
+    assert await ledger.retire([]) == {"removed": [], "absent": []}
+    assert await ledger.delete([]) == {"removed": [], "absent": []}
+    assert {path.name: path.read_bytes() for path in root.iterdir()} == before
+
+
+def test_a_foreign_model_or_a_dict_is_revalidated(ledger: FileCaptureLedger) -> None:
+    commit = make_commit()
+    assert ledger.record_now(commit.model_dump()) is True
+    assert ledger.record_now(commit.model_dump(mode="json")) is True  # same row: a no-op
+    assert ledger.path_for("r1").read_bytes().count(b"\n") == 1
+
+
+async def test_passes_the_ledger_conformance_checks(root: Path) -> None:
+    from tokencapture.conformance import run_conformance
+    from tokencapture.lineage import FileLineageStore
+
+    store = TokenCaptureStore(root)
+    passed = await run_conformance(
+        lambda: store,
+        lambda: store,
+        lambda: FileLineageStore(root),
+        lambda: FileCaptureLedger(root),
+    )
+    assert {
+        "ledger_round_trip",
+        "ledger_replay_and_conflict",
+        "ledger_failure_rows",
+        "ledger_fence_after_retire",
+        "ledger_reuse_after_delete",
+    } <= set(passed)
