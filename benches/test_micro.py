@@ -159,13 +159,12 @@ def test_freeze_agentic(
     for entry in agentic_calls:
         writer.append(entry)
     rollout_id = agentic_calls[0].rollout_id
+    store: Any = None
 
     def setup() -> tuple[tuple[str], dict[str, Any]]:
         nonlocal store
         store = STORES[impl](scratch_dir)
         return (rollout_id,), {}
-
-    store: Any = None
 
     def freeze(rollout_id: str) -> Any:
         return store.freeze_now(rollout_id)
@@ -194,6 +193,7 @@ def _tail_rounds(
     log = writer.path_for(rollout_id)
     extra = calls[-1].model_copy(update={"model_call_id": "tail-new-call"})
     counter = itertools.count()
+    store: Any = None
 
     def setup() -> tuple[tuple[TokenEntry], dict[str, Any]]:
         nonlocal store
@@ -202,8 +202,6 @@ def _tail_rounds(
         shutil.copyfile(log, target / log.name)
         store = STORES[impl](target)
         return (extra,), {}
-
-    store: Any = None
 
     def append(entry: TokenEntry) -> None:
         store.append(entry)

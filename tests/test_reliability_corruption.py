@@ -37,14 +37,6 @@ STORES = [
 CALLS = ["c0", "c1", "c2"]
 
 
-def both_stores_xfail(reason: str) -> list[Any]:
-    mark = pytest.mark.xfail(strict=True, reason=reason)
-    return [
-        pytest.param("rust", id="rust", marks=mark),
-        pytest.param("reference", id="reference", marks=[NEEDS_REFERENCE, mark]),
-    ]
-
-
 def write_exact_state(root: Path, rollout_id: str = "r", **overrides: Any) -> dict[str, Any]:
     """Write the state index exactly as a store would after indexing the whole log (fields
     in `overrides` replace the computed ones; with `entry_digests` given, the log is not
@@ -207,14 +199,6 @@ def test_indexed_size_inside_a_torn_tail_is_refused_by_freeze(kind: str, root: P
     refused_without_change(root, lambda: fresh(kind, root).freeze_now("r"), log_path(root))
 
 
-@pytest.mark.parametrize(
-    "kind",
-    both_stores_xfail(
-        "BUG: when indexed_size points inside a torn tail, put truncates the log to "
-        "indexed_size (keeping part of the torn line), appends its line after it and "
-        "acknowledges; the glued line then makes every freeze raise"
-    ),
-)
 def test_indexed_size_inside_a_torn_tail_is_refused_by_put(kind: str, tmp_path: Path) -> None:
     root = tmp_path / "store"
     store = open_store(kind, root)
@@ -317,27 +301,14 @@ STRUCTURAL_BUT_NOT_AN_ENTRY: dict[str, bytes] = {
         b'"schema_version":1', b'"schema_version":2'
     ),
 }
-NOT_AN_ENTRY_BUG = (
-    "BUG: a newline-terminated line that has a string model_call_id but is not a valid "
-    "TokenEntry raises pydantic's ValidationError from freeze/read_entries, which names "
-    "neither the file nor the byte offset, instead of TokenCaptureCorruptionError"
-)
 
 
 def not_an_entry_params() -> list[Any]:
-    bug = pytest.mark.xfail(strict=True, reason=NOT_AN_ENTRY_BUG)
     params = []
     for name in sorted(STRUCTURAL_BUT_NOT_AN_ENTRY):
-        # The reference store parses every line fully, so a bad number is caught there.
-        reference_ok = name == "bad-number"
-        params.append(pytest.param("rust", name, id=f"rust-{name}", marks=bug))
+        params.append(pytest.param("rust", name, id=f"rust-{name}"))
         params.append(
-            pytest.param(
-                "reference",
-                name,
-                id=f"reference-{name}",
-                marks=[NEEDS_REFERENCE] if reference_ok else [NEEDS_REFERENCE, bug],
-            )
+            pytest.param("reference", name, id=f"reference-{name}", marks=[NEEDS_REFERENCE])
         )
     return params
 

@@ -36,6 +36,7 @@ from tokencapture.protocols import LineageMatch, LineageResolution, RolloutRemov
 from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokencapture.store import (
     _as_token_entry,
+    _native_job,
     _off_loop,
     canonical_line,
     validate_rollout_id,
@@ -115,7 +116,11 @@ def _resolve(native: _Native, rollout_id: str, request_items: Iterable[Any]) -> 
     raw = native.resolve(rollout_id, items)
     if raw is not None:
         return _resolution(raw)
-    # Items the native hashes do not cover: tokencapture.fingerprint decides (or raises).
+    return _resolve_in_python(native, rollout_id, items)
+
+
+def _resolve_in_python(native: _Native, rollout_id: str, items: list[Any]) -> LineageResolution:
+    """Items the native hashes do not cover: tokencapture.fingerprint decides (or raises)."""
     fingerprint = assistant_fingerprint(items)
     if not fingerprint:
         return _ROOT
@@ -170,8 +175,20 @@ class FileLineageStore:
     async def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
-        """Return ROOT, RESOLVED with the verified parent, or UNRESOLVED with a reason."""
-        return await _off_loop(_resolve, self._native, rollout_id, request_items)
+        """Return ROOT, RESOLVED with the verified parent, or UNRESOLVED with a reason.
+
+        The request items are copied here; hashing, the file check and materialization run on
+        the native worker pool (no GIL, no thread hop), and only the answer is built here.
+        """
+        validate_rollout_id(rollout_id)
+        items = request_items if isinstance(request_items, list) else list(request_items)
+        job = self._native.prepare(rollout_id, items)
+        if job is not None:
+            await _native_job(self._native.submit, job)
+            raw = self._native.finish(job)
+            if raw is not None:
+                return _resolution(raw)
+        return await _off_loop(_resolve_in_python, self._native, rollout_id, items)
 
     def is_process_shared(self) -> bool:
         return True

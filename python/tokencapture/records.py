@@ -24,6 +24,7 @@ __all__ = [
     "UNRESOLVED_PARENT_REASON",
     "ParentResolutionStatus",
     "TokenEntry",
+    "check_entry_invariants",
     "compute_digest",
     "cumulative_tokens",
     "stamp_lineage",
@@ -86,30 +87,39 @@ class TokenEntry(BaseModel):
 
     @model_validator(mode="after")
     def _check_invariants(self) -> TokenEntry:
-        if self.schema_version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
-            raise ValueError(
-                f"schema_version {self.schema_version} is newer than this reader supports "
-                f"({TOKEN_ENTRY_RECORD_SCHEMA_VERSION}); upgrade tokencapture to read it"
-            )
-        if self.schema_version < TOKEN_ENTRY_MIN_SCHEMA_VERSION:
-            raise ValueError(
-                f"schema_version {self.schema_version} is below the minimum "
-                f"{TOKEN_ENTRY_MIN_SCHEMA_VERSION}"
-            )
-        if len(self.generation_token_ids) != len(self.generation_log_probs):
-            raise ValueError(
-                f"generation_log_probs has {len(self.generation_log_probs)} values for "
-                f"{len(self.generation_token_ids)} generated tokens"
-            )
-        if self.token_item_index is not None and not (
-            0 <= self.token_item_index < len(self.output_items)
-        ):
-            raise ValueError(
-                f"token_item_index {self.token_item_index} does not index output_items "
-                f"(length {len(self.output_items)})"
-            )
-        _check_parent(self.parent_resolution, self.parent_call_id, self.prompt_is_delta)
+        check_entry_invariants(self)
         return self
+
+
+def check_entry_invariants(entry: TokenEntry) -> None:
+    """The cross-field rules of a `TokenEntry`, on its current values.
+
+    Run by validation, and again by `put`: an entry mutated after validation (or built with
+    `model_construct`) must not be stored in a shape that will not read back.
+    """
+    if entry.schema_version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
+        raise ValueError(
+            f"schema_version {entry.schema_version} is newer than this reader supports "
+            f"({TOKEN_ENTRY_RECORD_SCHEMA_VERSION}); upgrade tokencapture to read it"
+        )
+    if entry.schema_version < TOKEN_ENTRY_MIN_SCHEMA_VERSION:
+        raise ValueError(
+            f"schema_version {entry.schema_version} is below the minimum "
+            f"{TOKEN_ENTRY_MIN_SCHEMA_VERSION}"
+        )
+    if len(entry.generation_token_ids) != len(entry.generation_log_probs):
+        raise ValueError(
+            f"generation_log_probs has {len(entry.generation_log_probs)} values for "
+            f"{len(entry.generation_token_ids)} generated tokens"
+        )
+    if entry.token_item_index is not None and not (
+        0 <= entry.token_item_index < len(entry.output_items)
+    ):
+        raise ValueError(
+            f"token_item_index {entry.token_item_index} does not index output_items "
+            f"(length {len(entry.output_items)})"
+        )
+    _check_parent(entry.parent_resolution, entry.parent_call_id, entry.prompt_is_delta)
 
 
 def _check_parent(

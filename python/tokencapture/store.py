@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import orjson
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from tokencapture import _core
 from tokencapture.metrics import Metrics
@@ -33,7 +33,7 @@ from tokencapture.protocols import (
     TokenCaptureFrozenError,
     TokenCaptureSnapshot,
 )
-from tokencapture.records import TokenEntry
+from tokencapture.records import ParentResolutionStatus, TokenEntry, check_entry_invariants
 
 __all__ = [
     "TokenCaptureStore",
@@ -159,18 +159,79 @@ def _as_token_entry(entry: object) -> TokenEntry:
     )
 
 
+_TEXT_FIELDS = (
+    "rollout_id",
+    "model_call_id",
+    "model",
+    "continuation_fingerprint",
+    "continuation_context_digest",
+    "parent_resolution_reason",
+)
+_OPTIONAL_TEXT_FIELDS = ("response_id", "parent_call_id", "digest")
+_INT_FIELDS = ("schema_version", "continuation_context_len")
+_OPTIONAL_INT_FIELDS = ("token_item_index", "cum_len", "fingerprint_version")
+_BOOL_FIELDS = ("prompt_is_delta", "prefix_requested", "prefix_supplied")
+_STATUSES = frozenset(status.value for status in ParentResolutionStatus)
+
+
+def _check_storable(entry: TokenEntry, values: dict[str, Any]) -> None:
+    """Refuse an entry whose current values would not read back as a valid `TokenEntry`.
+
+    Validation ran when the entry was built, but pydantic does not validate assignment and
+    `model_construct` skips validation; this re-check costs a few type tests per field plus
+    one native pass over the token arrays.
+    """
+    missing = [name for name in TokenEntry.model_fields if name not in values]
+    if missing:
+        raise ValueError(f"entry is missing field(s) {', '.join(missing)}")
+
+    def wrong(name: str, expected: str) -> ValueError:
+        return ValueError(f"{name} must be {expected}, got {type(values[name]).__name__}")
+
+    for name in _TEXT_FIELDS:
+        if not isinstance(values[name], str):
+            raise wrong(name, "a str")
+    for name in _OPTIONAL_TEXT_FIELDS:
+        if values[name] is not None and not isinstance(values[name], str):
+            raise wrong(name, "a str or None")
+    for name in (*_INT_FIELDS, *_OPTIONAL_INT_FIELDS):
+        value = values[name]
+        if value is None and name in _OPTIONAL_INT_FIELDS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise wrong(name, "an int")
+    for name in _BOOL_FIELDS:
+        if not isinstance(values[name], bool):
+            raise wrong(name, "a bool")
+    created_at = values["created_at"]
+    if not isinstance(created_at, int | float) or isinstance(created_at, bool):
+        raise wrong("created_at", "a float")
+    status = values["parent_resolution"]
+    if status is not None and status not in _STATUSES:
+        raise ValueError(f"parent_resolution {status!r} is not one of {sorted(_STATUSES)}")
+    output_items = values["output_items"]
+    if not isinstance(output_items, list) or not all(isinstance(i, dict) for i in output_items):
+        raise ValueError("output_items must be a list of dicts")
+    _core.check_token_arrays(
+        values["prompt_token_ids"], values["generation_token_ids"], values["generation_log_probs"]
+    )
+    check_entry_invariants(entry)
+
+
 def canonical_line(entry: TokenEntry) -> bytes:
     """The stored form of an entry: `orjson.dumps(model_dump(mode="json"), OPT_SORT_KEYS)`.
 
     Raises `ValueError`, before anything is written, for an entry that would not read back
-    (a non-finite float, an integer beyond 64 bits, a non-string key, runaway nesting).
+    (a value of the wrong type, a non-finite float, an integer beyond 64 bits, a non-string
+    key, nesting deeper than readers accept).
     """
     values = dict(entry.__dict__)
     if entry.__pydantic_extra__:
         values.update(entry.__pydantic_extra__)
-    status = values["parent_resolution"]
+    status = values.get("parent_resolution")
     if status is not None:
         values["parent_resolution"] = str(status.value if hasattr(status, "value") else status)
+    _check_storable(entry, values)
     try:
         # Plain JSON values serialize with orjson exactly as pydantic's JSON mode would, without
         # building a second copy of the token arrays; anything exotic goes through pydantic.
@@ -309,26 +370,41 @@ class TokenCaptureStore:
     def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Synchronously freeze one rollout and return its stable snapshot."""
         with self._operation("freeze", rollout_id):
-            lines, incomplete, snapshot_id, version = self._native.freeze(rollout_id)
-            entries = tuple(TokenEntry.model_validate_json(line) for line in lines)
+            records, incomplete, snapshot_id, version = self._native.freeze(rollout_id)
+            entries = self._parse_lines(rollout_id, *records)
             return TokenCaptureSnapshot(rollout_id, entries, incomplete, snapshot_id, version)
+
+    def _parse_lines(
+        self, rollout_id: str, lines: list[bytes], offsets: list[int]
+    ) -> tuple[TokenEntry, ...]:
+        """Validate stored lines; one that is not a valid entry is corruption, named as such."""
+        entries = []
+        for line, offset in zip(lines, offsets, strict=True):
+            try:
+                entries.append(TokenEntry.model_validate_json(line))
+            except ValidationError as exc:
+                error = exc.errors()[0]
+                where = ".".join(map(str, error["loc"])) or "the record"
+                raise TokenCaptureCorruptionError(
+                    f"{self.path_for(rollout_id)}: the line is not a valid entry: "
+                    f"{error['msg']} at {where} (byte offset {offset})"
+                ) from exc
+        return tuple(entries)
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         return await _off_loop(self.freeze_now, rollout_id)
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The stored entries (a torn tail is ignored; nothing is created or changed)."""
-        return [
-            TokenEntry.model_validate_json(line) for line in self._native.read_lines(rollout_id)
-        ]
+        return list(self._parse_lines(rollout_id, *self._native.read_lines(rollout_id)))
 
     def is_incomplete(self, rollout_id: str) -> bool:
         return self._native.is_incomplete(rollout_id)
 
     def _drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Synchronous `drop` (the reference's name)."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            return False
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**64:
+            return False  # no stored version can equal it
         with self._operation("drop", rollout_id):
             return self._native.drop_snapshot(rollout_id, snapshot_id, version)
 

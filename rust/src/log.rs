@@ -67,47 +67,35 @@ pub fn read_at(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LineError(pub String);
 
-/// Extract the top-level `model_call_id` of one canonical line.
+/// Extract the top-level `model_call_id` of one line, validating that the line is exactly one
+/// JSON object.
 ///
-/// This is a structural scan, not a full parse: it walks strings, brackets and separators at
-/// about a byte a cycle and does not convert the (huge) token arrays. It checks that the line
-/// is exactly one JSON object with balanced structure and a string `model_call_id` at the top
-/// level; number syntax inside values is left to the full parse every reader performs.
+/// This is a validating walk, not a parse: it checks the JSON grammar (strings, escapes and
+/// UTF-8, numbers, literals, separators, nesting) byte by byte but builds nothing, so the large
+/// token arrays cost a pass over their digits and no allocation. Only the call id is decoded.
+/// Whether the object is a valid *entry* is left to the full parse every reader performs.
 pub fn extract_call_id(line: &[u8]) -> Result<String, LineError> {
     let mut scan = Scanner { buf: line, pos: 0 };
     scan.skip_ws();
-    scan.expect(b'{')?;
-    let mut found: Option<String> = None;
-    scan.skip_ws();
-    if scan.peek() == Some(b'}') {
-        scan.pos += 1;
-    } else {
-        loop {
-            scan.skip_ws();
-            let key = scan.string_span()?;
-            scan.skip_ws();
-            scan.expect(b':')?;
-            scan.skip_ws();
-            if key == b"\"model_call_id\"" {
-                let value = scan
-                    .string_span()
-                    .map_err(|_| LineError("model_call_id is not a string".to_string()))?;
-                let id: String = serde_json::from_slice(value)
-                    .map_err(|err| LineError(format!("model_call_id is not valid JSON: {err}")))?;
-                if found.replace(id).is_some() {
-                    return Err(LineError("model_call_id appears twice".to_string()));
-                }
-            } else {
-                scan.skip_value()?;
-            }
-            scan.skip_ws();
-            match scan.next() {
-                Some(b',') => continue,
-                Some(b'}') => break,
-                _ => return Err(scan.error("expected ',' or '}' after a value")),
-            }
-        }
+    if scan.peek() != Some(b'{') {
+        return Err(scan.error("expected a JSON object"));
     }
+    let mut found: Option<String> = None;
+    scan.object(0, |scan, key| {
+        if key != b"\"model_call_id\"" {
+            return scan.value(1);
+        }
+        if scan.peek() != Some(b'"') {
+            return Err(LineError("model_call_id is not a string".to_string()));
+        }
+        let span = scan.string()?;
+        let id: String = serde_json::from_slice(span)
+            .map_err(|err| LineError(format!("model_call_id is not valid JSON: {err}")))?;
+        if found.replace(id).is_some() {
+            return Err(LineError("model_call_id appears twice".to_string()));
+        }
+        Ok(())
+    })?;
     scan.skip_ws();
     if scan.pos != line.len() {
         return Err(scan.error("trailing bytes after the object"));
@@ -120,18 +108,12 @@ struct Scanner<'a> {
     pos: usize,
 }
 
-/// Nesting deeper than this is refused rather than scanned (the writer refuses it too).
+/// Nesting deeper than this is refused rather than walked (the writer refuses far less).
 const MAX_DEPTH: usize = 1024;
 
 impl<'a> Scanner<'a> {
     fn peek(&self) -> Option<u8> {
         self.buf.get(self.pos).copied()
-    }
-
-    fn next(&mut self) -> Option<u8> {
-        let byte = self.peek()?;
-        self.pos += 1;
-        Some(byte)
     }
 
     fn error(&self, what: &str) -> LineError {
@@ -144,89 +126,164 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    fn expect(&mut self, byte: u8) -> Result<(), LineError> {
-        if self.next() == Some(byte) {
+    fn literal(&mut self, word: &[u8]) -> Result<(), LineError> {
+        if self.buf[self.pos..].starts_with(word) {
+            self.pos += word.len();
             Ok(())
         } else {
-            Err(self.error(&format!("expected {:?}", byte as char)))
+            Err(self.error("invalid literal"))
         }
     }
 
-    /// The span of a JSON string starting here, quotes included.
-    fn string_span(&mut self) -> Result<&'a [u8], LineError> {
-        let start = self.pos;
-        self.expect(b'"')?;
-        loop {
-            let rest = &self.buf[self.pos..];
-            match memchr::memchr2(b'"', b'\\', rest) {
-                None => return Err(self.error("unterminated string")),
-                Some(i) if rest[i] == b'"' => {
-                    self.pos += i + 1;
-                    return Ok(&self.buf[start..self.pos]);
-                }
-                Some(i) if self.pos + i + 2 > self.buf.len() => {
-                    return Err(self.error("unterminated escape"));
-                }
-                Some(i) => self.pos += i + 2, // skip the escaped byte
-            }
-        }
-    }
-
-    /// Skip one value: a string, a balanced array/object, or a scalar token.
-    fn skip_value(&mut self) -> Result<(), LineError> {
+    /// One value of any kind.
+    fn value(&mut self, depth: usize) -> Result<(), LineError> {
         match self.peek() {
-            Some(b'"') => self.string_span().map(|_| ()),
-            Some(b'[' | b'{') => self.skip_container(),
-            Some(_) => {
-                let start = self.pos;
-                while let Some(byte) = self.peek() {
-                    if matches!(byte, b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n') {
-                        break;
-                    }
-                    if matches!(byte, b'"' | b'[' | b'{' | b':') {
-                        return Err(self.error("malformed scalar"));
-                    }
-                    self.pos += 1;
-                }
-                if self.pos == start {
-                    Err(self.error("missing value"))
-                } else {
-                    Ok(())
-                }
-            }
-            None => Err(self.error("missing value")),
+            Some(b'"') => self.string().map(|_| ()),
+            Some(b'{') => self.object(depth + 1, |scan, _| scan.value(depth + 1)),
+            Some(b'[') => self.array(depth + 1),
+            Some(b't') => self.literal(b"true"),
+            Some(b'f') => self.literal(b"false"),
+            Some(b'n') => self.literal(b"null"),
+            Some(b'-' | b'0'..=b'9') => self.number(),
+            _ => Err(self.error("expected a value")),
         }
     }
 
-    fn skip_container(&mut self) -> Result<(), LineError> {
-        let mut stack: Vec<u8> = Vec::new();
+    /// An object; `member` sees each key span (quotes included) with the scanner at its value.
+    fn object(
+        &mut self,
+        depth: usize,
+        mut member: impl FnMut(&mut Self, &'a [u8]) -> Result<(), LineError>,
+    ) -> Result<(), LineError> {
+        if depth > MAX_DEPTH {
+            return Err(self.error("nesting too deep"));
+        }
+        self.pos += 1; // '{'
+        self.skip_ws();
+        if self.peek() == Some(b'}') {
+            self.pos += 1;
+            return Ok(());
+        }
         loop {
-            let Some(byte) = self.peek() else {
-                return Err(self.error("unbalanced brackets"));
-            };
-            match byte {
-                b'"' => {
-                    self.string_span()?;
-                    continue;
-                }
-                b'[' => stack.push(b']'),
-                b'{' => stack.push(b'}'),
-                b']' | b'}' => {
-                    if stack.pop() != Some(byte) {
-                        return Err(self.error("mismatched bracket"));
-                    }
-                    if stack.is_empty() {
-                        self.pos += 1;
-                        return Ok(());
-                    }
-                }
-                _ => {}
+            self.skip_ws();
+            if self.peek() != Some(b'"') {
+                return Err(self.error("expected a string key"));
             }
-            if stack.len() > MAX_DEPTH {
-                return Err(self.error("nesting too deep"));
+            let key = self.string()?;
+            self.skip_ws();
+            if self.peek() != Some(b':') {
+                return Err(self.error("expected ':'"));
             }
             self.pos += 1;
+            self.skip_ws();
+            member(self, key)?;
+            self.skip_ws();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b'}') => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                _ => return Err(self.error("expected ',' or '}'")),
+            }
         }
+    }
+
+    fn array(&mut self, depth: usize) -> Result<(), LineError> {
+        if depth > MAX_DEPTH {
+            return Err(self.error("nesting too deep"));
+        }
+        self.pos += 1; // '['
+        self.skip_ws();
+        if self.peek() == Some(b']') {
+            self.pos += 1;
+            return Ok(());
+        }
+        loop {
+            self.skip_ws();
+            self.value(depth)?;
+            self.skip_ws();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b']') => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                _ => return Err(self.error("expected ',' or ']'")),
+            }
+        }
+    }
+
+    /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`
+    fn number(&mut self) -> Result<(), LineError> {
+        if self.peek() == Some(b'-') {
+            self.pos += 1;
+        }
+        match self.peek() {
+            Some(b'0') => self.pos += 1,
+            Some(b'1'..=b'9') => self.digits(),
+            _ => return Err(self.error("invalid number")),
+        }
+        if self.peek() == Some(b'.') {
+            self.pos += 1;
+            if !matches!(self.peek(), Some(b'0'..=b'9')) {
+                return Err(self.error("invalid number"));
+            }
+            self.digits();
+        }
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            self.pos += 1;
+            if matches!(self.peek(), Some(b'+' | b'-')) {
+                self.pos += 1;
+            }
+            if !matches!(self.peek(), Some(b'0'..=b'9')) {
+                return Err(self.error("invalid number"));
+            }
+            self.digits();
+        }
+        Ok(())
+    }
+
+    fn digits(&mut self) {
+        while matches!(self.peek(), Some(b'0'..=b'9')) {
+            self.pos += 1;
+        }
+    }
+
+    /// The span of a JSON string starting here, quotes included: valid UTF-8, no raw control
+    /// characters, only JSON's escapes.
+    fn string(&mut self) -> Result<&'a [u8], LineError> {
+        let start = self.pos;
+        self.pos += 1; // opening quote
+        loop {
+            let rest = &self.buf[self.pos..];
+            let Some(i) = memchr::memchr2(b'"', b'\\', rest) else {
+                return Err(self.error("unterminated string"));
+            };
+            if rest[..i].iter().any(|&b| b < 0x20) {
+                return Err(self.error("control character in a string"));
+            }
+            self.pos += i + 1;
+            if rest[i] == b'"' {
+                break;
+            }
+            match self.peek() {
+                Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => self.pos += 1,
+                Some(b'u') => {
+                    let hex = self.buf.get(self.pos + 1..self.pos + 5);
+                    if !hex.is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)) {
+                        return Err(self.error("invalid \\u escape"));
+                    }
+                    self.pos += 5;
+                }
+                _ => return Err(self.error("invalid escape")),
+            }
+        }
+        let span = &self.buf[start..self.pos];
+        if std::str::from_utf8(span).is_err() {
+            return Err(self.error("string is not valid UTF-8"));
+        }
+        Ok(span)
     }
 }
 
@@ -248,7 +305,7 @@ mod tests {
 
     #[test]
     fn extracts_the_top_level_call_id_only() {
-        let line = br#"{"custom":{"model_call_id":"nested"},"model_call_id":"call-\"1\"","x":[1,2,{"y":"}"}]}"#;
+        let line = br#"{"custom":{"model_call_id":"nested"},"model_call_id":"call-\"1\"","x":[1,2,{"y":"}"}],"f":-1.5e-3,"t":[true,false,null,0,"\u00e9\n"]}"#;
         assert_eq!(extract_call_id(line).unwrap(), "call-\"1\"");
         let unicode = r#"{"model_call_id":"caf\u00e9-é"}"#;
         assert_eq!(extract_call_id(unicode.as_bytes()).unwrap(), "café-é");
@@ -270,6 +327,19 @@ mod tests {
             b"{\"model_call_id\":\"a\",\"model_call_id\":\"b\"}",
             b"\x00\x00\x00",
             b"{\"model_call_id\":\"a\\",
+            b"{\"model_call_id\":\"a\",\"n\":01}",
+            b"{\"model_call_id\":\"a\",\"n\":[1,]}",
+            b"{\"model_call_id\":\"a\",\"n\":1x}",
+            b"{\"model_call_id\":\"a\",\"n\":-}",
+            b"{\"model_call_id\":\"a\",\"n\":1.}",
+            b"{\"model_call_id\":\"a\",\"n\":tru}",
+            b"{\"model_call_id\":\"a\",\"s\":\"\xff\"}",
+            b"{\"model_call_id\":\"a\",\"s\":\"\x01\"}",
+            b"{\"model_call_id\":\"a\",\"s\":\"\\x\"}",
+            b"{\"model_call_id\":\"a\",\"s\":\"\\u12\"}",
+            b"{\"model_call_id\":\"a\" \"b\":1}",
+            b"{\"model_call_id\":\"a\",}",
+            b"{\"model_call_id\":\"a\",\"o\":{1:2}}",
         ] {
             assert!(
                 extract_call_id(bad).is_err(),

@@ -80,12 +80,20 @@ fn text<'a>(value: &'a Bound<'_, PyString>, what: &str) -> PyResult<&'a str> {
     })
 }
 
-fn bytes_list<'py>(py: Python<'py>, records: &store::Records) -> Bound<'py, PyList> {
+/// The records as `(lines, byte offsets)`: the offsets let Python name the exact place of a
+/// line that does not validate.
+type LinesAndOffsets<'py> = (Bound<'py, PyList>, Vec<usize>);
+
+fn lines_and_offsets<'py>(py: Python<'py>, records: &store::Records) -> LinesAndOffsets<'py> {
     let items = records
         .lines
         .iter()
         .map(|range| PyBytes::new(py, &records.buf[range.clone()]));
-    PyList::new(py, items).expect("a list of bytes builds")
+    let lines = PyList::new(py, items).expect("a list of bytes builds");
+    (
+        lines,
+        records.lines.iter().map(|range| range.start).collect(),
+    )
 }
 
 // ---- async bridge ----------------------------------------------------------------------------
@@ -339,18 +347,18 @@ impl PyStore {
             .map_err(|e| to_pyerr(py, e))
     }
 
-    /// Freeze and return `(lines, incomplete, snapshot_id, version)`.
+    /// Freeze and return `((lines, offsets), incomplete, snapshot_id, version)`.
     fn freeze<'py>(
         &self,
         py: Python<'py>,
         rollout_id: &Bound<'py, PyString>,
-    ) -> PyResult<(Bound<'py, PyList>, bool, String, u64)> {
+    ) -> PyResult<(LinesAndOffsets<'py>, bool, String, u64)> {
         let rollout_id = text(rollout_id, "rollout_id")?;
         let snapshot = py
             .detach(|| self.inner.freeze(rollout_id))
             .map_err(|e| to_pyerr(py, e))?;
         Ok((
-            bytes_list(py, &snapshot.records),
+            lines_and_offsets(py, &snapshot.records),
             snapshot.incomplete,
             snapshot.snapshot_id,
             snapshot.version,
@@ -403,12 +411,12 @@ impl PyStore {
         &self,
         py: Python<'py>,
         rollout_id: &Bound<'py, PyString>,
-    ) -> PyResult<Bound<'py, PyList>> {
+    ) -> PyResult<LinesAndOffsets<'py>> {
         let rollout_id = text(rollout_id, "rollout_id")?;
         let records = py
             .detach(|| self.inner.read_records(rollout_id))
             .map_err(|e| to_pyerr(py, e))?;
-        Ok(bytes_list(py, &records))
+        Ok(lines_and_offsets(py, &records))
     }
 
     /// The verified state as readers see it (tail folded, nothing changed) as JSON, and the
@@ -489,8 +497,9 @@ fn payload_digest(py: Python<'_>, line: &[u8]) -> String {
     py.detach(|| digest::payload_digest(line))
 }
 
-/// Nesting the walk refuses (JSON readers refuse far less; this protects the native stack).
-const MAX_JSON_DEPTH: usize = 512;
+/// Deepest nesting a stored value may have. pydantic's JSON reader stops at about 200 levels,
+/// so anything deeper would be acknowledged and then unreadable.
+const MAX_JSON_DEPTH: usize = 128;
 
 /// Why a value cannot be stored; `path` is filled in (innermost first) while unwinding, so
 /// the common, valid case allocates nothing.
@@ -575,6 +584,55 @@ fn scan_json_values(values: &Bound<'_, pyo3::types::PyDict>) -> PyResult<bool> {
     Ok(plain)
 }
 
+/// Check the token arrays of an entry about to be stored: token ids must be ints (not bools:
+/// `true` would not read back as the same bytes) and log-probs ints or floats. Entries built
+/// with `model_construct` or mutated after validation reach `put` unchecked otherwise.
+#[pyfunction]
+fn check_token_arrays(
+    prompt_token_ids: &Bound<'_, PyAny>,
+    generation_token_ids: &Bound<'_, PyAny>,
+    generation_log_probs: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    use pyo3::types::{PyBool, PyFloat, PyInt};
+    for (field, value) in [
+        ("prompt_token_ids", prompt_token_ids),
+        ("generation_token_ids", generation_token_ids),
+    ] {
+        for (index, item) in as_list(value, field)?.iter().enumerate() {
+            if !item.is_instance_of::<PyInt>() || item.is_instance_of::<PyBool>() {
+                return Err(PyValueError::new_err(format!(
+                    "{field}.{index} must be an int, got {}",
+                    type_name(&item)
+                )));
+            }
+        }
+    }
+    let log_probs = as_list(generation_log_probs, "generation_log_probs")?;
+    for (index, item) in log_probs.iter().enumerate() {
+        let number = item.is_instance_of::<PyFloat>() || item.is_instance_of::<PyInt>();
+        if !number || item.is_instance_of::<PyBool>() {
+            return Err(PyValueError::new_err(format!(
+                "generation_log_probs.{index} must be a float, got {}",
+                type_name(&item)
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn as_list<'a, 'py>(value: &'a Bound<'py, PyAny>, field: &str) -> PyResult<&'a Bound<'py, PyList>> {
+    value.cast::<PyList>().map_err(|_| {
+        PyValueError::new_err(format!("{field} must be a list, got {}", type_name(value)))
+    })
+}
+
+fn type_name(value: &Bound<'_, PyAny>) -> String {
+    value
+        .get_type()
+        .name()
+        .map_or_else(|_| "an unknown type".to_owned(), |name| name.to_string())
+}
+
 /// Raise ValueError unless `rollout_id` is a valid rollout id.
 #[pyfunction]
 fn validate_rollout_id(rollout_id: &Bound<'_, PyString>) -> PyResult<()> {
@@ -601,7 +659,9 @@ mod lineage_py {
     use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
     use serde_json::Value;
 
-    use super::{text, to_pyerr, token_ids};
+    use pyo3::exceptions::PyRuntimeError;
+
+    use super::{spawn_job, text, to_pyerr, token_ids, Completions};
     use crate::lineage::{
         self, FileLineage, HashedRequest, ItemsRequest, LineageError, MemoryLineage, Missing,
         Outcome, Step, Tokens,
@@ -780,10 +840,10 @@ mod lineage_py {
             if tokens.len() <= self.budget {
                 let mut inner = self.lock();
                 inner.tokens += tokens.len();
-                if let Some((_, (old, _))) = inner
-                    .lru
-                    .push(rollout_id.to_owned(), (tokens.clone(), built.clone().unbind()))
-                {
+                if let Some((_, (old, _))) = inner.lru.push(
+                    rollout_id.to_owned(),
+                    (tokens.clone(), built.clone().unbind()),
+                ) {
                     inner.tokens -= old.len();
                 }
                 while inner.tokens > self.budget {
@@ -843,8 +903,17 @@ mod lineage_py {
     /// The lineage resolver over a store directory (`tokencapture.lineage.FileLineageStore`).
     #[pyclass(frozen, name = "FileLineage", module = "tokencapture._core")]
     struct PyFileLineage {
-        inner: FileLineage,
+        inner: Arc<FileLineage>,
         memo: TupleMemo,
+    }
+
+    /// A resolve submitted to the worker pool (`FileLineage.prepare` / `submit` / `finish`):
+    /// the request goes in, the decision comes back here.
+    #[pyclass(frozen, name = "LineageJob", module = "tokencapture._core")]
+    struct PyLineageJob {
+        rollout_id: String,
+        request: Mutex<Option<ItemsRequest>>,
+        result: Arc<Mutex<Option<lineage::Result<Step>>>>,
     }
 
     #[pymethods]
@@ -857,7 +926,11 @@ mod lineage_py {
         ))]
         fn new(root: PathBuf, max_cached_rollouts: usize, max_cached_tokens: usize) -> Self {
             PyFileLineage {
-                inner: FileLineage::new(root, max_cached_rollouts, max_cached_tokens),
+                inner: Arc::new(FileLineage::new(
+                    root,
+                    max_cached_rollouts,
+                    max_cached_tokens,
+                )),
                 memo: TupleMemo::new(max_cached_tokens),
             }
         }
@@ -896,6 +969,58 @@ mod lineage_py {
                 .detach(|| self.inner.resolve(rollout_id, &mut request))
                 .map_err(|e| lineage_err(py, e))?;
             step_to_py(py, step, &self.memo, rollout_id)
+        }
+
+        /// A job for `submit`, with the request items copied (None when they need Python's
+        /// hashes). The event loop then waits for the worker pool instead of a thread hop.
+        fn prepare(
+            &self,
+            rollout_id: &Bound<'_, PyString>,
+            items: &Bound<'_, PyAny>,
+        ) -> PyResult<Option<PyLineageJob>> {
+            let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+            Ok(request_values(items).map(|values| PyLineageJob {
+                rollout_id,
+                request: Mutex::new(Some(ItemsRequest::new(values))),
+                result: Arc::new(Mutex::new(None)),
+            }))
+        }
+
+        /// Run a prepared job on the worker pool; its completion is reported to `completions`.
+        fn submit(
+            &self,
+            completions: &Bound<'_, Completions>,
+            token: u64,
+            job: &Bound<'_, PyLineageJob>,
+        ) -> PyResult<()> {
+            let job = job.get();
+            let mut request = job
+                .request
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+                .ok_or_else(|| PyRuntimeError::new_err("this lineage job was already submitted"))?;
+            let rollout_id = job.rollout_id.clone();
+            let slot = Arc::clone(&job.result);
+            let lineage = Arc::clone(&self.inner);
+            spawn_job(completions, token, move || {
+                let step = lineage.resolve(&rollout_id, &mut request);
+                *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
+                Ok::<(), crate::error::Error>(())
+            })
+        }
+
+        /// The decision of a completed job, shaped like `resolve`'s.
+        fn finish(&self, py: Python<'_>, job: &Bound<'_, PyLineageJob>) -> PyResult<Py<PyAny>> {
+            let job = job.get();
+            let result = job
+                .result
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+                .ok_or_else(|| PyRuntimeError::new_err("this lineage job has not completed"))?;
+            let step = result.map_err(|e| lineage_err(py, e))?;
+            step_to_py(py, step, &self.memo, &job.rollout_id)
         }
 
         fn clear(&self, py: Python<'_>) {
@@ -1029,6 +1154,7 @@ mod lineage_py {
     pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
         module.add_class::<PyFileLineage>()?;
         module.add_class::<PyMemoryLineage>()?;
+        module.add_class::<PyLineageJob>()?;
         module.add_function(wrap_pyfunction!(continuation_hashes, module)?)?;
         module.add_function(wrap_pyfunction!(tokens_extend, module)?)?;
         Ok(())
@@ -1320,6 +1446,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(payload_digest, module)?)?;
     module.add_function(wrap_pyfunction!(validate_rollout_id, module)?)?;
     module.add_function(wrap_pyfunction!(scan_json_values, module)?)?;
+    module.add_function(wrap_pyfunction!(check_token_arrays, module)?)?;
     module.add("MAX_ROLLOUT_ID_LEN", store::MAX_ROLLOUT_ID_LEN)?;
     lineage_py::register(module)?;
     ledger_py::register(module)?;

@@ -208,6 +208,10 @@ struct Cached {
     /// disk may have been created by a writer that crashed before making its name durable, so
     /// the first append through a freshly loaded index fsyncs the directory too.
     dir_synced: bool,
+    /// Whether `state.indexed_size` has been checked to end on a line boundary of the log.
+    /// A state that points into a line (a damaged or foreign index) must not be appended to:
+    /// the torn-line truncation would keep half a line and glue the next record onto it.
+    boundary_checked: bool,
 }
 
 impl Cached {
@@ -368,6 +372,7 @@ impl Store {
             disk_indexed_size: state.indexed_size,
             disk_entries: state.entry_digests.len(),
             dir_synced: false,
+            boundary_checked: false,
             state,
         })
     }
@@ -431,6 +436,20 @@ impl Store {
                 len,
                 format!("log ends at byte {len} but its state index covers {covered} bytes"),
             ));
+        }
+        if covered > 0 && !cached.boundary_checked {
+            let last = read_at(&log.file, covered - 1, 1).ctx("read log", &paths.log)?;
+            if last != b"\n" {
+                return Err(Error::corrupt(
+                    &paths.log,
+                    covered,
+                    format!(
+                        "{} ends its index inside a line of the log",
+                        paths.state.display()
+                    ),
+                ));
+            }
+            cached.boundary_checked = true;
         }
         if len == covered {
             return Ok(());
@@ -657,11 +676,22 @@ impl Store {
         for id in &ids {
             let paths = self.paths(id);
             let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
+            // The fence keeps the version and flags readers saw (the tail folded in). A
+            // corrupt log falls back to the stored state, a corrupt state to a bare fence:
+            // retiring is how a damaged rollout gets cleaned up.
+            let folded = self.checkout(id, &paths).and_then(|mut cached| {
+                self.fold_tail(&mut cached, &paths)?;
+                Ok(cached.state)
+            });
+            let state = match folded {
+                Ok(state) => state,
+                Err(_) => state::open_and_read(&paths.state)
+                    .ok()
+                    .flatten()
+                    .map(|(_, state)| state)
+                    .unwrap_or_default(),
+            };
             self.forget(id);
-            // A corrupt state is replaced by a bare fence: retiring is how it gets cleaned up.
-            let state = state::open_and_read(&paths.state)
-                .map(|found| found.map(|(_, state)| state).unwrap_or_default())
-                .unwrap_or_default();
             if !state.retired {
                 state::write_atomic(&paths.state, &paths.state_tmp, &state.fenced())?;
             }

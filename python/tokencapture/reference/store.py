@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from pydantic import ValidationError
 
 from tokencapture.protocols import (
     RolloutRemovalPayload,
@@ -244,7 +245,11 @@ def _top_level_call_id_keys(line: bytes) -> int:
     return sum(key == "model_call_id" for key, _ in objects[-1]) if objects else 0
 
 
-def _verify_and_fold(paths: _Paths, state: _State, buf: bytes) -> list[dict[str, Any]]:
+_Records = list[tuple[int, dict[str, Any]]]
+"""Unique records in file order, each with the byte offset of its line."""
+
+
+def _verify_and_fold(paths: _Paths, state: _State, buf: bytes) -> _Records:
     """Check every complete line of a whole log against `state` and fold the rest in.
 
     An indexed line (before `indexed_size`) must carry the payload digest the index recorded
@@ -260,7 +265,7 @@ def _verify_and_fold(paths: _Paths, state: _State, buf: bytes) -> list[dict[str,
             complete_end,
             f"{paths.state} covers {indexed} bytes but the log's complete lines end here",
         )
-    records: list[dict[str, Any]] = []
+    records: _Records = []
     seen: set[str] = set()
     for offset, line in _complete_lines(buf, 0):
         call_id, record = _parse_record(line, paths.log, offset)
@@ -280,7 +285,7 @@ def _verify_and_fold(paths: _Paths, state: _State, buf: bytes) -> list[dict[str,
         elif _fold_line(state, call_id, digest) != _NEW:
             continue
         seen.add(call_id)
-        records.append(record)
+        records.append((offset, record))
     state.indexed_size = complete_end
     return records
 
@@ -544,6 +549,9 @@ class TokenCaptureStore:
                 size,
                 f"log ends at byte {size} but its state index covers {covered} bytes",
             )
+        if covered > 0 and _read_at(log_fd, covered - 1, 1) != b"\n":
+            # Appending after an index that ends inside a line would glue records together.
+            raise _corrupt(paths.log, covered, f"{paths.state} ends its index inside a line")
         if size == covered:
             return
         tail = _read_at(log_fd, covered, size - covered)
@@ -691,7 +699,7 @@ class TokenCaptureStore:
 
     # Reads and lifecycle -----------------------------------------------------------------
 
-    def _scan_and_fold(self, paths: _Paths, state: _State) -> list[dict[str, Any]]:
+    def _scan_and_fold(self, paths: _Paths, state: _State) -> _Records:
         """Read the whole log: verify it and fold its tail into `state`, then truncate a torn
         final line (call under the exclusive lock). Returns the unique records in file order."""
         log_fd = _open_existing(paths.log, os.O_RDWR)
@@ -723,6 +731,22 @@ class TokenCaptureStore:
                 return True
         return False
 
+    @staticmethod
+    def _entries(paths: _Paths, records: _Records) -> tuple[TokenEntry, ...]:
+        """Validate stored records; one that is not a valid entry is corruption, named so."""
+        entries = []
+        for offset, record in records:
+            try:
+                entries.append(TokenEntry.model_validate(record))
+            except ValidationError as exc:
+                error = exc.errors()[0]
+                where = ".".join(map(str, error["loc"])) or "the record"
+                raise TokenCaptureCorruptionError(
+                    f"{paths.log}: the line is not a valid entry: {error['msg']} at {where} "
+                    f"(byte offset {offset})"
+                ) from exc
+        return tuple(entries)
+
     def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Synchronously freeze one rollout and return its stable snapshot."""
         paths = self._paths(rollout_id)
@@ -741,7 +765,7 @@ class TokenCaptureStore:
             if changed:
                 self._write_state(paths, state, durable=True, sync_root=True)
             incomplete = state.incomplete or self._has_dangling_intent(paths, state)
-        entries = tuple(TokenEntry.model_validate(record) for record in records)
+        entries = self._entries(paths, records)
         return TokenCaptureSnapshot(
             rollout_id, entries, incomplete, state.snapshot_id, state.version
         )
@@ -760,14 +784,14 @@ class TokenCaptureStore:
                 data = paths.log.read_bytes()
             except FileNotFoundError:
                 return []
-        records: list[dict[str, Any]] = []
+        records: _Records = []
         seen: set[str] = set()
         for offset, line in _complete_lines(data, 0):
             call_id, record = _parse_record(line, paths.log, offset)
             if call_id not in seen:
                 seen.add(call_id)
-                records.append(record)
-        return [TokenEntry.model_validate(record) for record in records]
+                records.append((offset, record))
+        return list(self._entries(paths, records))
 
     def is_incomplete(self, rollout_id: str) -> bool:
         """The stored flag: a call in flight is not a hole until freeze judges it."""
@@ -896,7 +920,7 @@ class TokenCaptureStore:
         return await asyncio.to_thread(self.delete_now, ids)
 
     @staticmethod
-    def _read_and_verify(paths: _Paths, state: _State) -> list[dict[str, Any]]:
+    def _read_and_verify(paths: _Paths, state: _State) -> _Records:
         """`_verify_and_fold` over the whole log without changing any file."""
         try:
             data = paths.log.read_bytes()

@@ -241,11 +241,26 @@ fn the_fast_path_agrees_with_the_general_parser() {
         if parse_canonical_ids(inner, &mut fast) {
             assert_eq!(fast, ids, "{text}");
         } else {
-            assert!(ids.is_empty() || ids.iter().any(|&id| id >= 10_000_000), "{text}");
+            assert!(
+                ids.is_empty() || ids.iter().any(|&id| id >= 10_000_000),
+                "{text}"
+            );
         }
     }
-    for bad in [&b"1,"[..], b",1", b"1,,2", b"01", b"1 ", b"1,x", b"12345678a"] {
-        assert!(!parse_canonical_ids(bad, &mut Vec::new()), "{}", String::from_utf8_lossy(bad));
+    for bad in [
+        &b"1,"[..],
+        b",1",
+        b"1,,2",
+        b"01",
+        b"1 ",
+        b"1,x",
+        b"12345678a",
+    ] {
+        assert!(
+            !parse_canonical_ids(bad, &mut Vec::new()),
+            "{}",
+            String::from_utf8_lossy(bad)
+        );
     }
 }
 
@@ -471,7 +486,12 @@ fn a_full_prompt_extending_its_cached_parent_is_parsed_from_the_new_turn_on() {
     }
     for turn in &turns {
         let outcome = resolve_mem(&lineage, "r", &turn.next_request("n"));
-        assert_eq!(resolved(&outcome).1, turn.cumulative().as_slice(), "{}", turn.call_id);
+        assert_eq!(
+            resolved(&outcome).1,
+            turn.cumulative().as_slice(),
+            "{}",
+            turn.call_id
+        );
     }
     // A parent whose cached tokens are the winner's whole prompt (an empty new turn).
     let mut twin = conversation(2, "q");
@@ -855,6 +875,21 @@ fn file_lineage_lru_bounds_rollouts() {
     assert_eq!(resolved(&outcome).0, turns[0].call_id);
     lineage.clear();
     assert_eq!((lineage.cached_rollouts(), lineage.cached_tokens()), (0, 0));
+}
+
+#[test]
+fn nth_comma_finds_separators_across_blocks() {
+    let text: Vec<u8> = (0..3000u32)
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+        .into_bytes();
+    let positions: Vec<usize> = memchr::memchr_iter(b',', &text).collect();
+    for n in [0, 1, 100, 511, 512, 1500, positions.len() - 1] {
+        assert_eq!(nth_comma(&text, n), Ok(positions[n]));
+    }
+    assert_eq!(nth_comma(&text, positions.len()), Err(positions.len()));
+    assert_eq!(nth_comma(b"", 0), Err(0));
 }
 
 #[test]
