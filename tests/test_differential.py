@@ -761,7 +761,6 @@ def test_long_rollouts_cross_rust_checkpoints_identically(tmp_path: Path) -> Non
 # Gaps of the Rust store found by the differential runs (fixed; kept as regressions) ----------
 
 
-
 @pytest.mark.parametrize(
     "impl",
     [

@@ -660,6 +660,35 @@ async def test_same_output_different_tokens_is_ambiguous_retries_collapse(
         assert resolved[:3] == ("resolved", "a-retry", (1, 2, 5, 6))
 
 
+async def test_items_outside_the_native_hashes_resolve_through_python(
+    stores: tuple[TokenCaptureStore, list[Resolver]],
+) -> None:
+    """Floats in canonical JSON and tuples defer to tokencapture.fingerprint, same answers."""
+    store, resolvers = stores
+    request: Items = [{"role": "user", "content": "set the temperature"}]
+    output: Items = [
+        {"type": "function_call", "call_id": "f1", "name": "set", "arguments": '{"t": 0.5}'}
+    ]
+    entry = TokenEntry(
+        rollout_id="r",
+        model_call_id="c0",
+        prompt_token_ids=[1, 2],
+        generation_token_ids=[3],
+        generation_log_probs=[0.0],
+        output_items=output,
+    )
+    stamp_lineage(stamp_continuation(entry, request), None, parent_resolution=ROOT)
+    put(store, resolvers, entry)
+    follow: Items = [{"type": "function_call_output", "call_id": "f1", "output": {"ok": 1.0}}]
+    nxt = [*request, *output, *follow]
+    assert _core.continuation_hashes(nxt, 1) is None
+    with_tuple = [*request, {**output[0], "extra": (1, 2)}, *follow]
+    for resolver in resolvers:
+        assert summary(await resolver.resolve("r", nxt))[:3] == ("resolved", "c0", (1, 2, 3))
+        assert summary(resolver.resolve_now("r", nxt))[:3] == ("resolved", "c0", (1, 2, 3))
+        assert summary(await resolver.resolve("r", with_tuple))[1] == "c0"
+
+
 # ---- deltas ---------------------------------------------------------------------------------
 
 

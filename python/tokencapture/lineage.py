@@ -141,8 +141,11 @@ class FileLineageStore:
     truncated or deleted file resets that rollout's index: a retired or deleted rollout resolves
     nothing, and a reused rollout id resolves against its new entries only.
 
-    Memory is bounded: the indexes of at most `max_cached_rollouts` rollouts (LRU; one open
-    descriptor each) and at most `max_cached_tokens` tokens of materialized cumulative sequences.
+    Memory is bounded: the metadata indexes of at most `max_cached_rollouts` rollouts (LRU; one
+    open descriptor each), at most `max_cached_tokens` tokens of verified cumulative sequences
+    (8 bytes a token, LRU), and at most `max_cached_tokens` tokens of answer tuples (the last
+    answer per rollout, from which the next one is extended). Token ids below 2**18 share one
+    Python int per process (at most about 10 MB).
     """
 
     def __init__(

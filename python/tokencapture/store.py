@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import orjson
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from tokencapture import _core
 from tokencapture.metrics import Metrics
@@ -174,48 +174,73 @@ _BOOL_FIELDS = ("prompt_is_delta", "prefix_requested", "prefix_supplied")
 _STATUSES = frozenset(status.value for status in ParentResolutionStatus)
 
 
-def _check_storable(entry: TokenEntry, values: dict[str, Any]) -> None:
-    """Refuse an entry whose current values would not read back as a valid `TokenEntry`.
+_REQUIRED_FIELDS = tuple(
+    name for name, field in TokenEntry.model_fields.items() if field.is_required()
+)
 
-    Validation ran when the entry was built, but pydantic does not validate assignment and
-    `model_construct` skips validation; this re-check costs a few type tests per field plus
-    one native pass over the token arrays.
+
+def _check_values(values: dict[str, Any], *, token_arrays: bool = True) -> None:
+    """Refuse field values that would not read back as a valid `TokenEntry`.
+
+    Shared by both directions: `put` checks an entry's current values (pydantic does not
+    validate assignment, and `model_construct` skips validation) and freeze checks each
+    decoded record before constructing it without a second full validation. A few type tests
+    per field, plus one native pass over the token arrays (skipped with `token_arrays=False`
+    for records the native decoder built: it checked them as it went).
     """
-    missing = [name for name in TokenEntry.model_fields if name not in values]
+    missing = [name for name in _REQUIRED_FIELDS if name not in values]
     if missing:
-        raise ValueError(f"entry is missing field(s) {', '.join(missing)}")
+        raise ValueError(f"missing field(s) {', '.join(missing)}")
 
     def wrong(name: str, expected: str) -> ValueError:
         return ValueError(f"{name} must be {expected}, got {type(values[name]).__name__}")
 
-    for name in _TEXT_FIELDS:
+    def present(names: tuple[str, ...]) -> list[str]:
+        return [name for name in names if name in values]
+
+    for name in present(_TEXT_FIELDS):
         if not isinstance(values[name], str):
             raise wrong(name, "a str")
-    for name in _OPTIONAL_TEXT_FIELDS:
+    for name in present(_OPTIONAL_TEXT_FIELDS):
         if values[name] is not None and not isinstance(values[name], str):
             raise wrong(name, "a str or None")
-    for name in (*_INT_FIELDS, *_OPTIONAL_INT_FIELDS):
+    for name in present((*_INT_FIELDS, *_OPTIONAL_INT_FIELDS)):
         value = values[name]
         if value is None and name in _OPTIONAL_INT_FIELDS:
             continue
         if not isinstance(value, int) or isinstance(value, bool):
             raise wrong(name, "an int")
-    for name in _BOOL_FIELDS:
+    for name in present(_BOOL_FIELDS):
         if not isinstance(values[name], bool):
             raise wrong(name, "a bool")
-    created_at = values["created_at"]
+    created_at = values.get("created_at", 0.0)
     if not isinstance(created_at, int | float) or isinstance(created_at, bool):
         raise wrong("created_at", "a float")
-    status = values["parent_resolution"]
+    status = values.get("parent_resolution")
     if status is not None and status not in _STATUSES:
         raise ValueError(f"parent_resolution {status!r} is not one of {sorted(_STATUSES)}")
-    output_items = values["output_items"]
+    output_items = values.get("output_items", [])
     if not isinstance(output_items, list) or not all(isinstance(i, dict) for i in output_items):
         raise ValueError("output_items must be a list of dicts")
-    _core.check_token_arrays(
-        values["prompt_token_ids"], values["generation_token_ids"], values["generation_log_probs"]
-    )
+    if token_arrays:
+        _core.check_token_arrays(
+            values["prompt_token_ids"],
+            values["generation_token_ids"],
+            values["generation_log_probs"],
+        )
+
+
+def _entry_from_record(record: dict[str, Any]) -> TokenEntry:
+    """Build an entry from a decoded, digest-verified record without a second full validation
+    (the type checks of `_check_values` and the model's invariants still run; the decoder
+    already checked the token arrays)."""
+    _check_values(record, token_arrays=False)
+    status = record.get("parent_resolution")
+    if status is not None:
+        record["parent_resolution"] = ParentResolutionStatus(status)
+    entry = TokenEntry.model_construct(**record)
     check_entry_invariants(entry)
+    return entry
 
 
 def canonical_line(entry: TokenEntry) -> bytes:
@@ -231,7 +256,11 @@ def canonical_line(entry: TokenEntry) -> bytes:
     status = values.get("parent_resolution")
     if status is not None:
         values["parent_resolution"] = str(status.value if hasattr(status, "value") else status)
-    _check_storable(entry, values)
+    try:
+        _check_values(values)
+        check_entry_invariants(entry)
+    except ValueError as exc:
+        raise ValueError(f"entry {values.get('model_call_id')!r} cannot be stored: {exc}") from exc
     try:
         # Plain JSON values serialize with orjson exactly as pydantic's JSON mode would, without
         # building a second copy of the token arrays; anything exotic goes through pydantic.
@@ -371,23 +400,21 @@ class TokenCaptureStore:
         """Synchronously freeze one rollout and return its stable snapshot."""
         with self._operation("freeze", rollout_id):
             records, incomplete, snapshot_id, version = self._native.freeze(rollout_id)
-            entries = self._parse_lines(rollout_id, *records)
+            entries = self._entries(rollout_id, *records)
             return TokenCaptureSnapshot(rollout_id, entries, incomplete, snapshot_id, version)
 
-    def _parse_lines(
-        self, rollout_id: str, lines: list[bytes], offsets: list[int]
+    def _entries(
+        self, rollout_id: str, records: list[dict[str, Any]], offsets: list[int]
     ) -> tuple[TokenEntry, ...]:
-        """Validate stored lines; one that is not a valid entry is corruption, named as such."""
+        """Entries from decoded records; one that is not a valid entry is corruption."""
         entries = []
-        for line, offset in zip(lines, offsets, strict=True):
+        for record, offset in zip(records, offsets, strict=True):
             try:
-                entries.append(TokenEntry.model_validate_json(line))
-            except ValidationError as exc:
-                error = exc.errors()[0]
-                where = ".".join(map(str, error["loc"])) or "the record"
+                entries.append(_entry_from_record(record))
+            except ValueError as exc:
                 raise TokenCaptureCorruptionError(
-                    f"{self.path_for(rollout_id)}: the line is not a valid entry: "
-                    f"{error['msg']} at {where} (byte offset {offset})"
+                    f"{self.path_for(rollout_id)}: the line is not a valid entry: {exc} "
+                    f"(byte offset {offset})"
                 ) from exc
         return tuple(entries)
 
@@ -396,7 +423,7 @@ class TokenCaptureStore:
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The stored entries (a torn tail is ignored; nothing is created or changed)."""
-        return list(self._parse_lines(rollout_id, *self._native.read_lines(rollout_id)))
+        return list(self._entries(rollout_id, *self._native.read_lines(rollout_id)))
 
     def is_incomplete(self, rollout_id: str) -> bool:
         return self._native.is_incomplete(rollout_id)

@@ -26,7 +26,10 @@
 //! Only the winner's tokens are built: walk `parent_call_id` through delta entries back to
 //! the nearest full-prompt anchor (or to an ancestor whose verified tokens are cached),
 //! concatenate prompt + generation of every link, and check the winner's recorded `cum_len`
-//! and token digest. A mismatch, a cycle, a missing parent or a malformed token array is a
+//! and token digest. Only the token arrays of the links are read and parsed (8 bytes at a time
+//! in the canonical form). A full-prompt winner whose parent's tokens are cached is first tried
+//! as "the parent's tokens + the rest of its prompt": the ids the parent covers are counted,
+//! not parsed, and the result is kept only if it has the winner's recorded digest. A mismatch, a cycle, a missing parent or a malformed token array is a
 //! [`LineageError::Integrity`]: never wrong tokens. Verified sequences are cached by their
 //! digest under a token budget; a digest names its sequence, so the cache never goes stale
 //! (a deleted and reused rollout id cannot alias it), and every answer is still checked
@@ -43,7 +46,6 @@
 
 pub mod fingerprint;
 
-use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -67,6 +69,8 @@ use fingerprint::{PrefixDigests, Unsupported};
 
 /// Default number of rollouts whose index a [`FileLineage`] keeps (one descriptor each).
 pub const DEFAULT_CACHED_ROLLOUTS: usize = 256;
+/// Bytes of a log read at once when folding new lines into an index.
+const READ_WINDOW: usize = 8 << 20;
 /// Default token budget of the materialized-sequence cache.
 pub const DEFAULT_CACHED_TOKENS: usize = 4_000_000;
 
@@ -774,16 +778,46 @@ impl TokenCache {
 
 /// Reads the bytes of a span of a call's line.
 trait Lines {
-    fn span<'a>(&'a self, loc: &'a Loc, span: Range<usize>) -> Result<Cow<'a, [u8]>>;
+    /// The bytes of `span` of the line at `loc`; a file is read into `scratch`.
+    fn span<'a>(
+        &'a self,
+        loc: &'a Loc,
+        span: Range<usize>,
+        scratch: &'a mut Vec<u8>,
+    ) -> Result<&'a [u8]>;
+}
+
+/// Largest read buffer a thread keeps between materializations.
+const MAX_SCRATCH: usize = 1 << 20;
+
+thread_local! {
+    /// A read buffer reused across materializations, so reading a long prompt costs neither an
+    /// allocation nor fresh zeroed pages each time.
+    static SCRATCH: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Run `f` with this thread's read buffer.
+fn with_scratch<R>(f: impl FnOnce(&mut Vec<u8>) -> R) -> R {
+    let mut scratch = SCRATCH.take();
+    let result = f(&mut scratch);
+    if scratch.capacity() <= MAX_SCRATCH {
+        SCRATCH.set(scratch);
+    }
+    result
 }
 
 /// Lines held in memory.
 struct MemoryLines;
 
 impl Lines for MemoryLines {
-    fn span<'a>(&'a self, loc: &'a Loc, span: Range<usize>) -> Result<Cow<'a, [u8]>> {
+    fn span<'a>(
+        &'a self,
+        loc: &'a Loc,
+        span: Range<usize>,
+        _scratch: &'a mut Vec<u8>,
+    ) -> Result<&'a [u8]> {
         match loc {
-            Loc::Memory(line) => Ok(Cow::Borrowed(&line[span])),
+            Loc::Memory(line) => Ok(&line[span]),
             Loc::File { .. } => integrity("a file line in an in-memory index"),
         }
     }
@@ -796,19 +830,27 @@ struct FileLines<'f> {
 }
 
 impl Lines for FileLines<'_> {
-    fn span<'a>(&'a self, loc: &'a Loc, span: Range<usize>) -> Result<Cow<'a, [u8]>> {
+    fn span<'a>(
+        &'a self,
+        loc: &'a Loc,
+        span: Range<usize>,
+        scratch: &'a mut Vec<u8>,
+    ) -> Result<&'a [u8]> {
         match loc {
             Loc::File { offset, len } => {
                 if span.end > *len {
                     return integrity("a token span past the end of its line");
                 }
-                let mut buf = vec![0u8; span.len()];
+                let n = span.len();
+                if scratch.len() < n {
+                    scratch.resize(n, 0);
+                }
                 self.file
-                    .read_exact_at(&mut buf, offset + span.start as u64)
+                    .read_exact_at(&mut scratch[..n], offset + span.start as u64)
                     .ctx("read log", self.path)?;
-                Ok(Cow::Owned(buf))
+                Ok(&scratch[..n])
             }
-            Loc::Memory(line) => Ok(Cow::Borrowed(&line[span])),
+            Loc::Memory(line) => Ok(&line[span]),
         }
     }
 }
@@ -829,8 +871,11 @@ fn append_link_tokens(
                 call.meta.call_id
             ));
         };
-        let bytes = lines.span(&call.loc, span.clone())?;
-        parse_token_array(&bytes, out).map_err(|err| {
+        let bytes = with_scratch(|scratch| -> Result<_> {
+            let bytes = lines.span(&call.loc, span.clone(), scratch)?;
+            Ok(parse_token_array(bytes, out))
+        })?;
+        bytes.map_err(|err| {
             LineageError::Integrity(format!(
                 "{name} of entry {:?} of rollout {rollout_id:?}: {err}",
                 call.meta.call_id
@@ -874,30 +919,33 @@ fn extend_cached_parent(
         return Ok(None);
     };
     let skip = parent.len();
-    let bytes = lines.span(&top.loc, prompt.clone())?;
-    let Some(inner) = array_inner(&bytes) else {
-        return Ok(None);
-    };
     let capacity = top.meta.cum_len.and_then(|n| usize::try_from(n).ok());
     let mut tokens = Vec::with_capacity(capacity.unwrap_or(skip));
     tokens.extend_from_slice(&parent);
-    let rest = if skip == 0 {
-        inner
-    } else {
-        match nth_comma(inner, skip - 1) {
-            Ok(comma) => &inner[comma + 1..],
-            // Exactly `skip` ids (fewer separators than that otherwise): nothing new.
-            Err(commas) if commas == skip - 1 && skip_ws(inner, 0) < inner.len() => {
-                &inner[inner.len()..]
+    let parsed = with_scratch(|scratch| -> Result<bool> {
+        let bytes = lines.span(&top.loc, prompt.clone(), scratch)?;
+        let Some(inner) = array_inner(bytes) else {
+            return Ok(false);
+        };
+        let rest = if skip == 0 {
+            inner
+        } else {
+            match nth_comma(inner, skip - 1) {
+                Ok(comma) => &inner[comma + 1..],
+                // Exactly `skip` ids (fewer separators than that otherwise): nothing new.
+                Err(commas) if commas == skip - 1 && skip_ws(inner, 0) < inner.len() => {
+                    &inner[inner.len()..]
+                }
+                Err(_) => return Ok(false),
             }
-            Err(_) => return Ok(None),
+        };
+        if !rest.is_empty() && parse_inner_ids(rest, &mut tokens).is_err() {
+            return Ok(false);
         }
-    };
-    if !rest.is_empty() && parse_inner_ids(rest, &mut tokens).is_err() {
-        return Ok(None);
-    }
-    let generation_bytes = lines.span(&top.loc, generation.clone())?;
-    if parse_token_array(&generation_bytes, &mut tokens).is_err() {
+        let bytes = lines.span(&top.loc, generation.clone(), scratch)?;
+        Ok(parse_token_array(bytes, &mut tokens).is_ok())
+    })?;
+    if !parsed {
         return Ok(None);
     }
     let fits = capacity.is_none_or(|n| n == tokens.len());
@@ -1097,6 +1145,7 @@ pub struct FileLineage {
     root: PathBuf,
     rollouts: Mutex<LruCache<String, Arc<Mutex<FileRollout>>>>,
     cache: TokenCache,
+    read_window: usize,
 }
 
 impl FileLineage {
@@ -1105,7 +1154,14 @@ impl FileLineage {
             root: root.into(),
             rollouts: Mutex::new(LruCache::new(capacity(cached_rollouts))),
             cache: TokenCache::new(cached_tokens),
+            read_window: READ_WINDOW,
         }
+    }
+
+    #[cfg(test)]
+    fn with_read_window(mut self, bytes: usize) -> Self {
+        self.read_window = bytes.max(1);
+        self
     }
 
     pub fn root(&self) -> &std::path::Path {
@@ -1213,21 +1269,45 @@ impl FileLineage {
         if len == state.cursor {
             return Ok(());
         }
-        let start = state.cursor;
-        let mut tail = vec![0u8; (len - start) as usize];
-        log.file
-            .read_exact_at(&mut tail, start)
-            .ctx("read log", &paths.log)?;
-        // Committed lines never change: parse them without holding up writers.
+        // Read in windows, so a long log costs bounded memory; a line longer than a window
+        // widens it. Every byte read was acknowledged before `len` was taken under the lock.
+        let mut window = self.read_window;
+        while state.cursor < len {
+            let start = state.cursor;
+            let want = (len - start).min(window as u64) as usize;
+            let mut chunk = vec![0u8; want];
+            log.file
+                .read_exact_at(&mut chunk, start)
+                .ctx("read log", &paths.log)?;
+            if complete_prefix_len(&chunk) == 0 {
+                if start + want as u64 == len {
+                    break; // a torn final line: left for a later look
+                }
+                window = window.saturating_mul(2);
+                continue;
+            }
+            Self::fold(&mut state.index, &log.file, &paths.log, &chunk, start)?;
+            state.cursor = start + complete_prefix_len(&chunk) as u64;
+        }
         drop(guard);
-        let file = &log.file;
-        for (offset, line) in complete_lines(&tail, start) {
-            let meta = scan_line(line).map_err(|e| Error::corrupt(&paths.log, offset, e))?;
+        Ok(())
+    }
+
+    /// Add the complete lines of `chunk` (read at `start`) to the index.
+    fn fold(
+        index: &mut RolloutIndex,
+        file: &File,
+        path: &std::path::Path,
+        chunk: &[u8],
+        start: u64,
+    ) -> Result<()> {
+        for (offset, line) in complete_lines(chunk, start) {
+            let meta = scan_line(line).map_err(|e| Error::corrupt(path, offset, e))?;
             let loc = Loc::File {
                 offset,
                 len: line.len(),
             };
-            state.index.add(meta, loc, 0, |known| match known {
+            index.add(meta, loc, 0, |known| match known {
                 Loc::File {
                     offset: known_offset,
                     len: known_len,
@@ -1237,14 +1317,12 @@ impl FileLineage {
                     }
                     let mut earlier = vec![0u8; *known_len];
                     file.read_exact_at(&mut earlier, *known_offset)
-                        .ctx("read log", &paths.log)?;
+                        .ctx("read log", path)?;
                     Ok(earlier == line)
                 }
                 Loc::Memory(bytes) => Ok(&bytes[..] == line),
             })?;
-            state.cursor = offset + line.len() as u64 + 1;
         }
-        state.cursor = start + complete_prefix_len(&tail) as u64;
         Ok(())
     }
 }

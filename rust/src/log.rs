@@ -67,6 +67,80 @@ pub fn read_at(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LineError(pub String);
 
+/// Receives the values of a JSON document as the validating walk meets them.
+///
+/// The walk owns the grammar; a builder decides what a value becomes. [`Validate`] builds
+/// nothing (its values are `()`, so arrays of them never allocate); the Python binding builds
+/// Python objects straight from the bytes, with no intermediate tree.
+pub trait Builder {
+    type Value;
+    type Error: From<LineError>;
+
+    fn null(&mut self) -> Result<Self::Value, Self::Error>;
+    fn boolean(&mut self, value: bool) -> Result<Self::Value, Self::Error>;
+    /// `text` is a valid JSON number; `integer` when it has no fraction or exponent.
+    fn number(&mut self, text: &[u8], integer: bool) -> Result<Self::Value, Self::Error>;
+    /// A non-negative integer that fits in a u64 (`text` is its digits): the common case of
+    /// token ids, handed over already parsed.
+    fn unsigned(&mut self, value: u64, text: &[u8]) -> Result<Self::Value, Self::Error> {
+        let _ = value;
+        self.number(text, true)
+    }
+    /// `raw` is a valid JSON string with its quotes; `escaped` when it contains a backslash.
+    fn string(&mut self, raw: &[u8], escaped: bool) -> Result<Self::Value, Self::Error>;
+    /// `all_unsigned` when every item was a non-negative integer (handed to `unsigned`).
+    fn array(
+        &mut self,
+        items: Vec<Self::Value>,
+        all_unsigned: bool,
+    ) -> Result<Self::Value, Self::Error>;
+    /// `depth` is 1 for the top-level object of a line.
+    fn object(
+        &mut self,
+        members: Vec<(Self::Value, Self::Value)>,
+        depth: usize,
+    ) -> Result<Self::Value, Self::Error>;
+}
+
+/// The builder that only validates.
+pub struct Validate;
+
+impl Builder for Validate {
+    type Value = ();
+    type Error = LineError;
+
+    fn null(&mut self) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn boolean(&mut self, _: bool) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn number(&mut self, _: &[u8], _: bool) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn string(&mut self, _: &[u8], _: bool) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn array(&mut self, _: Vec<()>, _: bool) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn object(&mut self, _: Vec<((), ())>, _: usize) -> Result<(), LineError> {
+        Ok(())
+    }
+}
+
+/// Build one JSON document (a whole line) with `builder`, refusing anything after it.
+pub fn build<B: Builder>(line: &[u8], builder: &mut B) -> Result<B::Value, B::Error> {
+    let mut scan = Scanner { buf: line, pos: 0 };
+    scan.skip_ws();
+    let value = scan.value(builder, 0)?;
+    scan.skip_ws();
+    if scan.pos != line.len() {
+        return Err(scan.error("trailing bytes after the value").into());
+    }
+    Ok(value)
+}
+
 /// Extract the top-level `model_call_id` of one line, validating that the line is exactly one
 /// JSON object.
 ///
@@ -81,14 +155,14 @@ pub fn extract_call_id(line: &[u8]) -> Result<String, LineError> {
         return Err(scan.error("expected a JSON object"));
     }
     let mut found: Option<String> = None;
-    scan.object(0, |scan, key| {
+    scan.members(0, |scan, key| {
         if key != b"\"model_call_id\"" {
-            return scan.value(1);
+            return scan.value(&mut Validate, 1);
         }
         if scan.peek() != Some(b'"') {
             return Err(LineError("model_call_id is not a string".to_string()));
         }
-        let span = scan.string()?;
+        let (span, _) = scan.string()?;
         let id: String = serde_json::from_slice(span)
             .map_err(|err| LineError(format!("model_call_id is not valid JSON: {err}")))?;
         if found.replace(id).is_some() {
@@ -136,27 +210,56 @@ impl<'a> Scanner<'a> {
     }
 
     /// One value of any kind.
-    fn value(&mut self, depth: usize) -> Result<(), LineError> {
+    fn value<B: Builder>(&mut self, builder: &mut B, depth: usize) -> Result<B::Value, B::Error> {
         match self.peek() {
-            Some(b'"') => self.string().map(|_| ()),
-            Some(b'{') => self.object(depth + 1, |scan, _| scan.value(depth + 1)),
-            Some(b'[') => self.array(depth + 1),
-            Some(b't') => self.literal(b"true"),
-            Some(b'f') => self.literal(b"false"),
-            Some(b'n') => self.literal(b"null"),
-            Some(b'-' | b'0'..=b'9') => self.number(),
-            _ => Err(self.error("expected a value")),
+            Some(b'"') => {
+                let (raw, escaped) = self.string()?;
+                builder.string(raw, escaped)
+            }
+            Some(b'{') => {
+                let mut members = Vec::new();
+                self.members::<B::Error>(depth + 1, |scan, key| {
+                    let escaped = key.contains(&b'\\');
+                    let key = builder.string(key, escaped)?;
+                    members.push((key, scan.value(builder, depth + 1)?));
+                    Ok(())
+                })?;
+                builder.object(members, depth + 1)
+            }
+            Some(b'[') => {
+                let (items, all_unsigned) = self.items(builder, depth + 1)?;
+                builder.array(items, all_unsigned)
+            }
+            Some(b't') => {
+                self.literal(b"true")?;
+                builder.boolean(true)
+            }
+            Some(b'f') => {
+                self.literal(b"false")?;
+                builder.boolean(false)
+            }
+            Some(b'n') => {
+                self.literal(b"null")?;
+                builder.null()
+            }
+            Some(b'-' | b'0'..=b'9') => {
+                let start = self.pos;
+                let integer = self.number()?;
+                builder.number(&self.buf[start..self.pos], integer)
+            }
+            _ => Err(self.error("expected a value").into()),
         }
     }
 
-    /// An object; `member` sees each key span (quotes included) with the scanner at its value.
-    fn object(
+    /// The members of an object starting here; `member` sees each key span (quotes included)
+    /// with the scanner at its value, and must consume the value.
+    fn members<E: From<LineError>>(
         &mut self,
         depth: usize,
-        mut member: impl FnMut(&mut Self, &'a [u8]) -> Result<(), LineError>,
-    ) -> Result<(), LineError> {
+        mut member: impl FnMut(&mut Self, &'a [u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
         if depth > MAX_DEPTH {
-            return Err(self.error("nesting too deep"));
+            return Err(self.error("nesting too deep").into());
         }
         self.pos += 1; // '{'
         self.skip_ws();
@@ -167,12 +270,12 @@ impl<'a> Scanner<'a> {
         loop {
             self.skip_ws();
             if self.peek() != Some(b'"') {
-                return Err(self.error("expected a string key"));
+                return Err(self.error("expected a string key").into());
             }
-            let key = self.string()?;
+            let (key, _) = self.string()?;
             self.skip_ws();
             if self.peek() != Some(b':') {
-                return Err(self.error("expected ':'"));
+                return Err(self.error("expected ':'").into());
             }
             self.pos += 1;
             self.skip_ws();
@@ -184,38 +287,82 @@ impl<'a> Scanner<'a> {
                     self.pos += 1;
                     return Ok(());
                 }
-                _ => return Err(self.error("expected ',' or '}'")),
+                _ => return Err(self.error("expected ',' or '}'").into()),
             }
         }
     }
 
-    fn array(&mut self, depth: usize) -> Result<(), LineError> {
+    fn items<B: Builder>(
+        &mut self,
+        builder: &mut B,
+        depth: usize,
+    ) -> Result<(Vec<B::Value>, bool), B::Error> {
         if depth > MAX_DEPTH {
-            return Err(self.error("nesting too deep"));
+            return Err(self.error("nesting too deep").into());
         }
         self.pos += 1; // '['
         self.skip_ws();
+        let mut items = Vec::new();
+        let mut all_unsigned = true;
         if self.peek() == Some(b']') {
             self.pos += 1;
-            return Ok(());
+            return Ok((items, all_unsigned));
         }
         loop {
-            self.skip_ws();
-            self.value(depth)?;
-            self.skip_ws();
+            if !matches!(self.peek(), Some(b'0'..=b'9')) {
+                self.skip_ws();
+            }
+            // Token arrays are long runs of small non-negative integers: parse those inline.
+            let item = match self.unsigned() {
+                Some((value, start)) => builder.unsigned(value, &self.buf[start..self.pos])?,
+                None => {
+                    all_unsigned = false;
+                    self.value(builder, depth)?
+                }
+            };
+            items.push(item);
+            if self.peek() != Some(b',') {
+                self.skip_ws();
+            }
             match self.peek() {
                 Some(b',') => self.pos += 1,
                 Some(b']') => {
                     self.pos += 1;
-                    return Ok(());
+                    return Ok((items, all_unsigned));
                 }
-                _ => return Err(self.error("expected ',' or ']'")),
+                _ => return Err(self.error("expected ',' or ']'").into()),
             }
         }
     }
 
-    /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`
-    fn number(&mut self) -> Result<(), LineError> {
+    /// A plain non-negative integer of at most 19 digits starting here (so it fits in a u64),
+    /// consumed and returned with its start; `None`, consuming nothing, for anything else.
+    fn unsigned(&mut self) -> Option<(u64, usize)> {
+        let start = self.pos;
+        let mut value = 0u64;
+        let mut end = start;
+        while let Some(&byte) = self.buf.get(end) {
+            if !byte.is_ascii_digit() {
+                break;
+            }
+            value = value.wrapping_mul(10).wrapping_add(u64::from(byte - b'0'));
+            end += 1;
+        }
+        let digits = end - start;
+        let plain = match digits {
+            0 => false,
+            1 => true,
+            _ => self.buf[start] != b'0' && digits <= 19,
+        };
+        if !plain || matches!(self.buf.get(end), Some(b'.' | b'e' | b'E')) {
+            return None;
+        }
+        self.pos = end;
+        Some((value, start))
+    }
+
+    /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`; true when it is an integer.
+    fn number(&mut self) -> Result<bool, LineError> {
         if self.peek() == Some(b'-') {
             self.pos += 1;
         }
@@ -224,7 +371,9 @@ impl<'a> Scanner<'a> {
             Some(b'1'..=b'9') => self.digits(),
             _ => return Err(self.error("invalid number")),
         }
+        let mut integer = true;
         if self.peek() == Some(b'.') {
+            integer = false;
             self.pos += 1;
             if !matches!(self.peek(), Some(b'0'..=b'9')) {
                 return Err(self.error("invalid number"));
@@ -232,6 +381,7 @@ impl<'a> Scanner<'a> {
             self.digits();
         }
         if matches!(self.peek(), Some(b'e' | b'E')) {
+            integer = false;
             self.pos += 1;
             if matches!(self.peek(), Some(b'+' | b'-')) {
                 self.pos += 1;
@@ -241,7 +391,7 @@ impl<'a> Scanner<'a> {
             }
             self.digits();
         }
-        Ok(())
+        Ok(integer)
     }
 
     fn digits(&mut self) {
@@ -250,10 +400,11 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    /// The span of a JSON string starting here, quotes included: valid UTF-8, no raw control
-    /// characters, only JSON's escapes.
-    fn string(&mut self) -> Result<&'a [u8], LineError> {
+    /// The span of a JSON string starting here (quotes included) and whether it holds an
+    /// escape: valid UTF-8, no raw control characters, only JSON's escapes.
+    fn string(&mut self) -> Result<(&'a [u8], bool), LineError> {
         let start = self.pos;
+        let mut escaped = false;
         self.pos += 1; // opening quote
         loop {
             let rest = &self.buf[self.pos..];
@@ -267,6 +418,7 @@ impl<'a> Scanner<'a> {
             if rest[i] == b'"' {
                 break;
             }
+            escaped = true;
             match self.peek() {
                 Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => self.pos += 1,
                 Some(b'u') => {
@@ -283,7 +435,7 @@ impl<'a> Scanner<'a> {
         if std::str::from_utf8(span).is_err() {
             return Err(self.error("string is not valid UTF-8"));
         }
-        Ok(span)
+        Ok((span, escaped))
     }
 }
 
@@ -347,6 +499,61 @@ mod tests {
                 String::from_utf8_lossy(bad)
             );
         }
+    }
+
+    /// Builds a compact re-serialization, to see the walk hands every value over in order.
+    struct Echo;
+
+    impl Builder for Echo {
+        type Value = String;
+        type Error = LineError;
+        fn null(&mut self) -> Result<String, LineError> {
+            Ok("null".into())
+        }
+        fn boolean(&mut self, value: bool) -> Result<String, LineError> {
+            Ok(value.to_string())
+        }
+        fn number(&mut self, text: &[u8], integer: bool) -> Result<String, LineError> {
+            let text = String::from_utf8_lossy(text);
+            Ok(if integer {
+                format!("i{text}")
+            } else {
+                format!("f{text}")
+            })
+        }
+        fn string(&mut self, raw: &[u8], escaped: bool) -> Result<String, LineError> {
+            Ok(format!(
+                "{}{}",
+                if escaped { "e" } else { "" },
+                String::from_utf8_lossy(raw)
+            ))
+        }
+        fn array(&mut self, items: Vec<String>, all_unsigned: bool) -> Result<String, LineError> {
+            let mark = if all_unsigned { "u" } else { "" };
+            Ok(format!("{mark}[{}]", items.join(",")))
+        }
+        fn object(
+            &mut self,
+            members: Vec<(String, String)>,
+            _: usize,
+        ) -> Result<String, LineError> {
+            let members: Vec<String> = members
+                .into_iter()
+                .map(|(k, v)| format!("{k}:{v}"))
+                .collect();
+            Ok(format!("{{{}}}", members.join(",")))
+        }
+    }
+
+    #[test]
+    fn build_hands_every_value_to_the_builder() {
+        let line = br#" {"a": [1, -2.5e3, true, null, "x\ny"], "b": {}} "#;
+        assert_eq!(
+            build(line, &mut Echo).unwrap(),
+            r#"{"a":[i1,f-2.5e3,true,null,e"x\ny"],"b":{}}"#
+        );
+        assert!(build(b"[1] 2", &mut Echo).is_err());
+        assert!(build(b"[01]", &mut Validate).is_err());
     }
 
     #[test]

@@ -80,20 +80,172 @@ fn text<'a>(value: &'a Bound<'_, PyString>, what: &str) -> PyResult<&'a str> {
     })
 }
 
-/// The records as `(lines, byte offsets)`: the offsets let Python name the exact place of a
-/// line that does not validate.
-type LinesAndOffsets<'py> = (Bound<'py, PyList>, Vec<usize>);
+/// Decoded records and the byte offset of each line: the offsets let Python name the exact
+/// place of a record that is not a valid entry.
+type DecodedRecords<'py> = (Bound<'py, PyList>, Vec<usize>);
 
-fn lines_and_offsets<'py>(py: Python<'py>, records: &store::Records) -> LinesAndOffsets<'py> {
-    let items = records
+// ---- decoding stored lines --------------------------------------------------------------------
+//
+// Freeze hands back Python dicts built straight from the verified bytes by the same validating
+// walk the store uses (`log::build`), with no intermediate tree. Token ids repeat heavily within
+// a rollout (every prompt contains the previous one), so integers below `INTERNED_INTS` are
+// created once per call and shared: most list slots cost an increment, not an allocation.
+
+const INTERNED_INTS: u64 = 1 << 18;
+
+struct PyBuilder<'py> {
+    py: Python<'py>,
+    ints: Vec<Option<Bound<'py, PyAny>>>,
+}
+
+impl From<crate::log::LineError> for PyErr {
+    fn from(err: crate::log::LineError) -> PyErr {
+        PyValueError::new_err(err.0)
+    }
+}
+
+/// A decoded value, and whether it is a list of non-negative integers (the walk saw every item
+/// take the integer fast path): token arrays are then known to be ints without a second pass.
+type Decoded<'py> = (Bound<'py, PyAny>, bool);
+
+/// Top-level fields whose types the decoder checks as it builds them, so freeze need not
+/// walk the token arrays again in Python.
+const TOKEN_ID_FIELDS: [&str; 2] = ["prompt_token_ids", "generation_token_ids"];
+
+impl<'py> PyBuilder<'py> {
+    fn plain(value: Bound<'py, PyAny>) -> Decoded<'py> {
+        (value, false)
+    }
+
+    /// Refuse a top-level token field of the wrong shape, naming it.
+    fn check_top_level(&self, key: &str, value: &Decoded<'py>) -> PyResult<()> {
+        use pyo3::types::{PyFloat, PyInt};
+        let (object, unsigned_list) = value;
+        let list_of = |accept: &dyn Fn(&Bound<'py, PyAny>) -> bool, what: &str| -> PyResult<()> {
+            let ok = object
+                .cast::<PyList>()
+                .is_ok_and(|list| list.iter().all(|item| accept(&item)));
+            if ok {
+                Ok(())
+            } else {
+                Err(PyValueError::new_err(format!(
+                    "{key} must be a list of {what}"
+                )))
+            }
+        };
+        if TOKEN_ID_FIELDS.contains(&key) && !unsigned_list {
+            list_of(&|item| item.is_exact_instance_of::<PyInt>(), "ints")?;
+        } else if key == "generation_log_probs" {
+            list_of(
+                &|item| {
+                    item.is_exact_instance_of::<PyFloat>() || item.is_exact_instance_of::<PyInt>()
+                },
+                "floats",
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl<'py> crate::log::Builder for PyBuilder<'py> {
+    type Value = Decoded<'py>;
+    type Error = PyErr;
+
+    fn null(&mut self) -> PyResult<Self::Value> {
+        Ok(Self::plain(self.py.None().into_bound(self.py)))
+    }
+
+    fn boolean(&mut self, value: bool) -> PyResult<Self::Value> {
+        let value = pyo3::types::PyBool::new(self.py, value)
+            .to_owned()
+            .into_any();
+        Ok(Self::plain(value))
+    }
+
+    fn unsigned(&mut self, value: u64, _: &[u8]) -> PyResult<Self::Value> {
+        if value >= INTERNED_INTS {
+            return Ok(Self::plain(value.into_pyobject(self.py)?.into_any()));
+        }
+        let slot = value as usize;
+        if self.ints.len() <= slot {
+            self.ints.resize(slot + 1, None);
+        }
+        let py = self.py;
+        let int = self.ints[slot]
+            .get_or_insert_with(|| value.into_pyobject(py).expect("int").into_any())
+            .clone();
+        Ok(Self::plain(int))
+    }
+
+    fn number(&mut self, text: &[u8], integer: bool) -> PyResult<Self::Value> {
+        let text = std::str::from_utf8(text).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        if !integer {
+            let value: f64 = text
+                .parse()
+                .map_err(|_| PyValueError::new_err("invalid float"))?;
+            return Ok(Self::plain(
+                pyo3::types::PyFloat::new(self.py, value).into_any(),
+            ));
+        }
+        match text.parse::<u64>() {
+            Ok(value) => self.unsigned(value, text.as_bytes()),
+            Err(_) => match text.parse::<i64>() {
+                Ok(value) => Ok(Self::plain(value.into_pyobject(self.py)?.into_any())),
+                // Beyond 64 bits: Python's own int() parses any length.
+                Err(_) => Ok(Self::plain(
+                    self.py.get_type::<pyo3::types::PyInt>().call1((text,))?,
+                )),
+            },
+        }
+    }
+
+    fn string(&mut self, raw: &[u8], escaped: bool) -> PyResult<Self::Value> {
+        if escaped {
+            let text: String =
+                serde_json::from_slice(raw).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            return Ok(Self::plain(PyString::new(self.py, &text).into_any()));
+        }
+        let inner = std::str::from_utf8(&raw[1..raw.len() - 1])
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Self::plain(PyString::new(self.py, inner).into_any()))
+    }
+
+    fn array(&mut self, items: Vec<Self::Value>, all_unsigned: bool) -> PyResult<Self::Value> {
+        let list = PyList::new(self.py, items.into_iter().map(|(item, _)| item))?;
+        Ok((list.into_any(), all_unsigned))
+    }
+
+    fn object(
+        &mut self,
+        members: Vec<(Self::Value, Self::Value)>,
+        depth: usize,
+    ) -> PyResult<Self::Value> {
+        let dict = pyo3::types::PyDict::new(self.py);
+        for ((key, _), value) in members {
+            if depth == 1 {
+                self.check_top_level(key.cast::<PyString>()?.to_str()?, &value)?;
+            }
+            dict.set_item(key, value.0)?;
+        }
+        Ok(Self::plain(dict.into_any()))
+    }
+}
+
+/// Decode stored records into Python values: `(values, byte offsets)`.
+fn decode_records<'py>(py: Python<'py>, records: &store::Records) -> PyResult<DecodedRecords<'py>> {
+    let mut builder = PyBuilder {
+        py,
+        ints: Vec::new(),
+    };
+    let values = records
         .lines
         .iter()
-        .map(|range| PyBytes::new(py, &records.buf[range.clone()]));
-    let lines = PyList::new(py, items).expect("a list of bytes builds");
-    (
-        lines,
-        records.lines.iter().map(|range| range.start).collect(),
-    )
+        .map(|range| {
+            crate::log::build(&records.buf[range.clone()], &mut builder).map(|(value, _)| value)
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let offsets = records.lines.iter().map(|range| range.start).collect();
+    Ok((PyList::new(py, values)?, offsets))
 }
 
 // ---- async bridge ----------------------------------------------------------------------------
@@ -347,18 +499,19 @@ impl PyStore {
             .map_err(|e| to_pyerr(py, e))
     }
 
-    /// Freeze and return `((lines, offsets), incomplete, snapshot_id, version)`.
+    /// Freeze and return `((records, offsets), incomplete, snapshot_id, version)`: each record
+    /// is the decoded JSON object of a verified line, each offset where its line starts.
     fn freeze<'py>(
         &self,
         py: Python<'py>,
         rollout_id: &Bound<'py, PyString>,
-    ) -> PyResult<(LinesAndOffsets<'py>, bool, String, u64)> {
+    ) -> PyResult<(DecodedRecords<'py>, bool, String, u64)> {
         let rollout_id = text(rollout_id, "rollout_id")?;
         let snapshot = py
             .detach(|| self.inner.freeze(rollout_id))
             .map_err(|e| to_pyerr(py, e))?;
         Ok((
-            lines_and_offsets(py, &snapshot.records),
+            decode_records(py, &snapshot.records)?,
             snapshot.incomplete,
             snapshot.snapshot_id,
             snapshot.version,
@@ -406,17 +559,17 @@ impl PyStore {
             .map_err(|e| to_pyerr(py, e))
     }
 
-    /// The unique stored lines of a rollout (torn tail ignored, nothing created).
+    /// The unique stored records of a rollout, decoded (torn tail ignored, nothing created).
     fn read_lines<'py>(
         &self,
         py: Python<'py>,
         rollout_id: &Bound<'py, PyString>,
-    ) -> PyResult<LinesAndOffsets<'py>> {
+    ) -> PyResult<DecodedRecords<'py>> {
         let rollout_id = text(rollout_id, "rollout_id")?;
         let records = py
             .detach(|| self.inner.read_records(rollout_id))
             .map_err(|e| to_pyerr(py, e))?;
-        Ok(lines_and_offsets(py, &records))
+        decode_records(py, &records)
     }
 
     /// The verified state as readers see it (tail folded, nothing changed) as JSON, and the
@@ -645,21 +798,21 @@ fn validate_rollout_id(rollout_id: &Bound<'_, PyString>) -> PyResult<()> {
 // Request-time lineage (`rust/src/lineage.rs`). Request items are copied into JSON values with
 // the GIL held; anything but plain JSON types (exact dict/list/str/int/float/bool/None) yields
 // None so that Python's `tokencapture.fingerprint` decides. Hashing, file reads, locks and
-// materialization run detached. Integrity failures raise
-// `tokencapture.lineage.LineageIntegrityError` (a `ValueError`); store errors map as above.
+// materialization run detached (or, for `FileLineage.submit`, on the worker pool). Answers carry
+// the cumulative tokens as a tuple built from interned ints, or from the rollout's previous
+// answer plus the new ids. Integrity failures raise `tokencapture.lineage.LineageIntegrityError`
+// (a `ValueError`); store errors map as above.
 mod lineage_py {
     use std::collections::HashMap;
     use std::path::PathBuf;
     use std::sync::{Arc, Mutex, PoisonError};
 
     use lru::LruCache;
-
+    use pyo3::exceptions::PyRuntimeError;
     use pyo3::prelude::*;
     use pyo3::sync::PyOnceLock;
     use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
     use serde_json::Value;
-
-    use pyo3::exceptions::PyRuntimeError;
 
     use super::{spawn_job, text, to_pyerr, token_ids, Completions};
     use crate::lineage::{

@@ -19,7 +19,7 @@
 //! identically), except for a durable checkpoint every [`CHECKPOINT_ENTRIES`] entries or
 //! [`CHECKPOINT_BYTES`] bytes, which bounds how much a cold reader has to fold.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::num::NonZeroUsize;
@@ -800,6 +800,10 @@ impl Store {
 /// payload digest the index recorded for its call id; lines past the index are folded in.
 /// Leaves `state.indexed_size` at the end of the complete lines and returns the ranges of the
 /// unique records (the first line of each call id) in file order.
+///
+/// An indexed line is identified by its digest alone (SHA-256 of bytes that include the call
+/// id), so only unindexed lines, and lines that fail that check, pay for the call-id walk.
+/// Hashing and walking run on two threads for large logs.
 fn verify_and_fold(
     state: &mut State,
     buf: &[u8],
@@ -817,21 +821,32 @@ fn verify_and_fold(
             ),
         ));
     }
+    let scanned = scan_lines(buf, indexed);
+    let by_digest: HashMap<String, String> = state
+        .entry_digests
+        .iter()
+        .map(|(call_id, digest)| (digest.clone(), call_id.clone()))
+        .collect();
     let mut lines = Vec::new();
     let mut seen: HashSet<String> = HashSet::new();
-    for (offset, line) in complete_lines(buf, 0) {
-        let call_id = extract_call_id(line).map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
-        let digest = payload_digest(line);
-        if offset < indexed {
+    for line in scanned {
+        let call_id = match (&line.call_id, by_digest.get(&line.digest)) {
+            (None, Some(call_id)) => call_id.clone(),
+            (Some(Ok(call_id)), _) => call_id.clone(),
+            (Some(Err(err)), _) => return Err(Error::corrupt(&paths.log, line.offset, &err.0)),
+            (None, None) => extract_call_id(line.bytes)
+                .map_err(|e| Error::corrupt(&paths.log, line.offset, e.0))?,
+        };
+        if line.offset < indexed {
             if seen.contains(&call_id) {
                 continue; // a later copy; the index judged it when it was folded
             }
             match state.entry_digests.get(&call_id) {
-                Some(known) if *known == digest => {}
+                Some(known) if *known == line.digest => {}
                 Some(_) => {
                     return Err(Error::corrupt(
                         &paths.log,
-                        offset,
+                        line.offset,
                         format!(
                             "line of {call_id:?} does not match its payload digest in {}",
                             paths.state.display()
@@ -841,20 +856,72 @@ fn verify_and_fold(
                 None => {
                     return Err(Error::corrupt(
                         &paths.log,
-                        offset,
+                        line.offset,
                         format!("{call_id:?} is missing from {}", paths.state.display()),
                     ))
                 }
             }
-        } else if !matches!(fold_line(state, call_id.clone(), digest), Fold::New) {
+        } else if !matches!(fold_line(state, call_id.clone(), line.digest), Fold::New) {
             continue;
         }
         seen.insert(call_id);
-        let start = offset as usize;
-        lines.push(start..start + line.len());
+        let start = line.offset as usize;
+        lines.push(start..start + line.bytes.len());
     }
     state.indexed_size = complete_end;
     Ok(lines)
+}
+
+/// One complete line with its payload digest and, past the index, its call id.
+struct ScannedLine<'a> {
+    offset: u64,
+    bytes: &'a [u8],
+    digest: String,
+    call_id: Option<std::result::Result<String, crate::log::LineError>>,
+}
+
+/// Logs at least this large are hashed and walked on two threads.
+const PARALLEL_SCAN_BYTES: usize = 256 << 10;
+
+fn scan_lines(buf: &[u8], indexed: u64) -> Vec<ScannedLine<'_>> {
+    let all: Vec<(u64, &[u8])> = complete_lines(buf, 0).collect();
+    let work = |chunk: &[(u64, &[u8])]| -> Vec<(
+        String,
+        Option<std::result::Result<String, crate::log::LineError>>,
+    )> {
+        chunk
+            .iter()
+            .map(|&(offset, line)| {
+                let call_id = (offset >= indexed).then(|| extract_call_id(line));
+                (payload_digest(line), call_id)
+            })
+            .collect()
+    };
+    let results = if buf.len() >= PARALLEL_SCAN_BYTES && all.len() > 1 {
+        // Split by bytes, not lines: one huge line must not leave the other thread idle.
+        let half = buf.len() / 2;
+        let split = all
+            .partition_point(|&(offset, _)| (offset as usize) < half)
+            .max(1);
+        let (first, second) = all.split_at(split);
+        std::thread::scope(|scope| {
+            let other = scope.spawn(|| work(second));
+            let mut results = work(first);
+            results.extend(other.join().expect("scan thread"));
+            results
+        })
+    } else {
+        work(&all)
+    };
+    all.into_iter()
+        .zip(results)
+        .map(|((offset, bytes), (digest, call_id))| ScannedLine {
+            offset,
+            bytes,
+            digest,
+            call_id,
+        })
+        .collect()
 }
 
 /// A rollout without a log is fine unless its state index says the log held records: then

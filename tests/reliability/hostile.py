@@ -119,7 +119,6 @@ class ForeignEntry(BaseModel):
     model_call_id: str = "foreign"
 
 
-
 NAN = math.nan
 INF = math.inf
 

@@ -857,6 +857,30 @@ fn a_corrupt_line_raises_with_its_offset() {
 }
 
 #[test]
+fn small_read_windows_fold_the_same_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 8).unwrap();
+    let turns = conversation(6, "w");
+    for turn in &turns {
+        store
+            .put("r", &turn.call_id, &turn.line(None, None))
+            .unwrap();
+    }
+    // Windows smaller than one line, about one line, and several lines.
+    for window in [1, 700, 5000] {
+        let lineage = FileLineage::new(dir.path(), 8, 0).with_read_window(window);
+        for turn in &turns {
+            let outcome = resolve_file(&lineage, "r", &turn.next_request("n")).unwrap();
+            assert_eq!(
+                resolved(&outcome).1,
+                turn.cumulative().as_slice(),
+                "window {window}"
+            );
+        }
+    }
+}
+
+#[test]
 fn file_lineage_lru_bounds_rollouts() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path(), 8).unwrap();
