@@ -676,20 +676,15 @@ impl Store {
         for id in &ids {
             let paths = self.paths(id);
             let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
-            // The fence keeps the version and flags readers saw (the tail folded in). A
-            // corrupt log falls back to the stored state, a corrupt state to a bare fence:
-            // retiring is how a damaged rollout gets cleaned up.
-            let folded = self.checkout(id, &paths).and_then(|mut cached| {
-                self.fold_tail(&mut cached, &paths)?;
-                Ok(cached.state)
-            });
-            let state = match folded {
-                Ok(state) => state,
-                Err(_) => state::open_and_read(&paths.state)
-                    .ok()
-                    .flatten()
-                    .map(|(_, state)| state)
-                    .unwrap_or_default(),
+            // The fence keeps the version and flags readers saw: the tail folded in, up to a
+            // corrupt line if there is one (the records are about to go). A corrupt state gives
+            // a bare fence: retiring is how a damaged rollout gets cleaned up.
+            let state = match self.checkout(id, &paths) {
+                Ok(mut cached) => {
+                    let _partial = self.fold_tail(&mut cached, &paths);
+                    cached.state
+                }
+                Err(_) => State::default(),
             };
             self.forget(id);
             if !state.retired {

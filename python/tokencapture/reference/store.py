@@ -18,8 +18,11 @@ and writers truncate it under the exclusive lock. A newline-terminated line that
 object with a string `model_call_id` raises `TokenCaptureCorruptionError` naming the file and
 the byte offset. Freeze verifies every indexed line against its payload digest.
 
-Input handling (validation, canonical bytes, marker lines) is shared with `tokencapture.store`,
-so both stores raise the same errors and write the same bytes.
+Input handling follows the same rules as `tokencapture.store` (and shares its pure-Python
+parts: entry coercion, the field type checks, marker lines), so both stores raise the same
+errors and write the same bytes; the checks that the Rust-backed store runs natively (rollout
+ids, token arrays, non-finite floats and nesting) are written out in Python here, so nothing
+on this store's path calls the native module.
 
 Where the differential tests showed the Rust store straying from the specification, this store
 keeps to it (tests/test_differential.py marks those cases): `retire` fences the state a reader
@@ -34,7 +37,9 @@ import asyncio
 import fcntl
 import hashlib
 import json
+import math
 import os
+import re
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -52,19 +57,109 @@ from tokencapture.protocols import (
     TokenCaptureRetiredError,
     TokenCaptureSnapshot,
 )
-from tokencapture.records import TokenEntry
-from tokencapture.store import (
-    _as_token_entry,
-    _marker_line,
-    canonical_line,
-    validate_rollout_id,
-    validate_rollout_ids,
-)
+from tokencapture.records import TokenEntry, check_entry_invariants
+from tokencapture.store import _as_token_entry, _check_values, _marker_line
 
 __all__ = ["TokenCaptureStore"]
 
 _FILE_MODE = 0o666
 _U64_MAX = 2**64 - 1
+_MAX_ROLLOUT_ID_LEN = 200
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9._-]+")
+_MAX_JSON_DEPTH = 128
+
+
+def validate_rollout_id(rollout_id: str) -> str:
+    """The Rust-backed store's rollout-id rules, in Python."""
+    if not isinstance(rollout_id, str):
+        raise TypeError(f"rollout_id must be a str, not {type(rollout_id).__name__}")
+    if not rollout_id:
+        raise ValueError("rollout_id must not be empty")
+    if len(rollout_id.encode("utf-8", "surrogatepass")) > _MAX_ROLLOUT_ID_LEN:
+        raise ValueError(
+            f"rollout_id is {len(rollout_id)} characters long; at most "
+            f"{_MAX_ROLLOUT_ID_LEN} fit in the file names"
+        )
+    if not _ROLLOUT_ID.fullmatch(rollout_id):
+        bad = next(c for c in rollout_id if not _ROLLOUT_ID.fullmatch(c))
+        raise ValueError(
+            f"rollout_id {rollout_id!r} contains {bad!r}; only ASCII letters, digits, '.', '_' "
+            "and '-' are allowed"
+        )
+    return rollout_id
+
+
+def validate_rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
+    """Validate a whole batch first and drop duplicates; a bare string is refused."""
+    if isinstance(rollout_ids, str | bytes):
+        raise TypeError("rollout_ids must be a sequence of rollout ids, not a single string")
+    return list(dict.fromkeys(validate_rollout_id(rollout_id) for rollout_id in rollout_ids))
+
+
+def _check_list_items(name: str, items: object, accept: tuple[type, ...], what: str) -> None:
+    """Every item's type is one of `accept` (bools never count as numbers)."""
+    if not isinstance(items, list):
+        raise ValueError(f"{name} must be a list, got {type(items).__name__}")
+    kinds = set(map(type, items))
+    if all(issubclass(kind, accept) and not issubclass(kind, bool) for kind in kinds):
+        return
+    for index, item in enumerate(items):
+        if not isinstance(item, accept) or isinstance(item, bool):
+            raise ValueError(f"{name}.{index} must be {what}, got {type(item).__name__}")
+
+
+def _check_json_value(value: object, path: str, depth: int) -> None:
+    """Refuse non-finite floats and nesting deeper than readers accept."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{path} is {value}: JSON cannot carry non-finite floats, so the entry would "
+                "not read back"
+            )
+        return
+    if isinstance(value, list | tuple):
+        if depth > _MAX_JSON_DEPTH:
+            raise ValueError(f"{path} is nested deeper than {_MAX_JSON_DEPTH} levels")
+        kinds = set(map(type, value))
+        if kinds <= {int, str, bool, type(None)}:
+            return  # a token array: nothing inside can be non-finite or nested
+        for index, item in enumerate(value):
+            _check_json_value(item, f"{path}.{index}", depth + 1)
+    elif isinstance(value, dict):
+        if depth > _MAX_JSON_DEPTH:
+            raise ValueError(f"{path} is nested deeper than {_MAX_JSON_DEPTH} levels")
+        for key, item in value.items():
+            _check_json_value(item, f"{path}.{key}", depth + 1)
+
+
+def canonical_line(entry: TokenEntry) -> bytes:
+    """`orjson.dumps(entry.model_dump(mode="json"), OPT_SORT_KEYS)`, the format's definition,
+    refused with `ValueError` before anything is written when it would not read back."""
+    values = dict(entry.__dict__)
+    if entry.__pydantic_extra__:
+        values.update(entry.__pydantic_extra__)
+    status = values.get("parent_resolution")
+    if status is not None:
+        values["parent_resolution"] = str(getattr(status, "value", status))
+    try:
+        _check_values(values, token_arrays=False)
+        for name in ("prompt_token_ids", "generation_token_ids"):
+            _check_list_items(name, values[name], (int,), "an int")
+        _check_list_items(
+            "generation_log_probs", values["generation_log_probs"], (int, float), "a float"
+        )
+        check_entry_invariants(entry)
+        for name, value in values.items():
+            _check_json_value(value, name, 1)
+    except ValueError as exc:
+        raise ValueError(f"entry {values.get('model_call_id')!r} cannot be stored: {exc}") from exc
+    try:
+        return orjson.dumps(entry.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONEncodeError, RecursionError) as exc:
+        raise ValueError(
+            f"entry {entry.model_call_id!r} of rollout {entry.rollout_id!r} cannot be stored as "
+            f"JSON that reads back: {exc}"
+        ) from exc
 
 
 def _corrupt(path: Path, offset: int, detail: str) -> TokenCaptureCorruptionError:
@@ -845,9 +940,9 @@ class TokenCaptureStore:
         return had
 
     def _fence_source(self, paths: _Paths) -> _State:
-        """The state a retire fences: the stored state with its log folded in (what a reader
-        sees, and what `drop` fences), else the stored state when the log is corrupt, else a
-        bare state when the state itself is: retiring is how a damaged rollout is cleaned up."""
+        """The state a retire fences: the stored state with as much of the log tail folded in
+        as is readable (what a reader sees, stopping at a corrupt line), or a bare state when
+        the state itself is corrupt: retiring is how a damaged rollout is cleaned up."""
         try:
             state = self._read_state(paths) or _State()
         except (TokenCaptureCorruptionError, OSError):
@@ -855,11 +950,19 @@ class TokenCaptureStore:
         if state.retired:
             return state
         try:
-            folded = replace(state, entry_digests=dict(state.entry_digests))
-            self._read_and_verify(paths, folded)
-        except (TokenCaptureCorruptionError, OSError):
+            data = paths.log.read_bytes()
+        except OSError:
             return state
-        return folded
+        covered = state.indexed_size
+        if covered > len(data) or (covered > 0 and data[covered - 1 : covered] != b"\n"):
+            return state
+        for offset, line in _complete_lines(data[covered:], covered):
+            try:
+                call_id, _ = _parse_record(line, paths.log, offset)
+            except TokenCaptureCorruptionError:
+                break  # the records are about to go; the fence keeps what was readable
+            _fold_line(state, call_id, _payload_digest(line))
+        return state
 
     def retire_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `retire`: fence every rollout durably, then remove their records.
