@@ -10,7 +10,6 @@ __all__ = [
     "LineageJob",
     "MemoryLineage",
     "Store",
-    "check_token_arrays",
     "compute_digest",
     "continuation_hashes",
     "payload_digest",
@@ -25,9 +24,6 @@ def compute_digest(token_ids_: Any) -> str: ...
 def payload_digest(line: bytes) -> str: ...
 def validate_rollout_id(rollout_id: str) -> None: ...
 def scan_json_values(values: dict[str, Any]) -> bool: ...
-def check_token_arrays(
-    prompt_token_ids: Any, generation_token_ids: Any, generation_log_probs: Any
-) -> None: ...
 
 @final
 class Completions:

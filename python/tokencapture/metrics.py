@@ -10,11 +10,11 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+from bisect import bisect_left
+from types import TracebackType
 from typing import Any
 
-__all__ = ["BUCKET_BOUNDS_SECONDS", "Metrics", "snapshot"]
+__all__ = ["BUCKET_BOUNDS_SECONDS", "Metrics", "Timed", "snapshot"]
 
 # Upper bounds of the histogram buckets: 16 µs doubling up to ~17 s, then +inf.
 BUCKET_BOUNDS_SECONDS: tuple[float, ...] = tuple(16e-6 * 2**i for i in range(21))
@@ -41,10 +41,34 @@ class _Operation:
 
 
 def _bucket(seconds: float) -> int:
-    for index, bound in enumerate(BUCKET_BOUNDS_SECONDS):
-        if seconds <= bound:
-            return index
-    return len(BUCKET_BOUNDS_SECONDS)
+    """Index of the first bucket whose bound is at least `seconds` (the last one: slower)."""
+    return bisect_left(BUCKET_BOUNDS_SECONDS, seconds)
+
+
+class Timed:
+    """Times a block for `Metrics.observe`; an exception counts as a failure and propagates.
+
+    A plain class rather than a generator-based context manager: it sits on every put.
+    """
+
+    __slots__ = ("metrics", "operation", "started")
+
+    def __init__(self, metrics: Metrics, operation: str) -> None:
+        self.metrics = metrics
+        self.operation = operation
+        self.started = 0.0
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        elapsed = time.perf_counter() - self.started
+        self.metrics.observe(self.operation, elapsed, failed=exc_type is not None)
 
 
 class Metrics:
@@ -66,16 +90,9 @@ class Metrics:
             stats.max_seconds = max(stats.max_seconds, seconds)
             stats.buckets[_bucket(seconds)] += 1
 
-    @contextmanager
-    def timed(self, operation: str) -> Iterator[None]:
-        """Time the block; an exception counts as a failure and propagates."""
-        started = time.perf_counter()
-        try:
-            yield
-        except BaseException:
-            self.observe(operation, time.perf_counter() - started, failed=True)
-            raise
-        self.observe(operation, time.perf_counter() - started)
+    def timed(self, operation: str) -> Timed:
+        """A context manager timing the block; an exception counts as a failure."""
+        return Timed(self, operation)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """`{operation: {count, failures, total_seconds, max_seconds, buckets}}`.

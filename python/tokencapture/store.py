@@ -15,17 +15,17 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
+from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 import orjson
 from pydantic import BaseModel
 
 from tokencapture import _core
-from tokencapture.metrics import Metrics
+from tokencapture.metrics import Metrics, Timed
 from tokencapture.protocols import (
     RolloutRemovalPayload,
     TokenCaptureConflictError,
@@ -179,14 +179,14 @@ _REQUIRED_FIELDS = tuple(
 )
 
 
-def _check_values(values: dict[str, Any], *, token_arrays: bool = True) -> None:
+def _check_values(values: dict[str, Any]) -> None:
     """Refuse field values that would not read back as a valid `TokenEntry`.
 
     Shared by both directions: `put` checks an entry's current values (pydantic does not
     validate assignment, and `model_construct` skips validation) and freeze checks each
     decoded record before constructing it without a second full validation. A few type tests
-    per field, plus one native pass over the token arrays (skipped with `token_arrays=False`
-    for records the native decoder built: it checked them as it went).
+    per field; the token arrays' items are checked natively where they are walked anyway
+    (`_core.scan_json_values` on the way in, the decoder on the way out).
     """
     missing = [name for name in _REQUIRED_FIELDS if name not in values]
     if missing:
@@ -222,19 +222,13 @@ def _check_values(values: dict[str, Any], *, token_arrays: bool = True) -> None:
     output_items = values.get("output_items", [])
     if not isinstance(output_items, list) or not all(isinstance(i, dict) for i in output_items):
         raise ValueError("output_items must be a list of dicts")
-    if token_arrays:
-        _core.check_token_arrays(
-            values["prompt_token_ids"],
-            values["generation_token_ids"],
-            values["generation_log_probs"],
-        )
 
 
 def _entry_from_record(record: dict[str, Any]) -> TokenEntry:
     """Build an entry from a decoded, digest-verified record without a second full validation
     (the type checks of `_check_values` and the model's invariants still run; the decoder
     already checked the token arrays)."""
-    _check_values(record, token_arrays=False)
+    _check_values(record)
     status = record.get("parent_resolution")
     if status is not None:
         record["parent_resolution"] = ParentResolutionStatus(status)
@@ -258,13 +252,15 @@ def canonical_line(entry: TokenEntry) -> bytes:
         values["parent_resolution"] = str(status.value if hasattr(status, "value") else status)
     try:
         _check_values(values)
+        # One native walk: non-finite floats, nesting, token-array item types. It also says
+        # whether every value is plain JSON, which orjson serializes exactly as pydantic's JSON
+        # mode would, without building a second copy of the token arrays.
+        plain = _core.scan_json_values(values)
         check_entry_invariants(entry)
     except ValueError as exc:
         raise ValueError(f"entry {values.get('model_call_id')!r} cannot be stored: {exc}") from exc
     try:
-        # Plain JSON values serialize with orjson exactly as pydantic's JSON mode would, without
-        # building a second copy of the token arrays; anything exotic goes through pydantic.
-        payload = values if _core.scan_json_values(values) else entry.model_dump(mode="json")
+        payload = values if plain else entry.model_dump(mode="json")
         return orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
     except (orjson.JSONEncodeError, RecursionError) as exc:
         raise ValueError(
@@ -284,6 +280,35 @@ def _marker_line(model_call_id: object) -> bytes:
     return json.dumps(text).encode("ascii")
 
 
+class _Operation(Timed):
+    """`Timed`, plus a log record for the failures an operator must see."""
+
+    __slots__ = ("rollout_id",)
+
+    def __init__(self, metrics: Metrics, name: str, rollout_id: object) -> None:
+        super().__init__(metrics, name)
+        self.rollout_id = rollout_id
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        super().__exit__(exc_type, exc, traceback)
+        if exc is None:
+            return
+        name, rollout_id = self.operation, self.rollout_id
+        if isinstance(exc, TokenCaptureFrozenError):
+            logger.debug("%s refused for fenced rollout %r", name, rollout_id)
+        elif isinstance(exc, TokenCaptureConflictError):
+            logger.warning("%s: %s", name, exc)
+        elif isinstance(exc, TokenCaptureCorruptionError):
+            logger.error("%s of rollout %r found corruption: %s", name, rollout_id, exc)
+        elif isinstance(exc, OSError):
+            logger.warning("%s of rollout %r failed: %s", name, rollout_id, exc)
+
+
 class TokenCaptureStore:
     """Durable, rollout-keyed JSONL sink and source for `TokenEntry` records.
 
@@ -299,24 +324,9 @@ class TokenCaptureStore:
         """Per-operation counts, failures and latency histograms (see `tokencapture.metrics`)."""
         return self._metrics.snapshot()
 
-    @contextmanager
-    def _operation(self, name: str, rollout_id: object) -> Iterator[None]:
+    def _operation(self, name: str, rollout_id: object) -> _Operation:
         """Time one operation and log the failures an operator must see."""
-        with self._metrics.timed(name):
-            try:
-                yield
-            except TokenCaptureFrozenError:
-                logger.debug("%s refused for fenced rollout %r", name, rollout_id)
-                raise
-            except TokenCaptureConflictError as exc:
-                logger.warning("%s: %s", name, exc)
-                raise
-            except TokenCaptureCorruptionError as exc:
-                logger.error("%s of rollout %r found corruption: %s", name, rollout_id, exc)
-                raise
-            except OSError as exc:
-                logger.warning("%s of rollout %r failed: %s", name, rollout_id, exc)
-                raise
+        return _Operation(self._metrics, name, rollout_id)
 
     def __repr__(self) -> str:
         return f"TokenCaptureStore({os.fspath(self._root)!r})"

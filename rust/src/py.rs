@@ -725,52 +725,74 @@ fn scan_value(value: &Bound<'_, PyAny>, depth: usize) -> Result<bool, ScanError>
     Ok(plain)
 }
 
-/// Check an entry's field values before serialization (see `scan_value`).
+/// Check an entry's field values before serialization (see `scan_value`). The token arrays
+/// get a dedicated pass that also checks their item types: entries built with
+/// `model_construct`, or mutated after validation, reach `put` unchecked otherwise, and a bool
+/// (`true`) would not read back as the same bytes.
 #[pyfunction]
 fn scan_json_values(values: &Bound<'_, pyo3::types::PyDict>) -> PyResult<bool> {
     let mut plain = true;
     for (key, value) in values.iter() {
-        let value_plain =
-            scan_value(&value, 1).map_err(|e| e.at(|| key.to_string()).into_pyerr())?;
+        let name = key
+            .cast::<PyString>()
+            .ok()
+            .and_then(|k| k.to_str().ok().map(str::to_owned));
+        let value_plain = match name.as_deref() {
+            Some(field @ ("prompt_token_ids" | "generation_token_ids")) => {
+                scan_token_ids(&value, field)?
+            }
+            Some("generation_log_probs") => scan_log_probs(&value)?,
+            _ => scan_value(&value, 1).map_err(|e| e.at(|| key.to_string()).into_pyerr())?,
+        };
         plain &= value_plain && key.is_exact_instance_of::<PyString>();
     }
     Ok(plain)
 }
 
-/// Check the token arrays of an entry about to be stored: token ids must be ints (not bools:
-/// `true` would not read back as the same bytes) and log-probs ints or floats. Entries built
-/// with `model_construct` or mutated after validation reach `put` unchecked otherwise.
-#[pyfunction]
-fn check_token_arrays(
-    prompt_token_ids: &Bound<'_, PyAny>,
-    generation_token_ids: &Bound<'_, PyAny>,
-    generation_log_probs: &Bound<'_, PyAny>,
-) -> PyResult<()> {
+/// Token ids: a list of ints (bools refused). Plain when every item is an exact int.
+fn scan_token_ids(value: &Bound<'_, PyAny>, field: &str) -> PyResult<bool> {
+    use pyo3::types::{PyBool, PyInt};
+    let mut plain = true;
+    for (index, item) in as_list(value, field)?.iter().enumerate() {
+        if item.is_exact_instance_of::<PyInt>() {
+            continue;
+        }
+        if !item.is_instance_of::<PyInt>() || item.is_instance_of::<PyBool>() {
+            return Err(PyValueError::new_err(format!(
+                "{field}.{index} must be an int, got {}",
+                type_name(&item)
+            )));
+        }
+        plain = false;
+    }
+    Ok(plain)
+}
+
+/// Log-probs: a list of finite floats or ints (bools refused).
+fn scan_log_probs(value: &Bound<'_, PyAny>) -> PyResult<bool> {
     use pyo3::types::{PyBool, PyFloat, PyInt};
-    for (field, value) in [
-        ("prompt_token_ids", prompt_token_ids),
-        ("generation_token_ids", generation_token_ids),
-    ] {
-        for (index, item) in as_list(value, field)?.iter().enumerate() {
-            if !item.is_instance_of::<PyInt>() || item.is_instance_of::<PyBool>() {
+    let field = "generation_log_probs";
+    let mut plain = true;
+    for (index, item) in as_list(value, field)?.iter().enumerate() {
+        if let Ok(float) = item.cast::<PyFloat>() {
+            let number = float.value();
+            if !number.is_finite() {
                 return Err(PyValueError::new_err(format!(
-                    "{field}.{index} must be an int, got {}",
-                    type_name(&item)
+                    "{field}.{index} is {number}: JSON cannot carry non-finite floats, so the \
+                     entry would not read back"
                 )));
             }
-        }
-    }
-    let log_probs = as_list(generation_log_probs, "generation_log_probs")?;
-    for (index, item) in log_probs.iter().enumerate() {
-        let number = item.is_instance_of::<PyFloat>() || item.is_instance_of::<PyInt>();
-        if !number || item.is_instance_of::<PyBool>() {
+            plain &= item.is_exact_instance_of::<PyFloat>();
+        } else if item.is_instance_of::<PyInt>() && !item.is_instance_of::<PyBool>() {
+            plain &= item.is_exact_instance_of::<PyInt>();
+        } else {
             return Err(PyValueError::new_err(format!(
-                "generation_log_probs.{index} must be a float, got {}",
+                "{field}.{index} must be a float, got {}",
                 type_name(&item)
             )));
         }
     }
-    Ok(())
+    Ok(plain)
 }
 
 fn as_list<'a, 'py>(value: &'a Bound<'py, PyAny>, field: &str) -> PyResult<&'a Bound<'py, PyList>> {
@@ -1599,7 +1621,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(payload_digest, module)?)?;
     module.add_function(wrap_pyfunction!(validate_rollout_id, module)?)?;
     module.add_function(wrap_pyfunction!(scan_json_values, module)?)?;
-    module.add_function(wrap_pyfunction!(check_token_arrays, module)?)?;
     module.add("MAX_ROLLOUT_ID_LEN", store::MAX_ROLLOUT_ID_LEN)?;
     lineage_py::register(module)?;
     ledger_py::register(module)?;

@@ -142,7 +142,7 @@ def canonical_line(entry: TokenEntry) -> bytes:
     if status is not None:
         values["parent_resolution"] = str(getattr(status, "value", status))
     try:
-        _check_values(values, token_arrays=False)
+        _check_values(values)
         for name in ("prompt_token_ids", "generation_token_ids"):
             _check_list_items(name, values[name], (int,), "an int")
         _check_list_items(
