@@ -669,15 +669,7 @@ impl Ledger {
     /// Open (creating if needed) the ledger directory.
     pub fn open(root: impl Into<PathBuf>, cached_rollouts: usize) -> crate::Result<Self> {
         let root: PathBuf = root.into();
-        if !root.is_dir() {
-            std::fs::create_dir_all(&root).ctx("create directory", &root)?;
-            if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
-                File::open(parent)
-                    .and_then(|dir| dir.sync_all())
-                    .ctx("fsync directory", parent)?;
-            }
-        }
-        let dir = File::open(&root).ctx("open directory", &root)?;
+        let dir = crate::store::open_root_dir(&root)?;
         let capacity = NonZeroUsize::new(cached_rollouts.max(1)).unwrap_or(NonZeroUsize::MIN);
         Ok(Ledger {
             root,

@@ -229,6 +229,21 @@ pub struct Store {
     cache: Mutex<LruCache<String, Cached>>,
 }
 
+/// Open a store directory for fsync, creating it (and making its own name durable) if needed.
+/// Shared by the token store and the capture ledger.
+pub(crate) fn open_root_dir(root: &Path) -> Result<File> {
+    if !root.is_dir() {
+        std::fs::create_dir_all(root).ctx("create directory", root)?;
+        // Make the new directory's own entry durable, or a crash could lose every record.
+        if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
+            File::open(parent)
+                .and_then(|dir| dir.sync_all())
+                .ctx("fsync directory", parent)?;
+        }
+    }
+    File::open(root).ctx("open directory", root)
+}
+
 fn file_id(path: &Path) -> Result<Option<FileId>> {
     match std::fs::metadata(path) {
         Ok(meta) => Ok(Some(FileId::of(&meta))),
@@ -299,16 +314,7 @@ impl Store {
     /// Open (creating if needed) the store directory.
     pub fn open(root: impl Into<PathBuf>, cached_rollouts: usize) -> Result<Self> {
         let root: PathBuf = root.into();
-        if !root.is_dir() {
-            std::fs::create_dir_all(&root).ctx("create directory", &root)?;
-            // Make the new directory's own entry durable, or a crash could lose every record.
-            if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
-                File::open(parent)
-                    .and_then(|dir| dir.sync_all())
-                    .ctx("fsync directory", parent)?;
-            }
-        }
-        let dir = File::open(&root).ctx("open directory", &root)?;
+        let dir = open_root_dir(&root)?;
         let capacity = NonZeroUsize::new(cached_rollouts.max(1)).unwrap_or(NonZeroUsize::MIN);
         Ok(Store {
             root,
