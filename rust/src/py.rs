@@ -1075,6 +1075,64 @@ mod lineage_py {
         }
     }
 
+    /// The two native resolvers, behind one signature for the bindings below.
+    trait Resolve: Sync {
+        fn resolve_request(
+            &self,
+            rollout_id: &str,
+            request: &mut dyn lineage::Request,
+        ) -> lineage::Result<Step>;
+    }
+
+    impl Resolve for FileLineage {
+        fn resolve_request(
+            &self,
+            rollout_id: &str,
+            request: &mut dyn lineage::Request,
+        ) -> lineage::Result<Step> {
+            self.resolve(rollout_id, request)
+        }
+    }
+
+    impl Resolve for MemoryLineage {
+        fn resolve_request(
+            &self,
+            rollout_id: &str,
+            request: &mut dyn lineage::Request,
+        ) -> lineage::Result<Step> {
+            self.resolve(rollout_id, request)
+        }
+    }
+
+    /// Resolve request items with the native hashes; None when they need Python's.
+    fn resolve_items(
+        py: Python<'_>,
+        resolver: &dyn Resolve,
+        memo: &TupleMemo,
+        rollout_id: &Bound<'_, PyString>,
+        items: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let Some(values) = request_values(items) else {
+            return Ok(py.None());
+        };
+        resolve_request(py, resolver, memo, rollout_id, ItemsRequest::new(values))
+    }
+
+    /// Run one resolve detached from the interpreter and convert its step.
+    fn resolve_request<R: lineage::Request + Send>(
+        py: Python<'_>,
+        resolver: &dyn Resolve,
+        memo: &TupleMemo,
+        rollout_id: &Bound<'_, PyString>,
+        mut request: R,
+    ) -> PyResult<Py<PyAny>> {
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        let step = py
+            .detach(|| resolver.resolve_request(rollout_id, &mut request))
+            .map_err(|e| lineage_err(py, e))?;
+        step_to_py(py, step, memo, rollout_id)
+    }
+
     /// The lineage resolver over a store directory (`tokencapture.lineage.FileLineageStore`).
     #[pyclass(frozen, name = "FileLineage", module = "tokencapture._core")]
     struct PyFileLineage {
@@ -1117,15 +1175,7 @@ mod lineage_py {
             rollout_id: &Bound<'_, PyString>,
             items: &Bound<'_, PyAny>,
         ) -> PyResult<Py<PyAny>> {
-            let rollout_id = text(rollout_id, "rollout_id")?;
-            let Some(values) = request_values(items) else {
-                return Ok(py.None());
-            };
-            let mut request = ItemsRequest::new(values);
-            let step = py
-                .detach(|| self.inner.resolve(rollout_id, &mut request))
-                .map_err(|e| lineage_err(py, e))?;
-            step_to_py(py, step, &self.memo, rollout_id)
+            resolve_items(py, &*self.inner, &self.memo, rollout_id, items)
         }
 
         /// Resolve with hashes computed by the caller; a list of prefix lengths means
@@ -1138,12 +1188,8 @@ mod lineage_py {
             n_items: usize,
             digests: HashMap<usize, String>,
         ) -> PyResult<Py<PyAny>> {
-            let rollout_id = text(rollout_id, "rollout_id")?;
-            let mut request = hashed(fingerprint, n_items, digests);
-            let step = py
-                .detach(|| self.inner.resolve(rollout_id, &mut request))
-                .map_err(|e| lineage_err(py, e))?;
-            step_to_py(py, step, &self.memo, rollout_id)
+            let request = hashed(fingerprint, n_items, digests);
+            resolve_request(py, &*self.inner, &self.memo, rollout_id, request)
         }
 
         /// A job for `submit`, with the request items copied (None when they need Python's
@@ -1247,15 +1293,7 @@ mod lineage_py {
             rollout_id: &Bound<'_, PyString>,
             items: &Bound<'_, PyAny>,
         ) -> PyResult<Py<PyAny>> {
-            let rollout_id = text(rollout_id, "rollout_id")?;
-            let Some(values) = request_values(items) else {
-                return Ok(py.None());
-            };
-            let mut request = ItemsRequest::new(values);
-            let step = py
-                .detach(|| self.inner.resolve(rollout_id, &mut request))
-                .map_err(|e| lineage_err(py, e))?;
-            step_to_py(py, step, &self.memo, rollout_id)
+            resolve_items(py, &self.inner, &self.memo, rollout_id, items)
         }
 
         fn resolve_hashed(
@@ -1266,12 +1304,8 @@ mod lineage_py {
             n_items: usize,
             digests: HashMap<usize, String>,
         ) -> PyResult<Py<PyAny>> {
-            let rollout_id = text(rollout_id, "rollout_id")?;
-            let mut request = hashed(fingerprint, n_items, digests);
-            let step = py
-                .detach(|| self.inner.resolve(rollout_id, &mut request))
-                .map_err(|e| lineage_err(py, e))?;
-            step_to_py(py, step, &self.memo, rollout_id)
+            let request = hashed(fingerprint, n_items, digests);
+            resolve_request(py, &self.inner, &self.memo, rollout_id, request)
         }
 
         /// Forget rollouts; returns `(removed, absent)`.
