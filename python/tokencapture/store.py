@@ -2,8 +2,10 @@
 
 The Python side turns an entry into its canonical line (orjson, sorted keys) once; the native
 store does everything else with the GIL released: per-rollout flock, tail reconciliation,
-payload digests, append + fdatasync, the state index, fences. Async methods run the native
-call on a dedicated thread pool so the event loop never blocks on a disk.
+payload digests, append + fdatasync, the state index, fences. The hot async writes (put,
+begin_call, mark_incomplete) run on the native worker pool and complete through a batched
+event-loop reader; the rest (freeze, drop, retire, delete), which build Python objects, run on
+a thread pool. Either way the event loop never waits on a disk.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ logger = logging.getLogger(__name__)
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
-# Enough threads that fsyncs of different rollouts overlap: the disk rewards concurrency.
+# Threads for the lifecycle calls (created on demand): enough that the fsyncs of freezes and
+# retirements of different rollouts overlap, since the disk rewards concurrency.
 _IO_THREADS = 64
 _executor: ThreadPoolExecutor | None = None
 _executor_pid = 0
