@@ -80,6 +80,16 @@ fn text<'a>(value: &'a Bound<'_, PyString>, what: &str) -> PyResult<&'a str> {
     })
 }
 
+/// Run a batch retire or delete detached from the interpreter; `(removed, absent)`.
+fn batch_removal(
+    py: Python<'_>,
+    op: impl FnOnce() -> crate::Result<store::Removal> + Send,
+) -> PyResult<(Vec<String>, Vec<String>)> {
+    py.detach(op)
+        .map(|removal| (removal.removed, removal.absent))
+        .map_err(|e| to_pyerr(py, e))
+}
+
 /// Decoded records and the byte offset of each line: the offsets let Python name the exact
 /// place of a record that is not a valid entry.
 type DecodedRecords<'py> = (Bound<'py, PyList>, Vec<usize>);
@@ -537,9 +547,7 @@ impl PyStore {
         py: Python<'_>,
         rollout_ids: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
-        py.detach(|| self.inner.retire(&rollout_ids))
-            .map(|r| (r.removed, r.absent))
-            .map_err(|e| to_pyerr(py, e))
+        batch_removal(py, || self.inner.retire(&rollout_ids))
     }
 
     /// Delete a batch; returns `(removed, absent)`.
@@ -548,9 +556,7 @@ impl PyStore {
         py: Python<'_>,
         rollout_ids: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
-        py.detach(|| self.inner.delete(&rollout_ids))
-            .map(|r| (r.removed, r.absent))
-            .map_err(|e| to_pyerr(py, e))
+        batch_removal(py, || self.inner.delete(&rollout_ids))
     }
 
     fn is_incomplete(&self, py: Python<'_>, rollout_id: &Bound<'_, PyString>) -> PyResult<bool> {
@@ -1390,7 +1396,7 @@ mod ledger_py {
     use pyo3::sync::PyOnceLock;
     use pyo3::types::{PyList, PyString, PyTuple, PyType};
 
-    use super::{spawn_job, text, to_pyerr, Completions, ExceptionClass, Outcome};
+    use super::{batch_removal, spawn_job, text, to_pyerr, Completions, ExceptionClass, Outcome};
     use crate::error::Error;
     use crate::ledger::{
         self, Ledger, LedgerError, LedgerStep, RecordOutcome, Resolution, DEFAULT_CACHED_ROLLOUTS,
@@ -1615,9 +1621,7 @@ mod ledger_py {
             py: Python<'_>,
             rollout_ids: Vec<String>,
         ) -> PyResult<(Vec<String>, Vec<String>)> {
-            py.detach(|| self.inner.retire(&rollout_ids))
-                .map(|r| (r.removed, r.absent))
-                .map_err(|e| to_pyerr(py, e))
+            batch_removal(py, || self.inner.retire(&rollout_ids))
         }
 
         /// Remove rows and fences; returns `(removed, absent)`.
@@ -1626,9 +1630,7 @@ mod ledger_py {
             py: Python<'_>,
             rollout_ids: Vec<String>,
         ) -> PyResult<(Vec<String>, Vec<String>)> {
-            py.detach(|| self.inner.delete(&rollout_ids))
-                .map(|r| (r.removed, r.absent))
-                .map_err(|e| to_pyerr(py, e))
+            batch_removal(py, || self.inner.delete(&rollout_ids))
         }
 
         fn clear(&self, py: Python<'_>) {
