@@ -297,6 +297,9 @@ STRUCTURAL_BUT_NOT_AN_ENTRY: dict[str, bytes] = {
         b'"prompt_token_ids":[', b'"prompt_token_ids":[1x,'
     ),
     "not-an-entry": b'{"model_call_id":"c1"}',
+    "string-token-id": canonical_line(make_entry("r", "c1")).replace(
+        b'"prompt_token_ids":[', b'"prompt_token_ids":["x",'
+    ),
     "newer-schema": canonical_line(make_entry("r", "c1")).replace(
         b'"schema_version":1', b'"schema_version":2'
     ),

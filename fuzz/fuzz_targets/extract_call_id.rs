@@ -3,10 +3,10 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tokencapture::log::extract_call_id;
+use tokencapture::json::extract_call_id;
 
 fuzz_target!(|data: &[u8]| {
-    let scanned = extract_call_id(data);
+    let scanned = extract_call_id(data, None);
     // The scanner compares keys byte for byte, so only escape-free input is comparable with a
     // real parser (an escaped key like "model\u005fcall_id" is a different key to the scanner).
     // A repeated key is refused by the scanner while serde_json keeps the last one.

@@ -30,6 +30,7 @@
 
 pub mod digest;
 pub mod error;
+pub mod json;
 pub mod ledger;
 pub mod lineage;
 pub mod lock;

@@ -4,9 +4,10 @@
 //! interpreter (`Python::detach`), so other Python threads and the event loop keep running.
 
 use std::io::{Read, Write};
+use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::buffer::PyBuffer;
@@ -97,19 +98,17 @@ type DecodedRecords<'py> = (Bound<'py, PyList>, Vec<usize>);
 // ---- decoding stored lines --------------------------------------------------------------------
 //
 // Freeze hands back Python dicts built straight from the verified bytes by the same validating
-// walk the store uses (`log::build`), with no intermediate tree. Token ids repeat heavily within
-// a rollout (every prompt contains the previous one), so integers below `INTERNED_INTS` are
-// created once per call and shared: most list slots cost an increment, not an allocation.
-
-const INTERNED_INTS: u64 = 1 << 18;
+// walk the store uses (`json::build`), with no intermediate tree. Token ids repeat heavily within
+// a rollout (every prompt contains the previous prompt and answer): the walk carries a
+// `json::Repeats`, so a repeated run of ids is copied from the earlier list (a C loop of
+// increments) rather than parsed.
 
 struct PyBuilder<'py> {
     py: Python<'py>,
-    ints: Vec<Option<Bound<'py, PyAny>>>,
 }
 
-impl From<crate::log::LineError> for PyErr {
-    fn from(err: crate::log::LineError) -> PyErr {
+impl From<crate::json::LineError> for PyErr {
+    fn from(err: crate::json::LineError) -> PyErr {
         PyValueError::new_err(err.0)
     }
 }
@@ -157,8 +156,9 @@ impl<'py> PyBuilder<'py> {
     }
 }
 
-impl<'py> crate::log::Builder for PyBuilder<'py> {
+impl<'py> crate::json::Builder for PyBuilder<'py> {
     type Value = Decoded<'py>;
+    type Items = Bound<'py, PyList>;
     type Error = PyErr;
 
     fn null(&mut self) -> PyResult<Self::Value> {
@@ -173,18 +173,7 @@ impl<'py> crate::log::Builder for PyBuilder<'py> {
     }
 
     fn unsigned(&mut self, value: u64, _: &[u8]) -> PyResult<Self::Value> {
-        if value >= INTERNED_INTS {
-            return Ok(Self::plain(value.into_pyobject(self.py)?.into_any()));
-        }
-        let slot = value as usize;
-        if self.ints.len() <= slot {
-            self.ints.resize(slot + 1, None);
-        }
-        let py = self.py;
-        let int = self.ints[slot]
-            .get_or_insert_with(|| value.into_pyobject(py).expect("int").into_any())
-            .clone();
-        Ok(Self::plain(int))
+        Ok(Self::plain(value.into_pyobject(self.py)?.into_any()))
     }
 
     fn number(&mut self, text: &[u8], integer: bool) -> PyResult<Self::Value> {
@@ -220,9 +209,36 @@ impl<'py> crate::log::Builder for PyBuilder<'py> {
         Ok(Self::plain(PyString::new(self.py, inner).into_any()))
     }
 
-    fn array(&mut self, items: Vec<Self::Value>, all_unsigned: bool) -> PyResult<Self::Value> {
-        let list = PyList::new(self.py, items.into_iter().map(|(item, _)| item))?;
-        Ok((list.into_any(), all_unsigned))
+    fn items(&mut self) -> PyResult<Self::Items> {
+        Ok(PyList::empty(self.py))
+    }
+
+    fn push(&mut self, items: &mut Self::Items, item: Self::Value) -> PyResult<()> {
+        items.append(item.0)
+    }
+
+    fn reuse(
+        &mut self,
+        items: &mut Self::Items,
+        earlier: &Self::Value,
+        count: usize,
+    ) -> PyResult<()> {
+        // A slice copies the item pointers in one C loop.
+        let run = earlier.0.cast::<PyList>()?.get_slice(0, count);
+        if items.is_empty() {
+            *items = run;
+        } else {
+            let end = items.len();
+            items.as_sequence().set_slice(end, end, &run)?;
+        }
+        Ok(())
+    }
+
+    fn array(&mut self, items: Self::Items, all_unsigned: bool) -> PyResult<Self::Value> {
+        if all_unsigned {
+            untrack_int_list(&items);
+        }
+        Ok((items.into_any(), all_unsigned))
     }
 
     fn object(
@@ -241,19 +257,58 @@ impl<'py> crate::log::Builder for PyBuilder<'py> {
     }
 }
 
-/// Decode stored records into Python values: `(values, byte offsets)`.
-fn decode_records<'py>(py: Python<'py>, records: &store::Records) -> PyResult<DecodedRecords<'py>> {
-    let mut builder = PyBuilder {
-        py,
-        ints: Vec::new(),
-    };
-    let values = records
-        .lines
+/// Take a list that holds only ints out of the cycle collector's sight.
+///
+/// A list of ints cannot be part of a reference cycle, yet every collection of its generation
+/// visits each of its items: with the snapshots of a few long rollouts alive (a trainer's
+/// batch), collections spent about a fifth of freeze's time walking token lists. CPython makes
+/// the same call for tuples and dicts of atomic values; a list could later be made part of a
+/// cycle by the caller, which would then only be reclaimed when it is broken by hand.
+fn untrack_int_list(list: &Bound<'_, PyList>) {
+    // SAFETY: `list` is a live object (we hold a reference and are attached to the
+    // interpreter) of a GC type; `PyObject_GC_UnTrack` accepts tracked and untracked objects.
+    unsafe { pyo3::ffi::PyObject_GC_UnTrack(list.as_ptr().cast()) }
+}
+
+/// Decode the lines at `ranges` of `buf` into Python values in one walk (repeated token
+/// arrays are reused across lines). A line that fails keeps its own error: it may be a
+/// duplicate that no snapshot returns.
+fn decode_lines(py: Python<'_>, buf: &[u8], ranges: &[Range<usize>]) -> Vec<PyResult<Py<PyAny>>> {
+    let mut builder = PyBuilder { py };
+    let mut repeats = crate::json::Repeats::new();
+    ranges
         .iter()
         .map(|range| {
-            crate::log::build(&records.buf[range.clone()], &mut builder).map(|(value, _)| value)
+            crate::json::build(&buf[range.clone()], &mut builder, Some(&mut repeats))
+                .map(|(value, _)| value.unbind())
         })
-        .collect::<PyResult<Vec<_>>>()?;
+        .collect()
+}
+
+/// The decoded values of `records` (whose lines are a subsequence of `ranges`, which
+/// `decoded` follows) and their byte offsets. A record line that did not decode is corruption.
+fn select_records<'py>(
+    py: Python<'py>,
+    log: &Path,
+    ranges: &[Range<usize>],
+    decoded: Vec<PyResult<Py<PyAny>>>,
+    records: &store::Records,
+) -> PyResult<DecodedRecords<'py>> {
+    let mut decoded = ranges.iter().zip(decoded);
+    let mut values = Vec::with_capacity(records.lines.len());
+    for wanted in &records.lines {
+        let Some((_, value)) = decoded.find(|(range, _)| range.start == wanted.start) else {
+            let detail = "the record's line was not decoded";
+            return Err(to_pyerr(
+                py,
+                Error::corrupt(log, wanted.start as u64, detail),
+            ));
+        };
+        values.push(value.map_err(|err| {
+            let detail = format!("the line is not a valid entry: {}", err.value(py));
+            to_pyerr(py, Error::corrupt(log, wanted.start as u64, detail))
+        })?);
+    }
     let offsets = records.lines.iter().map(|range| range.start).collect();
     Ok((PyList::new(py, values)?, offsets))
 }
@@ -517,11 +572,19 @@ impl PyStore {
         rollout_id: &Bound<'py, PyString>,
     ) -> PyResult<(DecodedRecords<'py>, bool, String, u64)> {
         let rollout_id = text(rollout_id, "rollout_id")?;
-        let snapshot = py
-            .detach(|| self.inner.freeze(rollout_id))
+        // The lines are decoded (attached) while another thread verifies them and makes the
+        // freeze durable (detached): see `Store::freeze_decoding`.
+        let (snapshot, (ranges, decoded)) = py
+            .detach(|| {
+                self.inner.freeze_decoding(rollout_id, |buf, ranges| {
+                    let decoded = Python::attach(|py| decode_lines(py, buf, ranges));
+                    (ranges.to_vec(), decoded)
+                })
+            })
             .map_err(|e| to_pyerr(py, e))?;
+        let log = self.inner.paths(rollout_id).log;
         Ok((
-            decode_records(py, &snapshot.records)?,
+            select_records(py, &log, &ranges, decoded, &snapshot.records)?,
             snapshot.incomplete,
             snapshot.snapshot_id,
             snapshot.version,
@@ -575,7 +638,9 @@ impl PyStore {
         let records = py
             .detach(|| self.inner.read_records(rollout_id))
             .map_err(|e| to_pyerr(py, e))?;
-        decode_records(py, &records)
+        let decoded = decode_lines(py, &records.buf, &records.lines);
+        let log = self.inner.paths(rollout_id).log;
+        select_records(py, &log, &records.lines, decoded, &records)
     }
 
     /// The verified state as readers see it (tail folded, nothing changed) as JSON, and the

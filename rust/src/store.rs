@@ -32,8 +32,9 @@ use lru::LruCache;
 
 use crate::digest::payload_digest;
 use crate::error::{Error, IoContext, Result};
+use crate::json::{extract_call_id, LineError, Repeats};
 use crate::lock::{LockMode, RolloutLock};
-use crate::log::{append_line, complete_lines, complete_prefix_len, extract_call_id, read_at};
+use crate::log::{append_line, complete_lines, complete_prefix_len, read_at};
 use crate::state::{self, State};
 
 /// Longest accepted rollout id: the longest file name we derive from it must fit in 255 bytes.
@@ -156,6 +157,36 @@ pub struct Snapshot {
     pub incomplete: bool,
     pub snapshot_id: String,
     pub version: u64,
+}
+
+/// A durable freeze, short of the log bytes its record ranges point into.
+struct Settled {
+    lines: Vec<Range<usize>>,
+    incomplete: bool,
+    snapshot_id: String,
+    version: u64,
+}
+
+impl Settled {
+    fn into_snapshot(self, buf: Vec<u8>) -> Snapshot {
+        Snapshot {
+            records: Records {
+                buf,
+                lines: self.lines,
+            },
+            incomplete: self.incomplete,
+            snapshot_id: self.snapshot_id,
+            version: self.version,
+        }
+    }
+}
+
+/// Whether a scan of a large log may use a second thread (it may not when the caller keeps
+/// the other core busy decoding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scan {
+    Serial,
+    Parallel,
 }
 
 /// Result of a batch retire or delete.
@@ -462,9 +493,10 @@ impl Store {
         }
         let tail =
             read_at(&log.file, covered, (len - covered) as usize).ctx("read log", &paths.log)?;
+        let mut repeats = Repeats::new();
         for (offset, line) in complete_lines(&tail, covered) {
-            let call_id =
-                extract_call_id(line).map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
+            let call_id = extract_call_id(line, Some(&mut repeats))
+                .map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
             fold_line(&mut cached.state, call_id, payload_digest(line));
         }
         let complete_end = covered + complete_prefix_len(&tail) as u64;
@@ -594,46 +626,95 @@ impl Store {
     pub fn freeze(&self, rollout_id: &str) -> Result<Snapshot> {
         validate_rollout_id(rollout_id)?;
         self.exclusive(rollout_id, |cached, paths| {
-            if cached.state.retired {
-                return Err(Error::Retired(rollout_id.to_owned()));
-            }
-            let records = self.scan_and_fold(cached, paths)?;
-            let mut changed = cached.state.indexed_size != cached.disk_indexed_size;
-            if !cached.state.frozen {
-                cached.state.frozen = true;
-                cached.state.snapshot_id = uuid::Uuid::new_v4().simple().to_string();
-                cached.state.version += 1;
-                changed = true;
-            }
-            if changed {
-                self.persist(cached, paths, true)?;
-            }
-            let dangling = has_dangling_intent(&paths.intents, &cached.state)?;
-            Ok(Snapshot {
-                records,
-                incomplete: cached.state.incomplete || dangling,
-                snapshot_id: cached.state.snapshot_id.clone(),
-                version: cached.state.version,
-            })
+            let buf = self.read_for_freeze(rollout_id, cached, paths)?;
+            let settled = self.settle_freeze(cached, paths, &buf, Scan::Parallel)?;
+            Ok(settled.into_snapshot(buf))
         })
     }
 
-    /// Read the whole log once: verify every indexed line against its digest, fold the
-    /// unindexed tail, truncate a torn final line. Returns the unique records.
-    fn scan_and_fold(&self, cached: &mut Cached, paths: &RolloutPaths) -> Result<Records> {
+    /// [`Store::freeze`], handing the log's complete lines to `decode` on this thread while
+    /// another verifies them, folds the tail and makes the freeze durable: a reader's decoding
+    /// then costs no wall time beyond the longer of the two. `decode` sees every complete
+    /// line, in file order (a rare duplicate included: the snapshot's ranges say which lines
+    /// are the records). If the freeze fails, what `decode` made is dropped.
+    pub fn freeze_decoding<D>(
+        &self,
+        rollout_id: &str,
+        decode: impl FnOnce(&[u8], &[Range<usize>]) -> D,
+    ) -> Result<(Snapshot, D)> {
+        validate_rollout_id(rollout_id)?;
+        self.exclusive(rollout_id, |cached, paths| {
+            let buf = self.read_for_freeze(rollout_id, cached, paths)?;
+            let lines: Vec<Range<usize>> = complete_lines(&buf, 0)
+                .map(|(offset, line)| offset as usize..offset as usize + line.len())
+                .collect();
+            let (settled, decoded) = if buf.len() < PARALLEL_SCAN_BYTES {
+                let settled = self.settle_freeze(cached, paths, &buf, Scan::Serial)?;
+                (settled, decode(&buf, &lines))
+            } else {
+                std::thread::scope(|scope| {
+                    let settling =
+                        scope.spawn(|| self.settle_freeze(cached, paths, &buf, Scan::Serial));
+                    let decoded = decode(&buf, &lines);
+                    let settled = settling.join().expect("freeze thread")?;
+                    Ok::<_, Error>((settled, decoded))
+                })?
+            };
+            Ok((settled.into_snapshot(buf), decoded))
+        })
+    }
+
+    /// The whole log of a rollout about to be frozen (empty when it has none).
+    fn read_for_freeze(
+        &self,
+        rollout_id: &str,
+        cached: &Cached,
+        paths: &RolloutPaths,
+    ) -> Result<Vec<u8>> {
+        if cached.state.retired {
+            return Err(Error::Retired(rollout_id.to_owned()));
+        }
         let Some(log) = &cached.log else {
-            return missing_log(cached, paths).map(|()| Records::default());
+            return missing_log(cached, paths).map(|()| Vec::new());
         };
         let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
-        let buf = read_at(&log.file, 0, len as usize).ctx("read log", &paths.log)?;
-        let lines = verify_and_fold(&mut cached.state, &buf, paths)?;
-        let complete_end = cached.state.indexed_size;
-        if complete_end < len {
-            log.file
-                .set_len(complete_end)
-                .ctx("truncate torn line", &paths.log)?;
+        read_at(&log.file, 0, len as usize).ctx("read log", &paths.log)
+    }
+
+    /// Verify `buf` (the whole log) against the index, fold its tail, truncate a torn final
+    /// line, and make the freeze durable (the first freeze mints the snapshot id).
+    fn settle_freeze(
+        &self,
+        cached: &mut Cached,
+        paths: &RolloutPaths,
+        buf: &[u8],
+        scan: Scan,
+    ) -> Result<Settled> {
+        let lines = verify_and_fold(&mut cached.state, buf, paths, scan)?;
+        if let Some(log) = &cached.log {
+            if cached.state.indexed_size < buf.len() as u64 {
+                log.file
+                    .set_len(cached.state.indexed_size)
+                    .ctx("truncate torn line", &paths.log)?;
+            }
         }
-        Ok(Records { buf, lines })
+        let mut changed = cached.state.indexed_size != cached.disk_indexed_size;
+        if !cached.state.frozen {
+            cached.state.frozen = true;
+            cached.state.snapshot_id = uuid::Uuid::new_v4().simple().to_string();
+            cached.state.version += 1;
+            changed = true;
+        }
+        if changed {
+            self.persist(cached, paths, true)?;
+        }
+        let dangling = has_dangling_intent(&paths.intents, &cached.state)?;
+        Ok(Settled {
+            lines,
+            incomplete: cached.state.incomplete || dangling,
+            snapshot_id: cached.state.snapshot_id.clone(),
+            version: cached.state.version,
+        })
     }
 
     /// Delete the frozen snapshot's records and keep the fence, only if `snapshot_id` and
@@ -763,7 +844,7 @@ impl Store {
             Some(log) => {
                 let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
                 let buf = read_at(&log.file, 0, len as usize).ctx("read log", &paths.log)?;
-                verify_and_fold(&mut loaded.state, &buf, &paths)?.len()
+                verify_and_fold(&mut loaded.state, &buf, &paths, Scan::Parallel)?.len()
             }
             None => 0,
         };
@@ -785,9 +866,10 @@ impl Store {
         let buf = read_at(&log, 0, len as usize).ctx("read log", &paths.log)?;
         let mut seen = HashSet::new();
         let mut lines = Vec::new();
+        let mut repeats = Repeats::new();
         for (offset, line) in complete_lines(&buf, 0) {
-            let call_id =
-                extract_call_id(line).map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
+            let call_id = extract_call_id(line, Some(&mut repeats))
+                .map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
             if seen.insert(call_id) {
                 let start = offset as usize;
                 lines.push(start..start + line.len());
@@ -804,11 +886,12 @@ impl Store {
 ///
 /// An indexed line is identified by its digest alone (SHA-256 of bytes that include the call
 /// id), so only unindexed lines, and lines that fail that check, pay for the call-id walk.
-/// Hashing and walking run on two threads for large logs.
+/// Hashing and walking run on two threads for large logs, unless `scan` is serial.
 fn verify_and_fold(
     state: &mut State,
     buf: &[u8],
     paths: &RolloutPaths,
+    scan: Scan,
 ) -> Result<Vec<Range<usize>>> {
     let complete_end = complete_prefix_len(buf) as u64;
     let indexed = state.indexed_size;
@@ -822,7 +905,7 @@ fn verify_and_fold(
             ),
         ));
     }
-    let scanned = scan_lines(buf, indexed);
+    let scanned = scan_lines(buf, indexed, scan);
     let by_digest: HashMap<String, String> = state
         .entry_digests
         .iter()
@@ -835,7 +918,7 @@ fn verify_and_fold(
             (None, Some(call_id)) => call_id.clone(),
             (Some(Ok(call_id)), _) => call_id.clone(),
             (Some(Err(err)), _) => return Err(Error::corrupt(&paths.log, line.offset, &err.0)),
-            (None, None) => extract_call_id(line.bytes)
+            (None, None) => extract_call_id(line.bytes, None)
                 .map_err(|e| Error::corrupt(&paths.log, line.offset, e.0))?,
         };
         if line.offset < indexed {
@@ -878,27 +961,27 @@ struct ScannedLine<'a> {
     offset: u64,
     bytes: &'a [u8],
     digest: String,
-    call_id: Option<std::result::Result<String, crate::log::LineError>>,
+    call_id: Option<std::result::Result<String, LineError>>,
 }
 
 /// Logs at least this large are hashed and walked on two threads.
 const PARALLEL_SCAN_BYTES: usize = 256 << 10;
 
-fn scan_lines(buf: &[u8], indexed: u64) -> Vec<ScannedLine<'_>> {
+fn scan_lines(buf: &[u8], indexed: u64, scan: Scan) -> Vec<ScannedLine<'_>> {
     let all: Vec<(u64, &[u8])> = complete_lines(buf, 0).collect();
-    let work = |chunk: &[(u64, &[u8])]| -> Vec<(
-        String,
-        Option<std::result::Result<String, crate::log::LineError>>,
-    )> {
-        chunk
-            .iter()
-            .map(|&(offset, line)| {
-                let call_id = (offset >= indexed).then(|| extract_call_id(line));
-                (payload_digest(line), call_id)
-            })
-            .collect()
-    };
-    let results = if buf.len() >= PARALLEL_SCAN_BYTES && all.len() > 1 {
+    let work =
+        |chunk: &[(u64, &[u8])]| -> Vec<(String, Option<std::result::Result<String, LineError>>)> {
+            let mut repeats = Repeats::new();
+            chunk
+                .iter()
+                .map(|&(offset, line)| {
+                    let call_id =
+                        (offset >= indexed).then(|| extract_call_id(line, Some(&mut repeats)));
+                    (payload_digest(line), call_id)
+                })
+                .collect()
+        };
+    let results = if scan == Scan::Parallel && buf.len() >= PARALLEL_SCAN_BYTES && all.len() > 1 {
         // Split by bytes, not lines: one huge line must not leave the other thread idle.
         let half = buf.len() / 2;
         let split = all

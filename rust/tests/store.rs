@@ -29,7 +29,7 @@ fn call_ids(store: &Store, rollout: &str) -> Vec<String> {
         .lines
         .iter()
         .map(|range| {
-            tokencapture::log::extract_call_id(&snapshot.records.buf[range.clone()]).unwrap()
+            tokencapture::json::extract_call_id(&snapshot.records.buf[range.clone()], None).unwrap()
         })
         .collect()
 }

@@ -1,0 +1,575 @@
+//! The validating JSON walk over one stored line.
+//!
+//! Every reader of a log walks its lines with [`Scanner`]: it checks the grammar byte by byte
+//! (strings, escapes and UTF-8, numbers, literals, separators, nesting) and hands each value to
+//! a [`Builder`], which decides what it becomes: nothing ([`Validate`]), or Python objects built
+//! straight from the bytes (the binding). There is no intermediate tree.
+//!
+//! **Repeated token arrays.** In an agentic rollout every full prompt contains the previous
+//! prompt and its answer, so most of a log's bytes repeat arrays that an earlier line already
+//! held. A walk over several lines can carry a [`Repeats`]: it remembers the last few long
+//! arrays of plain non-negative integers, and when a new array starts with the same bytes as
+//! whole items of one of them (or of several in a row) those items are taken as they are,
+//! compared with `memcmp` instead of parsed. Equal bytes are equally valid and decode to equal
+//! values, so this changes nothing but the cost.
+
+use std::collections::VecDeque;
+
+/// Why a line is not a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LineError(pub String);
+
+/// Receives the values of a JSON document as the validating walk meets them.
+///
+/// The walk owns the grammar; a builder decides what a value becomes. [`Validate`] builds
+/// nothing (its values are `()`, so arrays of them never allocate).
+pub trait Builder {
+    type Value: Clone;
+    /// An array while its items are being walked.
+    type Items;
+    type Error: From<LineError>;
+
+    fn null(&mut self) -> Result<Self::Value, Self::Error>;
+    fn boolean(&mut self, value: bool) -> Result<Self::Value, Self::Error>;
+    /// `text` is a valid JSON number; `integer` when it has no fraction or exponent.
+    fn number(&mut self, text: &[u8], integer: bool) -> Result<Self::Value, Self::Error>;
+    /// A non-negative integer that fits in a u64 (`text` is its digits): the common case of
+    /// token ids, handed over already parsed.
+    fn unsigned(&mut self, value: u64, text: &[u8]) -> Result<Self::Value, Self::Error> {
+        let _ = value;
+        self.number(text, true)
+    }
+    /// `raw` is a valid JSON string with its quotes; `escaped` when it contains a backslash.
+    fn string(&mut self, raw: &[u8], escaped: bool) -> Result<Self::Value, Self::Error>;
+    /// A new, empty array.
+    fn items(&mut self) -> Result<Self::Items, Self::Error>;
+    fn push(&mut self, items: &mut Self::Items, item: Self::Value) -> Result<(), Self::Error>;
+    /// Append the first `count` items of `earlier`, an array of unsigned integers this builder
+    /// returned before: the walk met the same bytes again (see [`Repeats`]).
+    fn reuse(
+        &mut self,
+        items: &mut Self::Items,
+        earlier: &Self::Value,
+        count: usize,
+    ) -> Result<(), Self::Error>;
+    /// The finished array; `all_unsigned` when every item was a non-negative integer (handed
+    /// to `unsigned`, or reused).
+    fn array(&mut self, items: Self::Items, all_unsigned: bool)
+        -> Result<Self::Value, Self::Error>;
+    /// `depth` is 1 for the top-level object of a line.
+    fn object(
+        &mut self,
+        members: Vec<(Self::Value, Self::Value)>,
+        depth: usize,
+    ) -> Result<Self::Value, Self::Error>;
+}
+
+/// The builder that only validates.
+pub struct Validate;
+
+impl Builder for Validate {
+    type Value = ();
+    type Items = ();
+    type Error = LineError;
+
+    fn null(&mut self) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn boolean(&mut self, _: bool) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn number(&mut self, _: &[u8], _: bool) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn string(&mut self, _: &[u8], _: bool) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn items(&mut self) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn push(&mut self, _: &mut (), _: ()) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn reuse(&mut self, _: &mut (), _: &(), _: usize) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn array(&mut self, _: (), _: bool) -> Result<(), LineError> {
+        Ok(())
+    }
+    fn object(&mut self, _: Vec<((), ())>, _: usize) -> Result<(), LineError> {
+        Ok(())
+    }
+}
+
+/// How many recent arrays a [`Repeats`] keeps: a prompt continues the previous prompt and the
+/// previous answer, so two would do; four tolerate a tool call or an edited turn in between.
+const REMEMBERED_ARRAYS: usize = 4;
+
+/// Shorter arrays are not remembered: comparing costs more than parsing them.
+const MIN_REMEMBERED_ITEMS: usize = 64;
+
+/// Long arrays of plain non-negative integers met earlier in a walk over several lines of one
+/// buffer, with what the builder made of them (see the module documentation).
+pub struct Repeats<'a, V> {
+    arrays: VecDeque<Seen<'a, V>>,
+}
+
+/// One remembered array.
+struct Seen<'a, V> {
+    /// Its bytes from the start of the first item to the end of the last one: digits, commas
+    /// and whitespace only, so its commas are exactly its separators.
+    text: &'a [u8],
+    items: usize,
+    value: V,
+}
+
+impl<V> Default for Repeats<'_, V> {
+    fn default() -> Self {
+        Self {
+            arrays: VecDeque::new(),
+        }
+    }
+}
+
+impl<'a, V: Clone> Repeats<'a, V> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn remember(&mut self, text: &'a [u8], items: usize, value: &V) {
+        if items < MIN_REMEMBERED_ITEMS {
+            return;
+        }
+        if self.arrays.len() == REMEMBERED_ARRAYS {
+            self.arrays.pop_back();
+        }
+        self.arrays.push_front(Seen {
+            text,
+            items,
+            value: value.clone(),
+        });
+    }
+
+    /// Take the longest run of whole remembered items that `rest` (the bytes from an array's
+    /// first item on) repeats, chaining arrays while each is repeated whole and followed by a
+    /// `,`. Appends the items; returns `(items, bytes)` consumed, the bytes ending right after
+    /// an item.
+    fn reuse<B: Builder<Value = V>>(
+        &self,
+        rest: &[u8],
+        builder: &mut B,
+        items: &mut B::Items,
+    ) -> Result<(usize, usize), B::Error> {
+        let (mut taken, mut consumed) = (0, 0);
+        loop {
+            let at = if consumed == 0 { 0 } else { consumed + 1 }; // past the ','
+            let best = self
+                .arrays
+                .iter()
+                .map(|seen| (seen, seen.shared_items(&rest[at..])))
+                .filter(|(_, (count, _))| *count > 0)
+                .max_by_key(|(_, (_, len))| *len);
+            let Some((seen, (count, len))) = best else {
+                return Ok((taken, consumed));
+            };
+            builder.reuse(items, &seen.value, count)?;
+            taken += count;
+            consumed = at + len;
+            if count < seen.items || rest.get(consumed) != Some(&b',') {
+                return Ok((taken, consumed));
+            }
+        }
+    }
+}
+
+impl<V> Seen<'_, V> {
+    /// `(items, bytes)`: how many whole items of this array `rest` starts with.
+    fn shared_items(&self, rest: &[u8]) -> (usize, usize) {
+        let same = common_prefix_len(self.text, rest);
+        let continues = |at: usize| matches!(rest.get(at), Some(b'0'..=b'9' | b'.' | b'e' | b'E'));
+        if same == self.text.len() && !continues(same) {
+            return (self.items, same);
+        }
+        // The run ends at the last separator both share; the item before it is whole in both.
+        let Some(comma) = memchr::memrchr(b',', &self.text[..same]) else {
+            return (0, 0);
+        };
+        let end = self.text[..comma]
+            .iter()
+            .rposition(|b| !matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
+            .map_or(0, |last| last + 1);
+        (
+            memchr::memchr_iter(b',', &self.text[..comma]).count() + 1,
+            end,
+        )
+    }
+}
+
+/// Length of the longest common prefix of two byte strings (block compares, then bytes).
+fn common_prefix_len(a: &[u8], b: &[u8]) -> usize {
+    const BLOCK: usize = 128;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + BLOCK <= n && a[i..i + BLOCK] == b[i..i + BLOCK] {
+        i += BLOCK;
+    }
+    i + a[i..n]
+        .iter()
+        .zip(&b[i..n])
+        .take_while(|(x, y)| x == y)
+        .count()
+}
+
+/// Build one JSON document (a whole line) with `builder`, refusing anything after it.
+/// `repeats` carries arrays over from earlier lines of the same walk (see [`Repeats`]).
+pub fn build<'a, B: Builder>(
+    line: &'a [u8],
+    builder: &mut B,
+    repeats: Option<&mut Repeats<'a, B::Value>>,
+) -> Result<B::Value, B::Error> {
+    let mut scan = Scanner::new(line, repeats);
+    scan.skip_ws();
+    let value = scan.value(builder, 0)?;
+    scan.skip_ws();
+    if scan.pos != line.len() {
+        return Err(scan.error("trailing bytes after the value").into());
+    }
+    Ok(value)
+}
+
+/// Extract the top-level `model_call_id` of one line, validating that the line is exactly one
+/// JSON object.
+///
+/// This is a validating walk, not a parse: it checks the grammar but builds nothing, so the
+/// large token arrays cost a pass over their digits (or a compare, with `repeats`) and no
+/// allocation. Only the call id is decoded. Whether the object is a valid *entry* is left to the
+/// full parse every reader performs.
+pub fn extract_call_id<'a>(
+    line: &'a [u8],
+    repeats: Option<&mut Repeats<'a, ()>>,
+) -> Result<String, LineError> {
+    let mut scan = Scanner::new(line, repeats);
+    scan.skip_ws();
+    if scan.peek() != Some(b'{') {
+        return Err(scan.error("expected a JSON object"));
+    }
+    let mut found: Option<String> = None;
+    scan.members(0, |scan, key| {
+        if key != b"\"model_call_id\"" {
+            return scan.value(&mut Validate, 1);
+        }
+        if scan.peek() != Some(b'"') {
+            return Err(LineError("model_call_id is not a string".to_string()));
+        }
+        let (span, _) = scan.string()?;
+        let id: String = serde_json::from_slice(span)
+            .map_err(|err| LineError(format!("model_call_id is not valid JSON: {err}")))?;
+        if found.replace(id).is_some() {
+            return Err(LineError("model_call_id appears twice".to_string()));
+        }
+        Ok(())
+    })?;
+    scan.skip_ws();
+    if scan.pos != line.len() {
+        return Err(scan.error("trailing bytes after the object"));
+    }
+    found.ok_or_else(|| LineError("no model_call_id".to_string()))
+}
+
+struct Scanner<'a, 'r, V> {
+    buf: &'a [u8],
+    pos: usize,
+    repeats: Option<&'r mut Repeats<'a, V>>,
+}
+
+/// Nesting deeper than this is refused rather than walked (the writer refuses far less).
+const MAX_DEPTH: usize = 1024;
+
+impl<'a, 'r, V: Clone> Scanner<'a, 'r, V> {
+    fn new(buf: &'a [u8], repeats: Option<&'r mut Repeats<'a, V>>) -> Self {
+        Self {
+            buf,
+            pos: 0,
+            repeats,
+        }
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.buf.get(self.pos).copied()
+    }
+
+    fn error(&self, what: &str) -> LineError {
+        LineError(format!("not a JSON record: {what} at column {}", self.pos))
+    }
+
+    fn skip_ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\r' | b'\n')) {
+            self.pos += 1;
+        }
+    }
+
+    fn literal(&mut self, word: &[u8]) -> Result<(), LineError> {
+        if self.buf[self.pos..].starts_with(word) {
+            self.pos += word.len();
+            Ok(())
+        } else {
+            Err(self.error("invalid literal"))
+        }
+    }
+
+    /// One value of any kind.
+    fn value<B: Builder<Value = V>>(
+        &mut self,
+        builder: &mut B,
+        depth: usize,
+    ) -> Result<V, B::Error> {
+        match self.peek() {
+            Some(b'"') => {
+                let (raw, escaped) = self.string()?;
+                builder.string(raw, escaped)
+            }
+            Some(b'{') => {
+                let mut members = Vec::new();
+                self.members::<B::Error>(depth + 1, |scan, key| {
+                    let escaped = key.contains(&b'\\');
+                    let key = builder.string(key, escaped)?;
+                    members.push((key, scan.value(builder, depth + 1)?));
+                    Ok(())
+                })?;
+                builder.object(members, depth + 1)
+            }
+            Some(b'[') => self.array(builder, depth + 1),
+            Some(b't') => {
+                self.literal(b"true")?;
+                builder.boolean(true)
+            }
+            Some(b'f') => {
+                self.literal(b"false")?;
+                builder.boolean(false)
+            }
+            Some(b'n') => {
+                self.literal(b"null")?;
+                builder.null()
+            }
+            Some(b'-' | b'0'..=b'9') => {
+                let start = self.pos;
+                let integer = self.number()?;
+                builder.number(&self.buf[start..self.pos], integer)
+            }
+            _ => Err(self.error("expected a value").into()),
+        }
+    }
+
+    /// The members of an object starting here; `member` sees each key span (quotes included)
+    /// with the scanner at its value, and must consume the value.
+    fn members<E: From<LineError>>(
+        &mut self,
+        depth: usize,
+        mut member: impl FnMut(&mut Self, &'a [u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        if depth > MAX_DEPTH {
+            return Err(self.error("nesting too deep").into());
+        }
+        self.pos += 1; // '{'
+        self.skip_ws();
+        if self.peek() == Some(b'}') {
+            self.pos += 1;
+            return Ok(());
+        }
+        loop {
+            self.skip_ws();
+            if self.peek() != Some(b'"') {
+                return Err(self.error("expected a string key").into());
+            }
+            let (key, _) = self.string()?;
+            self.skip_ws();
+            if self.peek() != Some(b':') {
+                return Err(self.error("expected ':'").into());
+            }
+            self.pos += 1;
+            self.skip_ws();
+            member(self, key)?;
+            self.skip_ws();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b'}') => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                _ => return Err(self.error("expected ',' or '}'").into()),
+            }
+        }
+    }
+
+    /// The array starting here, built; with `repeats`, a long array of unsigned integers is
+    /// remembered and a prefix repeating remembered bytes is reused rather than parsed.
+    fn array<B: Builder<Value = V>>(
+        &mut self,
+        builder: &mut B,
+        depth: usize,
+    ) -> Result<V, B::Error> {
+        if depth > MAX_DEPTH {
+            return Err(self.error("nesting too deep").into());
+        }
+        self.pos += 1; // '['
+        self.skip_ws();
+        let mut items = builder.items()?;
+        if self.peek() == Some(b']') {
+            self.pos += 1;
+            return builder.array(items, true);
+        }
+        let first = self.pos;
+        let mut count = 0;
+        let mut need_item = true;
+        if let Some(repeats) = self.repeats.as_deref() {
+            let (taken, consumed) = repeats.reuse(&self.buf[first..], builder, &mut items)?;
+            (count, need_item) = (taken, taken == 0);
+            self.pos += consumed;
+        }
+        let mut all_unsigned = true;
+        let mut last_end = self.pos;
+        loop {
+            if need_item {
+                if !matches!(self.peek(), Some(b'0'..=b'9')) {
+                    self.skip_ws();
+                }
+                // Token arrays are long runs of small non-negative integers: parse those inline.
+                let item = match self.unsigned() {
+                    Some((value, start)) => builder.unsigned(value, &self.buf[start..self.pos])?,
+                    None => {
+                        all_unsigned = false;
+                        self.value(builder, depth)?
+                    }
+                };
+                builder.push(&mut items, item)?;
+                count += 1;
+                last_end = self.pos;
+            }
+            need_item = true;
+            if self.peek() != Some(b',') {
+                self.skip_ws();
+            }
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b']') => {
+                    self.pos += 1;
+                    break;
+                }
+                _ => return Err(self.error("expected ',' or ']'").into()),
+            }
+        }
+        let value = builder.array(items, all_unsigned)?;
+        if all_unsigned {
+            if let Some(repeats) = self.repeats.as_deref_mut() {
+                repeats.remember(&self.buf[first..last_end], count, &value);
+            }
+        }
+        Ok(value)
+    }
+
+    /// A plain non-negative integer of at most 19 digits starting here (so it fits in a u64),
+    /// consumed and returned with its start; `None`, consuming nothing, for anything else.
+    fn unsigned(&mut self) -> Option<(u64, usize)> {
+        let start = self.pos;
+        let mut value = 0u64;
+        let mut end = start;
+        while let Some(&byte) = self.buf.get(end) {
+            if !byte.is_ascii_digit() {
+                break;
+            }
+            value = value.wrapping_mul(10).wrapping_add(u64::from(byte - b'0'));
+            end += 1;
+        }
+        let digits = end - start;
+        let plain = match digits {
+            0 => false,
+            1 => true,
+            _ => self.buf[start] != b'0' && digits <= 19,
+        };
+        if !plain || matches!(self.buf.get(end), Some(b'.' | b'e' | b'E')) {
+            return None;
+        }
+        self.pos = end;
+        Some((value, start))
+    }
+
+    /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`; true when it is an integer.
+    fn number(&mut self) -> Result<bool, LineError> {
+        if self.peek() == Some(b'-') {
+            self.pos += 1;
+        }
+        match self.peek() {
+            Some(b'0') => self.pos += 1,
+            Some(b'1'..=b'9') => self.digits(),
+            _ => return Err(self.error("invalid number")),
+        }
+        let mut integer = true;
+        if self.peek() == Some(b'.') {
+            integer = false;
+            self.pos += 1;
+            if !matches!(self.peek(), Some(b'0'..=b'9')) {
+                return Err(self.error("invalid number"));
+            }
+            self.digits();
+        }
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            integer = false;
+            self.pos += 1;
+            if matches!(self.peek(), Some(b'+' | b'-')) {
+                self.pos += 1;
+            }
+            if !matches!(self.peek(), Some(b'0'..=b'9')) {
+                return Err(self.error("invalid number"));
+            }
+            self.digits();
+        }
+        Ok(integer)
+    }
+
+    fn digits(&mut self) {
+        while matches!(self.peek(), Some(b'0'..=b'9')) {
+            self.pos += 1;
+        }
+    }
+
+    /// The span of a JSON string starting here (quotes included) and whether it holds an
+    /// escape: valid UTF-8, no raw control characters, only JSON's escapes.
+    fn string(&mut self) -> Result<(&'a [u8], bool), LineError> {
+        let start = self.pos;
+        let mut escaped = false;
+        self.pos += 1; // opening quote
+        loop {
+            let rest = &self.buf[self.pos..];
+            let Some(i) = memchr::memchr2(b'"', b'\\', rest) else {
+                return Err(self.error("unterminated string"));
+            };
+            if rest[..i].iter().any(|&b| b < 0x20) {
+                return Err(self.error("control character in a string"));
+            }
+            self.pos += i + 1;
+            if rest[i] == b'"' {
+                break;
+            }
+            escaped = true;
+            match self.peek() {
+                Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => self.pos += 1,
+                Some(b'u') => {
+                    let hex = self.buf.get(self.pos + 1..self.pos + 5);
+                    if !hex.is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)) {
+                        return Err(self.error("invalid \\u escape"));
+                    }
+                    self.pos += 5;
+                }
+                _ => return Err(self.error("invalid escape")),
+            }
+        }
+        let span = &self.buf[start..self.pos];
+        if std::str::from_utf8(span).is_err() {
+            return Err(self.error("string is not valid UTF-8"));
+        }
+        Ok((span, escaped))
+    }
+}
+
+#[cfg(test)]
+mod tests;

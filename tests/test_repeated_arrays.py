@@ -1,0 +1,132 @@
+"""Reading back rollouts whose prompts repeat earlier token arrays.
+
+Readers reuse the ids of an array whose bytes repeat a recent array (an agentic prompt holds
+the previous prompt and answer) instead of parsing them again. These tests aim at the edges
+of that shortcut: a repeat that stops inside a number, a cut or edited history, arrays that
+repeat only partly or several times over. Every snapshot must equal what was written, and what
+the pure-Python reference reads from the same directory.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import tempfile
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tests.conftest import make_entry
+
+from tokencapture.records import TokenEntry
+from tokencapture.reference import TokenCaptureStore as ReferenceStore
+from tokencapture.store import TokenCaptureStore, canonical_line
+
+
+def entry(call: int, prompt: list[int], generation: list[int]) -> TokenEntry:
+    return make_entry(
+        "r",
+        call,
+        prompt_token_ids=prompt,
+        generation_token_ids=generation,
+        generation_log_probs=[-0.5] * len(generation),
+    )
+
+
+def read_back(root: Path, entries: list[TokenEntry]) -> None:
+    """Write `entries`, then freeze with a fresh Rust store and read with the reference."""
+    writer = TokenCaptureStore(root)
+    for item in entries:
+        writer.append(item)
+    expected = [canonical_line(item) for item in entries]
+    reader = TokenCaptureStore(root)
+    assert [canonical_line(e) for e in reader.read_entries("r")] == expected
+    snapshot = reader.freeze_now("r")
+    assert [canonical_line(e) for e in snapshot.entries] == expected
+    assert [canonical_line(e) for e in ReferenceStore(root).read_entries("r")] == expected
+    for got, wrote in zip(snapshot.entries, entries, strict=True):
+        assert got.prompt_token_ids == wrote.prompt_token_ids
+        assert got.generation_token_ids == wrote.generation_token_ids
+
+
+def test_a_growing_agentic_prompt_reads_back_exactly(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    prompt = [rng.randrange(150_000) for _ in range(300)]
+    entries = []
+    for call in range(8):
+        generation = [rng.randrange(150_000) for _ in range(80)]
+        entries.append(entry(call, list(prompt), generation))
+        prompt = prompt + generation + [rng.randrange(150_000) for _ in range(40)]
+    read_back(tmp_path, entries)
+
+
+def test_a_repeat_that_stops_inside_a_number_is_not_taken_whole(tmp_path: Path) -> None:
+    base = [1000 + i for i in range(100)] + [12]
+    entries = [
+        entry(0, base, [7] * 70),
+        entry(1, [*base[:-1], 123], [7] * 70),  # "...,12" then "...,123"
+        entry(2, [*base[:-1], 1, 2], [7] * 70),  # "...,12" then "...,1,2"
+        entry(3, [*base, 3], [7] * 70),  # "...,12" then "...,12,3"
+        entry(4, [int(f"{base[0]}0"), *base[1:]], [7] * 70),  # the first id grows
+    ]
+    read_back(tmp_path, entries)
+
+
+def test_cut_edited_and_doubled_histories_read_back_exactly(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    history = [rng.randrange(150_000) for _ in range(500)]
+    answer = [rng.randrange(150_000) for _ in range(100)]
+    edited = list(history)
+    edited[250] += 1
+    entries = [
+        entry(0, history, answer),
+        entry(1, history[100:], answer),  # the context window dropped the start
+        entry(2, edited, answer),  # one id changed in the middle
+        entry(3, history + answer + history + answer, answer),  # repeats chained, twice over
+        entry(4, history[:-1], []),  # stops one id short; no answer
+        entry(5, answer + history, answer),  # the pieces in the other order
+        entry(6, history, answer),  # identical to the first
+    ]
+    read_back(tmp_path, entries)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_prompts_built_from_earlier_pieces_read_back_exactly(data: st.DataObject) -> None:
+    ids = st.integers(min_value=0, max_value=2**63)
+    arrays: list[list[int]] = []
+    entries = []
+    for call in range(data.draw(st.integers(1, 6), label="calls")):
+        prompt: list[int] = []
+        for _ in range(data.draw(st.integers(1, 3))):
+            if arrays and data.draw(st.booleans()):
+                earlier = data.draw(st.sampled_from(arrays))
+                start = data.draw(st.integers(0, len(earlier)))
+                end = data.draw(st.integers(start, len(earlier)))
+                prompt += earlier[start:end] if data.draw(st.booleans()) else earlier
+            else:
+                prompt += data.draw(st.lists(ids, min_size=0, max_size=150))
+        if prompt and data.draw(st.booleans()):
+            prompt[-1] = prompt[-1] * 10 + data.draw(st.integers(0, 9))  # continue a number
+        generation = data.draw(st.lists(ids, min_size=0, max_size=150))
+        arrays += [prompt, generation]
+        entries.append(entry(call, [p % 2**64 for p in prompt], generation))
+    with tempfile.TemporaryDirectory() as root:
+        read_back(Path(root), entries)
+
+
+def test_frozen_token_lists_are_plain_independent_lists(tmp_path: Path) -> None:
+    prompt = list(range(1000, 1200))
+    entries = [entry(0, prompt, list(range(64))), entry(1, prompt + list(range(64)), [5])]
+    store = TokenCaptureStore(tmp_path)
+    for item in entries:
+        store.append(item)
+    first, second = TokenCaptureStore(tmp_path).freeze_now("r").entries
+    assert type(first.prompt_token_ids) is list
+    # A list of ints cannot be part of a cycle: the collector is told not to walk it.
+    assert not gc.is_tracked(second.prompt_token_ids)
+    # The second prompt reused the first one's ids, but not its list.
+    assert second.prompt_token_ids[:200] == first.prompt_token_ids
+    first.prompt_token_ids.append(7)
+    first.prompt_token_ids[0] = -1
+    assert second.prompt_token_ids == prompt + list(range(64))
