@@ -14,10 +14,12 @@ import random
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.conftest import make_entry
 
+from tokencapture.protocols import TokenCaptureCorruptionError
 from tokencapture.records import TokenEntry
 from tokencapture.reference import TokenCaptureStore as ReferenceStore
 from tokencapture.store import TokenCaptureStore, canonical_line
@@ -130,3 +132,45 @@ def test_frozen_token_lists_are_plain_independent_lists(tmp_path: Path) -> None:
     first.prompt_token_ids.append(7)
     first.prompt_token_ids[0] = -1
     assert second.prompt_token_ids == prompt + list(range(64))
+
+
+def large_rollout(root: Path) -> list[TokenEntry]:
+    """A log well past the size at which freeze verifies on a second thread while decoding."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(150_000) for _ in range(8_000)]
+    entries = []
+    for call in range(6):
+        generation = [rng.randrange(150_000) for _ in range(300)]
+        entries.append(entry(call, list(prompt), generation))
+        prompt = prompt + generation
+    store = TokenCaptureStore(root)
+    for item in entries:
+        store.append(item)
+    assert (root / "r.tokens.jsonl").stat().st_size > 256 << 10  # the overlap threshold
+    return entries
+
+
+def test_a_large_log_freezes_exactly_with_a_torn_tail_cut(tmp_path: Path) -> None:
+    entries = large_rollout(tmp_path)
+    log = tmp_path / "r.tokens.jsonl"
+    good = log.read_bytes()
+    log.write_bytes(good + canonical_line(entries[0])[:5000])  # a torn, unacknowledged write
+    snapshot = TokenCaptureStore(tmp_path).freeze_now("r")
+    assert [canonical_line(e) for e in snapshot.entries] == [canonical_line(e) for e in entries]
+    assert log.read_bytes() == good
+
+
+def test_a_large_log_with_a_damaged_indexed_line_raises_and_stays_unfrozen(
+    tmp_path: Path,
+) -> None:
+    large_rollout(tmp_path)
+    log = tmp_path / "r.tokens.jsonl"
+    data = bytearray(log.read_bytes())
+    at = data.index(b'"prompt_token_ids":[') + len(b'"prompt_token_ids":[')
+    data[at] = ord("1") if data[at] != ord("1") else ord("2")  # still valid JSON, other bytes
+    log.write_bytes(bytes(data))
+    reader = TokenCaptureStore(tmp_path)
+    with pytest.raises(TokenCaptureCorruptionError, match="payload digest"):
+        reader.freeze_now("r")
+    state = (tmp_path / "r.tokens.state.json").read_bytes()
+    assert b'"frozen":false' in state
