@@ -17,23 +17,17 @@ from typing import Any
 import orjson
 import pytest
 from tests.reliability.common import (
-    REFERENCE_MISSING_REASON,
     StoreLike,
     listing,
     make_entry,
     open_store,
-    reference_available,
     sha256,
 )
+from tests.reliability.params import NEEDS_REFERENCE, STORES
 
 from tokencapture.protocols import TokenCaptureCorruptionError, TokenCaptureRetiredError
 from tokencapture.store import canonical_line
 
-NEEDS_REFERENCE = pytest.mark.skipif(not reference_available(), reason=REFERENCE_MISSING_REASON)
-STORES = [
-    pytest.param("rust", id="rust"),
-    pytest.param("reference", id="reference", marks=NEEDS_REFERENCE),
-]
 CALLS = ["c0", "c1", "c2"]
 
 

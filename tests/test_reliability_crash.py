@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.reliability.common import REFERENCE_MISSING_REASON, long_mode, reference_available
+from tests.reliability.common import long_mode
 from tests.reliability.crash_harness import (
     CrashCampaign,
     CrashCheckError,
@@ -23,15 +23,7 @@ from tests.reliability.crash_harness import (
     RolloutModel,
     parse_ack_log,
 )
-
-STORES = [
-    pytest.param("rust", id="rust"),
-    pytest.param(
-        "reference",
-        id="reference",
-        marks=pytest.mark.skipif(not reference_available(), reason=REFERENCE_MISSING_REASON),
-    ),
-]
+from tests.reliability.params import STORES
 
 QUICK_KILLS = 12
 LONG_KILLS = 210

@@ -30,23 +30,13 @@ from typing import Any
 
 import pytest
 from tests.reliability.common import (
-    REFERENCE_MISSING_REASON,
     REPO_ROOT,
     StoreLike,
     child_env,
     make_entry,
     open_store,
-    reference_available,
 )
-
-STORES = [
-    pytest.param("rust", id="rust"),
-    pytest.param(
-        "reference",
-        id="reference",
-        marks=pytest.mark.skipif(not reference_available(), reason=REFERENCE_MISSING_REASON),
-    ),
-]
+from tests.reliability.params import STORES
 
 SHIM_SOURCE = REPO_ROOT / "tests" / "reliability" / "faultfs.c"
 BIG = 3000  # prompt tokens: a line of about 20 KB, far past a small write budget

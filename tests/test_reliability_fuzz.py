@@ -29,26 +29,18 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from tests.reliability.common import (
-    REFERENCE_MISSING_REASON,
     listing,
     long_mode,
     make_entry,
     open_store,
     reference_available,
 )
+from tests.reliability.params import STORES
 
 from tokencapture.protocols import TokenCaptureCorruptionError
 from tokencapture.records import TokenEntry
 from tokencapture.store import canonical_line
 
-STORES = [
-    pytest.param("rust", id="rust"),
-    pytest.param(
-        "reference",
-        id="reference",
-        marks=pytest.mark.skipif(not reference_available(), reason=REFERENCE_MISSING_REASON),
-    ),
-]
 ACKED = [make_entry("r", f"c{i}") for i in range(3)]
 NEW = [make_entry("r", f"n{i}") for i in range(3)]
 CONFLICTING = make_entry("r", "c1", variant=1)

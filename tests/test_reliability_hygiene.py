@@ -18,23 +18,14 @@ from pathlib import Path
 
 import pytest
 from tests.reliability.common import (
-    REFERENCE_MISSING_REASON,
     REPO_ROOT,
     child_env,
     long_mode,
     make_entry,
     open_store,
-    reference_available,
 )
+from tests.reliability.params import STORES
 
-STORES = [
-    pytest.param("rust", id="rust"),
-    pytest.param(
-        "reference",
-        id="reference",
-        marks=pytest.mark.skipif(not reference_available(), reason=REFERENCE_MISSING_REASON),
-    ),
-]
 ROLLOUTS = 150  # more than the Rust store's default index cache (128 rollouts)
 
 
