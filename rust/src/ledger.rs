@@ -46,7 +46,6 @@
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::num::NonZeroUsize;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -61,7 +60,9 @@ use crate::lineage::{Missing, Request, REASON_AMBIGUOUS, REASON_NO_MATCH};
 use crate::lock::{LockMode, RolloutLock};
 use crate::log::{append_line, complete_lines, complete_prefix_len};
 use crate::state::is_hex_digest;
-use crate::store::{validate_rollout_id, validate_rollout_ids, Removal, RolloutPaths};
+use crate::store::{
+    rollout_cache, validate_rollout_id, validate_rollout_ids, Removal, RolloutPaths, RootDir,
+};
 
 /// The row and wire schema version.
 pub const LEDGER_SCHEMA_VERSION: u64 = 2;
@@ -660,34 +661,29 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The file-backed ledger over one directory; safe to share between threads and processes.
 #[derive(Debug)]
 pub struct Ledger {
-    root: PathBuf,
-    dir: File,
+    dir: RootDir,
     rollouts: Mutex<LruCache<String, Arc<Mutex<RolloutState>>>>,
 }
 
 impl Ledger {
     /// Open (creating if needed) the ledger directory.
     pub fn open(root: impl Into<PathBuf>, cached_rollouts: usize) -> crate::Result<Self> {
-        let root: PathBuf = root.into();
-        let dir = crate::store::open_root_dir(&root)?;
-        let capacity = NonZeroUsize::new(cached_rollouts.max(1)).unwrap_or(NonZeroUsize::MIN);
         Ok(Ledger {
-            root,
-            dir,
-            rollouts: Mutex::new(LruCache::new(capacity)),
+            dir: RootDir::open(root)?,
+            rollouts: rollout_cache(cached_rollouts),
         })
     }
 
     pub fn root(&self) -> &Path {
-        &self.root
+        self.dir.path()
     }
 
     pub fn paths(&self, rollout_id: &str) -> LedgerPaths {
-        LedgerPaths::new(&self.root, rollout_id)
+        LedgerPaths::new(self.dir.path(), rollout_id)
     }
 
     fn sync_dir(&self) -> crate::Result<()> {
-        self.dir.sync_all().ctx("fsync directory", &self.root)
+        self.dir.sync()
     }
 
     /// Drop every cached index (and the descriptors it holds).
@@ -1027,7 +1023,7 @@ impl Ledger {
             self.forget(&id);
             let mut had = remove_if_exists(&paths.log)?;
             had |= remove_if_exists(&paths.fence)?;
-            let tokens = RolloutPaths::new(&self.root, &id);
+            let tokens = RolloutPaths::new(self.dir.path(), &id);
             let mut token_files = false;
             for path in [
                 &tokens.log,

@@ -255,24 +255,51 @@ impl Cached {
 /// The durable, rollout-keyed store over one directory.
 #[derive(Debug)]
 pub struct Store {
-    root: PathBuf,
-    dir: File,
+    dir: RootDir,
     cache: Mutex<LruCache<String, Cached>>,
 }
 
 /// Open a store directory for fsync, creating it (and making its own name durable) if needed.
 /// Shared by the token store and the capture ledger.
-pub(crate) fn open_root_dir(root: &Path) -> Result<File> {
-    if !root.is_dir() {
-        std::fs::create_dir_all(root).ctx("create directory", root)?;
-        // Make the new directory's own entry durable, or a crash could lose every record.
-        if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
-            File::open(parent)
-                .and_then(|dir| dir.sync_all())
-                .ctx("fsync directory", parent)?;
+/// A store directory (the token store's or the ledger's): its path, and an open handle by
+/// which creations, renames and removals in it are made durable.
+#[derive(Debug)]
+pub(crate) struct RootDir {
+    path: PathBuf,
+    handle: File,
+}
+
+impl RootDir {
+    /// Open the directory, creating it (durably) if needed.
+    pub(crate) fn open(root: impl Into<PathBuf>) -> Result<Self> {
+        let path: PathBuf = root.into();
+        if !path.is_dir() {
+            std::fs::create_dir_all(&path).ctx("create directory", &path)?;
+            // Make the new directory's own entry durable, or a crash could lose every record.
+            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                File::open(parent)
+                    .and_then(|dir| dir.sync_all())
+                    .ctx("fsync directory", parent)?;
+            }
         }
+        let handle = File::open(&path).ctx("open directory", &path)?;
+        Ok(RootDir { path, handle })
     }
-    File::open(root).ctx("open directory", root)
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// fsync the directory.
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.handle.sync_all().ctx("fsync directory", &self.path)
+    }
+}
+
+/// A per-process cache of at most `entries` (at least one) rollouts' indexes.
+pub(crate) fn rollout_cache<V>(entries: usize) -> Mutex<LruCache<String, V>> {
+    let capacity = NonZeroUsize::new(entries.max(1)).unwrap_or(NonZeroUsize::MIN);
+    Mutex::new(LruCache::new(capacity))
 }
 
 fn file_id(path: &Path) -> Result<Option<FileId>> {
@@ -344,26 +371,22 @@ fn fold_line(state: &mut State, call_id: String, digest: String) -> Fold {
 impl Store {
     /// Open (creating if needed) the store directory.
     pub fn open(root: impl Into<PathBuf>, cached_rollouts: usize) -> Result<Self> {
-        let root: PathBuf = root.into();
-        let dir = open_root_dir(&root)?;
-        let capacity = NonZeroUsize::new(cached_rollouts.max(1)).unwrap_or(NonZeroUsize::MIN);
         Ok(Store {
-            root,
-            dir,
-            cache: Mutex::new(LruCache::new(capacity)),
+            dir: RootDir::open(root)?,
+            cache: rollout_cache(cached_rollouts),
         })
     }
 
     pub fn root(&self) -> &Path {
-        &self.root
+        self.dir.path()
     }
 
     pub fn paths(&self, rollout_id: &str) -> RolloutPaths {
-        RolloutPaths::new(&self.root, rollout_id)
+        RolloutPaths::new(self.dir.path(), rollout_id)
     }
 
     fn sync_dir(&self) -> Result<()> {
-        self.dir.sync_all().ctx("fsync directory", &self.root)
+        self.dir.sync()
     }
 
     fn cache(&self) -> MutexGuard<'_, LruCache<String, Cached>> {
