@@ -1,10 +1,12 @@
 """Type stubs for the native module `tokencapture._core` (Rust, PyO3)."""
 
+from collections.abc import Sequence
 from typing import Any, final
 
 __all__ = [
     "MAX_ROLLOUT_ID_LEN",
     "Completions",
+    "EntryFields",
     "FileLineage",
     "Ledger",
     "LineageJob",
@@ -13,7 +15,6 @@ __all__ = [
     "compute_digest",
     "continuation_hashes",
     "payload_digest",
-    "scan_json_values",
     "tokens_extend",
     "validate_rollout_id",
 ]
@@ -23,7 +24,21 @@ MAX_ROLLOUT_ID_LEN: int
 def compute_digest(token_ids_: Any) -> str: ...
 def payload_digest(line: bytes) -> str: ...
 def validate_rollout_id(rollout_id: str) -> None: ...
-def scan_json_values(values: dict[str, Any]) -> bool: ...
+
+@final
+class EntryFields:
+    def __new__(
+        cls,
+        *,
+        required: Sequence[str],
+        text: Sequence[str],
+        optional_text: Sequence[str],
+        ints: Sequence[str],
+        optional_ints: Sequence[str],
+        bools: Sequence[str],
+        statuses: Sequence[str],
+    ) -> EntryFields: ...
+    def check(self, values: dict[str, Any], deep: bool = False) -> bool: ...
 
 @final
 class Completions:

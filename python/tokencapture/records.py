@@ -91,6 +91,73 @@ class TokenEntry(BaseModel):
         return self
 
 
+# TokenEntry's scalar fields grouped by the JSON type they must hold.
+TEXT_FIELDS = (
+    "rollout_id",
+    "model_call_id",
+    "model",
+    "continuation_fingerprint",
+    "continuation_context_digest",
+    "parent_resolution_reason",
+)
+OPTIONAL_TEXT_FIELDS = ("response_id", "parent_call_id", "digest")
+INT_FIELDS = ("schema_version", "continuation_context_len")
+OPTIONAL_INT_FIELDS = ("token_item_index", "cum_len", "fingerprint_version")
+BOOL_FIELDS = ("prompt_is_delta", "prefix_requested", "prefix_supplied")
+STATUS_VALUES = frozenset(status.value for status in ParentResolutionStatus)
+
+
+REQUIRED_FIELDS = tuple(
+    name for name, field in TokenEntry.model_fields.items() if field.is_required()
+)
+
+
+def check_field_types(values: dict[str, Any]) -> None:
+    """Refuse field values that would not read back as a valid `TokenEntry` (`ValueError`).
+
+    Both directions apply these rules: `put` to an entry's current values (pydantic does not
+    validate assignment, and `model_construct` skips validation), readers to each decoded
+    record before building it without a second full validation. This is the pure-Python form
+    the reference store uses; the Rust-backed store runs the same rules natively
+    (`_core.EntryFields`, built from the field lists above). Token arrays' items are checked
+    where they are walked.
+    """
+    missing = [name for name in REQUIRED_FIELDS if name not in values]
+    if missing:
+        raise ValueError(f"missing field(s) {', '.join(missing)}")
+
+    def wrong(name: str, expected: str) -> ValueError:
+        return ValueError(f"{name} must be {expected}, got {type(values[name]).__name__}")
+
+    def present(names: tuple[str, ...]) -> list[str]:
+        return [name for name in names if name in values]
+
+    for name in present(TEXT_FIELDS):
+        if not isinstance(values[name], str):
+            raise wrong(name, "a str")
+    for name in present(OPTIONAL_TEXT_FIELDS):
+        if values[name] is not None and not isinstance(values[name], str):
+            raise wrong(name, "a str or None")
+    for name in present((*INT_FIELDS, *OPTIONAL_INT_FIELDS)):
+        value = values[name]
+        if value is None and name in OPTIONAL_INT_FIELDS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise wrong(name, "an int")
+    for name in present(BOOL_FIELDS):
+        if not isinstance(values[name], bool):
+            raise wrong(name, "a bool")
+    created_at = values.get("created_at", 0.0)
+    if not isinstance(created_at, int | float) or isinstance(created_at, bool):
+        raise wrong("created_at", "a float")
+    status = values.get("parent_resolution")
+    if status is not None and status not in STATUS_VALUES:
+        raise ValueError(f"parent_resolution {status!r} is not one of {sorted(STATUS_VALUES)}")
+    output_items = values.get("output_items", [])
+    if not isinstance(output_items, list) or not all(isinstance(i, dict) for i in output_items):
+        raise ValueError("output_items must be a list of dicts")
+
+
 def check_entry_invariants(entry: TokenEntry) -> None:
     """The cross-field rules of a `TokenEntry`, on its current values.
 

@@ -35,7 +35,17 @@ from tokencapture.protocols import (
     TokenCaptureFrozenError,
     TokenCaptureSnapshot,
 )
-from tokencapture.records import ParentResolutionStatus, TokenEntry, check_entry_invariants
+from tokencapture.records import (
+    BOOL_FIELDS,
+    INT_FIELDS,
+    OPTIONAL_INT_FIELDS,
+    OPTIONAL_TEXT_FIELDS,
+    REQUIRED_FIELDS,
+    TEXT_FIELDS,
+    ParentResolutionStatus,
+    TokenEntry,
+    check_entry_invariants,
+)
 
 __all__ = [
     "TokenCaptureStore",
@@ -162,76 +172,23 @@ def _as_token_entry(entry: object) -> TokenEntry:
     )
 
 
-_TEXT_FIELDS = (
-    "rollout_id",
-    "model_call_id",
-    "model",
-    "continuation_fingerprint",
-    "continuation_context_digest",
-    "parent_resolution_reason",
+# The type rules of TokenEntry's fields, checked natively (see `records.check_field_types`).
+_ENTRY_FIELDS = _core.EntryFields(
+    required=REQUIRED_FIELDS,
+    text=TEXT_FIELDS,
+    optional_text=OPTIONAL_TEXT_FIELDS,
+    ints=INT_FIELDS,
+    optional_ints=OPTIONAL_INT_FIELDS,
+    bools=BOOL_FIELDS,
+    statuses=[status.value for status in ParentResolutionStatus],
 )
-_OPTIONAL_TEXT_FIELDS = ("response_id", "parent_call_id", "digest")
-_INT_FIELDS = ("schema_version", "continuation_context_len")
-_OPTIONAL_INT_FIELDS = ("token_item_index", "cum_len", "fingerprint_version")
-_BOOL_FIELDS = ("prompt_is_delta", "prefix_requested", "prefix_supplied")
-_STATUSES = frozenset(status.value for status in ParentResolutionStatus)
-
-
-_REQUIRED_FIELDS = tuple(
-    name for name, field in TokenEntry.model_fields.items() if field.is_required()
-)
-
-
-def _check_values(values: dict[str, Any]) -> None:
-    """Refuse field values that would not read back as a valid `TokenEntry`.
-
-    Shared by both directions: `put` checks an entry's current values (pydantic does not
-    validate assignment, and `model_construct` skips validation) and freeze checks each
-    decoded record before constructing it without a second full validation. A few type tests
-    per field; the token arrays' items are checked natively where they are walked anyway
-    (`_core.scan_json_values` on the way in, the decoder on the way out).
-    """
-    missing = [name for name in _REQUIRED_FIELDS if name not in values]
-    if missing:
-        raise ValueError(f"missing field(s) {', '.join(missing)}")
-
-    def wrong(name: str, expected: str) -> ValueError:
-        return ValueError(f"{name} must be {expected}, got {type(values[name]).__name__}")
-
-    def present(names: tuple[str, ...]) -> list[str]:
-        return [name for name in names if name in values]
-
-    for name in present(_TEXT_FIELDS):
-        if not isinstance(values[name], str):
-            raise wrong(name, "a str")
-    for name in present(_OPTIONAL_TEXT_FIELDS):
-        if values[name] is not None and not isinstance(values[name], str):
-            raise wrong(name, "a str or None")
-    for name in present((*_INT_FIELDS, *_OPTIONAL_INT_FIELDS)):
-        value = values[name]
-        if value is None and name in _OPTIONAL_INT_FIELDS:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise wrong(name, "an int")
-    for name in present(_BOOL_FIELDS):
-        if not isinstance(values[name], bool):
-            raise wrong(name, "a bool")
-    created_at = values.get("created_at", 0.0)
-    if not isinstance(created_at, int | float) or isinstance(created_at, bool):
-        raise wrong("created_at", "a float")
-    status = values.get("parent_resolution")
-    if status is not None and status not in _STATUSES:
-        raise ValueError(f"parent_resolution {status!r} is not one of {sorted(_STATUSES)}")
-    output_items = values.get("output_items", [])
-    if not isinstance(output_items, list) or not all(isinstance(i, dict) for i in output_items):
-        raise ValueError("output_items must be a list of dicts")
 
 
 def _entry_from_record(record: dict[str, Any]) -> TokenEntry:
     """Build an entry from a decoded, digest-verified record without a second full validation
-    (the type checks of `_check_values` and the model's invariants still run; the decoder
-    already checked the token arrays)."""
-    _check_values(record)
+    (the field type checks and the model's invariants still run; the decoder already checked
+    the token arrays)."""
+    _ENTRY_FIELDS.check(record)
     status = record.get("parent_resolution")
     if status is not None:
         record["parent_resolution"] = ParentResolutionStatus(status)
@@ -254,11 +211,10 @@ def canonical_line(entry: TokenEntry) -> bytes:
     if status is not None:
         values["parent_resolution"] = str(status.value if hasattr(status, "value") else status)
     try:
-        _check_values(values)
-        # One native walk: non-finite floats, nesting, token-array item types. It also says
-        # whether every value is plain JSON, which orjson serializes exactly as pydantic's JSON
-        # mode would, without building a second copy of the token arrays.
-        plain = _core.scan_json_values(values)
+        # One native call: the field types, then a walk for non-finite floats, nesting and
+        # token-array item types. It also says whether every value is plain JSON, which orjson
+        # serializes exactly as pydantic's JSON mode would, without a second copy of the arrays.
+        plain = _ENTRY_FIELDS.check(values, deep=True)
         check_entry_invariants(entry)
     except ValueError as exc:
         raise ValueError(f"entry {values.get('model_call_id')!r} cannot be stored: {exc}") from exc

@@ -796,19 +796,170 @@ fn scan_value(value: &Bound<'_, PyAny>, depth: usize) -> Result<bool, ScanError>
     Ok(plain)
 }
 
-/// Check an entry's field values before serialization (see `scan_value`). The token arrays
-/// get a dedicated pass that also checks their item types: entries built with
-/// `model_construct`, or mutated after validation, reach `put` unchecked otherwise, and a bool
-/// (`true`) would not read back as the same bytes.
-#[pyfunction]
-fn scan_json_values(values: &Bound<'_, pyo3::types::PyDict>) -> PyResult<bool> {
+/// What a top-level field of an entry must hold.
+#[derive(Debug, Clone, Copy)]
+enum FieldKind {
+    Text,
+    OptionalText,
+    Int,
+    OptionalInt,
+    Bool,
+    /// `created_at`: an int or a float.
+    Timestamp,
+    /// `parent_resolution`: None or one of the status values.
+    Status,
+    /// `output_items`: a list of dicts.
+    Items,
+}
+
+impl FieldKind {
+    /// Whether `value` is acceptable (a status is checked against the values by the caller).
+    fn accepts(self, value: &Bound<'_, PyAny>) -> bool {
+        use pyo3::types::{PyBool, PyDict, PyFloat, PyInt};
+        let int = || value.is_instance_of::<PyInt>() && !value.is_instance_of::<PyBool>();
+        match self {
+            FieldKind::Text => value.is_instance_of::<PyString>(),
+            FieldKind::OptionalText => value.is_none() || value.is_instance_of::<PyString>(),
+            FieldKind::Int => int(),
+            FieldKind::OptionalInt => value.is_none() || int(),
+            FieldKind::Bool => value.is_instance_of::<PyBool>(),
+            FieldKind::Timestamp => int() || value.is_instance_of::<PyFloat>(),
+            FieldKind::Items => value
+                .cast::<PyList>()
+                .is_ok_and(|items| items.iter().all(|item| item.is_instance_of::<PyDict>())),
+            FieldKind::Status => true, // checked against the status values by the caller
+        }
+    }
+
+    fn expected(self) -> &'static str {
+        match self {
+            FieldKind::Text => "a str",
+            FieldKind::OptionalText => "a str or None",
+            FieldKind::Int | FieldKind::OptionalInt => "an int",
+            FieldKind::Bool => "a bool",
+            FieldKind::Timestamp => "a float",
+            FieldKind::Items | FieldKind::Status => "",
+        }
+    }
+}
+
+/// The type rules of `TokenEntry`'s fields, checked on an entry's values before it is stored
+/// and on every decoded record before it is built without a second pydantic validation. The
+/// field lists come from the Python model (`tokencapture.records`); the pure-Python reference
+/// store applies the same rules in Python.
+#[pyclass(frozen, name = "EntryFields", module = "tokencapture._core")]
+struct EntryFields {
+    required: Vec<String>,
+    /// In the order the checks run, so the first problem reported is the same every time.
+    fields: Vec<(String, FieldKind)>,
+    statuses: Vec<String>,
+    /// The status values as Python prints a sorted list of them, for error messages.
+    statuses_text: String,
+}
+
+#[pymethods]
+impl EntryFields {
+    #[new]
+    #[pyo3(signature = (*, required, text, optional_text, ints, optional_ints, bools, statuses))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        required: Vec<String>,
+        text: Vec<String>,
+        optional_text: Vec<String>,
+        ints: Vec<String>,
+        optional_ints: Vec<String>,
+        bools: Vec<String>,
+        mut statuses: Vec<String>,
+    ) -> PyResult<Self> {
+        let groups = [
+            (text, FieldKind::Text),
+            (optional_text, FieldKind::OptionalText),
+            (ints, FieldKind::Int),
+            (optional_ints, FieldKind::OptionalInt),
+            (bools, FieldKind::Bool),
+        ];
+        let mut fields: Vec<(String, FieldKind)> = groups
+            .into_iter()
+            .flat_map(|(names, kind)| names.into_iter().map(move |name| (name, kind)))
+            .collect();
+        fields.push(("created_at".to_owned(), FieldKind::Timestamp));
+        fields.push(("parent_resolution".to_owned(), FieldKind::Status));
+        fields.push(("output_items".to_owned(), FieldKind::Items));
+        statuses.sort();
+        let statuses_text = PyList::new(py, &statuses)?.repr()?.to_string();
+        Ok(EntryFields {
+            required,
+            fields,
+            statuses,
+            statuses_text,
+        })
+    }
+
+    /// Refuse field values that would not read back as a valid entry (`ValueError`). With
+    /// `deep`, also walk every value (non-finite floats, nesting, the token arrays' item types)
+    /// and return whether all of it is plain JSON, which orjson serializes exactly as
+    /// pydantic's JSON mode would.
+    #[pyo3(signature = (values, deep = false))]
+    fn check(&self, values: &Bound<'_, pyo3::types::PyDict>, deep: bool) -> PyResult<bool> {
+        let mut missing = Vec::new();
+        for name in &self.required {
+            if !values.contains(name)? {
+                missing.push(name.as_str());
+            }
+        }
+        if !missing.is_empty() {
+            return Err(PyValueError::new_err(format!(
+                "missing field(s) {}",
+                missing.join(", ")
+            )));
+        }
+        for (name, kind) in &self.fields {
+            let Some(value) = values.get_item(name)? else {
+                continue;
+            };
+            if let FieldKind::Status = kind {
+                let known = value.is_none()
+                    || value
+                        .cast::<PyString>()
+                        .ok()
+                        .and_then(|status| status.to_str().ok().map(str::to_owned))
+                        .is_some_and(|status| self.statuses.contains(&status));
+                if !known {
+                    return Err(PyValueError::new_err(format!(
+                        "parent_resolution {} is not one of {}",
+                        value.repr()?,
+                        self.statuses_text
+                    )));
+                }
+            } else if !kind.accepts(&value) {
+                return Err(PyValueError::new_err(match kind {
+                    FieldKind::Items => "output_items must be a list of dicts".to_owned(),
+                    _ => format!(
+                        "{name} must be {}, got {}",
+                        kind.expected(),
+                        type_name(&value)
+                    ),
+                }));
+            }
+        }
+        if deep {
+            return scan_entry_values(values);
+        }
+        Ok(true)
+    }
+}
+
+/// Walk an entry's values before serialization (see `scan_value`). The token arrays get a
+/// dedicated pass that also checks their item types: entries built with `model_construct`, or
+/// mutated after validation, reach `put` unchecked otherwise, and a bool (`true`) would not
+/// read back as the same bytes.
+fn scan_entry_values(values: &Bound<'_, pyo3::types::PyDict>) -> PyResult<bool> {
     let mut plain = true;
     for (key, value) in values.iter() {
-        let name = key
-            .cast::<PyString>()
-            .ok()
-            .and_then(|k| k.to_str().ok().map(str::to_owned));
-        let value_plain = match name.as_deref() {
+        let key_text = key.cast::<PyString>().ok();
+        let name = key_text.and_then(|k| k.to_str().ok());
+        let value_plain = match name {
             Some(field @ ("prompt_token_ids" | "generation_token_ids")) => {
                 scan_token_ids(&value, field)?
             }
@@ -1721,7 +1872,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(compute_digest, module)?)?;
     module.add_function(wrap_pyfunction!(payload_digest, module)?)?;
     module.add_function(wrap_pyfunction!(validate_rollout_id, module)?)?;
-    module.add_function(wrap_pyfunction!(scan_json_values, module)?)?;
+    module.add_class::<EntryFields>()?;
     module.add("MAX_ROLLOUT_ID_LEN", store::MAX_ROLLOUT_ID_LEN)?;
     lineage_py::register(module)?;
     ledger_py::register(module)?;

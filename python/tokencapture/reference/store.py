@@ -57,8 +57,8 @@ from tokencapture.protocols import (
     TokenCaptureRetiredError,
     TokenCaptureSnapshot,
 )
-from tokencapture.records import TokenEntry, check_entry_invariants
-from tokencapture.store import _as_token_entry, _check_values, _marker_line
+from tokencapture.records import TokenEntry, check_entry_invariants, check_field_types
+from tokencapture.store import _as_token_entry, _marker_line
 
 __all__ = ["TokenCaptureStore"]
 
@@ -142,7 +142,7 @@ def canonical_line(entry: TokenEntry) -> bytes:
     if status is not None:
         values["parent_resolution"] = str(getattr(status, "value", status))
     try:
-        _check_values(values)
+        check_field_types(values)
         for name in ("prompt_token_ids", "generation_token_ids"):
             _check_list_items(name, values[name], (int,), "an int")
         _check_list_items(

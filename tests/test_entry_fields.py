@@ -1,0 +1,92 @@
+"""The field type rules of `TokenEntry`, native (the store) and pure Python (the reference).
+
+`put` re-checks an entry's current values (pydantic does not validate assignment) and readers
+check every decoded record; both stores must refuse the same values with the same message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from tests.conftest import make_entry
+
+from tokencapture.protocols import TokenCaptureCorruptionError
+from tokencapture.records import ParentResolutionStatus, check_field_types
+from tokencapture.reference.store import canonical_line as reference_canonical_line
+from tokencapture.store import TokenCaptureStore, canonical_line
+
+# (field, a value of the wrong type, the message both stores give)
+WRONG_VALUES: list[tuple[str, Any, str]] = [
+    ("model", 5, "model must be a str, got int"),
+    ("model_call_id", b"c", "model_call_id must be a str, got bytes"),
+    ("response_id", 7, "response_id must be a str or None, got int"),
+    ("schema_version", True, "schema_version must be an int, got bool"),
+    ("schema_version", "1", "schema_version must be an int, got str"),
+    ("cum_len", 1.5, "cum_len must be an int, got float"),
+    ("prompt_is_delta", 1, "prompt_is_delta must be a bool, got int"),
+    ("created_at", "now", "created_at must be a float, got str"),
+    ("created_at", False, "created_at must be a float, got bool"),
+    ("parent_resolution", "maybe", "parent_resolution 'maybe' is not one of"),
+    ("output_items", [1], "output_items must be a list of dicts"),
+    ("output_items", {"a": 1}, "output_items must be a list of dicts"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), WRONG_VALUES)
+def test_put_refuses_a_mutated_field_in_both_stores_alike(
+    field: str, value: Any, message: str
+) -> None:
+    entry = make_entry("r", "c1")
+    entry.__dict__[field] = value  # as an assignment after validation would
+    errors = []
+    for serialize in (canonical_line, reference_canonical_line):
+        with pytest.raises(ValueError, match="cannot be stored") as raised:
+            serialize(entry)
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+    assert message in errors[0]
+
+
+def test_the_status_message_names_every_status() -> None:
+    values = make_entry("r", "c1").model_dump()
+    values["parent_resolution"] = "maybe"
+    with pytest.raises(ValueError) as raised:
+        check_field_types(values)
+    expected = sorted(status.value for status in ParentResolutionStatus)
+    assert str(raised.value) == f"parent_resolution 'maybe' is not one of {expected}"
+
+
+def test_a_missing_required_field_is_named() -> None:
+    entry = make_entry("r", "c1")
+    del entry.__dict__["prompt_token_ids"]
+    for serialize in (canonical_line, reference_canonical_line):
+        with pytest.raises(ValueError, match=r"missing field\(s\) prompt_token_ids"):
+            serialize(entry)
+
+
+# A stored line with a wrong-typed field (the call id must be a string to be a record at all).
+# The reference reads back through pydantic's lax mode, which coerces some of these ("1" into
+# 1, false into 0.0); the Rust-backed store holds stored lines to the rules put applies.
+STORED_WRONG_VALUES = [case for case in WRONG_VALUES if case[0] != "model_call_id"]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), STORED_WRONG_VALUES)
+def test_readers_refuse_a_stored_field_of_the_wrong_type(
+    field: str, value: Any, message: str, tmp_path: Path
+) -> None:
+    store = TokenCaptureStore(tmp_path)
+    store.append(make_entry("r", "c0"))
+    bad = make_entry("r", "c1")
+    bad.__dict__[field] = value
+    line = orjson.dumps(dict(bad.__dict__), option=orjson.OPT_SORT_KEYS, default=str)
+    with (tmp_path / "r.tokens.jsonl").open("ab") as log:
+        log.write(line + b"\n")
+    reader = TokenCaptureStore(tmp_path)
+    with pytest.raises(TokenCaptureCorruptionError, match="not a valid entry") as raised:
+        reader.read_entries("r")
+    assert message in str(raised.value)
+    with pytest.raises(TokenCaptureCorruptionError, match="not a valid entry"):
+        reader.freeze_now("r")
