@@ -190,6 +190,8 @@ def test_console_entry_point_and_demo() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "froze 2 entries" in result.stdout and "dropped=True" in result.stdout
+    # Two rollouts of two calls: each second call resolves to its first call's tokens.
+    assert "2 requests resolved to their parent call's exact tokens" in result.stdout
 
 
 # -- metrics ---------------------------------------------------------------------------------

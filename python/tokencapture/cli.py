@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokencapture.records import TokenEntry, compute_digest
+from tokencapture.lineage import FileLineageStore, stamp_continuation
+from tokencapture.records import TokenEntry, compute_digest, stamp_lineage
 from tokencapture.store import TokenCaptureStore, validate_rollout_id
 
 # Every file name the store writes: `<rollout>.tokens.<suffix>`.
@@ -308,34 +309,53 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 async def _demo(rollouts: int, calls: int) -> None:
+    """Put, resolve, freeze, drop and retire a few small agent rollouts in a temp directory."""
     with tempfile.TemporaryDirectory(prefix="tokencapture-demo-") as root:
         store = TokenCaptureStore(root)
+        resolver = FileLineageStore(root)
         print(f"demo store: {root}")
+        resolved = 0
 
         async def run_rollout(index: int) -> None:
+            nonlocal resolved
             rollout_id = f"demo-{index}"
+            request: list[dict[str, Any]] = [{"role": "user", "content": f"Task {index}."}]
             prompt = list(range(100 + index, 132 + index))
             for call in range(calls):
                 call_id = f"call-{call}"
+                # Request-time lineage: which earlier call does this request continue?
+                decision = await resolver.resolve(rollout_id, request)
+                if decision.match is not None:
+                    # The parent's exact prompt + generation: this prompt minus its new token.
+                    if list(decision.match.cumulative_token_ids) != prompt[:-1]:
+                        raise RuntimeError(f"{rollout_id}/{call_id}: lineage returned other tokens")
+                    resolved += 1
                 await store.begin_call(rollout_id, call_id)
                 generated = [1000 + call, 1001 + call]
-                await store.put(
-                    TokenEntry(
-                        rollout_id=rollout_id,
-                        model_call_id=call_id,
-                        model="demo-model",
-                        prompt_token_ids=prompt,
-                        generation_token_ids=generated,
-                        generation_log_probs=[-0.25, -0.5],
-                        created_at=time.time(),
-                    )
+                answer = [{"role": "assistant", "content": f"Answer {call} to task {index}."}]
+                entry = TokenEntry(
+                    rollout_id=rollout_id,
+                    model_call_id=call_id,
+                    model="demo-model",
+                    prompt_token_ids=prompt,
+                    generation_token_ids=generated,
+                    generation_log_probs=[-0.25, -0.5],
+                    output_items=answer,
+                    created_at=time.time(),
                 )
+                parent = decision.match.model_call_id if decision.match else None
+                stamp_lineage(entry, parent, parent_resolution=decision.status)
+                await store.put(stamp_continuation(entry, request))
+                request = [*request, *answer, {"role": "user", "content": "Go on."}]
                 prompt = [*prompt, *generated, 7]
 
         started = time.perf_counter()
         await asyncio.gather(*(run_rollout(i) for i in range(rollouts)))
         elapsed = time.perf_counter() - started
-        print(f"put {rollouts * calls} entries durably (fsync each) in {elapsed * 1000:.1f} ms")
+        print(
+            f"put {rollouts * calls} entries durably (fsync each) in {elapsed * 1000:.1f} ms; "
+            f"{resolved} requests resolved to their parent call's exact tokens"
+        )
         for index in range(rollouts):
             rollout_id = f"demo-{index}"
             snapshot = await store.freeze(rollout_id)
@@ -350,6 +370,7 @@ async def _demo(rollouts: int, calls: int) -> None:
             )
         removal = await store.retire([f"demo-{i}" for i in range(rollouts)])
         print(f"retired {len(removal['absent'])} dropped rollouts again: a no-op, fences kept")
+        await resolver.close()
         await store.close()
 
 
@@ -374,7 +395,9 @@ def _parser() -> argparse.ArgumentParser:
         return sub
 
     demo = command(
-        "demo", cmd_demo, "put, freeze, drop and retire a few rollouts in a temporary directory"
+        "demo",
+        cmd_demo,
+        "put, resolve, freeze, drop and retire a few rollouts in a temporary directory",
     )
     demo.add_argument("--rollouts", type=int, default=4)
     demo.add_argument("--calls", type=int, default=3)
