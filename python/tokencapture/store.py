@@ -41,6 +41,7 @@ from tokencapture.records import (
     OPTIONAL_INT_FIELDS,
     OPTIONAL_TEXT_FIELDS,
     REQUIRED_FIELDS,
+    STATUS_VALUES,
     TEXT_FIELDS,
     ParentResolutionStatus,
     TokenEntry,
@@ -180,7 +181,7 @@ _ENTRY_FIELDS = _core.EntryFields(
     ints=INT_FIELDS,
     optional_ints=OPTIONAL_INT_FIELDS,
     bools=BOOL_FIELDS,
-    statuses=[status.value for status in ParentResolutionStatus],
+    statuses=sorted(STATUS_VALUES),
 )
 
 

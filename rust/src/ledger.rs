@@ -999,11 +999,8 @@ impl Ledger {
             let paths = self.paths(&id);
             let _guard = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
             self.forget(&id);
-            if remove_if_exists(&paths.log)? {
-                removal.removed.push(id);
-            } else {
-                removal.absent.push(id);
-            }
+            let had = remove_if_exists(&paths.log)?;
+            removal.note(id, had);
         }
         self.sync_dir()?;
         Ok(removal)
@@ -1039,11 +1036,7 @@ impl Ledger {
                 remove_if_exists(&paths.lock)?;
             }
             drop(guard);
-            if had {
-                removal.removed.push(id);
-            } else {
-                removal.absent.push(id);
-            }
+            removal.note(id, had);
         }
         // Always, even when nothing was found: an overlapping delete may not have synced yet.
         self.sync_dir()?;

@@ -923,8 +923,8 @@ impl EntryFields {
                     || value
                         .cast::<PyString>()
                         .ok()
-                        .and_then(|status| status.to_str().ok().map(str::to_owned))
-                        .is_some_and(|status| self.statuses.contains(&status));
+                        .and_then(|status| status.to_str().ok())
+                        .is_some_and(|status| self.statuses.iter().any(|known| known == status));
                 if !known {
                     return Err(PyValueError::new_err(format!(
                         "parent_resolution {} is not one of {}",

@@ -196,6 +196,17 @@ pub struct Removal {
     pub absent: Vec<String>,
 }
 
+impl Removal {
+    /// List `id` under `removed` if it had records, else under `absent`.
+    pub(crate) fn note(&mut self, id: String, had: bool) {
+        if had {
+            self.removed.push(id);
+        } else {
+            self.absent.push(id);
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct FileId {
     dev: u64,
@@ -809,11 +820,8 @@ impl Store {
             let paths = self.paths(&id);
             let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
             self.forget(&id);
-            if self.remove_records(&paths)? {
-                removal.removed.push(id);
-            } else {
-                removal.absent.push(id);
-            }
+            let had = self.remove_records(&paths)?;
+            removal.note(id, had);
         }
         self.sync_dir()?;
         Ok(removal)
@@ -835,11 +843,7 @@ impl Store {
             // Unlink the lock while holding it; a waiter on the old inode notices and retries.
             remove_if_exists(&paths.lock)?;
             drop(lock);
-            if had {
-                removal.removed.push(id);
-            } else {
-                removal.absent.push(id);
-            }
+            removal.note(id, had);
         }
         // Always, even when nothing was found: an overlapping delete may not have synced yet.
         self.sync_dir()?;
