@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.conftest import GOLDEN
 
 from tokencapture.fingerprint import (
     FINGERPRINT_VERSION,
@@ -21,7 +21,6 @@ from tokencapture.fingerprint import (
     conversation_digest,
 )
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 FINGERPRINTS: dict[str, Any] = json.loads((GOLDEN / "fingerprints.json").read_text("utf-8"))
 
 FP_DOMAIN = b"nemo-gym-lineage"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.conftest import GOLDEN
+from tests.conftest import GOLDEN, SHARED_GOLDEN, VENDORED_GOLDEN
 
 from tokencapture import _core
 from tokencapture.records import TokenEntry, compute_digest
@@ -17,6 +17,18 @@ from tokencapture.store import TokenCaptureStore, canonical_line
 TOKEN_VECTORS = json.loads((GOLDEN / "token_digests.json").read_text())
 ENTRY_VECTORS = json.loads((GOLDEN / "entries.json").read_text())["vectors"]
 STORE_EXPECTED = json.loads((GOLDEN / "store-0.7.0.expected.json").read_text())
+
+
+@pytest.mark.skipif(not SHARED_GOLDEN.is_dir(), reason="no shared/golden next to the checkout")
+def test_the_vendored_vectors_are_the_shared_ones() -> None:
+    def files(root: Path) -> dict[str, bytes]:
+        return {
+            path.relative_to(root).as_posix(): path.read_bytes()
+            for path in sorted(root.rglob("*"))
+            if path.is_file()
+        }
+
+    assert files(VENDORED_GOLDEN) == files(SHARED_GOLDEN)
 
 
 @pytest.mark.parametrize(

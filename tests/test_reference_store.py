@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 import pytest
+from tests.conftest import GOLDEN
 
 import tokencapture.reference.store as reference_module
 from tokencapture.protocols import (
@@ -23,8 +24,6 @@ from tokencapture.records import TokenEntry
 from tokencapture.reference import TokenCaptureStore
 from tokencapture.store import TokenCaptureStore as RustStore
 from tokencapture.store import canonical_line
-
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 
 
 def make_entry(rollout_id: str, call_id: str, **fields: Any) -> TokenEntry:
