@@ -24,6 +24,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.conftest import GOLDEN
 
 from tokencapture import _core
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
@@ -48,7 +49,6 @@ from tokencapture.reference.lineage import FileLineageStore as ReferenceLineageS
 from tokencapture.reference.lineage import token_digest as reference_token_digest
 from tokencapture.store import TokenCaptureStore
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 ROOT = ParentResolutionStatus.ROOT
 RESOLVED = ParentResolutionStatus.RESOLVED
 UNRESOLVED = ParentResolutionStatus.UNRESOLVED
