@@ -6,6 +6,7 @@ check every decoded record; both stores must refuse the same values with the sam
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,55 @@ def test_put_refuses_a_mutated_field_in_both_stores_alike(
         errors.append(str(raised.value))
     assert errors[0] == errors[1]
     assert message in errors[0]
+
+
+class _Int(int):
+    pass
+
+
+class _Float(float):
+    pass
+
+
+# (token array, index, a wrong item, the message both stores give)
+WRONG_ITEMS: list[tuple[str, int, Any, str]] = [
+    ("prompt_token_ids", 0, True, "prompt_token_ids.0 must be an int, got bool"),
+    ("prompt_token_ids", 3, "7", "prompt_token_ids.3 must be an int, got str"),
+    ("generation_token_ids", 1, 2.0, "generation_token_ids.1 must be an int, got float"),
+    ("generation_token_ids", 0, None, "generation_token_ids.0 must be an int, got NoneType"),
+    ("generation_log_probs", 1, False, "generation_log_probs.1 must be a float, got bool"),
+    ("generation_log_probs", 0, "-0.5", "generation_log_probs.0 must be a float, got str"),
+    ("generation_log_probs", 1, float("inf"), "generation_log_probs.1 is inf"),
+    ("generation_log_probs", 0, _Float("nan"), "generation_log_probs.0 is nan"),
+    ("generation_log_probs", 1, -math.inf, "generation_log_probs.1 is -inf"),
+]
+
+
+@pytest.mark.parametrize(("field", "index", "item", "message"), WRONG_ITEMS)
+def test_put_refuses_a_mutated_token_array_item_in_both_stores_alike(
+    field: str, index: int, item: Any, message: str
+) -> None:
+    entry = make_entry("r", "c1", prompt_token_ids=[11, 12, 13, 14], generation_token_ids=[21, 22])
+    getattr(entry, field)[index] = item  # lists stay mutable after validation
+    errors = []
+    for serialize in (canonical_line, reference_canonical_line):
+        with pytest.raises(ValueError, match="cannot be stored") as raised:
+            serialize(entry)
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+    assert message in errors[0]
+
+
+def test_number_subclasses_and_ints_in_log_probs_are_stored_as_plain_numbers() -> None:
+    entry = make_entry("r", "c1", prompt_token_ids=[11, 12, 13], generation_token_ids=[21, 22])
+    entry.prompt_token_ids[1] = _Int(12)
+    entry.generation_log_probs[0] = _Float(-0.25)
+    entry.generation_log_probs[1] = -1
+    line = canonical_line(entry)
+    assert line == reference_canonical_line(entry)
+    stored = orjson.loads(line)
+    assert stored["prompt_token_ids"] == [11, 12, 13]
+    assert stored["generation_log_probs"] == [-0.25, -1]
 
 
 def test_the_status_message_names_every_status() -> None:

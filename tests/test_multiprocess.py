@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import warnings
 from pathlib import Path
 
 from tests.conftest import make_entry
@@ -11,6 +13,7 @@ from tokencapture.store import TokenCaptureStore, canonical_line
 
 WRITERS = 4
 PUTS = 40
+FORKED_PUTS = 150
 
 
 def writer(root: str, index: int) -> list[tuple[str, str]]:
@@ -56,3 +59,34 @@ def test_concurrent_processes_lose_and_duplicate_nothing(tmp_path: Path) -> None
         for entry in snapshot.entries:
             assert canonical_line(entry) in lines
     assert len(expected["shared"]) == WRITERS * (PUTS + PUTS // 10)
+
+
+def test_a_forked_child_and_its_parent_share_a_store_object_safely(tmp_path: Path) -> None:
+    """The store keeps each rollout's lock file open between writes. A forked child inherits
+    those descriptors, which share their lock with the parent's copies, so the child must open
+    its own: both processes then write one rollout through one inherited store object."""
+    store = TokenCaptureStore(tmp_path)
+    store.append(make_entry("r", call="before-fork"))  # leaves the lock descriptor open
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with live threads (3.12+)
+        child = os.fork()
+    if child == 0:
+        status = 1
+        try:
+            for n in range(FORKED_PUTS):
+                store.append(make_entry("r", call=f"child-{n}", prompt_token_ids=[n] * 600))
+            status = 0
+        finally:
+            os._exit(status)
+    for n in range(FORKED_PUTS):
+        store.append(make_entry("r", call=f"parent-{n}", prompt_token_ids=[n] * 600))
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    snapshot = TokenCaptureStore(tmp_path).freeze_now("r")
+    stored = sorted(e.model_call_id for e in snapshot.entries)
+    expected = ["before-fork"] + [
+        f"{who}-{n}" for who in ("child", "parent") for n in range(FORKED_PUTS)
+    ]
+    assert stored == sorted(expected)
+    assert snapshot.version == len(expected) + 1
+    assert not snapshot.incomplete

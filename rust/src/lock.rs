@@ -7,6 +7,11 @@
 //! `delete` unlinks the lock file while holding it. A waiter that opened the old inode would
 //! then hold a lock nobody else can see, so after locking we check that the path still names
 //! the inode we locked and start over if it does not (lock, then verify).
+//!
+//! The store keeps a rollout's lock file open between its writes ([`RolloutLock::unlock`],
+//! [`RolloutLock::relock`]): opening it by name was the costliest step of a put after the
+//! fsync. A kept descriptor is only ever used by one thread at a time (it travels with the
+//! rollout's cached index, which a thread takes out of the cache while it works).
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
@@ -22,10 +27,27 @@ pub enum LockMode {
     Exclusive,
 }
 
+/// The identity of a file (device and inode): whether a path still names an open file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FileId {
+    dev: u64,
+    ino: u64,
+}
+
+impl FileId {
+    pub(crate) fn of(meta: &std::fs::Metadata) -> Self {
+        FileId {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        }
+    }
+}
+
 /// A held lock; dropping it closes the descriptor, which releases the lock.
 #[derive(Debug)]
 pub struct RolloutLock {
-    _file: File,
+    file: File,
+    id: FileId,
 }
 
 impl RolloutLock {
@@ -59,10 +81,10 @@ impl RolloutLock {
                 Err(err) => return Err(err).ctx("open lock", path),
             };
             lock_retrying_eintr(&file, mode).ctx("lock", path)?;
-            let held = file.metadata().ctx("stat lock", path)?;
+            let id = FileId::of(&file.metadata().ctx("stat lock", path)?);
             match std::fs::metadata(path) {
-                Ok(now) if now.dev() == held.dev() && now.ino() == held.ino() => {
-                    return Ok(Some(RolloutLock { _file: file }));
+                Ok(now) if FileId::of(&now) == id => {
+                    return Ok(Some(RolloutLock { file, id }));
                 }
                 // Unlinked or replaced while we waited: the lock we hold guards nothing.
                 Ok(_) => continue,
@@ -75,6 +97,38 @@ impl RolloutLock {
                 Err(err) => return Err(err).ctx("stat lock", path),
             }
         }
+    }
+
+    /// Lock `file` again: the descriptor of an earlier lock on `path` (identity `id`) that
+    /// this process kept open after [`RolloutLock::unlock`]. `Ok(None)` (and the descriptor
+    /// closed) when `path` no longer names that file: the caller acquires afresh.
+    pub(crate) fn relock(
+        file: File,
+        id: FileId,
+        path: &Path,
+        mode: LockMode,
+    ) -> Result<Option<Self>> {
+        lock_retrying_eintr(&file, mode).ctx("lock", path)?;
+        match std::fs::metadata(path) {
+            Ok(now) if FileId::of(&now) == id => Ok(Some(RolloutLock { file, id })),
+            Ok(_) => Ok(None),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(err) => Err(err).ctx("stat lock", path),
+        }
+    }
+
+    /// Release the lock and keep the descriptor (with its identity) for [`RolloutLock::relock`].
+    /// `None` if unlocking failed; the descriptor is then closed, which releases the lock.
+    pub(crate) fn unlock(self) -> Option<(File, FileId)> {
+        self.file.unlock().ok()?;
+        Some((self.file, self.id))
+    }
+
+    /// The locked descriptor (tests check which one an acquisition used).
+    #[cfg(test)]
+    pub(crate) fn file_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.file.as_raw_fd()
     }
 
     /// Try to lock without waiting; `Ok(None)` when another holder has it (used by tests and
@@ -92,7 +146,10 @@ impl RolloutLock {
             LockMode::Exclusive => file.try_lock(),
         };
         match attempt {
-            Ok(()) => Ok(Some(RolloutLock { _file: file })),
+            Ok(()) => {
+                let id = FileId::of(&file.metadata().ctx("stat lock", path)?);
+                Ok(Some(RolloutLock { file, id }))
+            }
             Err(TryLockError::WouldBlock) => Ok(None),
             Err(TryLockError::Error(err)) => Err(err).ctx("lock", path),
         }

@@ -24,7 +24,6 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::num::NonZeroUsize;
 use std::ops::Range;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
@@ -33,7 +32,7 @@ use lru::LruCache;
 use crate::digest::payload_digest;
 use crate::error::{Error, IoContext, Result};
 use crate::json::{extract_call_id, LineError, Repeats};
-use crate::lock::{LockMode, RolloutLock};
+use crate::lock::{FileId, LockMode, RolloutLock};
 use crate::log::{append_line, complete_lines, complete_prefix_len, read_at};
 use crate::state::{self, State};
 
@@ -207,21 +206,6 @@ impl Removal {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct FileId {
-    dev: u64,
-    ino: u64,
-}
-
-impl FileId {
-    fn of(meta: &std::fs::Metadata) -> Self {
-        FileId {
-            dev: meta.dev(),
-            ino: meta.ino(),
-        }
-    }
-}
-
 /// An open handle and the identity it pins.
 #[derive(Debug)]
 struct Pinned {
@@ -236,9 +220,21 @@ impl Pinned {
     }
 }
 
+/// A rollout's lock file, unlocked but kept open for its next write (see `lock.rs`).
+#[derive(Debug)]
+struct KeptLock {
+    file: File,
+    id: FileId,
+    /// The process that opened it. A forked child shares the descriptor's open file
+    /// description with its parent, so its flock would not exclude the parent: the child
+    /// never locks an inherited descriptor.
+    pid: u32,
+}
+
 /// One rollout's folded index as this process last saw it.
 #[derive(Debug, Default)]
 struct Cached {
+    lock: Option<KeptLock>,
     log: Option<Pinned>,
     state_file: Option<Pinned>,
     /// The folded state; `state.indexed_size` is how much of the log it covers.
@@ -412,10 +408,10 @@ impl Store {
         self.cache().pop(rollout_id);
     }
 
-    /// Take the rollout's cached index if both of its files are still the ones it pins,
-    /// otherwise load it from disk. Call only under the rollout's exclusive lock.
-    fn checkout(&self, rollout_id: &str, paths: &RolloutPaths) -> Result<Cached> {
-        let cached = self.cache().pop(rollout_id);
+    /// The rollout's cached index (taken out of the cache by the caller) if both of its files
+    /// are still the ones it pins, otherwise the index loaded from disk. Call only under the
+    /// rollout's exclusive lock.
+    fn checkout(&self, cached: Option<Cached>, paths: &RolloutPaths) -> Result<Cached> {
         if let Some(cached) = cached {
             let state_now = file_id(&paths.state)?;
             let log_now = file_id(&paths.log)?;
@@ -438,6 +434,7 @@ impl Store {
             None => None,
         };
         Ok(Cached {
+            lock: None,
             log,
             state_file,
             disk_indexed_size: state.indexed_size,
@@ -456,13 +453,37 @@ impl Store {
         op: impl FnOnce(&mut Cached, &RolloutPaths) -> Result<T>,
     ) -> Result<T> {
         let paths = self.paths(rollout_id);
-        let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
-        let mut cached = self.checkout(rollout_id, &paths)?;
+        // Taken out of the cache before locking: from here on no other thread can use its
+        // kept lock descriptor, so the flock below excludes this process's threads too.
+        let mut taken = self.cache().pop(rollout_id);
+        let kept = taken.as_mut().and_then(|cached| cached.lock.take());
+        let lock = self.lock_exclusive(kept, &paths)?;
+        let mut cached = self.checkout(taken, &paths)?;
         let result = op(&mut cached, &paths);
-        if !matches!(result, Err(Error::Io { .. } | Error::Corrupt { .. })) {
-            self.cache().put(rollout_id.to_owned(), cached);
+        if matches!(result, Err(Error::Io { .. } | Error::Corrupt { .. })) {
+            return result; // dropping the lock closes its descriptor
         }
+        // Unlocked before the index returns to the cache, where another thread may take it.
+        cached.lock = lock.unlock().map(|(file, id)| KeptLock {
+            file,
+            id,
+            pid: std::process::id(),
+        });
+        self.cache().put(rollout_id.to_owned(), cached);
         result
+    }
+
+    /// Lock the rollout exclusively, through its kept lock descriptor when this process
+    /// opened one and the path still names that file.
+    fn lock_exclusive(&self, kept: Option<KeptLock>, paths: &RolloutPaths) -> Result<RolloutLock> {
+        if let Some(kept) = kept.filter(|kept| kept.pid == std::process::id()) {
+            let relocked =
+                RolloutLock::relock(kept.file, kept.id, &paths.lock, LockMode::Exclusive)?;
+            if let Some(lock) = relocked {
+                return Ok(lock);
+            }
+        }
+        RolloutLock::acquire(&paths.lock, LockMode::Exclusive)
     }
 
     /// Lock a rollout only if it has any file; `None` (and nothing created) otherwise.
@@ -759,7 +780,8 @@ impl Store {
         let Some(_lock) = self.lock_existing(&paths, LockMode::Exclusive)? else {
             return Ok(false);
         };
-        let mut cached = self.checkout(rollout_id, &paths)?;
+        let taken = self.cache().pop(rollout_id);
+        let mut cached = self.checkout(taken, &paths)?;
         self.fold_tail(&mut cached, &paths)?;
         let state = &cached.state;
         if !(state.frozen && state.snapshot_id == snapshot_id && state.version == version) {
@@ -800,7 +822,8 @@ impl Store {
             // The fence keeps the version and flags readers saw: the tail folded in, up to a
             // corrupt line if there is one (the records are about to go). A corrupt state gives
             // a bare fence: retiring is how a damaged rollout gets cleaned up.
-            let state = match self.checkout(id, &paths) {
+            let taken = self.cache().pop(id.as_str());
+            let state = match self.checkout(taken, &paths) {
                 Ok(mut cached) => {
                     let _partial = self.fold_tail(&mut cached, &paths);
                     cached.state
@@ -1063,4 +1086,82 @@ fn has_dangling_intent(path: &Path, state: &State) -> Result<bool> {
         std::str::from_utf8(line).map_or(true, |id| !state.entry_digests.contains_key(id))
     });
     Ok(dangling)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    #[test]
+    fn a_lock_descriptor_inherited_from_another_process_is_never_locked() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        let paths = store.paths("r");
+        let (file, id) = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)
+            .unwrap()
+            .unlock()
+            .unwrap();
+        // After a fork, parent and child share the descriptor's open file description: the
+        // parent locking it through its copy must still exclude the child.
+        let parent = file.try_clone().unwrap();
+        parent.lock().unwrap();
+        let kept = KeptLock {
+            file,
+            id,
+            pid: std::process::id().wrapping_add(1),
+        };
+        let (locked, waiting) = mpsc::channel();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let lock = store.lock_exclusive(Some(kept), &paths).unwrap();
+                locked.send(()).unwrap();
+                drop(lock);
+            });
+            assert!(
+                waiting.recv_timeout(Duration::from_millis(300)).is_err(),
+                "the child locked the description its parent holds"
+            );
+            parent.unlock().unwrap();
+            waiting.recv_timeout(Duration::from_secs(10)).unwrap();
+        });
+    }
+
+    #[test]
+    fn a_kept_lock_is_reused_until_its_file_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        let paths = store.paths("r");
+        let kept = |lock: RolloutLock| {
+            let (file, id) = lock.unlock().unwrap();
+            let pid = std::process::id();
+            (KeptLock { file, id, pid }, id)
+        };
+        let (first, first_id) =
+            kept(RolloutLock::acquire(&paths.lock, LockMode::Exclusive).unwrap());
+        let first_fd = first.file.as_raw_fd();
+        let again = store.lock_exclusive(Some(first), &paths).unwrap();
+        assert_eq!(
+            again.file_fd(),
+            first_fd,
+            "the kept descriptor was not reused"
+        );
+        let (second, _) = kept(again);
+        // Holds the old inode, so the new lock file cannot reuse its number.
+        let _old = second.file.try_clone().unwrap();
+        // `delete` unlinks the lock file: the kept descriptor then guards nothing.
+        std::fs::remove_file(&paths.lock).unwrap();
+        let fresh = store.lock_exclusive(Some(second), &paths).unwrap();
+        let (_, fresh_id) = kept(fresh);
+        assert_eq!(
+            fresh_id,
+            FileId::of(&std::fs::metadata(&paths.lock).unwrap())
+        );
+        assert_ne!(fresh_id, first_id);
+        assert!(RolloutLock::try_acquire(&paths.lock, LockMode::Exclusive)
+            .unwrap()
+            .is_some());
+    }
 }
