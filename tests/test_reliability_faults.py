@@ -40,6 +40,9 @@ from tests.reliability.params import STORES
 
 SHIM_SOURCE = REPO_ROOT / "tests" / "reliability" / "faultfs.c"
 BIG = 3000  # prompt tokens: a line of about 20 KB, far past a small write budget
+# Prompt tokens for a line of about 140 KB: past the 64 KiB a log reserves ahead of its end, so
+# a full disk fails it midway through its write.
+HUGE = 20_000
 
 
 @pytest.fixture(scope="module")
@@ -435,15 +438,33 @@ def tiny_tmpfs(tmp_path: Path) -> Any:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def fill(directory: Path) -> Path:
+def fill(directory: Path, name: str = "filler.bin") -> Path:
     """Write a filler file until the filesystem is full."""
-    filler = directory / "filler.bin"
+    filler = directory / name
     chunk = b"\0" * 4096
     with filler.open("wb", buffering=0) as out, pytest.raises(OSError) as full:
         while True:
             out.write(chunk)
     assert full.value.errno == errno.ENOSPC
     return filler
+
+
+def test_space_reserved_before_the_disk_filled_takes_puts(tiny_tmpfs: Path) -> None:
+    """A log reserves blocks past its end (fallocate, size unchanged), so a put that fits in
+    them succeeds durably after the disk fills; one that does not fails whole."""
+    root = tiny_tmpfs / "store"
+    store = open_store("rust", root)
+    store.append(make_entry("r", "c1", tokens=5))
+    filler = fill(tiny_tmpfs)
+    store.append(make_entry("r", "c2", tokens=BIG))  # ~20 KB, inside the reservation
+    with pytest.raises(OSError) as caught:
+        store.append(make_entry("r", "c3", tokens=HUGE))
+    assert caught.value.errno == errno.ENOSPC
+    filler.unlink()
+    snapshot = open_store("rust", root).freeze_now("r")
+    assert [e.model_call_id for e in snapshot.entries] == ["c1", "c2"]
+    assert not snapshot.incomplete
+    assert_files_sane(root)
 
 
 @pytest.mark.parametrize("kind", STORES)
@@ -453,17 +474,20 @@ def test_a_real_full_tmpfs(kind: str, tiny_tmpfs: Path) -> None:
     store.append(make_entry("r", "c1", tokens=5))
     filler = fill(tiny_tmpfs)
     with pytest.raises(OSError) as caught:
-        store.append(make_entry("r", "c2", tokens=BIG))
+        store.append(make_entry("r", "c2", tokens=HUGE))
     assert caught.value.errno == errno.ENOSPC
     log = store.path_for("r").read_bytes()
     assert log.endswith(b"\n") and log.count(b"\n") == 1, "a partial line was left behind"
     assert [e.model_call_id for e in store.read_entries("r")] == ["c1"]
+    # The failed put's truncation gave back what it had written (and any reserved space).
+    refill = fill(tiny_tmpfs, "refill.bin")
     with pytest.raises(OSError) as caught_new:
         store.append(make_entry("new", "n1", tokens=BIG))
     assert caught_new.value.errno == errno.ENOSPC
     assert store.read_entries("new") == []
     # Space returns: everything works again, and nothing acknowledged was lost.
     filler.unlink()
+    refill.unlink()
     store._mark_incomplete("r", "c2")
     store.append(make_entry("r", "c2", tokens=BIG))
     store.append(make_entry("new", "n1", tokens=5))

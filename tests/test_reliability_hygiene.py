@@ -102,12 +102,13 @@ def test_reads_and_removals_of_absent_rollouts_create_nothing(kind: str, fast_di
 
 
 def test_the_index_cache_bounds_open_descriptors(fast_dir: Path) -> None:
-    """The Rust store pins at most two descriptors per cached rollout (128 by default)."""
+    """The Rust store keeps at most three descriptors per cached rollout (128 by default): the
+    log and the state file it pins, and the lock file it reuses."""
     store = open_store("rust", fast_dir / "store")
     before = open_fds()
     for i in range(400):
         store.append(make_entry(f"fd{i}", "a"))
-    assert open_fds() - before <= 2 * 128 + 4
+    assert open_fds() - before <= 3 * 128 + 4
     store.delete_now([f"fd{i}" for i in range(400)])
     assert open_fds() <= before + 2
 
@@ -150,5 +151,5 @@ def test_memory_soak_quick(kind: str) -> None:
     warm, last = points[1], points[-1]
     assert last["puts"] == puts
     assert last["rss_kib"] - warm["rss_kib"] < 16 * 1024, points
-    assert max(p["open_fds"] for p in points) < 2 * 128 + 64, points
+    assert max(p["open_fds"] for p in points) < 3 * 128 + 64, points
     assert max(p["files_in_dir"] for p in points) <= 200 * 4, points

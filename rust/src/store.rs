@@ -33,7 +33,7 @@ use crate::digest::payload_digest;
 use crate::error::{Error, IoContext, Result};
 use crate::json::{extract_call_id, LineError, Repeats};
 use crate::lock::{FileId, LockMode, RolloutLock};
-use crate::log::{append_line, complete_lines, complete_prefix_len, read_at};
+use crate::log::{append_line, complete_lines, complete_prefix_len, read_at, reserve_past};
 use crate::state::{self, State};
 
 /// Longest accepted rollout id: the longest file name we derive from it must fit in 255 bytes.
@@ -42,7 +42,8 @@ pub const MAX_ROLLOUT_ID_LEN: usize = 200;
 pub const CHECKPOINT_ENTRIES: usize = 64;
 /// Unindexed log bytes after which a put checkpoints the state index.
 pub const CHECKPOINT_BYTES: u64 = 4 << 20;
-/// Default number of rollouts whose folded index a store keeps (two descriptors each).
+/// Default number of rollouts whose folded index a store keeps (three descriptors each: the log
+/// and state file it pins, and the lock file kept open between writes).
 pub const DEFAULT_CACHED_ROLLOUTS: usize = 128;
 
 /// Check a rollout id: non-empty, ASCII letters, digits, `.`, `_`, `-`, and short enough.
@@ -246,6 +247,10 @@ struct Cached {
     /// disk may have been created by a writer that crashed before making its name durable, so
     /// the first append through a freshly loaded index fsyncs the directory too.
     dir_synced: bool,
+    /// How far this process has reserved the log's blocks (`log::reserve_past`), and whether
+    /// its filesystem refused to.
+    reserved_to: u64,
+    cannot_reserve: bool,
     /// Whether `state.indexed_size` has been checked to end on a line boundary of the log.
     /// A state that points into a line (a damaged or foreign index) must not be appended to:
     /// the torn-line truncation would keep half a line and glue the next record onto it.
@@ -440,6 +445,8 @@ impl Store {
             disk_indexed_size: state.indexed_size,
             disk_entries: state.entry_digests.len(),
             dir_synced: false,
+            reserved_to: 0,
+            cannot_reserve: false,
             boundary_checked: false,
             state,
         })
@@ -622,9 +629,17 @@ impl Store {
                 }
             };
             let before = cached.state.indexed_size;
+            let end = before + line.len() as u64 + 1;
+            if end > cached.reserved_to && !cached.cannot_reserve {
+                match reserve_past(&log.file, before, end) {
+                    Some(reserved_to) => cached.reserved_to = reserved_to,
+                    None => cached.cannot_reserve = true,
+                }
+            }
             if let Err(err) = append_line(&log.file, line).and_then(|()| log.file.sync_data()) {
                 // Leave no partial line: the caller was told this put failed.
                 let _ = log.file.set_len(before);
+                cached.reserved_to = 0; // the truncation freed the reservation
                 return Err(err).ctx("append", &paths.log);
             }
             cached.state.indexed_size = before + line.len() as u64 + 1;
@@ -751,7 +766,13 @@ impl Store {
                 log.file
                     .set_len(cached.state.indexed_size)
                     .ctx("truncate torn line", &paths.log)?;
+            } else if !cached.state.frozen {
+                // A frozen log takes no more appends: the first freeze gives back the blocks
+                // any writer reserved past its end (`log::reserve_past`; a truncation to the
+                // size frees them, and failing to only wastes space until retire).
+                let _ = log.file.set_len(cached.state.indexed_size);
             }
+            cached.reserved_to = 0;
         }
         let mut changed = cached.state.indexed_size != cached.disk_indexed_size;
         if !cached.state.frozen {

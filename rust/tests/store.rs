@@ -228,3 +228,34 @@ fn writers_in_threads_lose_and_duplicate_nothing() {
     assert_eq!(snapshot.records.lines.len(), 200);
     assert_eq!(snapshot.version, 201);
 }
+
+#[test]
+fn appends_reserve_blocks_past_the_end_and_the_first_freeze_gives_them_back() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path());
+    let log = dir.path().join("r.tokens.jsonl");
+    let mut expected = Vec::new();
+    for n in 0..5 {
+        let call = format!("c{n}");
+        let record = line(&call, "1,2,3");
+        store.put("r", &call, &record).unwrap();
+        expected.extend_from_slice(&record);
+        expected.push(b'\n');
+    }
+    // Readers see exactly the records: the reservation does not change the size.
+    assert_eq!(fs::read(&log).unwrap(), expected);
+    let allocated = |path: &Path| fs::metadata(path).unwrap().blocks() * 512;
+    assert!(
+        allocated(&log) >= 64 << 10,
+        "no blocks reserved past the end: {} bytes allocated",
+        allocated(&log)
+    );
+    store.freeze("r").unwrap();
+    assert_eq!(fs::read(&log).unwrap(), expected);
+    assert!(
+        allocated(&log) <= 8 << 10,
+        "the freeze kept the reservation: {} bytes allocated",
+        allocated(&log)
+    );
+}
