@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import make_entry
 
 from tokencapture.protocols import TokenCaptureCorruptionError
-from tokencapture.records import ParentResolutionStatus, check_field_types
+from tokencapture.records import ParentResolutionStatus, TokenEntry, check_field_types
 from tokencapture.reference.store import canonical_line as reference_canonical_line
 from tokencapture.store import TokenCaptureStore, canonical_line
 
@@ -140,3 +140,47 @@ def test_readers_refuse_a_stored_field_of_the_wrong_type(
     assert message in str(raised.value)
     with pytest.raises(TokenCaptureCorruptionError, match="not a valid entry"):
         reader.freeze_now("r")
+
+
+def _records() -> list[dict[str, Any]]:
+    base = orjson.loads(canonical_line(make_entry("r", "c1")))
+    resolved = orjson.loads(
+        canonical_line(
+            make_entry(
+                "r",
+                "c2",
+                parent_call_id="c1",
+                parent_resolution=ParentResolutionStatus.RESOLVED,
+            )
+        )
+    )
+    with_extra = {**base, "model_call_id": "c3", "custom_tag": {"k": [1, 2]}}
+    missing_default = {k: v for k, v in base.items() if k not in ("digest", "cum_len")}
+    return [base, resolved, with_extra, missing_default]
+
+
+@pytest.mark.parametrize("record", _records(), ids=["all", "resolved", "extra", "defaults"])
+def test_entries_built_from_records_equal_model_construct(record: dict[str, Any]) -> None:
+    """Readers build entries without `model_construct` when a record holds exactly the
+    model's fields; the result must be indistinguishable from it."""
+    from tokencapture.store import _entry_from_record
+
+    built = _entry_from_record(dict(record))
+    expected_values = dict(record)
+    if expected_values.get("parent_resolution") is not None:
+        expected_values["parent_resolution"] = ParentResolutionStatus(
+            expected_values["parent_resolution"]
+        )
+    expected = TokenEntry.model_construct(**expected_values)
+    assert list(built.__dict__.items()) == list(expected.__dict__.items())
+    assert built.__pydantic_fields_set__ == expected.__pydantic_fields_set__
+    assert built.__pydantic_extra__ == expected.__pydantic_extra__
+    assert built.__pydantic_private__ == expected.__pydantic_private__
+    assert repr(built) == repr(expected)
+    assert built.model_dump_json() == expected.model_dump_json()
+    assert built == expected
+    # Each entry owns its bookkeeping: changing one leaves the next untouched.
+    again = _entry_from_record(dict(record))
+    built.model_call_id = "changed"
+    assert again.model_call_id == record["model_call_id"]
+    assert again.__pydantic_fields_set__ is not built.__pydantic_fields_set__

@@ -464,26 +464,29 @@ impl Store {
         // kept lock descriptor, so the flock below excludes this process's threads too.
         let mut taken = self.cache().pop(rollout_id);
         let kept = taken.as_mut().and_then(|cached| cached.lock.take());
-        let lock = self.lock_exclusive(kept, &paths)?;
+        let pid = std::process::id();
+        let lock = self.lock_exclusive(kept, pid, &paths)?;
         let mut cached = self.checkout(taken, &paths)?;
         let result = op(&mut cached, &paths);
         if matches!(result, Err(Error::Io { .. } | Error::Corrupt { .. })) {
             return result; // dropping the lock closes its descriptor
         }
         // Unlocked before the index returns to the cache, where another thread may take it.
-        cached.lock = lock.unlock().map(|(file, id)| KeptLock {
-            file,
-            id,
-            pid: std::process::id(),
-        });
+        cached.lock = lock.unlock().map(|(file, id)| KeptLock { file, id, pid });
         self.cache().put(rollout_id.to_owned(), cached);
         result
     }
 
     /// Lock the rollout exclusively, through its kept lock descriptor when this process
     /// opened one and the path still names that file.
-    fn lock_exclusive(&self, kept: Option<KeptLock>, paths: &RolloutPaths) -> Result<RolloutLock> {
-        if let Some(kept) = kept.filter(|kept| kept.pid == std::process::id()) {
+    /// `pid` is this process's id (a kept descriptor from any other process is never locked).
+    fn lock_exclusive(
+        &self,
+        kept: Option<KeptLock>,
+        pid: u32,
+        paths: &RolloutPaths,
+    ) -> Result<RolloutLock> {
+        if let Some(kept) = kept.filter(|kept| kept.pid == pid) {
             let relocked =
                 RolloutLock::relock(kept.file, kept.id, &paths.lock, LockMode::Exclusive)?;
             if let Some(lock) = relocked {
@@ -1137,7 +1140,9 @@ mod tests {
         let (locked, waiting) = mpsc::channel();
         std::thread::scope(|scope| {
             scope.spawn(|| {
-                let lock = store.lock_exclusive(Some(kept), &paths).unwrap();
+                let lock = store
+                    .lock_exclusive(Some(kept), std::process::id(), &paths)
+                    .unwrap();
                 locked.send(()).unwrap();
                 drop(lock);
             });
@@ -1163,7 +1168,9 @@ mod tests {
         let (first, first_id) =
             kept(RolloutLock::acquire(&paths.lock, LockMode::Exclusive).unwrap());
         let first_fd = first.file.as_raw_fd();
-        let again = store.lock_exclusive(Some(first), &paths).unwrap();
+        let again = store
+            .lock_exclusive(Some(first), std::process::id(), &paths)
+            .unwrap();
         assert_eq!(
             again.file_fd(),
             first_fd,
@@ -1174,7 +1181,9 @@ mod tests {
         let _old = second.file.try_clone().unwrap();
         // `delete` unlinks the lock file: the kept descriptor then guards nothing.
         std::fs::remove_file(&paths.lock).unwrap();
-        let fresh = store.lock_exclusive(Some(second), &paths).unwrap();
+        let fresh = store
+            .lock_exclusive(Some(second), std::process::id(), &paths)
+            .unwrap();
         let (_, fresh_id) = kept(fresh);
         assert_eq!(
             fresh_id,
