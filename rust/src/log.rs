@@ -75,9 +75,16 @@ pub fn reserve_past(file: &File, from: u64, end: u64) -> Option<u64> {
 
 /// Read `len` bytes at `offset`.
 pub fn read_at(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; len];
-    file.read_exact_at(&mut buf, offset)?;
+    let mut buf = Vec::new();
+    read_into(file, offset, len, &mut buf)?;
     Ok(buf)
+}
+
+/// Read `len` bytes at `offset` into `buf` (replacing its contents, reusing its memory).
+pub fn read_into(file: &File, offset: u64, len: usize, buf: &mut Vec<u8>) -> io::Result<()> {
+    buf.clear();
+    buf.resize(len, 0);
+    file.read_exact_at(buf, offset)
 }
 
 #[cfg(test)]

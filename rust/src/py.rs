@@ -583,8 +583,10 @@ impl PyStore {
             })
             .map_err(|e| to_pyerr(py, e))?;
         let log = self.inner.paths(rollout_id).log;
+        let selected = select_records(py, &log, &ranges, decoded, &snapshot.records);
+        self.inner.recycle_buffer(snapshot.records.buf);
         Ok((
-            select_records(py, &log, &ranges, decoded, &snapshot.records)?,
+            selected?,
             snapshot.incomplete,
             snapshot.snapshot_id,
             snapshot.version,
@@ -640,7 +642,9 @@ impl PyStore {
             .map_err(|e| to_pyerr(py, e))?;
         let decoded = decode_lines(py, &records.buf, &records.lines);
         let log = self.inner.paths(rollout_id).log;
-        select_records(py, &log, &records.lines, decoded, &records)
+        let selected = select_records(py, &log, &records.lines, decoded, &records);
+        self.inner.recycle_buffer(records.buf);
+        selected
     }
 
     /// The verified state as readers see it (tail folded, nothing changed) as JSON, and the

@@ -259,3 +259,26 @@ fn appends_reserve_blocks_past_the_end_and_the_first_freeze_gives_them_back() {
         allocated(&log)
     );
 }
+
+#[test]
+fn a_recycled_read_buffer_never_shows_an_earlier_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path());
+    let long: Vec<String> = (0..2000).map(|n| n.to_string()).collect();
+    store.put("big", "b", &line("b", &long.join(","))).unwrap();
+    store.put("small", "s", &line("s", "7")).unwrap();
+    let big = store.freeze("big").unwrap();
+    let big_len = big.records.buf.len();
+    store.recycle_buffer(big.records.buf);
+    // The small log is read into the big one's memory: only its own bytes may show.
+    let small = store.freeze("small").unwrap();
+    assert!(
+        small.records.buf.capacity() >= big_len,
+        "the buffer was not reused"
+    );
+    assert_eq!(
+        small.records.buf,
+        fs::read(dir.path().join("small.tokens.jsonl")).unwrap()
+    );
+    assert_eq!(call_ids(&store, "small"), ["s"]);
+}
