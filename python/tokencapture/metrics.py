@@ -40,11 +40,6 @@ class _Operation:
         }
 
 
-def _bucket(seconds: float) -> int:
-    """Index of the first bucket whose bound is at least `seconds` (the last one: slower)."""
-    return bisect_left(BUCKET_BOUNDS_SECONDS, seconds)
-
-
 class Timed:
     """Times a block for `Metrics.observe`; an exception counts as a failure and propagates.
 
@@ -87,8 +82,9 @@ class Metrics:
             stats.count += 1
             stats.failures += failed
             stats.total_seconds += seconds
-            stats.max_seconds = max(stats.max_seconds, seconds)
-            stats.buckets[_bucket(seconds)] += 1
+            if seconds > stats.max_seconds:
+                stats.max_seconds = seconds
+            stats.buckets[bisect_left(BUCKET_BOUNDS_SECONDS, seconds)] += 1
 
     def timed(self, operation: str) -> Timed:
         """A context manager timing the block; an exception counts as a failure."""

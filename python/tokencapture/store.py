@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from time import perf_counter
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
@@ -260,6 +261,18 @@ def _marker_line(model_call_id: object) -> bytes:
     return json.dumps(text).encode("ascii")
 
 
+def _log_failure(name: str, rollout_id: object, exc: BaseException) -> None:
+    """Log the failures an operator must see (fenced refusals only at debug level)."""
+    if isinstance(exc, TokenCaptureFrozenError):
+        logger.debug("%s refused for fenced rollout %r", name, rollout_id)
+    elif isinstance(exc, TokenCaptureConflictError):
+        logger.warning("%s: %s", name, exc)
+    elif isinstance(exc, TokenCaptureCorruptionError):
+        logger.error("%s of rollout %r found corruption: %s", name, rollout_id, exc)
+    elif isinstance(exc, OSError):
+        logger.warning("%s of rollout %r failed: %s", name, rollout_id, exc)
+
+
 class _Operation(Timed):
     """`Timed`, plus a log record for the failures an operator must see."""
 
@@ -276,17 +289,8 @@ class _Operation(Timed):
         traceback: TracebackType | None,
     ) -> None:
         super().__exit__(exc_type, exc, traceback)
-        if exc is None:
-            return
-        name, rollout_id = self.operation, self.rollout_id
-        if isinstance(exc, TokenCaptureFrozenError):
-            logger.debug("%s refused for fenced rollout %r", name, rollout_id)
-        elif isinstance(exc, TokenCaptureConflictError):
-            logger.warning("%s: %s", name, exc)
-        elif isinstance(exc, TokenCaptureCorruptionError):
-            logger.error("%s of rollout %r found corruption: %s", name, rollout_id, exc)
-        elif isinstance(exc, OSError):
-            logger.warning("%s of rollout %r failed: %s", name, rollout_id, exc)
+        if exc is not None:
+            _log_failure(self.operation, self.rollout_id, exc)
 
 
 class TokenCaptureStore:
@@ -339,12 +343,20 @@ class TokenCaptureStore:
 
     # Writes ------------------------------------------------------------------------------
 
+    # The two puts time themselves inline rather than through `_operation`: a context manager
+    # costs ~5 us of Python calls per put, the inline form ~1.5 us (same figures, same logs).
+
     def append(self, entry: TokenEntry) -> None:
         """Idempotently append one entry and fsync it before returning."""
-        with self._operation("put", getattr(entry, "rollout_id", None)):
+        started = perf_counter()
+        try:
             token_entry = _as_token_entry(entry)
             line = canonical_line(token_entry)
             self._native.put(token_entry.rollout_id, token_entry.model_call_id, line)
+        except BaseException as exc:
+            self._put_failed(entry, exc, started)
+            raise
+        self._metrics.observe("put", perf_counter() - started)
 
     async def put(self, entry: TokenEntry) -> None:
         """Store an entry durably without blocking the event loop.
@@ -352,12 +364,21 @@ class TokenCaptureStore:
         The canonical line is built on the calling thread (CPU work that holds the GIL
         wherever it runs); the lock, append and fsync run natively on the worker pool.
         """
-        with self._operation("put", getattr(entry, "rollout_id", None)):
+        started = perf_counter()
+        try:
             token_entry = _as_token_entry(entry)
             line = canonical_line(token_entry)
             await _native_job(
                 self._native.submit_put, token_entry.rollout_id, token_entry.model_call_id, line
             )
+        except BaseException as exc:
+            self._put_failed(entry, exc, started)
+            raise
+        self._metrics.observe("put", perf_counter() - started)
+
+    def _put_failed(self, entry: object, exc: BaseException, started: float) -> None:
+        self._metrics.observe("put", perf_counter() - started, failed=True)
+        _log_failure("put", getattr(entry, "rollout_id", None), exc)
 
     def _begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Synchronous `begin_call` (the reference's name)."""
