@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from tests.conftest import make_entry
 from tokencapture import metrics, protocols
 from tokencapture.cli import main
 from tokencapture.config import make_token_store
+from tokencapture.protocols import TokenCaptureConflictError
 from tokencapture.store import TokenCaptureStore, canonical_line
 
 # -- configuration ---------------------------------------------------------------------------
@@ -197,18 +199,26 @@ def test_console_entry_point_and_demo() -> None:
 # -- metrics ---------------------------------------------------------------------------------
 
 
-async def test_stats_count_operations_failures_and_latency(tmp_path: Path) -> None:
+async def test_stats_count_operations_failures_and_latency(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store = TokenCaptureStore(tmp_path)
     await store.put(make_entry("r", call=1))
     store.append(make_entry("r", call=2))
     with pytest.raises(ValueError):
         store.append(make_entry("r", call=2, generation_log_probs=[-1.0, -2.0]))
+    with (
+        caplog.at_level(logging.WARNING, logger="tokencapture"),
+        pytest.raises(TokenCaptureConflictError),
+    ):
+        await store.put(make_entry("r", call=1, generation_log_probs=[-1.0, -2.0]))
+    assert any("put: " in record.getMessage() for record in caplog.records)
     await store.mark_incomplete("r", "call-3")
     await store.freeze("r")
     stats = store.stats()
-    assert stats["put"]["count"] == 3 and stats["put"]["failures"] == 1
+    assert stats["put"]["count"] == 4 and stats["put"]["failures"] == 2
     assert stats["mark_incomplete"]["count"] == 1 and stats["freeze"]["count"] == 1
-    assert sum(stats["put"]["buckets"]) == 3
+    assert sum(stats["put"]["buckets"]) == 4
     assert 0 < stats["put"]["max_seconds"] <= stats["put"]["total_seconds"]
     merged = metrics.snapshot()
     assert merged["put"]["count"] >= 3
