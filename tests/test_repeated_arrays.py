@@ -174,3 +174,20 @@ def test_a_large_log_with_a_damaged_indexed_line_raises_and_stays_unfrozen(
         reader.freeze_now("r")
     state = (tmp_path / "r.tokens.state.json").read_bytes()
     assert b'"frozen":false' in state
+
+
+def test_decoding_leaves_the_cycle_collector_as_it_found_it(tmp_path: Path) -> None:
+    """Readers pause the collector while they decode, and only restore what they paused."""
+    store = TokenCaptureStore(tmp_path)
+    for rollout_id in ("a", "b"):
+        store.append(make_entry(rollout_id, call="c1", prompt_token_ids=list(range(200))))
+    assert gc.isenabled()
+    store.freeze_now("a")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        assert [e.model_call_id for e in store.read_entries("b")] == ["c1"]
+        store.freeze_now("b")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
