@@ -14,6 +14,7 @@ import random
 import tempfile
 from pathlib import Path
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -191,3 +192,29 @@ def test_decoding_leaves_the_cycle_collector_as_it_found_it(tmp_path: Path) -> N
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_large_log_reads_exactly_past_a_duplicate_line_that_is_not_an_entry(
+    tmp_path: Path,
+) -> None:
+    """A foreign writer's second line for a call id is not returned, and it need not be a
+    valid entry; later lines that repeat its arrays must still read back exactly (a large log
+    is parsed on a helper thread, and a line that fails to build must not break the rest)."""
+    entries = large_rollout(tmp_path)
+    log = tmp_path / "r.tokens.jsonl"
+    prompt = entries[-1].prompt_token_ids + entries[-1].generation_token_ids
+    bad = orjson.loads(canonical_line(entries[0]))
+    bad["prompt_token_ids"] = prompt
+    bad["generation_token_ids"] = ["not", "ids"]  # valid JSON, not an entry
+    with log.open("ab") as out:
+        out.write(orjson.dumps(bad, option=orjson.OPT_SORT_KEYS) + b"\n")
+    store = TokenCaptureStore(tmp_path)
+    later = [entry(call, [*prompt, call], [call]) for call in range(6, 9)]
+    for item in later:
+        store.append(item)
+    expected = [canonical_line(e) for e in entries + later]
+    reader = TokenCaptureStore(tmp_path)
+    assert [canonical_line(e) for e in reader.read_entries("r")] == expected
+    snapshot = reader.freeze_now("r")
+    assert [canonical_line(e) for e in snapshot.entries] == expected
+    assert snapshot.incomplete  # two payloads for one call id

@@ -1,9 +1,11 @@
 //! The validating JSON walk over one stored line.
 //!
-//! Every reader of a log walks its lines with [`Scanner`]: it checks the grammar byte by byte
+//! Every reader of a log walks its lines with `Scanner`: it checks the grammar byte by byte
 //! (strings, escapes and UTF-8, numbers, literals, separators, nesting) and hands each value to
 //! a [`Builder`], which decides what it becomes: nothing ([`Validate`]), or Python objects built
-//! straight from the bytes (the binding). There is no intermediate tree.
+//! straight from the bytes (the binding). There is no intermediate tree, except in a two-stage
+//! read ([`tape`]): one thread walks lines into compact [`tape::Tape`]s, and another replays
+//! them into its builder with exactly the calls a direct walk would have made.
 //!
 //! **Repeated token arrays.** In an agentic rollout every full prompt contains the previous
 //! prompt and its answer, so most of a log's bytes repeat arrays that an earlier line already
@@ -15,6 +17,8 @@
 
 use std::collections::VecDeque;
 
+pub mod tape;
+
 /// Why a line is not a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LineError(pub String);
@@ -23,7 +27,7 @@ pub struct LineError(pub String);
 ///
 /// The walk owns the grammar; a builder decides what a value becomes. [`Validate`] builds
 /// nothing (its values are `()`, so arrays of them never allocate).
-pub trait Builder {
+pub trait Builder<'a> {
     type Value: Clone;
     /// An array while its items are being walked.
     type Items;
@@ -32,15 +36,21 @@ pub trait Builder {
     fn null(&mut self) -> Result<Self::Value, Self::Error>;
     fn boolean(&mut self, value: bool) -> Result<Self::Value, Self::Error>;
     /// `text` is a valid JSON number; `integer` when it has no fraction or exponent.
-    fn number(&mut self, text: &[u8], integer: bool) -> Result<Self::Value, Self::Error>;
+    fn number(&mut self, text: &'a [u8], integer: bool) -> Result<Self::Value, Self::Error>;
     /// A non-negative integer that fits in a u64 (`text` is its digits): the common case of
     /// token ids, handed over already parsed.
-    fn unsigned(&mut self, value: u64, text: &[u8]) -> Result<Self::Value, Self::Error> {
+    fn unsigned(&mut self, value: u64, text: &'a [u8]) -> Result<Self::Value, Self::Error> {
         let _ = value;
         self.number(text, true)
     }
+    /// A number with a fraction or an exponent, already parsed (a replayed [`tape::Tape`]);
+    /// `text` is its JSON text.
+    fn float(&mut self, value: f64, text: &'a [u8]) -> Result<Self::Value, Self::Error> {
+        let _ = value;
+        self.number(text, false)
+    }
     /// `raw` is a valid JSON string with its quotes; `escaped` when it contains a backslash.
-    fn string(&mut self, raw: &[u8], escaped: bool) -> Result<Self::Value, Self::Error>;
+    fn string(&mut self, raw: &'a [u8], escaped: bool) -> Result<Self::Value, Self::Error>;
     /// A new, empty array.
     fn items(&mut self) -> Result<Self::Items, Self::Error>;
     fn push(&mut self, items: &mut Self::Items, item: Self::Value) -> Result<(), Self::Error>;
@@ -67,7 +77,7 @@ pub trait Builder {
 /// The builder that only validates.
 pub struct Validate;
 
-impl Builder for Validate {
+impl Builder<'_> for Validate {
     type Value = ();
     type Items = ();
     type Error = LineError;
@@ -154,7 +164,7 @@ impl<'a, V: Clone> Repeats<'a, V> {
     /// first item on) repeats, chaining arrays while each is repeated whole and followed by a
     /// `,`. Appends the items; returns `(items, bytes)` consumed, the bytes ending right after
     /// an item.
-    fn reuse<B: Builder<Value = V>>(
+    fn reuse<B: Builder<'a, Value = V>>(
         &self,
         rest: &[u8],
         builder: &mut B,
@@ -222,7 +232,7 @@ fn common_prefix_len(a: &[u8], b: &[u8]) -> usize {
 
 /// Build one JSON document (a whole line) with `builder`, refusing anything after it.
 /// `repeats` carries arrays over from earlier lines of the same walk (see [`Repeats`]).
-pub fn build<'a, B: Builder>(
+pub fn build<'a, B: Builder<'a>>(
     line: &'a [u8],
     builder: &mut B,
     repeats: Option<&mut Repeats<'a, B::Value>>,
@@ -318,7 +328,7 @@ impl<'a, 'r, V: Clone> Scanner<'a, 'r, V> {
     }
 
     /// One value of any kind.
-    fn value<B: Builder<Value = V>>(
+    fn value<B: Builder<'a, Value = V>>(
         &mut self,
         builder: &mut B,
         depth: usize,
@@ -403,7 +413,7 @@ impl<'a, 'r, V: Clone> Scanner<'a, 'r, V> {
 
     /// The array starting here, built; with `repeats`, a long array of unsigned integers is
     /// remembered and a prefix repeating remembered bytes is reused rather than parsed.
-    fn array<B: Builder<Value = V>>(
+    fn array<B: Builder<'a, Value = V>>(
         &mut self,
         builder: &mut B,
         depth: usize,

@@ -8,8 +8,8 @@
 //! then hold a lock nobody else can see, so after locking we check that the path still names
 //! the inode we locked and start over if it does not (lock, then verify).
 //!
-//! The store keeps a rollout's lock file open between its writes ([`RolloutLock::unlock`],
-//! [`RolloutLock::relock`]): opening it by name was the costliest step of a put after the
+//! The store keeps a rollout's lock file open between its writes (`RolloutLock::unlock`,
+//! `RolloutLock::relock`): opening it by name was the costliest step of a put after the
 //! fsync. A kept descriptor is only ever used by one thread at a time (it travels with the
 //! rollout's cached index, which a thread takes out of the cache while it works).
 

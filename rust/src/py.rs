@@ -156,7 +156,7 @@ impl<'py> PyBuilder<'py> {
     }
 }
 
-impl<'py> crate::json::Builder for PyBuilder<'py> {
+impl<'py> crate::json::Builder<'_> for PyBuilder<'py> {
     type Value = Decoded<'py>;
     type Items = Bound<'py, PyList>;
     type Error = PyErr;
@@ -196,6 +196,12 @@ impl<'py> crate::json::Builder for PyBuilder<'py> {
                 )),
             },
         }
+    }
+
+    fn float(&mut self, value: f64, _: &[u8]) -> PyResult<Self::Value> {
+        Ok(Self::plain(
+            pyo3::types::PyFloat::new(self.py, value).into_any(),
+        ))
     }
 
     fn string(&mut self, raw: &[u8], escaped: bool) -> PyResult<Self::Value> {
@@ -285,6 +291,52 @@ fn decode_lines(py: Python<'_>, buf: &[u8], ranges: &[Range<usize>]) -> Vec<PyRe
         })
         .collect()
 }
+
+/// [`decode_lines`] in two stages for a large read: a helper thread checks the grammar,
+/// parses numbers and compares repeated arrays (no GIL needed) while this thread builds the
+/// Python objects of the lines already parsed (see `json::tape`). ~15% faster for a 2.5 MB
+/// log here; a freeze, whose second core is verifying, does not use it.
+fn decode_lines_pipelined(
+    py: Python<'_>,
+    buf: &[u8],
+    ranges: &[Range<usize>],
+) -> Vec<PyResult<Py<PyAny>>> {
+    if buf.len() < PIPELINED_DECODE_BYTES {
+        return decode_lines(py, buf, ranges);
+    }
+    let _paused = CollectorPause::new(py);
+    std::thread::scope(|scope| {
+        let (sender, receiver) = std::sync::mpsc::sync_channel(PIPELINED_LINES_AHEAD);
+        scope.spawn(move || {
+            crate::json::tape::tape_lines(buf, ranges, |line| sender.send(line).is_ok());
+        });
+        let mut builder = PyBuilder { py };
+        let mut replay = crate::json::tape::Replay::new();
+        let mut decoded = Vec::with_capacity(ranges.len());
+        for (index, parsed) in receiver.iter().enumerate() {
+            let value = parsed
+                .map_err(PyErr::from)
+                .and_then(|tape| replay.value(&tape, &mut builder));
+            if let Err(err) = value {
+                // A line that failed here may have left an array unbuilt that the helper
+                // offers to later lines: decode the rest in one walk (dropping the receiver
+                // stops the helper).
+                decoded.push(Err(err));
+                drop(receiver);
+                decoded.extend(decode_lines(py, buf, &ranges[index + 1..]));
+                return decoded;
+            }
+            decoded.push(value.map(|(value, _)| value.unbind()));
+        }
+        decoded
+    })
+}
+
+/// Reads of logs at least this large are decoded in two stages (`decode_lines_pipelined`).
+const PIPELINED_DECODE_BYTES: usize = 256 << 10;
+
+/// How many parsed lines the helper may run ahead of the building thread.
+const PIPELINED_LINES_AHEAD: usize = 8;
 
 /// Pauses CPython's cycle collector for a decode and restores its state when dropped.
 ///
@@ -607,6 +659,9 @@ impl PyStore {
         let rollout_id = text(rollout_id, "rollout_id")?;
         // The lines are decoded (attached) while another thread verifies them and makes the
         // freeze durable (detached): see `Store::freeze_decoding`.
+        // A freeze already verifies on a second thread while this one decodes, so it decodes
+        // in one walk: a parsing helper as well (see `decode_lines_pipelined`) made freezes
+        // ~10% slower on two cores.
         let (snapshot, (ranges, decoded)) = py
             .detach(|| {
                 self.inner.freeze_decoding(rollout_id, |buf, ranges| {
@@ -673,7 +728,7 @@ impl PyStore {
         let records = py
             .detach(|| self.inner.read_records(rollout_id))
             .map_err(|e| to_pyerr(py, e))?;
-        let decoded = decode_lines(py, &records.buf, &records.lines);
+        let decoded = decode_lines_pipelined(py, &records.buf, &records.lines);
         let log = self.inner.paths(rollout_id).log;
         let selected = select_records(py, &log, &records.lines, decoded, &records);
         self.inner.recycle_buffer(records.buf);

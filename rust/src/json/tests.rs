@@ -53,7 +53,7 @@ struct Echo {
     parsed_unsigned: usize,
 }
 
-impl Builder for Echo {
+impl Builder<'_> for Echo {
     type Value = String;
     type Items = Vec<String>;
     type Error = LineError;
@@ -204,44 +204,50 @@ impl Lcg {
     }
 }
 
+/// Six lines whose arrays repeat pieces of earlier ones (whole or cut anywhere, even
+/// mid-number), with fresh numbers, now and then a non-integer item or an item that continues
+/// (which can break the line), in random order.
+fn random_lines(rng: &mut Lcg) -> Vec<String> {
+    let mut history: Vec<Vec<String>> = Vec::new();
+    let mut lines = Vec::new();
+    for _ in 0..6 {
+        let mut items: Vec<String> = Vec::new();
+        if !history.is_empty() && rng.next(2) == 0 {
+            // Most often an array starts by repeating an earlier one (a growing prompt).
+            let earlier = &history[rng.next(history.len() as u64) as usize];
+            items.extend(earlier.iter().cloned());
+        }
+        for _ in 0..rng.next(4) {
+            match (rng.next(5), history.len()) {
+                (0..=2, n) if n > 0 => {
+                    let earlier = &history[rng.next(n as u64) as usize];
+                    let take = rng.next(earlier.len() as u64 + 1) as usize;
+                    items.extend(earlier[..take].iter().cloned());
+                }
+                (3, _) => items.push(
+                    ["1.5", "-2", "0", "\"s\"", "[1,2]", "12e3"][rng.next(6) as usize].into(),
+                ),
+                _ => items.extend((0..rng.next(120)).map(|_| rng.next(1_000_000).to_string())),
+            }
+        }
+        if rng.next(4) == 0 {
+            if let Some(last) = items.last_mut() {
+                last.push(char::from(b'0' + rng.next(10) as u8)); // an item that continues
+            }
+        }
+        let separator = if rng.next(6) == 0 { ", " } else { "," };
+        lines.push(format!(r#"{{"a":[{}],"b":[]}}"#, items.join(separator)));
+        history.push(items);
+    }
+    lines
+}
+
 #[test]
 fn walks_with_and_without_repeats_agree() {
     let mut rng = Lcg(7);
     let (mut parsed_alone, mut parsed_repeating) = (0, 0);
     for _ in 0..200 {
-        let mut history: Vec<Vec<String>> = Vec::new();
-        let mut lines = Vec::new();
-        for _ in 0..6 {
-            // Each array: pieces of earlier arrays (whole or cut anywhere, even mid-number),
-            // fresh numbers, now and then a non-integer item, in random order.
-            let mut items: Vec<String> = Vec::new();
-            if !history.is_empty() && rng.next(2) == 0 {
-                // Most often an array starts by repeating an earlier one (a growing prompt).
-                let earlier = &history[rng.next(history.len() as u64) as usize];
-                items.extend(earlier.iter().cloned());
-            }
-            for _ in 0..rng.next(4) {
-                match (rng.next(5), history.len()) {
-                    (0..=2, n) if n > 0 => {
-                        let earlier = &history[rng.next(n as u64) as usize];
-                        let take = rng.next(earlier.len() as u64 + 1) as usize;
-                        items.extend(earlier[..take].iter().cloned());
-                    }
-                    (3, _) => items.push(
-                        ["1.5", "-2", "0", "\"s\"", "[1,2]", "12e3"][rng.next(6) as usize].into(),
-                    ),
-                    _ => items.extend((0..rng.next(120)).map(|_| rng.next(1_000_000).to_string())),
-                }
-            }
-            if rng.next(4) == 0 {
-                if let Some(last) = items.last_mut() {
-                    last.push(char::from(b'0' + rng.next(10) as u8)); // an item that continues
-                }
-            }
-            let separator = if rng.next(6) == 0 { ", " } else { "," };
-            lines.push(format!(r#"{{"a":[{}],"b":[]}}"#, items.join(separator)));
-            history.push(items);
-        }
+        let lines = random_lines(&mut rng);
         // One walk over the lines, as a reader walks a log, against each line walked alone.
         let mut echo = Echo::default();
         let mut repeats = Repeats::new();
@@ -267,4 +273,86 @@ fn walks_with_and_without_repeats_agree() {
         parsed_repeating * 5 < parsed_alone * 4,
         "repeats were rarely taken: {parsed_repeating} of {parsed_alone} ids parsed"
     );
+}
+
+#[test]
+fn replayed_tapes_make_the_calls_of_a_direct_walk() {
+    use super::tape::{tape_lines, Replay};
+    let mut rng = Lcg(11);
+    let (mut failed_lines, mut compared_counts) = (0, 0);
+    for _ in 0..300 {
+        let lines = random_lines(&mut rng);
+        let buf = lines.join("\n");
+        let mut ranges = Vec::new();
+        let mut start = 0;
+        for line in &lines {
+            ranges.push(start..start + line.len());
+            start += line.len() + 1;
+        }
+        let mut direct = Echo::default();
+        let mut repeats = Repeats::new();
+        let expected: Vec<_> = lines
+            .iter()
+            .map(|line| build(line.as_bytes(), &mut direct, Some(&mut repeats)))
+            .collect();
+        let mut replayed = Echo::default();
+        let mut replay = Replay::new();
+        let mut got = Vec::new();
+        tape_lines(buf.as_bytes(), &ranges, |line| {
+            got.push(line.and_then(|tape| replay.value(&tape, &mut replayed)));
+            true
+        });
+        assert_eq!(got, expected, "{lines:?}");
+        let failures = expected.iter().filter(|line| line.is_err()).count();
+        failed_lines += failures;
+        if failures == 0 {
+            // The same arrays were reused: the same ids were handed over one by one.
+            assert_eq!(replayed.parsed_unsigned, direct.parsed_unsigned);
+            compared_counts += 1;
+        }
+    }
+    assert!(
+        failed_lines > 0 && compared_counts > 100,
+        "{failed_lines} {compared_counts}"
+    );
+}
+
+#[test]
+fn a_walk_stops_when_its_consumer_does() {
+    use super::tape::tape_lines;
+    let buf = b"[1]\n[2]\n[3]";
+    let mut seen = 0;
+    tape_lines(buf, &[0..3, 4..7, 8..11], |_| {
+        seen += 1;
+        seen < 2
+    });
+    assert_eq!(seen, 2);
+}
+
+#[test]
+fn arrays_of_a_broken_line_are_never_reused_by_a_replay() {
+    use super::tape::{tape_lines, Replay};
+    let prompt = ids(0..200);
+    // The first line's array is complete (a direct walk remembers it) before the line breaks.
+    let lines = [
+        format!(r#"{{"a":[{prompt}],"b":tru}}"#),
+        format!(r#"{{"a":[{prompt},7]}}"#),
+    ];
+    let buf = lines.join("\n");
+    let ranges = [0..lines[0].len(), lines[0].len() + 1..buf.len()];
+    let mut repeats = Repeats::new();
+    let mut direct = Echo::default();
+    let expected: Vec<_> = lines
+        .iter()
+        .map(|line| build(line.as_bytes(), &mut direct, Some(&mut repeats)))
+        .collect();
+    assert!(expected[0].is_err() && expected[1].is_ok());
+    let mut replay = Replay::new();
+    let mut replayed = Echo::default();
+    let mut got = Vec::new();
+    tape_lines(buf.as_bytes(), &ranges, |line| {
+        got.push(line.and_then(|tape| replay.value(&tape, &mut replayed)));
+        true
+    });
+    assert_eq!(got, expected);
 }

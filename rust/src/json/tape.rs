@@ -1,0 +1,242 @@
+//! Two-stage walks: parse lines into [`Tape`]s on one thread, build them on another.
+//!
+//! Building Python objects needs the GIL; checking the grammar, parsing numbers and comparing
+//! repeated token arrays does not. A large read therefore walks its lines with [`TapeBuilder`]
+//! on a helper thread ([`tape_lines`]) while the caller [`Replay`]s each finished line into its
+//! own builder, handing that builder exactly the calls a direct [`super::build`] would
+//! have made: the same values, arrays reused from the same earlier arrays, the same errors.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::{build, Builder, LineError, Repeats, MIN_REMEMBERED_ITEMS, REMEMBERED_ARRAYS};
+
+/// One value of a line, held in Rust: texts borrow the line, floats are already parsed.
+#[derive(Debug, Clone)]
+pub enum Tape<'a> {
+    Null,
+    Bool(bool),
+    /// A plain non-negative integer and its digits.
+    Unsigned(u64, &'a [u8]),
+    /// A number with a fraction or an exponent, parsed, and its text.
+    Float(f64, &'a [u8]),
+    /// Any other integer (negative, or beyond 64 bits): its text.
+    Integer(&'a [u8]),
+    /// A string with its quotes, and whether it holds an escape.
+    String(&'a [u8], bool),
+    Array(Arc<TapeArray<'a>>),
+    /// Members and nesting depth (1 for a line's top-level object).
+    Object(Vec<(Tape<'a>, Tape<'a>)>, usize),
+}
+
+/// An array: its items in order, runs of them taken from earlier arrays of the walk.
+#[derive(Debug)]
+pub struct TapeArray<'a> {
+    /// Numbers the arrays of one walk, so a later run can name the array it repeats.
+    id: u64,
+    parts: Vec<Part<'a>>,
+    all_unsigned: bool,
+    len: usize,
+}
+
+#[derive(Debug)]
+enum Part<'a> {
+    Item(Tape<'a>),
+    /// The first `count` items of the earlier array `source`.
+    Reused {
+        source: u64,
+        count: usize,
+    },
+}
+
+/// Builds [`Tape`]s; see the module documentation.
+#[derive(Debug, Default)]
+pub struct TapeBuilder {
+    next_id: u64,
+}
+
+/// An array of a [`TapeBuilder`] while its items are walked.
+#[derive(Debug, Default)]
+pub struct TapeItems<'a> {
+    parts: Vec<Part<'a>>,
+    len: usize,
+}
+
+impl<'a> Builder<'a> for TapeBuilder {
+    type Value = Tape<'a>;
+    type Items = TapeItems<'a>;
+    type Error = LineError;
+
+    fn null(&mut self) -> Result<Tape<'a>, LineError> {
+        Ok(Tape::Null)
+    }
+
+    fn boolean(&mut self, value: bool) -> Result<Tape<'a>, LineError> {
+        Ok(Tape::Bool(value))
+    }
+
+    fn unsigned(&mut self, value: u64, text: &'a [u8]) -> Result<Tape<'a>, LineError> {
+        Ok(Tape::Unsigned(value, text))
+    }
+
+    fn number(&mut self, text: &'a [u8], integer: bool) -> Result<Tape<'a>, LineError> {
+        if integer {
+            return Ok(Tape::Integer(text));
+        }
+        // The walk checked the grammar, so the text is ASCII and parses (possibly to ±inf,
+        // exactly as a direct build's parse would).
+        let value = std::str::from_utf8(text)
+            .ok()
+            .and_then(|text| text.parse::<f64>().ok())
+            .ok_or_else(|| LineError("invalid float".to_owned()))?;
+        Ok(Tape::Float(value, text))
+    }
+
+    fn string(&mut self, raw: &'a [u8], escaped: bool) -> Result<Tape<'a>, LineError> {
+        Ok(Tape::String(raw, escaped))
+    }
+
+    fn items(&mut self) -> Result<TapeItems<'a>, LineError> {
+        Ok(TapeItems::default())
+    }
+
+    fn push(&mut self, items: &mut TapeItems<'a>, item: Tape<'a>) -> Result<(), LineError> {
+        items.parts.push(Part::Item(item));
+        items.len += 1;
+        Ok(())
+    }
+
+    fn reuse(
+        &mut self,
+        items: &mut TapeItems<'a>,
+        earlier: &Tape<'a>,
+        count: usize,
+    ) -> Result<(), LineError> {
+        let Tape::Array(array) = earlier else {
+            return Err(LineError("only arrays are reused".to_owned()));
+        };
+        items.parts.push(Part::Reused {
+            source: array.id,
+            count,
+        });
+        items.len += count;
+        Ok(())
+    }
+
+    fn array(&mut self, items: TapeItems<'a>, all_unsigned: bool) -> Result<Tape<'a>, LineError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        Ok(Tape::Array(Arc::new(TapeArray {
+            id,
+            parts: items.parts,
+            all_unsigned,
+            len: items.len,
+        })))
+    }
+
+    fn object(
+        &mut self,
+        members: Vec<(Tape<'a>, Tape<'a>)>,
+        depth: usize,
+    ) -> Result<Tape<'a>, LineError> {
+        Ok(Tape::Object(members, depth))
+    }
+}
+
+/// Walk the lines at `ranges` of `buf` in order into tapes, repeated arrays reused across
+/// lines, handing each line's result to `emit` until it returns false. After a line that fails,
+/// nothing earlier is reused: its arrays were never replayed.
+pub fn tape_lines<'a>(
+    buf: &'a [u8],
+    ranges: &[Range<usize>],
+    mut emit: impl FnMut(Result<Tape<'a>, LineError>) -> bool,
+) {
+    let mut builder = TapeBuilder::default();
+    let mut repeats = Repeats::new();
+    for range in ranges {
+        let line = build(&buf[range.clone()], &mut builder, Some(&mut repeats));
+        if line.is_err() {
+            repeats = Repeats::new();
+        }
+        if !emit(line) {
+            return;
+        }
+    }
+}
+
+/// Replays tapes into a builder, in walk order.
+pub struct Replay<V> {
+    /// The builder's values of the arrays a later run may repeat: those a [`Repeats`] of the
+    /// walk remembered, and as many.
+    arrays: VecDeque<(u64, V)>,
+}
+
+impl<V> Default for Replay<V> {
+    fn default() -> Self {
+        Self {
+            arrays: VecDeque::new(),
+        }
+    }
+}
+
+impl<V: Clone> Replay<V> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Hand `tape` (the next line of the walk) to `builder` as a direct build would.
+    pub fn value<'a, B: Builder<'a, Value = V>>(
+        &mut self,
+        tape: &Tape<'a>,
+        builder: &mut B,
+    ) -> Result<V, B::Error> {
+        match tape {
+            Tape::Null => builder.null(),
+            Tape::Bool(value) => builder.boolean(*value),
+            Tape::Unsigned(value, text) => builder.unsigned(*value, text),
+            Tape::Float(value, text) => builder.float(*value, text),
+            Tape::Integer(text) => builder.number(text, true),
+            Tape::String(raw, escaped) => builder.string(raw, *escaped),
+            Tape::Array(array) => self.array(array, builder),
+            Tape::Object(members, depth) => {
+                let mut built = Vec::with_capacity(members.len());
+                for (key, value) in members {
+                    built.push((self.value(key, builder)?, self.value(value, builder)?));
+                }
+                builder.object(built, *depth)
+            }
+        }
+    }
+
+    fn array<'a, B: Builder<'a, Value = V>>(
+        &mut self,
+        array: &TapeArray<'a>,
+        builder: &mut B,
+    ) -> Result<V, B::Error> {
+        let mut items = builder.items()?;
+        for part in &array.parts {
+            match part {
+                Part::Item(item) => {
+                    let item = self.value(item, builder)?;
+                    builder.push(&mut items, item)?;
+                }
+                Part::Reused { source, count } => {
+                    let Some((_, earlier)) = self.arrays.iter().find(|(id, _)| id == source) else {
+                        return Err(LineError("a repeated array was not replayed".into()).into());
+                    };
+                    builder.reuse(&mut items, earlier, *count)?;
+                }
+            }
+        }
+        let value = builder.array(items, array.all_unsigned)?;
+        // The same rule, and the same capacity, as `Repeats::remember`.
+        if array.all_unsigned && array.len >= MIN_REMEMBERED_ITEMS {
+            if self.arrays.len() == REMEMBERED_ARRAYS {
+                self.arrays.pop_back();
+            }
+            self.arrays.push_front((array.id, value.clone()));
+        }
+        Ok(value)
+    }
+}
