@@ -42,6 +42,11 @@ def test_put_refuses_a_mutated_field_in_both_stores_alike(
 ) -> None:
     entry = make_entry("r", "c1")
     entry.__dict__[field] = value  # as an assignment after validation would
+    assert_both_stores_refuse(entry, message)
+
+
+def assert_both_stores_refuse(entry: TokenEntry, message: str) -> None:
+    """Both stores refuse to serialize `entry`, with the same message, which says `message`."""
     errors = []
     for serialize in (canonical_line, reference_canonical_line):
         with pytest.raises(ValueError, match="cannot be stored") as raised:
@@ -79,13 +84,7 @@ def test_put_refuses_a_mutated_token_array_item_in_both_stores_alike(
 ) -> None:
     entry = make_entry("r", "c1", prompt_token_ids=[11, 12, 13, 14], generation_token_ids=[21, 22])
     getattr(entry, field)[index] = item  # lists stay mutable after validation
-    errors = []
-    for serialize in (canonical_line, reference_canonical_line):
-        with pytest.raises(ValueError, match="cannot be stored") as raised:
-            serialize(entry)
-        errors.append(str(raised.value))
-    assert errors[0] == errors[1]
-    assert message in errors[0]
+    assert_both_stores_refuse(entry, message)
 
 
 def test_number_subclasses_and_ints_in_log_probs_are_stored_as_plain_numbers() -> None:

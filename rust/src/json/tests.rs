@@ -275,33 +275,40 @@ fn walks_with_and_without_repeats_agree() {
     );
 }
 
+/// `lines` walked as a log two ways: one walk (with repeats), and tapes replayed. Returns
+/// each way's results and its builder.
+fn direct_and_replayed(lines: &[String]) -> [(Vec<Result<String, LineError>>, Echo); 2] {
+    use super::tape::{tape_lines, Replay};
+    let buf = lines.join("\n");
+    let mut ranges = Vec::new();
+    let mut start = 0;
+    for line in lines {
+        ranges.push(start..start + line.len());
+        start += line.len() + 1;
+    }
+    let mut direct = Echo::default();
+    let mut repeats = Repeats::new();
+    let expected = lines
+        .iter()
+        .map(|line| build(line.as_bytes(), &mut direct, Some(&mut repeats)))
+        .collect();
+    let mut replayed = Echo::default();
+    let mut replay = Replay::new();
+    let mut got = Vec::new();
+    tape_lines(buf.as_bytes(), &ranges, |line| {
+        got.push(line.and_then(|tape| replay.value(&tape, &mut replayed)));
+        true
+    });
+    [(expected, direct), (got, replayed)]
+}
+
 #[test]
 fn replayed_tapes_make_the_calls_of_a_direct_walk() {
-    use super::tape::{tape_lines, Replay};
     let mut rng = Lcg(11);
     let (mut failed_lines, mut compared_counts) = (0, 0);
     for _ in 0..300 {
         let lines = random_lines(&mut rng);
-        let buf = lines.join("\n");
-        let mut ranges = Vec::new();
-        let mut start = 0;
-        for line in &lines {
-            ranges.push(start..start + line.len());
-            start += line.len() + 1;
-        }
-        let mut direct = Echo::default();
-        let mut repeats = Repeats::new();
-        let expected: Vec<_> = lines
-            .iter()
-            .map(|line| build(line.as_bytes(), &mut direct, Some(&mut repeats)))
-            .collect();
-        let mut replayed = Echo::default();
-        let mut replay = Replay::new();
-        let mut got = Vec::new();
-        tape_lines(buf.as_bytes(), &ranges, |line| {
-            got.push(line.and_then(|tape| replay.value(&tape, &mut replayed)));
-            true
-        });
+        let [(expected, direct), (got, replayed)] = direct_and_replayed(&lines);
         assert_eq!(got, expected, "{lines:?}");
         let failures = expected.iter().filter(|line| line.is_err()).count();
         failed_lines += failures;
@@ -331,28 +338,13 @@ fn a_walk_stops_when_its_consumer_does() {
 
 #[test]
 fn arrays_of_a_broken_line_are_never_reused_by_a_replay() {
-    use super::tape::{tape_lines, Replay};
     let prompt = ids(0..200);
     // The first line's array is complete (a direct walk remembers it) before the line breaks.
     let lines = [
         format!(r#"{{"a":[{prompt}],"b":tru}}"#),
         format!(r#"{{"a":[{prompt},7]}}"#),
     ];
-    let buf = lines.join("\n");
-    let ranges = [0..lines[0].len(), lines[0].len() + 1..buf.len()];
-    let mut repeats = Repeats::new();
-    let mut direct = Echo::default();
-    let expected: Vec<_> = lines
-        .iter()
-        .map(|line| build(line.as_bytes(), &mut direct, Some(&mut repeats)))
-        .collect();
+    let [(expected, _), (got, _)] = direct_and_replayed(&lines);
     assert!(expected[0].is_err() && expected[1].is_ok());
-    let mut replay = Replay::new();
-    let mut replayed = Echo::default();
-    let mut got = Vec::new();
-    tape_lines(buf.as_bytes(), &ranges, |line| {
-        got.push(line.and_then(|tape| replay.value(&tape, &mut replayed)));
-        true
-    });
     assert_eq!(got, expected);
 }
