@@ -230,6 +230,7 @@ fn writers_in_threads_lose_and_duplicate_nothing() {
 }
 
 #[test]
+#[cfg(target_os = "linux")]
 fn appends_reserve_blocks_past_the_end_and_the_first_freeze_gives_them_back() {
     use std::os::unix::fs::MetadataExt;
     let dir = tempfile::tempdir().unwrap();
