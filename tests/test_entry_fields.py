@@ -141,6 +141,31 @@ def test_readers_refuse_a_stored_field_of_the_wrong_type(
         reader.freeze_now("r")
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("prompt_token_ids", [1, True], "prompt_token_ids must be a list of ints"),
+        ("generation_token_ids", [1.5, 2], "generation_token_ids must be a list of ints"),
+        ("generation_log_probs", [-0.5, "x"], "generation_log_probs must be a list of floats"),
+        ("generation_log_probs", [None, -0.5], "generation_log_probs must be a list of floats"),
+    ],
+)
+def test_readers_refuse_a_stored_token_array_with_a_wrong_item(
+    field: str, value: Any, message: str, tmp_path: Path
+) -> None:
+    store = TokenCaptureStore(tmp_path)
+    store.append(make_entry("r", "c0"))
+    line = orjson.loads(canonical_line(make_entry("r", "c1")))
+    line[field] = value
+    with (tmp_path / "r.tokens.jsonl").open("ab") as log:
+        log.write(orjson.dumps(line, option=orjson.OPT_SORT_KEYS) + b"\n")
+    reader = TokenCaptureStore(tmp_path)
+    with pytest.raises(TokenCaptureCorruptionError, match=message):
+        reader.read_entries("r")
+    with pytest.raises(TokenCaptureCorruptionError, match=message):
+        reader.freeze_now("r")
+
+
 def _records() -> list[dict[str, Any]]:
     base = orjson.loads(canonical_line(make_entry("r", "c1")))
     resolved = orjson.loads(

@@ -52,15 +52,20 @@ def read_back(root: Path, entries: list[TokenEntry]) -> None:
         assert got.generation_token_ids == wrote.generation_token_ids
 
 
-def test_a_growing_agentic_prompt_reads_back_exactly(tmp_path: Path) -> None:
-    rng = random.Random(3)
-    prompt = [rng.randrange(150_000) for _ in range(300)]
+def growing_rollout(seed: int, prompt: int, calls: int, answer: int, new: int) -> list[TokenEntry]:
+    """An agentic rollout: each prompt is the previous prompt, its answer and `new` fresh ids."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(150_000) for _ in range(prompt)]
     entries = []
-    for call in range(8):
-        generation = [rng.randrange(150_000) for _ in range(80)]
-        entries.append(entry(call, list(prompt), generation))
-        prompt = prompt + generation + [rng.randrange(150_000) for _ in range(40)]
-    read_back(tmp_path, entries)
+    for call in range(calls):
+        generation = [rng.randrange(150_000) for _ in range(answer)]
+        entries.append(entry(call, list(ids), generation))
+        ids = ids + generation + [rng.randrange(150_000) for _ in range(new)]
+    return entries
+
+
+def test_a_growing_agentic_prompt_reads_back_exactly(tmp_path: Path) -> None:
+    read_back(tmp_path, growing_rollout(3, prompt=300, calls=8, answer=80, new=40))
 
 
 def test_a_repeat_that_stops_inside_a_number_is_not_taken_whole(tmp_path: Path) -> None:
@@ -137,13 +142,7 @@ def test_frozen_token_lists_are_plain_independent_lists(tmp_path: Path) -> None:
 
 def large_rollout(root: Path) -> list[TokenEntry]:
     """A log well past the size at which freeze verifies on a second thread while decoding."""
-    rng = random.Random(11)
-    prompt = [rng.randrange(150_000) for _ in range(8_000)]
-    entries = []
-    for call in range(6):
-        generation = [rng.randrange(150_000) for _ in range(300)]
-        entries.append(entry(call, list(prompt), generation))
-        prompt = prompt + generation
+    entries = growing_rollout(11, prompt=8_000, calls=6, answer=300, new=0)
     store = TokenCaptureStore(root)
     for item in entries:
         store.append(item)

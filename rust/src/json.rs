@@ -118,6 +118,20 @@ const REMEMBERED_ARRAYS: usize = 4;
 /// Shorter arrays are not remembered: comparing costs more than parsing them.
 const MIN_REMEMBERED_ITEMS: usize = 64;
 
+/// Whether a walk remembers an array of `items` plain non-negative integers. A replay of the
+/// walk ([`tape::Replay`]) applies the same rule, so both remember the same arrays.
+fn remembers(items: usize) -> bool {
+    items >= MIN_REMEMBERED_ITEMS
+}
+
+/// Put `item` first among at most `REMEMBERED_ARRAYS` recent ones, dropping the oldest.
+fn keep_recent<T>(recent: &mut VecDeque<T>, item: T) {
+    if recent.len() == REMEMBERED_ARRAYS {
+        recent.pop_back();
+    }
+    recent.push_front(item);
+}
+
 /// Long arrays of plain non-negative integers met earlier in a walk over several lines of one
 /// buffer, with what the builder made of them (see the module documentation).
 pub struct Repeats<'a, V> {
@@ -147,17 +161,10 @@ impl<'a, V: Clone> Repeats<'a, V> {
     }
 
     fn remember(&mut self, text: &'a [u8], items: usize, value: &V) {
-        if items < MIN_REMEMBERED_ITEMS {
-            return;
+        if remembers(items) {
+            let value = value.clone();
+            keep_recent(&mut self.arrays, Seen { text, items, value });
         }
-        if self.arrays.len() == REMEMBERED_ARRAYS {
-            self.arrays.pop_back();
-        }
-        self.arrays.push_front(Seen {
-            text,
-            items,
-            value: value.clone(),
-        });
     }
 
     /// Take the longest run of whole remembered items that `rest` (the bytes from an array's

@@ -677,7 +677,6 @@ impl Store {
             if let Err(err) = append_line(&log.file, line).and_then(|()| log.file.sync_data()) {
                 // Leave no partial line: the caller was told this put failed.
                 let _ = log.file.set_len(before);
-                cached.reserved_to = 0; // the truncation freed the reservation
                 return Err(err).ctx("append", &paths.log);
             }
             cached.state.indexed_size = before + line.len() as u64 + 1;

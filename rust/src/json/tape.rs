@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::{build, Builder, LineError, Repeats, MIN_REMEMBERED_ITEMS, REMEMBERED_ARRAYS};
+use super::{build, keep_recent, remembers, Builder, LineError, Repeats};
 
 /// One value of a line, held in Rust: texts borrow the line, floats are already parsed.
 #[derive(Debug, Clone)]
@@ -230,12 +230,9 @@ impl<V: Clone> Replay<V> {
             }
         }
         let value = builder.array(items, array.all_unsigned)?;
-        // The same rule, and the same capacity, as `Repeats::remember`.
-        if array.all_unsigned && array.len >= MIN_REMEMBERED_ITEMS {
-            if self.arrays.len() == REMEMBERED_ARRAYS {
-                self.arrays.pop_back();
-            }
-            self.arrays.push_front((array.id, value.clone()));
+        // What `Repeats::remember` keeps, kept the same way.
+        if array.all_unsigned && remembers(array.len) {
+            keep_recent(&mut self.arrays, (array.id, value.clone()));
         }
         Ok(value)
     }
