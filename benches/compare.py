@@ -1,4 +1,5 @@
-"""Side-by-side comparison of the Rust-backed store, the pure-Python reference and two baselines.
+"""Side-by-side comparison of the Rust-backed store, the pure-Python reference, two baselines
+and, where it imports, NeMo Gym's own store.
 
     python benches/compare.py [--repeats N] [--quick] [--json PATH]
 
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -49,6 +51,10 @@ from tokencapture.records import TokenEntry  # noqa: E402
 from tokencapture.store import canonical_line  # noqa: E402
 
 COLUMNS = ("tokencapture", "reference", "sqlite", "raw")
+# NeMo Gym's own file store, the store this package replaces: a column only where it is
+# importable (it is not a dependency; NeMo Gym needs a newer Python than this project's floor).
+NEMO_GYM = "nemo-gym"
+NEMO_GYM_MODULE = "nemo_gym.token_id_capture.store"
 WORKLOADS = ("W1", "W2", "W3", "W4")
 W4_COLUMNS = ("tokencapture", "reference")  # only the two stores have a lineage resolver
 RESULT_PREFIX = "RESULT "
@@ -228,6 +234,8 @@ def open_column(column: str, root: Path) -> Column:
         from tokencapture.reference import TokenCaptureStore as ReferenceStore
 
         return StoreColumn(ReferenceStore(root))
+    if column == NEMO_GYM:
+        return StoreColumn(importlib.import_module(NEMO_GYM_MODULE).TokenCaptureStore(root))
     if column == "sqlite":
         return SqliteColumn(root)
     if column == "raw":
@@ -301,7 +309,11 @@ def run_freeze(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
     finally:
         column.close()
     for rollout_id, entries in zip(rollout_ids, snapshots, strict=True):
-        if len(entries) != shape.calls or not all(isinstance(e, TokenEntry) for e in entries):
+        # NeMo Gym's store gives its own TokenEntry class, with the same fields.
+        fields = TokenEntry.model_fields.keys()
+        if len(entries) != shape.calls or any(
+            type(e).model_fields.keys() != fields for e in entries
+        ):
             raise RuntimeError(f"{column_name}: {rollout_id} froze {len(entries)} entries")
         last = entries[-1]
         if len(last.prompt_token_ids) != shape.final_prompt_tokens():
@@ -549,6 +561,10 @@ RATIO_TERMS: dict[str, tuple[str, str, str, str]] = {
     "W2 peak RSS tokencapture/reference": ("W2", "tokencapture", "reference", "peak_rss_mb"),
     "W3 reference ms / tokencapture ms": ("W3", "reference", "tokencapture", "ms_per_freeze"),
     "W3 reference CPU / tokencapture CPU": ("W3", "reference", "tokencapture", "cpu_ms_per_freeze"),
+    "W1 tokencapture/nemo-gym puts/s": ("W1", "tokencapture", NEMO_GYM, "puts_per_s"),
+    "W1 nemo-gym CPU / tokencapture CPU": ("W1", NEMO_GYM, "tokencapture", "cpu_us_per_put"),
+    "W2 tokencapture/nemo-gym puts/s": ("W2", "tokencapture", NEMO_GYM, "puts_per_s"),
+    "W3 nemo-gym ms / tokencapture ms": ("W3", NEMO_GYM, "tokencapture", "ms_per_freeze"),
     "W4 reference us / tokencapture us": ("W4", "reference", "tokencapture", "us_per_resolve"),
     "W4 reference CPU / tokencapture CPU": (
         "W4",
@@ -641,6 +657,8 @@ def render(report: dict[str, Any]) -> str:
     paired = report.get("paired_ratios", {})
     for name, value in report["ratios"].items():
         other = paired.get(name)
+        if value is None and NEMO_GYM in name:
+            continue  # no NeMo Gym column in this run
         lines.append(
             f"  {name:<40}{'n/a' if value is None else f'{value:.2f}':>12}"
             f"{'n/a' if other is None else f'{other:.2f}':>10}"
@@ -756,12 +774,26 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def default_columns() -> list[str]:
+    try:
+        nemo_gym = importlib.util.find_spec(NEMO_GYM_MODULE) is not None
+    except ImportError:  # no nemo_gym package at all
+        nemo_gym = False
+    return [*COLUMNS, NEMO_GYM] if nemo_gym else list(COLUMNS)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs per cell (default 5)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     parser.add_argument("--json", default=os.fspath(DEFAULT_JSON), help="where to write figures")
-    parser.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS))
+    parser.add_argument(
+        "--columns",
+        nargs="+",
+        choices=(*COLUMNS, NEMO_GYM),
+        default=default_columns(),
+        help=f"default: {', '.join(COLUMNS)}, and {NEMO_GYM} where NeMo Gym is importable",
+    )
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--scratch", default=os.fspath(DEFAULT_SCRATCH), help="data directory")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per worker run")

@@ -11,6 +11,7 @@ from tests.conftest import make_entry
 
 from tokencapture import _core
 from tokencapture.records import TokenEntry
+from tokencapture.reference import TokenCaptureStore as ReferenceStore
 from tokencapture.store import TokenCaptureStore, validate_rollout_id, validate_rollout_ids
 
 BAD_IDS = [
@@ -130,6 +131,44 @@ def test_newline_call_id_refused_by_put_and_begin_call_but_mark_incomplete_recor
     store._mark_incomplete("r1", "bad\nid")
     assert store.is_incomplete("r1")
     assert store.freeze_now("r1").incomplete
+
+
+@pytest.mark.parametrize("call_id", [" padded", "tab\t", "\x0bvt", "ff\x0c", " "])
+@pytest.mark.parametrize(
+    "implementation", [TokenCaptureStore, ReferenceStore], ids=["rust", "reference"]
+)
+def test_whitespace_edged_call_ids_are_refused_by_put_and_begin_call(
+    tmp_path: Path, implementation: type[TokenCaptureStore], call_id: str
+) -> None:
+    """Readers of the intents file strip its lines (as NeMo Gym's store does), so such an
+    intent could never match its entry."""
+    store = implementation(tmp_path / "capture")
+    with pytest.raises(ValueError, match="whitespace"):
+        store.append(make_entry(call=call_id))
+    with pytest.raises(ValueError, match="whitespace"):
+        store._begin_call("r1", call_id)
+    assert listing(store) in ([], ["r1.tokens.lock"])
+    store.append(make_entry(call="inner space\tis fine"))
+
+
+@pytest.mark.parametrize(
+    "implementation", [TokenCaptureStore, ReferenceStore], ids=["rust", "reference"]
+)
+def test_freeze_matches_intent_lines_stripped(
+    tmp_path: Path, implementation: type[TokenCaptureStore]
+) -> None:
+    """Intent lines as another writer (NeMo Gym) may have left them: matched stripped of
+    ASCII whitespace, blank ones skipped."""
+    for name, extra_lines, incomplete in [
+        ("padded", b" call-1\t\n\x0b\x0c\n \n", False),
+        ("missing", b" call-1\n\tcall-2 \n", True),
+    ]:
+        store = implementation(tmp_path / name)
+        store._begin_call("r1", "call-1")
+        store.append(make_entry(call="call-1"))
+        with store.intents_path_for("r1").open("ab") as intents:
+            intents.write(extra_lines)
+        assert store.freeze_now("r1").incomplete is incomplete, name
 
 
 def test_mutated_entry_with_nan_is_refused(store: TokenCaptureStore) -> None:

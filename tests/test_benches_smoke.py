@@ -7,6 +7,7 @@ carries every column's figures. The real comparison is `python benches/compare.p
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,38 @@ def test_compare_quick_writes_every_column(tmp_path: Path) -> None:
     assert {target["status"] for target in report["targets"]} <= {"PASS", "MISS", "N/A"}
     assert len(report["targets"]) == 7
     assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())
+
+
+def test_compare_adds_a_nemo_gym_column_where_nemo_gym_imports(tmp_path: Path) -> None:
+    """A stand-in `nemo_gym.token_id_capture.store` (our reference store under NeMo Gym's
+    module name) on the path makes the comparison add the `nemo-gym` column and its ratios."""
+    pytest.importorskip("tokencapture.reference", reason="the reference store is not built yet")
+    package = tmp_path / "fake" / "nemo_gym" / "token_id_capture"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "store.py").write_text(
+        "from tokencapture.reference import TokenCaptureStore as TokenCaptureStore\n"
+    )
+    out = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), *sys.path])}
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(COMPARE), "--quick", "--repeats", "1", "--silent"),
+            *("--workloads", "W1", "W2", "W3", "--json", str(out)),
+            *("--scratch", str(tmp_path / "scratch")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["meta"]["columns"][-1] == "nemo-gym"
+    for workload in ("W1", "W2"):
+        assert report["medians"][workload]["nemo-gym"]["puts_per_s"] > 0, workload
+    assert report["medians"]["W3"]["nemo-gym"]["ms_per_freeze"] > 0
+    assert report["ratios"]["W3 nemo-gym ms / tokencapture ms"] > 0
+    assert "W1 tokencapture/nemo-gym puts/s" in proc.stdout

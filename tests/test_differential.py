@@ -73,7 +73,7 @@ MACHINE_SETTINGS = settings(
 ROLLOUTS = ("r0", "r1")
 CALL_IDS = ("c0", "c1", "c2", 'q"\u00e9\u2028')
 # Call ids that cannot be one line of the intents file, and some that can but look odd.
-ODD_CALL_IDS = ("", "a\nb", "x\ry", "\ud800", "\x00nul", " ")
+ODD_CALL_IDS = ("", "a\nb", "x\ry", "\ud800", "\x00nul", " ", "\tpad")
 # Errors a store is expected to raise for some input; anything else fails the test at once.
 EXPECTED_ERRORS = (ValueError, TypeError, TokenCaptureFrozenError)
 

@@ -589,4 +589,4 @@ impl<'a, 'r, V: Clone> Scanner<'a, 'r, V> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

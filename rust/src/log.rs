@@ -87,8 +87,9 @@ pub fn read_at(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
 }
 
 /// Read `len` bytes at `offset` into `buf` (replacing its contents, reusing its memory).
+/// Only bytes beyond what `buf` already holds are zeroed first: a recycled whole-log buffer
+/// would otherwise be cleared in full (megabytes) just to be overwritten.
 pub fn read_into(file: &File, offset: u64, len: usize, buf: &mut Vec<u8>) -> io::Result<()> {
-    buf.clear();
     buf.resize(len, 0);
     file.read_exact_at(buf, offset)
 }

@@ -8,6 +8,7 @@ use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::buffer::PyBuffer;
@@ -18,6 +19,7 @@ use pyo3::types::{PyBytes, PyList, PyString, PyTuple, PyType};
 
 use crate::digest;
 use crate::error::Error;
+use crate::json::tape::TapedLine;
 use crate::pool::WorkerPool;
 use crate::store::{self, Store, DEFAULT_CACHED_ROLLOUTS};
 
@@ -297,7 +299,7 @@ fn decode_lines(py: Python<'_>, buf: &[u8], ranges: &[Range<usize>]) -> Vec<PyRe
 /// [`decode_lines`] in two stages for a large read: a helper thread checks the grammar,
 /// parses numbers and compares repeated arrays (no GIL needed) while this thread builds the
 /// Python objects of the lines already parsed (see `json::tape`). ~15% faster for a 2.5 MB
-/// log here; a freeze, whose second core is verifying, does not use it.
+/// log here. (A freeze has its verifying thread make the tapes: see `PyStore::freeze`.)
 fn decode_lines_pipelined(
     py: Python<'_>,
     buf: &[u8],
@@ -306,32 +308,42 @@ fn decode_lines_pipelined(
     if buf.len() < PIPELINED_DECODE_BYTES {
         return decode_lines(py, buf, ranges);
     }
-    let _paused = CollectorPause::new(py);
     std::thread::scope(|scope| {
         let (sender, receiver) = std::sync::mpsc::sync_channel(PIPELINED_LINES_AHEAD);
         scope.spawn(move || {
             crate::json::tape::tape_lines(buf, ranges, |line| sender.send(line).is_ok());
         });
-        let mut builder = PyBuilder { py };
-        let mut replay = crate::json::tape::Replay::new();
-        let mut decoded = Vec::with_capacity(ranges.len());
-        for (index, parsed) in receiver.iter().enumerate() {
-            let value = parsed
-                .map_err(PyErr::from)
-                .and_then(|tape| replay.value(&tape, &mut builder));
-            if let Err(err) = value {
-                // A line that failed here may have left an array unbuilt that the helper
-                // offers to later lines: decode the rest in one walk (dropping the receiver
-                // stops the helper).
-                decoded.push(Err(err));
-                drop(receiver);
-                decoded.extend(decode_lines(py, buf, &ranges[index + 1..]));
-                return decoded;
-            }
-            decoded.push(value.map(|(value, _)| value.unbind()));
-        }
-        decoded
+        replay_lines(py, buf, ranges, receiver)
     })
+}
+
+/// Build the lines at `ranges` of `buf` from their tapes, which `tapes` yields in order.
+fn replay_lines<'b>(
+    py: Python<'_>,
+    buf: &'b [u8],
+    ranges: &[Range<usize>],
+    tapes: Receiver<TapedLine<'b>>,
+) -> Vec<PyResult<Py<PyAny>>> {
+    let _paused = CollectorPause::new(py);
+    let mut builder = PyBuilder { py };
+    let mut replay = crate::json::tape::Replay::new();
+    let mut decoded = Vec::with_capacity(ranges.len());
+    for (index, taped) in tapes.iter().enumerate() {
+        let value = taped
+            .map_err(PyErr::from)
+            .and_then(|tape| replay.value(&tape, &mut builder));
+        if let Err(err) = value {
+            // A line that failed here may have left an array unbuilt that the tapes offer to
+            // later lines: decode the rest in one walk (dropping the receiver stops the
+            // producer's sends).
+            decoded.push(Err(err));
+            drop(tapes);
+            decoded.extend(decode_lines(py, buf, &ranges[index + 1..]));
+            return decoded;
+        }
+        decoded.push(value.map(|(value, _)| value.unbind()));
+    }
+    decoded
 }
 
 /// Reads of logs at least this large are decoded in two stages (`decode_lines_pipelined`).
@@ -660,16 +672,19 @@ impl PyStore {
     ) -> PyResult<(DecodedRecords<'py>, bool, String, u64)> {
         let rollout_id = text(rollout_id, "rollout_id")?;
         // The lines are decoded (attached) while another thread verifies them and makes the
-        // freeze durable (detached): see `Store::freeze_decoding`.
-        // A freeze already verifies on a second thread while this one decodes, so it decodes
-        // in one walk: a parsing helper as well (see `decode_lines_pipelined`) made freezes
-        // ~10% slower on two cores.
+        // freeze durable (detached); for a large log that thread also parses each line into a
+        // tape just before hashing it, and this one only builds: see
+        // `Store::freeze_decoding`.
         let (snapshot, (ranges, decoded)) = py
             .detach(|| {
-                self.inner.freeze_decoding(rollout_id, |buf, ranges| {
-                    let decoded = Python::attach(|py| decode_lines(py, buf, ranges));
-                    (ranges.to_vec(), decoded)
-                })
+                self.inner
+                    .freeze_decoding(rollout_id, |buf, ranges, tapes| {
+                        let decoded = Python::attach(|py| match tapes {
+                            Some(tapes) => replay_lines(py, buf, ranges, tapes),
+                            None => decode_lines(py, buf, ranges),
+                        });
+                        (ranges.to_vec(), decoded)
+                    })
             })
             .map_err(|e| to_pyerr(py, e))?;
         let log = self.inner.paths(rollout_id).log;

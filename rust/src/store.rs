@@ -25,12 +25,14 @@ use std::io;
 use std::num::NonZeroUsize;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Mutex, MutexGuard};
 
 use lru::LruCache;
 
 use crate::digest::payload_digest;
 use crate::error::{Error, IoContext, Result};
+use crate::json::tape::{call_id_of, LineTaper, TapedLine};
 use crate::json::{extract_call_id, LineError, Repeats};
 use crate::lock::{FileId, LockMode, RolloutLock};
 use crate::log::{
@@ -97,7 +99,19 @@ pub fn validate_call_id(call_id: &str) -> Result<()> {
             "model_call_id {call_id:?} contains a line break"
         )));
     }
+    if call_id.starts_with(is_line_space) || call_id.ends_with(is_line_space) {
+        return Err(Error::InvalidInput(format!(
+            "model_call_id {call_id:?} starts or ends with whitespace, which readers of the \
+             intents file strip: its intent would not match its entry"
+        )));
+    }
     Ok(())
+}
+
+/// What readers strip from both ends of an intents line (Python's `bytes.strip()`, as
+/// NeMo Gym's store reads them): ASCII space, tab, line feed, vertical tab, form feed, return.
+fn is_line_space(c: char) -> bool {
+    matches!(c, ' ' | '\t' | '\n' | '\x0b' | '\x0c' | '\r')
 }
 
 fn validate_line(line: &[u8], what: &str) -> Result<()> {
@@ -183,12 +197,15 @@ impl Settled {
     }
 }
 
-/// Whether a scan of a large log may use a second thread (it may not when the caller keeps
-/// the other core busy decoding).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Scan {
+/// How a log's lines are hashed and walked.
+enum Scan<'f, 'b> {
+    /// On this thread.
     Serial,
+    /// A large log on two threads (when the caller leaves the other core free).
     Parallel,
+    /// On this thread, each line first handed to the closure, which walks it whole and
+    /// answers its call id as `json::extract_call_id` would (see `Store::freeze_decoding`).
+    Following(&'f mut dyn FnMut(&'b [u8]) -> std::result::Result<String, LineError>),
 }
 
 /// Result of a batch retire or delete.
@@ -744,10 +761,14 @@ impl Store {
     /// then costs no wall time beyond the longer of the two. `decode` sees every complete
     /// line, in file order (a rare duplicate included: the snapshot's ranges say which lines
     /// are the records). If the freeze fails, what `decode` made is dropped.
+    ///
+    /// For a large log `decode` also gets the lines' tapes (`json::tape`): the verifying
+    /// thread parses each line into a tape (the one walk it needs anyway for the call ids of
+    /// lines past the index) just before hashing it, and `decode` only builds.
     pub fn freeze_decoding<D>(
         &self,
         rollout_id: &str,
-        decode: impl FnOnce(&[u8], &[Range<usize>]) -> D,
+        decode: impl for<'b> FnOnce(&'b [u8], &[Range<usize>], Option<Receiver<TapedLine<'b>>>) -> D,
     ) -> Result<(Snapshot, D)> {
         validate_rollout_id(rollout_id)?;
         self.exclusive(rollout_id, |cached, paths| {
@@ -757,12 +778,23 @@ impl Store {
                 .collect();
             let (settled, decoded) = if buf.len() < PARALLEL_SCAN_BYTES {
                 let settled = self.settle_freeze(cached, paths, &buf, Scan::Serial)?;
-                (settled, decode(&buf, &lines))
+                (settled, decode(&buf, &lines, None))
             } else {
+                let log: &[u8] = &buf;
                 std::thread::scope(|scope| {
-                    let settling =
-                        scope.spawn(|| self.settle_freeze(cached, paths, &buf, Scan::Serial));
-                    let decoded = decode(&buf, &lines);
+                    let (tapes, taped) = sync_channel(TAPES_AHEAD);
+                    let settling = scope.spawn(move || {
+                        let mut taper = LineTaper::new();
+                        let mut follow = |line| {
+                            let tape = taper.tape(line);
+                            let call_id = call_id_of(&tape);
+                            // A closed channel (the decode stopped early) leaves the checks.
+                            let _ = tapes.send(tape);
+                            call_id
+                        };
+                        self.settle_freeze(cached, paths, log, Scan::Following(&mut follow))
+                    });
+                    let decoded = decode(&buf, &lines, Some(taped));
                     let settled = settling.join().expect("freeze thread")?;
                     Ok::<_, Error>((settled, decoded))
                 })?
@@ -790,12 +822,12 @@ impl Store {
 
     /// Verify `buf` (the whole log) against the index, fold its tail, truncate a torn final
     /// line, and make the freeze durable (the first freeze mints the snapshot id).
-    fn settle_freeze(
+    fn settle_freeze<'b>(
         &self,
         cached: &mut Cached,
         paths: &RolloutPaths,
-        buf: &[u8],
-        scan: Scan,
+        buf: &'b [u8],
+        scan: Scan<'_, 'b>,
     ) -> Result<Settled> {
         let lines = verify_and_fold(&mut cached.state, buf, paths, scan)?;
         if let Some(log) = &cached.log {
@@ -997,11 +1029,11 @@ impl Store {
 /// An indexed line is identified by its digest alone (SHA-256 of bytes that include the call
 /// id), so only unindexed lines, and lines that fail that check, pay for the call-id walk.
 /// Hashing and walking run on two threads for large logs, unless `scan` is serial.
-fn verify_and_fold(
+fn verify_and_fold<'b>(
     state: &mut State,
-    buf: &[u8],
+    buf: &'b [u8],
     paths: &RolloutPaths,
-    scan: Scan,
+    scan: Scan<'_, 'b>,
 ) -> Result<Vec<Range<usize>>> {
     let complete_end = complete_prefix_len(buf) as u64;
     let indexed = state.indexed_size;
@@ -1074,24 +1106,34 @@ struct ScannedLine<'a> {
     call_id: Option<std::result::Result<String, LineError>>,
 }
 
+/// How many tapes the verifying thread of `freeze_decoding` may make ahead of the decode.
+const TAPES_AHEAD: usize = 8;
+
 /// Logs at least this large are hashed and walked on two threads.
 const PARALLEL_SCAN_BYTES: usize = 256 << 10;
 
-fn scan_lines(buf: &[u8], indexed: u64, scan: Scan) -> Vec<ScannedLine<'_>> {
+fn scan_lines<'b>(buf: &'b [u8], indexed: u64, scan: Scan<'_, 'b>) -> Vec<ScannedLine<'b>> {
     let all: Vec<(u64, &[u8])> = complete_lines(buf, 0).collect();
-    let work =
-        |chunk: &[(u64, &[u8])]| -> Vec<(String, Option<std::result::Result<String, LineError>>)> {
-            let mut repeats = Repeats::new();
-            chunk
-                .iter()
-                .map(|&(offset, line)| {
-                    let call_id =
-                        (offset >= indexed).then(|| extract_call_id(line, Some(&mut repeats)));
-                    (payload_digest(line), call_id)
-                })
-                .collect()
-        };
-    let results = if scan == Scan::Parallel && buf.len() >= PARALLEL_SCAN_BYTES && all.len() > 1 {
+    let work = |chunk: &[(u64, &'b [u8])]| {
+        let mut repeats = Repeats::new();
+        chunk
+            .iter()
+            .map(|&(offset, line)| {
+                let call_id =
+                    (offset >= indexed).then(|| extract_call_id(line, Some(&mut repeats)));
+                (payload_digest(line), call_id)
+            })
+            .collect::<Vec<(String, Option<std::result::Result<String, LineError>>)>>()
+    };
+    let parallel = matches!(scan, Scan::Parallel) && buf.len() >= PARALLEL_SCAN_BYTES;
+    let results = if let Scan::Following(follow) = scan {
+        all.iter()
+            .map(|&(offset, line)| {
+                let call_id = follow(line);
+                (payload_digest(line), (offset >= indexed).then_some(call_id))
+            })
+            .collect()
+    } else if parallel && all.len() > 1 {
         // Split by bytes, not lines: one huge line must not leave the other thread idle.
         let half = buf.len() / 2;
         let split = all
@@ -1142,8 +1184,13 @@ fn has_dangling_intent(path: &Path, state: &State) -> Result<bool> {
         Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(err) => return Err(err).ctx("read intents", path),
     };
-    let dangling = complete_lines(&bytes, 0).any(|(_, line)| {
-        std::str::from_utf8(line).map_or(true, |id| !state.entry_digests.contains_key(id))
+    // Lines are matched as NeMo Gym's store matches them: stripped, blank ones skipped.
+    let dangling = complete_lines(&bytes, 0).any(|(_, line)| match std::str::from_utf8(line) {
+        Ok(id) => {
+            let id = id.trim_matches(is_line_space);
+            !id.is_empty() && !state.entry_digests.contains_key(id)
+        }
+        Err(_) => true,
     });
     Ok(dangling)
 }
@@ -1151,9 +1198,167 @@ fn has_dangling_intent(path: &Path, state: &State) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
     use std::os::fd::AsRawFd;
     use std::sync::mpsc;
     use std::time::Duration;
+
+    /// A rollout whose log is at least `bytes` long: prompts that grow by repeating the
+    /// previous prompt and answer, as an agentic rollout's do.
+    fn growing_log(store: &Store, rollout_id: &str, bytes: u64) -> usize {
+        let log_len = || {
+            store
+                .paths(rollout_id)
+                .log
+                .metadata()
+                .map_or(0, |m| m.len())
+        };
+        let mut prompt: Vec<String> = Vec::new();
+        let mut calls = 0;
+        while log_len() < bytes {
+            prompt.extend((0..700).map(|i| ((calls * 7919 + i * 104_729) % 151_936).to_string()));
+            let line = format!(
+                r#"{{"generation_log_probs":[-0.5,-1.25e-3],"model_call_id":"c{calls}","prompt_token_ids":[{}]}}"#,
+                prompt.join(",")
+            );
+            store
+                .put(rollout_id, &format!("c{calls}"), line.as_bytes())
+                .unwrap();
+            calls += 1;
+        }
+        calls
+    }
+
+    /// Each line of `buf` at `ranges` built in one walk, repeats reused, as a decoder without
+    /// tapes builds them.
+    fn walked(buf: &[u8], ranges: &[Range<usize>]) -> Vec<String> {
+        let mut repeats = Repeats::new();
+        let mut echo = crate::json::tests::Echo::default();
+        ranges
+            .iter()
+            .map(|range| {
+                crate::json::build(&buf[range.clone()], &mut echo, Some(&mut repeats)).unwrap()
+            })
+            .collect()
+    }
+
+    /// What a decoder replaying the tapes it was given builds.
+    fn replayed(tapes: Receiver<TapedLine<'_>>) -> Vec<String> {
+        let mut replay = crate::json::tape::Replay::new();
+        let mut echo = crate::json::tests::Echo::default();
+        tapes
+            .iter()
+            .map(|tape| replay.value(&tape.unwrap(), &mut echo).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_large_freeze_hands_its_decoder_one_tape_per_line_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        let calls = growing_log(&store, "r", PARALLEL_SCAN_BYTES as u64 + 1);
+        // A second copy of the last line (a writer's retry that crashed before its index
+        // update): decoded, not a record.
+        let log = store.paths("r").log;
+        let bytes = std::fs::read(&log).unwrap();
+        let last = bytes[..bytes.len() - 1]
+            .rsplit(|&b| b == b'\n')
+            .next()
+            .unwrap();
+        let mut copy = last.to_vec();
+        copy.push(b'\n');
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&log)
+            .unwrap()
+            .write_all(&copy)
+            .unwrap();
+        let (snapshot, (replayed, expected)) = store
+            .freeze_decoding("r", |buf, ranges, tapes| {
+                (
+                    replayed(tapes.expect("a large log comes with tapes")),
+                    walked(buf, ranges),
+                )
+            })
+            .unwrap();
+        assert_eq!(snapshot.records.lines.len(), calls);
+        assert_eq!(replayed.len(), calls + 1);
+        assert_eq!(replayed, expected);
+    }
+
+    #[test]
+    fn a_large_freeze_refuses_a_line_past_its_index_without_a_call_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        growing_log(&store, "r", PARALLEL_SCAN_BYTES as u64 + 1);
+        let log = store.paths("r").log;
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&log)
+            .unwrap()
+            .write_all(b"{\"prompt_token_ids\":[1,2]}\n")
+            .unwrap();
+        let frozen = store.freeze_decoding("r", |_, _, tapes| tapes.map(replayed));
+        assert!(
+            matches!(&frozen, Err(Error::Corrupt { detail, .. }) if detail.contains("no model_call_id")),
+            "{frozen:?}"
+        );
+    }
+
+    #[test]
+    fn a_small_freeze_decodes_without_tapes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        let calls = growing_log(&store, "r", 1);
+        let (snapshot, had_tapes) = store
+            .freeze_decoding("r", |_, _, tapes| tapes.is_some())
+            .unwrap();
+        assert!(!had_tapes);
+        assert_eq!(snapshot.records.lines.len(), calls);
+    }
+
+    #[test]
+    fn a_freeze_whose_decoder_stops_early_still_settles() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        let calls = growing_log(&store, "r", PARALLEL_SCAN_BYTES as u64 * 2);
+        assert!(
+            calls > TAPES_AHEAD + 2,
+            "{calls} lines cannot fill the tape channel"
+        );
+        // The decoder takes one tape and drops the rest: the verifying thread, blocked on a
+        // full channel, must see it closed and finish.
+        let (snapshot, first) = store
+            .freeze_decoding("r", |_, _, tapes| tapes.unwrap().recv().is_ok())
+            .unwrap();
+        assert!(first);
+        assert_eq!(snapshot.records.lines.len(), calls);
+        assert_eq!(store.freeze("r").unwrap().snapshot_id, snapshot.snapshot_id);
+    }
+
+    #[test]
+    fn intent_lines_are_matched_stripped_and_edged_call_ids_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        for edged in [" a", "a\t", "\x0ba", "a\x0c", " "] {
+            assert!(matches!(
+                store.begin_call("r", edged),
+                Err(Error::InvalidInput(_))
+            ));
+        }
+        store
+            .put("r", "a b", br#"{"model_call_id":"a b"}"#)
+            .unwrap();
+        let state = store.cache().get("r").unwrap().state.clone();
+        let intents = dir.path().join("intents");
+        let dangling = |lines: &[u8]| {
+            std::fs::write(&intents, lines).unwrap();
+            has_dangling_intent(&intents, &state).unwrap()
+        };
+        assert!(!dangling(b" a b\t\n\x0b\x0c\n\n"));
+        assert!(dangling(b"a b\n a\n"));
+        assert!(!dangling(b"a b\nnot a complete line"));
+    }
 
     #[test]
     fn a_lock_descriptor_inherited_from_another_process_is_never_locked() {

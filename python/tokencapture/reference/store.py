@@ -96,6 +96,9 @@ def validate_rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(validate_rollout_id(rollout_id) for rollout_id in rollout_ids))
 
 
+_TOKEN_ARRAYS = ("prompt_token_ids", "generation_token_ids")
+
+
 def _check_list_items(name: str, items: object, accept: tuple[type, ...], what: str) -> None:
     """Every item's type is one of `accept` (bools never count as numbers)."""
     if not isinstance(items, list):
@@ -123,6 +126,8 @@ def _check_json_value(value: object, path: str, depth: int) -> None:
         kinds = set(map(type, value))
         if kinds <= {int, str, bool, type(None)}:
             return  # a token array: nothing inside can be non-finite or nested
+        if kinds == {float} and all(map(math.isfinite, value)):
+            return  # log-probs: one C loop instead of a call per item
         for index, item in enumerate(value):
             _check_json_value(item, f"{path}.{index}", depth + 1)
     elif isinstance(value, dict):
@@ -143,14 +148,15 @@ def canonical_line(entry: TokenEntry) -> bytes:
         values["parent_resolution"] = str(getattr(status, "value", status))
     try:
         check_field_types(values)
-        for name in ("prompt_token_ids", "generation_token_ids"):
+        for name in _TOKEN_ARRAYS:
             _check_list_items(name, values[name], (int,), "an int")
         _check_list_items(
             "generation_log_probs", values["generation_log_probs"], (int, float), "a float"
         )
         check_entry_invariants(entry)
         for name, value in values.items():
-            _check_json_value(value, name, 1)
+            if name not in _TOKEN_ARRAYS:  # just checked: plain ints
+                _check_json_value(value, name, 1)
     except ValueError as exc:
         raise ValueError(f"entry {values.get('model_call_id')!r} cannot be stored: {exc}") from exc
     try:
@@ -174,6 +180,10 @@ def _is_hex_digest(text: object) -> bool:
     return isinstance(text, str) and len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
+# What readers strip from both ends of an intents line (`bytes.strip()`, as NeMo Gym reads them).
+_LINE_SPACE = " \t\n\x0b\x0c\r"
+
+
 def _check_call_id(call_id: object) -> str:
     """A call id must be one line of the intents file: non-empty, no line break, UTF-8."""
     if not isinstance(call_id, str):
@@ -182,6 +192,11 @@ def _check_call_id(call_id: object) -> str:
         raise ValueError("model_call_id must not be empty")
     if "\n" in call_id or "\r" in call_id:
         raise ValueError(f"model_call_id {call_id!r} contains a line break")
+    if call_id != call_id.strip(_LINE_SPACE):
+        raise ValueError(
+            f"model_call_id {call_id!r} starts or ends with whitespace, which readers of the "
+            "intents file strip: its intent would not match its entry"
+        )
     try:
         call_id.encode("utf-8")
     except UnicodeEncodeError:
@@ -819,10 +834,10 @@ class TokenCaptureStore:
             return False
         for _, line in _complete_lines(data, 0):
             try:
-                call_id = line.decode("utf-8")
+                call_id = line.decode("utf-8").strip(_LINE_SPACE)  # matched as NeMo Gym does
             except UnicodeDecodeError:
                 return True
-            if call_id not in state.entry_digests:
+            if call_id and call_id not in state.entry_digests:
                 return True
         return False
 

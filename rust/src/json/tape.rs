@@ -144,22 +144,76 @@ impl<'a> Builder<'a> for TapeBuilder {
     }
 }
 
-/// Walk the lines at `ranges` of `buf` in order into tapes, repeated arrays reused across
-/// lines, handing each line's result to `emit` until it returns false. After a line that fails,
-/// nothing earlier is reused: its arrays were never replayed.
+/// One line's walk: its tape, or why the line is not valid JSON.
+pub type TapedLine<'a> = Result<Tape<'a>, LineError>;
+
+/// Walks the lines of one buffer into tapes, in order, repeated arrays reused across lines.
+/// After a line that fails, nothing earlier is reused: its arrays were never replayed.
+pub struct LineTaper<'a> {
+    builder: TapeBuilder,
+    repeats: Repeats<'a, Tape<'a>>,
+}
+
+impl Default for LineTaper<'_> {
+    fn default() -> Self {
+        Self {
+            builder: TapeBuilder::default(),
+            repeats: Repeats::new(),
+        }
+    }
+}
+
+impl<'a> LineTaper<'a> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The next line of the walk.
+    pub fn tape(&mut self, line: &'a [u8]) -> TapedLine<'a> {
+        let taped = build(line, &mut self.builder, Some(&mut self.repeats));
+        if taped.is_err() {
+            self.repeats = Repeats::new();
+        }
+        taped
+    }
+}
+
+/// The top-level `model_call_id` of a line's tape, with the verdicts of
+/// [`super::extract_call_id`] on the same line (its walk and a tape's check the same grammar),
+/// so a thread that tapes lines need not walk them again for their call ids.
+pub fn call_id_of(taped: &TapedLine<'_>) -> Result<String, LineError> {
+    let members = match taped {
+        Ok(Tape::Object(members, _)) => members,
+        Ok(_) => return Err(LineError("expected a JSON object".to_owned())),
+        Err(err) => return Err(err.clone()),
+    };
+    let mut found = None;
+    for (key, value) in members {
+        if !matches!(key, Tape::String(raw, _) if *raw == b"\"model_call_id\"") {
+            continue;
+        }
+        let Tape::String(raw, _) = value else {
+            return Err(LineError("model_call_id is not a string".to_owned()));
+        };
+        let id: String = serde_json::from_slice(raw)
+            .map_err(|err| LineError(format!("model_call_id is not valid JSON: {err}")))?;
+        if found.replace(id).is_some() {
+            return Err(LineError("model_call_id appears twice".to_owned()));
+        }
+    }
+    found.ok_or_else(|| LineError("no model_call_id".to_owned()))
+}
+
+/// Walk the lines at `ranges` of `buf` in order into tapes (see [`LineTaper`]), handing each
+/// line's result to `emit` until it returns false.
 pub fn tape_lines<'a>(
     buf: &'a [u8],
     ranges: &[Range<usize>],
-    mut emit: impl FnMut(Result<Tape<'a>, LineError>) -> bool,
+    mut emit: impl FnMut(TapedLine<'a>) -> bool,
 ) {
-    let mut builder = TapeBuilder::default();
-    let mut repeats = Repeats::new();
+    let mut taper = LineTaper::new();
     for range in ranges {
-        let line = build(&buf[range.clone()], &mut builder, Some(&mut repeats));
-        if line.is_err() {
-            repeats = Repeats::new();
-        }
-        if !emit(line) {
+        if !emit(taper.tape(&buf[range.clone()])) {
             return;
         }
     }

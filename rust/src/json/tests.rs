@@ -49,7 +49,7 @@ fn refuses_what_is_not_one_record() {
 /// Builds a compact re-serialization, to see the walk hands every value over in order, and
 /// counts the integers it was handed one by one (the ones a repeat did not cover).
 #[derive(Default)]
-struct Echo {
+pub(crate) struct Echo {
     parsed_unsigned: usize,
 }
 
@@ -347,4 +347,50 @@ fn arrays_of_a_broken_line_are_never_reused_by_a_replay() {
     let [(expected, _), (got, _)] = direct_and_replayed(&lines);
     assert!(expected[0].is_err() && expected[1].is_ok());
     assert_eq!(got, expected);
+}
+
+#[test]
+fn a_tape_gives_the_call_id_verdicts_of_the_call_id_walk() {
+    use super::tape::{call_id_of, LineTaper};
+    let mut rng = Lcg(5);
+    let (mut found, mut refused) = (0, 0);
+    for _ in 0..200 {
+        // Entry-like lines around random arrays, some broken; the taper and the walk each
+        // carry their repeats across the lines, as the verifying thread does.
+        let mut lines = random_lines(&mut rng);
+        let ids = [
+            r#""model_call_id":"c1","#,
+            r#""model_call_id":"c\u00e9\n","#,
+            r#""model_call_id":7,"#,
+            r#""model_call_id":"a","model_call_id":"a","#,
+            r#""model_call_id":"bad\q","#,
+            "",
+        ];
+        for line in &mut lines {
+            let id = ids[rng.next(ids.len() as u64) as usize];
+            *line = match rng.next(8) {
+                0 => format!("[{line}]"),
+                1 => format!("{line} x"),
+                _ => line.replacen('{', &format!("{{{id}"), 1),
+            };
+        }
+        let mut taper = LineTaper::new();
+        let mut repeats = Repeats::new();
+        for line in &lines {
+            let walked = extract_call_id(line.as_bytes(), Some(&mut repeats));
+            let taped = call_id_of(&taper.tape(line.as_bytes()));
+            assert_eq!(
+                taped.is_ok(),
+                walked.is_ok(),
+                "{line}: {taped:?} vs {walked:?}"
+            );
+            if let Ok(id) = walked {
+                assert_eq!(taped.unwrap(), id);
+                found += 1;
+            } else {
+                refused += 1;
+            }
+        }
+    }
+    assert!(found > 200 && refused > 200, "{found} {refused}");
 }
