@@ -3,10 +3,7 @@
 //! Every call that touches a file, waits for a lock or hashes runs detached from the
 //! interpreter (`Python::detach`), so other Python threads and the event loop keep running.
 
-use std::io::{Read, Write};
 use std::ops::Range;
-use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -18,6 +15,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple, PyType};
 
 use crate::digest;
+use crate::doorbell::Doorbell;
 use crate::error::Error;
 use crate::json::tape::TapedLine;
 use crate::pool::WorkerPool;
@@ -415,9 +413,9 @@ fn select_records<'py>(
 // ---- async bridge ----------------------------------------------------------------------------
 //
 // Async puts run on a native worker pool and report to a `Completions` queue that the event loop
-// watches (its read end is registered with `loop.add_reader`). Workers never take the GIL; the
-// first completion after a drain writes one wake-up byte, so a burst of completions costs the
-// loop one wake-up and one `drain` call.
+// watches (its doorbell is registered with `loop.add_reader`). Workers never take the GIL; the
+// first completion after a drain rings the doorbell, so a burst of completions costs the loop
+// one wake-up and one `drain` call.
 
 /// Workers of the process-wide pool: enough concurrent fsyncs to keep the disk busy.
 const POOL_WORKERS: usize = 64;
@@ -462,8 +460,7 @@ impl From<crate::Result<bool>> for Outcome {
 #[pyclass(frozen, module = "tokencapture._core")]
 struct Completions {
     done: Mutex<Vec<(u64, Outcome)>>,
-    wake_tx: UnixStream,
-    wake_rx: UnixStream,
+    doorbell: Doorbell,
 }
 
 impl Completions {
@@ -474,8 +471,7 @@ impl Completions {
             done.len() == 1
         };
         if first {
-            // Non-blocking: a full socket buffer already holds a pending wake-up.
-            let _ = (&self.wake_tx).write(&[1]);
+            self.doorbell.ring();
         }
     }
 }
@@ -484,28 +480,23 @@ impl Completions {
 impl Completions {
     #[new]
     fn new() -> PyResult<Self> {
-        let (wake_tx, wake_rx) = UnixStream::pair()?;
-        wake_tx.set_nonblocking(true)?;
-        wake_rx.set_nonblocking(true)?;
         Ok(Completions {
             done: Mutex::new(Vec::new()),
-            wake_tx,
-            wake_rx,
+            doorbell: Doorbell::new()?,
         })
     }
 
     /// The descriptor to watch for readability.
     fn fileno(&self) -> i32 {
-        self.wake_rx.as_raw_fd()
+        self.doorbell.fd()
     }
 
     /// Take every finished job: `[(token, value, failed)]`, `value` being the result or the
     /// exception to raise.
     fn drain<'py>(&self, py: Python<'py>) -> Vec<(u64, Bound<'py, PyAny>, bool)> {
-        // Consume wake-ups before taking the queue, so a completion racing this drain either
-        // lands in this batch or leaves a byte for the next one.
-        let mut sink = [0u8; 256];
-        while matches!((&self.wake_rx).read(&mut sink), Ok(n) if n > 0) {}
+        // Clear the doorbell before taking the queue, so a completion racing this drain either
+        // lands in this batch or rings for the next one.
+        self.doorbell.clear();
         let done = std::mem::take(&mut *self.done.lock().unwrap_or_else(PoisonError::into_inner));
         done.into_iter()
             .map(|(token, outcome)| {
