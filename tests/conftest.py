@@ -18,6 +18,14 @@ VENDORED_GOLDEN = Path(__file__).resolve().parent / "golden"
 GOLDEN = SHARED_GOLDEN if SHARED_GOLDEN.is_dir() else VENDORED_GOLDEN
 
 
+def is_storable_call_id(text: str) -> bool:
+    """Whether `put` accepts `text` as a call id: one line of the intents file as readers
+    read it back (non-empty, no line break, no ASCII whitespace at either end)."""
+    return (
+        text != "" and "\n" not in text and "\r" not in text and text == text.strip(" \t\x0b\x0c")
+    )
+
+
 def make_entry(rollout_id: str = "r1", call: int | str = 1, **fields: Any) -> TokenEntry:
     """A small valid entry; `call` names it, other fields override the defaults."""
     call_id = call if isinstance(call, str) else f"call-{call}"

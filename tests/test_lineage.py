@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import json
 import multiprocessing
 import os
@@ -568,6 +569,9 @@ async def test_conversations_resolve_turn_by_turn(
             assert resolution.match.model_call_id == previous
             assert list(resolution.match.cumulative_token_ids) == cumulative
             assert resolution.match.digest == compute_digest(cumulative)
+            # A tuple of ints, new (i == 1) or extending the last answer's: out of the cycle
+            # collector's sight, as CPython would leave it after its first collection.
+            assert not gc.is_tracked(resolution.match.cumulative_token_ids)
         output, follow = DIALECTS[dialect](i)
         prompt = [*cumulative, *new_tokens(rng, 20 + i)]
         generation = new_tokens(rng, 5)

@@ -40,7 +40,7 @@ nemo_store_module = pytest.importorskip(
 )
 nemo_records = pytest.importorskip("nemo_gym.token_id_capture.records")
 
-from tests.conftest import make_entry  # noqa: E402
+from tests.conftest import is_storable_call_id, make_entry  # noqa: E402
 from tests.test_differential import append_bytes  # noqa: E402
 
 from tokencapture import reference  # noqa: E402
@@ -732,12 +732,7 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=3) | st.dictionaries(texts, children, max_size=3),
     max_leaves=8,
 )
-# Call ids both stores accept (ours refuses whitespace at either end: README "Call ids").
-call_ids = texts.filter(
-    lambda text: (
-        text != "" and "\n" not in text and "\r" not in text and text == text.strip(" \t\x0b\x0c")
-    )
-)
+call_ids = texts.filter(is_storable_call_id)  # both stores accept them
 LINEAGE = [
     {},
     {"parent_resolution": "root"},

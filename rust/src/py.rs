@@ -244,7 +244,7 @@ impl<'py> crate::json::Builder<'_> for PyBuilder<'py> {
 
     fn array(&mut self, items: Self::Items, all_unsigned: bool) -> PyResult<Self::Value> {
         if all_unsigned {
-            untrack_int_list(&items);
+            untrack_atomic(items.as_any());
         }
         Ok((items.into_any(), all_unsigned))
     }
@@ -265,17 +265,18 @@ impl<'py> crate::json::Builder<'_> for PyBuilder<'py> {
     }
 }
 
-/// Take a list that holds only ints out of the cycle collector's sight.
+/// Take a list or tuple that holds only ints out of the cycle collector's sight.
 ///
-/// A list of ints cannot be part of a reference cycle, yet every collection of its generation
-/// visits each of its items: with the snapshots of a few long rollouts alive (a trainer's
-/// batch), collections spent about a fifth of freeze's time walking token lists. CPython makes
-/// the same call for tuples and dicts of atomic values; a list could later be made part of a
-/// cycle by the caller, which would then only be reclaimed when it is broken by hand.
-fn untrack_int_list(list: &Bound<'_, PyList>) {
-    // SAFETY: `list` is a live object (we hold a reference and are attached to the
-    // interpreter) of a GC type; `PyObject_GC_UnTrack` accepts tracked and untracked objects.
-    unsafe { pyo3::ffi::PyObject_GC_UnTrack(list.as_ptr().cast()) }
+/// A container of ints cannot be part of a reference cycle, yet every collection of its
+/// generation visits each of its items: with the snapshots of a few long rollouts alive (a
+/// trainer's batch), collections spent about a fifth of freeze's time walking token lists.
+/// CPython makes the same call for tuples and dicts of atomic values (for tuples, lazily, at
+/// their first collection); a list could later be made part of a cycle by the caller, which
+/// would then only be reclaimed when it is broken by hand.
+fn untrack_atomic(container: &Bound<'_, PyAny>) {
+    // SAFETY: `container` is a live list or tuple (we hold a reference and are attached to the
+    // interpreter), a GC type; `PyObject_GC_UnTrack` accepts tracked and untracked objects.
+    unsafe { pyo3::ffi::PyObject_GC_UnTrack(container.as_ptr().cast()) }
 }
 
 /// Decode the lines at `ranges` of `buf` into Python values in one walk (repeated token
@@ -1265,7 +1266,7 @@ mod lineage_py {
     use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
     use serde_json::Value;
 
-    use super::{spawn_job, text, to_pyerr, token_ids, Completions};
+    use super::{spawn_job, text, to_pyerr, token_ids, untrack_atomic, Completions};
     use crate::lineage::{
         self, FileLineage, HashedRequest, ItemsRequest, LineageError, MemoryLineage, Missing,
         Outcome, Step, Tokens,
@@ -1432,12 +1433,14 @@ mod lineage_py {
                 Some((old, tuple)) if Arc::ptr_eq(&old, tokens) => tuple.into_bound(py),
                 Some((old, tuple)) if lineage::extends(&old, tokens) => {
                     let suffix = token_tuple(py, &tokens[old.len()..])?;
-                    tuple
+                    let joined = tuple
                         .bind(py)
                         .as_sequence()
                         .concat(suffix.as_sequence())?
                         .into_any()
-                        .cast_into::<PyTuple>()?
+                        .cast_into::<PyTuple>()?;
+                    untrack_atomic(joined.as_any());
+                    joined
                 }
                 _ => token_tuple(py, tokens)?,
             };
@@ -1469,14 +1472,30 @@ mod lineage_py {
     /// Bounded: at most `INTERNED_IDS` ints (about 10 MB) per process.
     static INTERNED: Mutex<Vec<Option<Py<PyAny>>>> = Mutex::new(Vec::new());
 
-    fn token_tuple<'py>(py: Python<'py>, tokens: &[u64]) -> PyResult<Bound<'py, PyTuple>> {
-        let mut table = INTERNED.lock().unwrap_or_else(PoisonError::into_inner);
+    /// The interned ints, unless another thread holds them. Never waits: creating an int may
+    /// run the cycle collector, whose finalizers may let another thread take the interpreter
+    /// while this one holds the table; that thread, waiting for the table while attached,
+    /// would deadlock both. The caller makes fresh ints instead.
+    fn interned_ints() -> Option<std::sync::MutexGuard<'static, Vec<Option<Py<PyAny>>>>> {
+        let mut table = match INTERNED.try_lock() {
+            Ok(table) => table,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
         if table.is_empty() {
             table.resize_with(INTERNED_IDS, || None);
         }
+        Some(table)
+    }
+
+    fn token_tuple<'py>(py: Python<'py>, tokens: &[u64]) -> PyResult<Bound<'py, PyTuple>> {
+        let mut table = interned_ints();
         let mut items = Vec::with_capacity(tokens.len());
         for &id in tokens {
-            let Some(slot) = usize::try_from(id).ok().and_then(|i| table.get_mut(i)) else {
+            let slot = table
+                .as_mut()
+                .and_then(|table| usize::try_from(id).ok().and_then(|i| table.get_mut(i)));
+            let Some(slot) = slot else {
                 items.push(id.into_pyobject(py)?.into_any().unbind());
                 continue;
             };
@@ -1489,7 +1508,9 @@ mod lineage_py {
             items.push(int);
         }
         drop(table);
-        PyTuple::new(py, items)
+        let tuple = PyTuple::new(py, items)?;
+        untrack_atomic(tuple.as_any());
+        Ok(tuple)
     }
 
     fn hashed(
