@@ -19,8 +19,9 @@ GOLDEN = SHARED_GOLDEN if SHARED_GOLDEN.is_dir() else VENDORED_GOLDEN
 
 
 def is_storable_call_id(text: str) -> bool:
-    """Whether `put` accepts `text` as a call id: one line of the intents file as readers
-    read it back (non-empty, no line break, no ASCII whitespace at either end)."""
+    """Whether `put` accepts `text` (valid Unicode: no lone surrogates) as a call id: one line
+    of the intents file as readers read it back (non-empty, no line break, no ASCII whitespace
+    at either end)."""
     return (
         text != "" and "\n" not in text and "\r" not in text and text == text.strip(" \t\x0b\x0c")
     )
