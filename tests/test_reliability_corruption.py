@@ -25,7 +25,11 @@ from tests.reliability.common import (
 )
 from tests.reliability.params import NEEDS_REFERENCE, STORES
 
-from tokencapture.protocols import TokenCaptureCorruptionError, TokenCaptureRetiredError
+from tokencapture.protocols import (
+    TokenCaptureCorruptionError,
+    TokenCaptureFrozenError,
+    TokenCaptureRetiredError,
+)
 from tokencapture.store import canonical_line
 
 CALLS = ["c0", "c1", "c2"]
@@ -435,3 +439,16 @@ def test_torn_and_undecodable_intent_lines(kind: str, root: Path) -> None:
     # rollout: the conservative reading.
     intents.write_bytes(b"c0\n\xff\xfe\n")
     assert fresh(kind, root).freeze_now("r").incomplete
+
+
+def test_a_state_file_rewritten_in_place_is_noticed_by_a_live_store(kind: str, root: Path) -> None:
+    """A tool that rewrites the state index in place (same inode) changes what a store that
+    cached it must see: here, a freeze."""
+    live = open_store(kind, root)
+    live.append(make_entry("r", "c3"))  # the rollout is now in the live store's cache
+    state_path = root / "r.tokens.state.json"
+    inode = state_path.stat().st_ino
+    write_exact_state(root, frozen=True, snapshot_id="f" * 32)
+    assert state_path.stat().st_ino == inode
+    with pytest.raises(TokenCaptureFrozenError):
+        live.append(make_entry("r", "c4"))

@@ -20,13 +20,14 @@
 //! [`CHECKPOINT_BYTES`] bytes, which bounds how much a cold reader has to fold.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::{File, OpenOptions};
+use std::fs::{File, Metadata, OpenOptions};
 use std::io;
 use std::num::NonZeroUsize;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Mutex, MutexGuard};
+use std::time::SystemTime;
 
 use lru::LruCache;
 
@@ -226,17 +227,30 @@ impl Removal {
     }
 }
 
-/// An open handle and the identity it pins.
+/// An open handle and the identity it pins, with the size and modification time the file had
+/// when pinned (a tool that rewrites a state file in place keeps its inode).
 #[derive(Debug)]
 struct Pinned {
     file: File,
     id: FileId,
+    len: u64,
+    modified: Option<SystemTime>,
 }
 
 impl Pinned {
     fn new(file: File, path: &Path) -> Result<Self> {
-        let id = FileId::of(&file.metadata().ctx("stat", path)?);
-        Ok(Pinned { file, id })
+        let meta = file.metadata().ctx("stat", path)?;
+        Ok(Pinned {
+            id: FileId::of(&meta),
+            len: meta.len(),
+            modified: meta.modified().ok(),
+            file,
+        })
+    }
+
+    /// Whether `now` (the path's metadata) is this file, unchanged since it was pinned.
+    fn unchanged(&self, now: &Metadata) -> bool {
+        FileId::of(now) == self.id && now.len() == self.len && now.modified().ok() == self.modified
     }
 }
 
@@ -338,12 +352,16 @@ pub(crate) fn rollout_cache<V>(entries: usize) -> Mutex<LruCache<String, V>> {
     Mutex::new(LruCache::new(capacity))
 }
 
-fn file_id(path: &Path) -> Result<Option<FileId>> {
+fn path_metadata(path: &Path) -> Result<Option<Metadata>> {
     match std::fs::metadata(path) {
-        Ok(meta) => Ok(Some(FileId::of(&meta))),
+        Ok(meta) => Ok(Some(meta)),
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(err) => Err(err).ctx("stat", path),
     }
+}
+
+fn file_id(path: &Path) -> Result<Option<FileId>> {
+    Ok(path_metadata(path)?.map(|meta| FileId::of(&meta)))
 }
 
 fn open_existing(options: &OpenOptions, path: &Path, op: &'static str) -> Result<Option<File>> {
@@ -466,15 +484,17 @@ impl Store {
     }
 
     /// The rollout's cached index (taken out of the cache by the caller) if both of its files
-    /// are still the ones it pins, otherwise the index loaded from disk. Call only under the
-    /// rollout's exclusive lock.
+    /// are still the ones it pins (and the state file unchanged), otherwise the index loaded
+    /// from disk. Call only under the rollout's exclusive lock.
     fn checkout(&self, cached: Option<Cached>, paths: &RolloutPaths) -> Result<Cached> {
         if let Some(cached) = cached {
-            let state_now = file_id(&paths.state)?;
+            let state_same = match (path_metadata(&paths.state)?, &cached.state_file) {
+                (Some(now), Some(pinned)) => pinned.unchanged(&now),
+                (None, None) => true,
+                _ => false,
+            };
             let log_now = file_id(&paths.log)?;
-            if state_now == cached.state_file.as_ref().map(|p| p.id)
-                && log_now == cached.log.as_ref().map(|p| p.id)
-            {
+            if state_same && log_now == cached.log.as_ref().map(|p| p.id) {
                 return Ok(cached);
             }
         }
