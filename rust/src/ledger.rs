@@ -61,7 +61,8 @@ use crate::lock::{LockMode, RolloutLock};
 use crate::log::{append_line, complete_lines, complete_prefix_len};
 use crate::state::is_hex_digest;
 use crate::store::{
-    rollout_cache, validate_rollout_id, validate_rollout_ids, Removal, RolloutPaths, RootDir,
+    remove_if_exists, rollout_cache, validate_rollout_id, validate_rollout_ids, Removal,
+    RolloutPaths, RootDir,
 };
 
 /// The row and wire schema version.
@@ -612,14 +613,6 @@ fn exists(path: &Path) -> crate::Result<bool> {
         Ok(_) => Ok(true),
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(false),
         Err(err) => Err(err).ctx("stat", path),
-    }
-}
-
-fn remove_if_exists(path: &Path) -> crate::Result<bool> {
-    match std::fs::remove_file(path) {
-        Ok(()) => Ok(true),
-        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(err) => Err(err).ctx("remove", path),
     }
 }
 

@@ -80,22 +80,12 @@ impl RolloutLock {
                 Err(err) if !create && err.kind() == io::ErrorKind::NotFound => return Ok(None),
                 Err(err) => return Err(err).ctx("open lock", path),
             };
-            lock_retrying_eintr(&file, mode).ctx("lock", path)?;
             let id = FileId::of(&file.metadata().ctx("stat lock", path)?);
-            match std::fs::metadata(path) {
-                Ok(now) if FileId::of(&now) == id => {
-                    return Ok(Some(RolloutLock { file, id }));
-                }
-                // Unlinked or replaced while we waited: the lock we hold guards nothing.
-                Ok(_) => continue,
-                Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                    if create {
-                        continue;
-                    }
-                    return Ok(None);
-                }
-                Err(err) => return Err(err).ctx("stat lock", path),
+            if let Some(lock) = Self::relock(file, id, path, mode)? {
+                return Ok(Some(lock));
             }
+            // Unlinked or replaced while we waited: the lock we held guarded nothing. The next
+            // round opens what the path names now (and without `create`, finds it absent).
         }
     }
 

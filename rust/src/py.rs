@@ -1193,8 +1193,9 @@ enum ItemType {
 ///
 /// Every put scans its token arrays (hundreds to tens of thousands of items), and readers
 /// check decoded token fields the same way. Under abi3, PyO3's safe list iterator costs four
-/// calls into libpython per item (size, get, incref, decref): ~6 us of a W1 put's ~10 us type check. Reading each item's type through a
-/// borrowed reference costs one call per item (~1 us for the same entry).
+/// calls into libpython per item (size, get, incref, decref): ~6 us of a W1 put's ~10 us type
+/// check. Reading each item's type through a borrowed reference costs one call per item
+/// (~1 us for the same entry).
 fn for_each_item_type(list: &Bound<'_, PyList>, mut visit: impl FnMut(usize, ItemType) -> bool) {
     use pyo3::ffi;
     let len = list.len();

@@ -309,8 +309,6 @@ pub struct Store {
 /// The largest read buffer a store keeps between reads.
 const MAX_SPARE_BUFFER: usize = 16 << 20;
 
-/// Open a store directory for fsync, creating it (and making its own name durable) if needed.
-/// Shared by the token store and the capture ledger.
 /// A store directory (the token store's or the ledger's): its path, and an open handle by
 /// which creations, renames and removals in it are made durable.
 #[derive(Debug)]
@@ -379,7 +377,7 @@ fn log_options() -> OpenOptions {
 }
 
 /// Remove `path`; true when it existed.
-fn remove_if_exists(path: &Path) -> Result<bool> {
+pub(crate) fn remove_if_exists(path: &Path) -> Result<bool> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(true),
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(false),
@@ -716,7 +714,7 @@ impl Store {
                 let _ = log.file.set_len(before);
                 return Err(err).ctx("append", &paths.log);
             }
-            cached.state.indexed_size = before + line.len() as u64 + 1;
+            cached.state.indexed_size = end;
             cached.state.version += 1;
             cached
                 .state
@@ -1048,7 +1046,7 @@ impl Store {
 ///
 /// An indexed line is identified by its digest alone (SHA-256 of bytes that include the call
 /// id), so only unindexed lines, and lines that fail that check, pay for the call-id walk.
-/// Hashing and walking run on two threads for large logs, unless `scan` is serial.
+/// Hashing and walking run on two threads for large logs with `Scan::Parallel`.
 fn verify_and_fold<'b>(
     state: &mut State,
     buf: &'b [u8],
