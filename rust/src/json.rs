@@ -272,25 +272,45 @@ pub fn extract_call_id<'a>(
     }
     let mut found: Option<String> = None;
     scan.members(0, |scan, key| {
-        if key != b"\"model_call_id\"" {
+        if key != CALL_ID_KEY {
             return scan.value(&mut Validate, 1);
         }
-        if scan.peek() != Some(b'"') {
-            return Err(LineError("model_call_id is not a string".to_string()));
-        }
-        let (span, _) = scan.string()?;
-        let id: String = serde_json::from_slice(span)
-            .map_err(|err| LineError(format!("model_call_id is not valid JSON: {err}")))?;
-        if found.replace(id).is_some() {
-            return Err(LineError("model_call_id appears twice".to_string()));
-        }
-        Ok(())
+        let span = if scan.peek() == Some(b'"') {
+            Some(scan.string()?.0)
+        } else {
+            None
+        };
+        note_call_id(&mut found, span)
     })?;
     scan.skip_ws();
     if scan.pos != line.len() {
         return Err(scan.error("trailing bytes after the object"));
     }
-    found.ok_or_else(|| LineError("no model_call_id".to_string()))
+    found_call_id(found)
+}
+
+/// The call id's key among an object's members, as a raw span (quotes included): an escaped
+/// spelling of it is a different key.
+pub(crate) const CALL_ID_KEY: &[u8] = b"\"model_call_id\"";
+
+/// Note a top-level `model_call_id` member whose value is the JSON string `span` (`None`: not
+/// a string) in `found`. The rules of [`extract_call_id`] and `tape::call_id_of` alike.
+pub(crate) fn note_call_id(
+    found: &mut Option<String>,
+    span: Option<&[u8]>,
+) -> Result<(), LineError> {
+    let span = span.ok_or_else(|| LineError("model_call_id is not a string".to_owned()))?;
+    let id: String = serde_json::from_slice(span)
+        .map_err(|err| LineError(format!("model_call_id is not valid JSON: {err}")))?;
+    if found.replace(id).is_some() {
+        return Err(LineError("model_call_id appears twice".to_owned()));
+    }
+    Ok(())
+}
+
+/// The call id noted in an object's walk, which must have had one.
+pub(crate) fn found_call_id(found: Option<String>) -> Result<String, LineError> {
+    found.ok_or_else(|| LineError("no model_call_id".to_owned()))
 }
 
 struct Scanner<'a, 'r, V> {

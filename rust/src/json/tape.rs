@@ -10,7 +10,10 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::{build, keep_recent, remembers, Builder, LineError, Repeats};
+use super::{
+    build, found_call_id, keep_recent, note_call_id, remembers, Builder, LineError, Repeats,
+    CALL_ID_KEY,
+};
 
 /// One value of a line, held in Rust: texts borrow the line, floats are already parsed.
 #[derive(Debug, Clone)]
@@ -189,19 +192,15 @@ pub fn call_id_of(taped: &TapedLine<'_>) -> Result<String, LineError> {
     };
     let mut found = None;
     for (key, value) in members {
-        if !matches!(key, Tape::String(raw, _) if *raw == b"\"model_call_id\"") {
-            continue;
-        }
-        let Tape::String(raw, _) = value else {
-            return Err(LineError("model_call_id is not a string".to_owned()));
-        };
-        let id: String = serde_json::from_slice(raw)
-            .map_err(|err| LineError(format!("model_call_id is not valid JSON: {err}")))?;
-        if found.replace(id).is_some() {
-            return Err(LineError("model_call_id appears twice".to_owned()));
+        if matches!(key, Tape::String(raw, _) if *raw == CALL_ID_KEY) {
+            let span = match value {
+                Tape::String(raw, _) => Some(*raw),
+                _ => None,
+            };
+            note_call_id(&mut found, span)?;
         }
     }
-    found.ok_or_else(|| LineError("no model_call_id".to_owned()))
+    found_call_id(found)
 }
 
 /// Walk the lines at `ranges` of `buf` in order into tapes (see [`LineTaper`]), handing each
