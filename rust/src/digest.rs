@@ -6,6 +6,9 @@
 //! * The payload digest is the SHA-256 of an entry's canonical line (without its newline); two
 //!   puts of one call id carry "the same payload" exactly when these are equal.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
 use sha2::{Digest, Sha256};
 
 const TOKEN_DOMAIN: &[u8] = b"nemo-gym-tokens";
@@ -38,6 +41,52 @@ pub fn token_digest(ids: &[u64]) -> String {
         }
     }
     hex::encode(hasher.finalize())
+}
+
+/// The payload digests of a batch of lines, hashed by whichever threads call [`help`]: a
+/// thread that would otherwise wait (for a full queue, for another thread to finish) hashes
+/// the next unclaimed line instead, so the hashing spreads over the threads that are idle.
+///
+/// [`help`]: SharedDigests::help
+#[derive(Debug)]
+pub struct SharedDigests<'b> {
+    lines: Vec<&'b [u8]>,
+    next: AtomicUsize,
+    digests: Vec<OnceLock<String>>,
+}
+
+impl<'b> SharedDigests<'b> {
+    pub fn new(lines: Vec<&'b [u8]>) -> Self {
+        let digests = lines.iter().map(|_| OnceLock::new()).collect();
+        SharedDigests {
+            lines,
+            next: AtomicUsize::new(0),
+            digests,
+        }
+    }
+
+    /// Hash the next line no thread has claimed; false once every line is claimed.
+    pub fn help(&self) -> bool {
+        let index = self.next.fetch_add(1, Ordering::Relaxed);
+        match self.lines.get(index) {
+            Some(line) => {
+                self.digests[index].get_or_init(|| payload_digest(line));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Every digest in line order. Hashes what is unclaimed and waits for lines other threads
+    /// are hashing; a line whose hashing thread died is hashed here (never a missing digest).
+    pub fn collect(&self) -> Vec<String> {
+        while self.help() {}
+        self.digests
+            .iter()
+            .zip(&self.lines)
+            .map(|(digest, line)| digest.get_or_init(|| payload_digest(line)).clone())
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -76,6 +125,32 @@ mod tests {
             token_digest(&[u64::MAX]),
             reference_token_digest(&[u64::MAX])
         );
+    }
+
+    #[test]
+    fn shared_digests_are_each_lines_payload_digest_whoever_hashes_it() {
+        let owned: Vec<Vec<u8>> = (0..200)
+            .map(|i| {
+                format!("{{\"model_call_id\":\"c{i}\"}}")
+                    .repeat(i % 7 + 1)
+                    .into_bytes()
+            })
+            .collect();
+        let lines: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
+        let expected: Vec<String> = lines.iter().map(|line| payload_digest(line)).collect();
+        let shared = SharedDigests::new(lines.clone());
+        let collected = std::thread::scope(|scope| {
+            let helpers: Vec<_> = (0..3)
+                .map(|_| scope.spawn(|| while shared.help() {}))
+                .collect();
+            let collected = shared.collect();
+            helpers.into_iter().for_each(|h| h.join().unwrap());
+            collected
+        });
+        assert_eq!(collected, expected);
+        // Nobody helping: collect hashes everything itself.
+        assert_eq!(SharedDigests::new(lines).collect(), expected);
+        assert!(SharedDigests::new(Vec::new()).collect().is_empty());
     }
 
     #[test]

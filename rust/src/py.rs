@@ -5,7 +5,6 @@
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::buffer::PyBuffer;
@@ -17,7 +16,7 @@ use pyo3::types::{PyBytes, PyList, PyString, PyTuple, PyType};
 use crate::digest;
 use crate::doorbell::Doorbell;
 use crate::error::Error;
-use crate::json::tape::TapedLine;
+use crate::json::tape::{tape_channel, TapeFeed};
 use crate::pool::WorkerPool;
 use crate::store::{self, Store, DEFAULT_CACHED_ROLLOUTS};
 
@@ -308,11 +307,11 @@ fn decode_lines_pipelined(
         return decode_lines(py, buf, ranges);
     }
     std::thread::scope(|scope| {
-        let (sender, receiver) = std::sync::mpsc::sync_channel(PIPELINED_LINES_AHEAD);
+        let (sink, feed) = tape_channel(PIPELINED_LINES_AHEAD);
         scope.spawn(move || {
-            crate::json::tape::tape_lines(buf, ranges, |line| sender.send(line).is_ok());
+            crate::json::tape::tape_lines(buf, ranges, |line| sink.send(line));
         });
-        replay_lines(py, buf, ranges, receiver)
+        replay_lines(py, buf, ranges, feed)
     })
 }
 
@@ -321,26 +320,31 @@ fn replay_lines<'b>(
     py: Python<'_>,
     buf: &'b [u8],
     ranges: &[Range<usize>],
-    tapes: Receiver<TapedLine<'b>>,
+    tapes: TapeFeed<'b>,
 ) -> Vec<PyResult<Py<PyAny>>> {
     let _paused = CollectorPause::new(py);
     let mut builder = PyBuilder { py };
     let mut replay = crate::json::tape::Replay::new();
     let mut decoded = Vec::with_capacity(ranges.len());
+    let mut failed_at = None;
     for (index, taped) in tapes.iter().enumerate() {
-        let value = taped
-            .map_err(PyErr::from)
-            .and_then(|tape| replay.value(&tape, &mut builder));
-        if let Err(err) = value {
-            // A line that failed here may have left an array unbuilt that the tapes offer to
-            // later lines: decode the rest in one walk (dropping the receiver stops the
-            // producer's sends).
-            decoded.push(Err(err));
-            drop(tapes);
-            decoded.extend(decode_lines(py, buf, &ranges[index + 1..]));
-            return decoded;
-        }
+        let value = match &taped {
+            Ok(tape) => replay.value(tape, &mut builder),
+            Err(err) => Err(PyErr::from(err.clone())),
+        };
+        tapes.give_back(taped);
         decoded.push(value.map(|(value, _)| value.unbind()));
+        if decoded.last().is_some_and(Result::is_err) {
+            failed_at = Some(index);
+            break;
+        }
+    }
+    if let Some(index) = failed_at {
+        // A line that failed here may have left an array unbuilt that the tapes offer to
+        // later lines: decode the rest in one walk (dropping the feed stops the producer's
+        // sends).
+        drop(tapes);
+        decoded.extend(decode_lines(py, buf, &ranges[index + 1..]));
     }
     decoded
 }

@@ -25,15 +25,15 @@ use std::io;
 use std::num::NonZeroUsize;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::mpsc::TrySendError;
 use std::sync::{Mutex, MutexGuard};
 use std::time::SystemTime;
 
 use lru::LruCache;
 
-use crate::digest::payload_digest;
+use crate::digest::{payload_digest, SharedDigests};
 use crate::error::{Error, IoContext, Result};
-use crate::json::tape::{call_id_of, LineTaper, TapedLine};
+use crate::json::tape::{call_id_of, tape_channel, LineTaper, TapeFeed, TapeSink, TapedLine};
 use crate::json::{extract_call_id, LineError, Repeats};
 use crate::lock::{FileId, LockMode, RolloutLock};
 use crate::log::{
@@ -204,9 +204,14 @@ enum Scan<'f, 'b> {
     Serial,
     /// A large log on two threads (when the caller leaves the other core free).
     Parallel,
-    /// On this thread, each line first handed to the closure, which walks it whole and
-    /// answers its call id as `json::extract_call_id` would (see `Store::freeze_decoding`).
-    Following(&'f mut dyn FnMut(&'b [u8]) -> std::result::Result<String, LineError>),
+    /// The log's complete `lines` (already split) handed in order to `follow`, which walks
+    /// each whole and answers its call id as `json::extract_call_id` would; `digests` (of
+    /// the same lines) are shared with another thread (see `Store::freeze_decoding`).
+    Following {
+        lines: &'f [Range<usize>],
+        digests: &'f SharedDigests<'b>,
+        follow: &'f mut dyn FnMut(&'b [u8]) -> std::result::Result<String, LineError>,
+    },
 }
 
 /// Result of a batch retire or delete.
@@ -786,7 +791,7 @@ impl Store {
     pub fn freeze_decoding<D>(
         &self,
         rollout_id: &str,
-        decode: impl for<'b> FnOnce(&'b [u8], &[Range<usize>], Option<Receiver<TapedLine<'b>>>) -> D,
+        decode: impl for<'b> FnOnce(&'b [u8], &[Range<usize>], Option<TapeFeed<'b>>) -> D,
     ) -> Result<(Snapshot, D)> {
         validate_rollout_id(rollout_id)?;
         self.exclusive(rollout_id, |cached, paths| {
@@ -799,20 +804,29 @@ impl Store {
                 (settled, decode(&buf, &lines, None))
             } else {
                 let log: &[u8] = &buf;
+                let digests = SharedDigests::new(lines.iter().map(|r| &log[r.clone()]).collect());
+                let lines = lines.as_slice();
                 std::thread::scope(|scope| {
-                    let (tapes, taped) = sync_channel(TAPES_AHEAD);
+                    let (tapes, taped) = tape_channel(TAPES_AHEAD);
+                    let digests = &digests;
                     let settling = scope.spawn(move || {
                         let mut taper = LineTaper::new();
                         let mut follow = |line| {
                             let tape = taper.tape(line);
                             let call_id = call_id_of(&tape);
-                            // A closed channel (the decode stopped early) leaves the checks.
-                            let _ = tapes.send(tape);
+                            send_or_help(&tapes, tape, digests);
                             call_id
                         };
-                        self.settle_freeze(cached, paths, log, Scan::Following(&mut follow))
+                        let scan = Scan::Following {
+                            lines,
+                            digests,
+                            follow: &mut follow,
+                        };
+                        self.settle_freeze(cached, paths, log, scan)
                     });
-                    let decoded = decode(&buf, &lines, Some(taped));
+                    let decoded = decode(log, lines, Some(taped));
+                    // Decoded: hash the lines the verifying thread has not reached yet.
+                    while digests.help() {}
                     let settled = settling.join().expect("freeze thread")?;
                     Ok::<_, Error>((settled, decoded))
                 })?
@@ -1127,11 +1141,32 @@ struct ScannedLine<'a> {
 /// How many tapes the verifying thread of `freeze_decoding` may make ahead of the decode.
 const TAPES_AHEAD: usize = 8;
 
+/// Hand `tape` to the decoding thread; while its queue is full, hash lines instead of
+/// waiting. A closed queue (the decode stopped early) drops the tape: the checks go on.
+fn send_or_help<'b>(tapes: &TapeSink<'b>, mut tape: TapedLine<'b>, digests: &SharedDigests<'b>) {
+    loop {
+        match tapes.try_send(tape) {
+            Ok(()) | Err(TrySendError::Disconnected(_)) => return,
+            Err(TrySendError::Full(back)) if digests.help() => tape = back,
+            Err(TrySendError::Full(back)) => {
+                tapes.send(back);
+                return;
+            }
+        }
+    }
+}
+
 /// Logs at least this large are hashed and walked on two threads.
 const PARALLEL_SCAN_BYTES: usize = 256 << 10;
 
 fn scan_lines<'b>(buf: &'b [u8], indexed: u64, scan: Scan<'_, 'b>) -> Vec<ScannedLine<'b>> {
-    let all: Vec<(u64, &[u8])> = complete_lines(buf, 0).collect();
+    let all: Vec<(u64, &[u8])> = match &scan {
+        Scan::Following { lines, .. } => lines
+            .iter()
+            .map(|range| (range.start as u64, &buf[range.clone()]))
+            .collect(),
+        _ => complete_lines(buf, 0).collect(),
+    };
     let work = |chunk: &[(u64, &'b [u8])]| {
         let mut repeats = Repeats::new();
         chunk
@@ -1144,13 +1179,18 @@ fn scan_lines<'b>(buf: &'b [u8], indexed: u64, scan: Scan<'_, 'b>) -> Vec<Scanne
             .collect::<Vec<(String, Option<std::result::Result<String, LineError>>)>>()
     };
     let parallel = matches!(scan, Scan::Parallel) && buf.len() >= PARALLEL_SCAN_BYTES;
-    let results = if let Scan::Following(follow) = scan {
-        all.iter()
+    let results = if let Scan::Following {
+        digests, follow, ..
+    } = scan
+    {
+        let call_ids: Vec<_> = all
+            .iter()
             .map(|&(offset, line)| {
                 let call_id = follow(line);
-                (payload_digest(line), (offset >= indexed).then_some(call_id))
+                (offset >= indexed).then_some(call_id)
             })
-            .collect()
+            .collect();
+        digests.collect().into_iter().zip(call_ids).collect()
     } else if parallel && all.len() > 1 {
         // Split by bytes, not lines: one huge line must not leave the other thread idle.
         let half = buf.len() / 2;
@@ -1261,7 +1301,7 @@ mod tests {
     }
 
     /// What a decoder replaying the tapes it was given builds.
-    fn replayed(tapes: Receiver<TapedLine<'_>>) -> Vec<String> {
+    fn replayed(tapes: TapeFeed<'_>) -> Vec<String> {
         let mut replay = crate::json::tape::Replay::new();
         let mut echo = crate::json::tests::Echo::default();
         tapes
@@ -1323,6 +1363,49 @@ mod tests {
         );
     }
 
+    fn slow_decode(_: &[u8], _: &[Range<usize>], tapes: Option<TapeFeed<'_>>) {
+        for taped in tapes.expect("a large log comes with tapes").iter() {
+            std::thread::sleep(Duration::from_millis(2));
+            drop(taped);
+        }
+    }
+
+    fn quitting_decode(_: &[u8], _: &[Range<usize>], tapes: Option<TapeFeed<'_>>) {
+        drop(tapes);
+    }
+
+    #[test]
+    fn a_large_freeze_checks_every_digest_whichever_thread_hashes_it() {
+        // A slow decoder leaves the verifying thread hashing while the tape channel is full; a
+        // decoder that stops at once leaves the lines to its own thread's help.
+        for decode in [slow_decode, quitting_decode] {
+            let dir = tempfile::tempdir().unwrap();
+            let store = Store::open(dir.path(), 8).unwrap();
+            let calls = growing_log(&store, "r", PARALLEL_SCAN_BYTES as u64 * 2);
+            store.freeze("r").unwrap(); // every line indexed: each digest is checked
+            let (snapshot, ()) = store.freeze_decoding("r", decode).unwrap();
+            assert_eq!(snapshot.records.lines.len(), calls);
+            // One digit changed inside the last line (still valid JSON, same length).
+            let log = store.paths("r").log;
+            let mut bytes = std::fs::read(&log).unwrap();
+            let at = (bytes.len() - 100..bytes.len())
+                .rev()
+                .find(|&i| bytes[i].is_ascii_digit() && bytes[i - 1].is_ascii_digit())
+                .unwrap();
+            bytes[at] = if bytes[at] == b'9' {
+                b'1'
+            } else {
+                bytes[at] + 1
+            };
+            std::fs::write(&log, &bytes).unwrap();
+            let frozen = store.freeze_decoding("r", decode);
+            assert!(
+                matches!(&frozen, Err(Error::Corrupt { detail, .. }) if detail.contains("payload digest")),
+                "{frozen:?}"
+            );
+        }
+    }
+
     #[test]
     fn a_small_freeze_decodes_without_tapes() {
         let dir = tempfile::tempdir().unwrap();
@@ -1347,7 +1430,7 @@ mod tests {
         // The decoder takes one tape and drops the rest: the verifying thread, blocked on a
         // full channel, must see it closed and finish.
         let (snapshot, first) = store
-            .freeze_decoding("r", |_, _, tapes| tapes.unwrap().recv().is_ok())
+            .freeze_decoding("r", |_, _, tapes| tapes.unwrap().iter().next().is_some())
             .unwrap();
         assert!(first);
         assert_eq!(snapshot.records.lines.len(), calls);

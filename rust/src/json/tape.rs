@@ -8,6 +8,7 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender, TrySendError};
 use std::sync::Arc;
 
 use super::{
@@ -215,6 +216,59 @@ pub fn tape_lines<'a>(
         if !emit(taper.tape(&buf[range.clone()])) {
             return;
         }
+    }
+}
+
+/// A channel of tapes from the walking thread to the building one, `ahead` tapes deep, with
+/// a way back: the building thread returns each tape it replayed, and the walking thread
+/// frees it. The building thread is the one a two-stage walk waits for; freeing a tape is a
+/// walk over its items that the walking thread has time for.
+pub fn tape_channel<'a>(ahead: usize) -> (TapeSink<'a>, TapeFeed<'a>) {
+    let (tapes, taped) = sync_channel(ahead);
+    let (spent, returned) = channel();
+    (TapeSink { tapes, returned }, TapeFeed { taped, spent })
+}
+
+/// The walking end of a [`tape_channel`].
+pub struct TapeSink<'a> {
+    tapes: SyncSender<TapedLine<'a>>,
+    returned: Receiver<TapedLine<'a>>,
+}
+
+impl<'a> TapeSink<'a> {
+    /// Send the next line's tape, waiting while the channel is full; false once the building
+    /// end is gone.
+    pub fn send(&self, taped: TapedLine<'a>) -> bool {
+        self.free_returned();
+        self.tapes.send(taped).is_ok()
+    }
+
+    /// Send the next line's tape if the channel has room.
+    pub fn try_send(&self, taped: TapedLine<'a>) -> Result<(), TrySendError<TapedLine<'a>>> {
+        self.free_returned();
+        self.tapes.try_send(taped)
+    }
+
+    fn free_returned(&self) {
+        self.returned.try_iter().for_each(drop);
+    }
+}
+
+/// The building end of a [`tape_channel`].
+pub struct TapeFeed<'a> {
+    taped: Receiver<TapedLine<'a>>,
+    spent: Sender<TapedLine<'a>>,
+}
+
+impl<'a> TapeFeed<'a> {
+    /// The tapes in line order, until the walking end stops sending.
+    pub fn iter(&self) -> impl Iterator<Item = TapedLine<'a>> + '_ {
+        self.taped.iter()
+    }
+
+    /// Return a replayed tape to be freed by the walking thread (here, if it is gone).
+    pub fn give_back(&self, taped: TapedLine<'a>) {
+        let _ = self.spent.send(taped);
     }
 }
 
