@@ -333,10 +333,13 @@ fn replay_lines<'b>(
             Err(err) => Err(PyErr::from(err.clone())),
         };
         tapes.give_back(taped);
-        decoded.push(value.map(|(value, _)| value.unbind()));
-        if decoded.last().is_some_and(Result::is_err) {
-            failed_at = Some(index);
-            break;
+        match value {
+            Ok((value, _)) => decoded.push(Ok(value.unbind())),
+            Err(err) => {
+                decoded.push(Err(err));
+                failed_at = Some(index);
+                break;
+            }
         }
     }
     if let Some(index) = failed_at {
@@ -669,8 +672,7 @@ impl PyStore {
         let rollout_id = text(rollout_id, "rollout_id")?;
         // The lines are decoded (attached) while another thread verifies them and makes the
         // freeze durable (detached); for a large log that thread also parses each line into a
-        // tape just before hashing it, and this one only builds: see
-        // `Store::freeze_decoding`.
+        // tape, and this one only builds (and then helps hash): see `Store::freeze_decoding`.
         let (snapshot, (ranges, decoded)) = py
             .detach(|| {
                 self.inner

@@ -787,7 +787,9 @@ impl Store {
     ///
     /// For a large log `decode` also gets the lines' tapes (`json::tape`): the verifying
     /// thread parses each line into a tape (the one walk it needs anyway for the call ids of
-    /// lines past the index) just before hashing it, and `decode` only builds.
+    /// lines past the index), and `decode` only builds. The hashing goes to whichever thread
+    /// would otherwise wait: the verifying one while the tape channel is full, this one once
+    /// `decode` has returned.
     pub fn freeze_decoding<D>(
         &self,
         rollout_id: &str,
