@@ -18,7 +18,7 @@ use crate::doorbell::Doorbell;
 use crate::error::Error;
 use crate::json::tape::{tape_channel, TapeFeed};
 use crate::pool::WorkerPool;
-use crate::store::{self, Store, DEFAULT_CACHED_ROLLOUTS};
+use crate::store::{self, FrozenLines, Store, DEFAULT_CACHED_ROLLOUTS};
 
 /// Exception classes defined in `tokencapture.protocols`, looked up once.
 struct ExceptionClass {
@@ -278,20 +278,28 @@ fn untrack_atomic(container: &Bound<'_, PyAny>) {
     unsafe { pyo3::ffi::PyObject_GC_UnTrack(container.as_ptr().cast()) }
 }
 
-/// Decode the lines at `ranges` of `buf` into Python values in one walk (repeated token
-/// arrays are reused across lines). A line that fails keeps its own error: it may be a
-/// duplicate that no snapshot returns.
-fn decode_lines(py: Python<'_>, buf: &[u8], ranges: &[Range<usize>]) -> Vec<PyResult<Py<PyAny>>> {
+/// Decode `lines` into Python values in one walk (repeated token arrays are reused across
+/// lines). A line that fails keeps its own error: it may be a duplicate that no snapshot
+/// returns.
+fn decode_lines<'b>(
+    py: Python<'_>,
+    lines: impl IntoIterator<Item = &'b [u8]>,
+) -> Vec<PyResult<Py<PyAny>>> {
     let _paused = CollectorPause::new(py);
     let mut builder = PyBuilder { py };
     let mut repeats = crate::json::Repeats::new();
-    ranges
-        .iter()
-        .map(|range| {
-            crate::json::build(&buf[range.clone()], &mut builder, Some(&mut repeats))
+    lines
+        .into_iter()
+        .map(|line| {
+            crate::json::build(line, &mut builder, Some(&mut repeats))
                 .map(|(value, _)| value.unbind())
         })
         .collect()
+}
+
+/// The lines at `ranges` of `buf`.
+fn lines_at<'b>(buf: &'b [u8], ranges: &'b [Range<usize>]) -> impl Iterator<Item = &'b [u8]> {
+    ranges.iter().map(|range| &buf[range.clone()])
 }
 
 /// [`decode_lines`] in two stages for a large read: a helper thread checks the grammar,
@@ -304,50 +312,38 @@ fn decode_lines_pipelined(
     ranges: &[Range<usize>],
 ) -> Vec<PyResult<Py<PyAny>>> {
     if buf.len() < PIPELINED_DECODE_BYTES {
-        return decode_lines(py, buf, ranges);
+        return decode_lines(py, lines_at(buf, ranges));
     }
     std::thread::scope(|scope| {
         let (sink, feed) = tape_channel(PIPELINED_LINES_AHEAD);
         scope.spawn(move || {
             crate::json::tape::tape_lines(buf, ranges, |line| sink.send(line));
         });
-        replay_lines(py, buf, ranges, feed)
+        replay_lines(py, feed)
     })
 }
 
-/// Build the lines at `ranges` of `buf` from their tapes, which `tapes` yields in order.
-fn replay_lines<'b>(
-    py: Python<'_>,
-    buf: &'b [u8],
-    ranges: &[Range<usize>],
-    tapes: TapeFeed<'b>,
-) -> Vec<PyResult<Py<PyAny>>> {
+/// Build lines from their tapes, which `tapes` yields in order.
+fn replay_lines(py: Python<'_>, tapes: TapeFeed<'_>) -> Vec<PyResult<Py<PyAny>>> {
     let _paused = CollectorPause::new(py);
     let mut builder = PyBuilder { py };
     let mut replay = crate::json::tape::Replay::new();
-    let mut decoded = Vec::with_capacity(ranges.len());
-    let mut failed_at = None;
-    for (index, taped) in tapes.iter().enumerate() {
-        let value = match &taped {
+    let mut decoded = Vec::new();
+    let mut lines = tapes.iter();
+    for taped in lines.by_ref() {
+        let value = match &taped.tape {
             Ok(tape) => replay.value(tape, &mut builder),
             Err(err) => Err(PyErr::from(err.clone())),
         };
         tapes.give_back(taped);
-        match value {
-            Ok((value, _)) => decoded.push(Ok(value.unbind())),
-            Err(err) => {
-                decoded.push(Err(err));
-                failed_at = Some(index);
-                break;
-            }
+        let failed = value.is_err();
+        decoded.push(value.map(|(value, _)| value.unbind()));
+        if failed {
+            // A line that failed here may have left an array unbuilt that the tapes offer to
+            // later lines: decode the rest directly, in one walk.
+            decoded.extend(decode_lines(py, lines.map(|taped| taped.line)));
+            break;
         }
-    }
-    if let Some(index) = failed_at {
-        // A line that failed here may have left an array unbuilt that the tapes offer to
-        // later lines: decode the rest in one walk (dropping the feed stops the producer's
-        // sends).
-        drop(tapes);
-        decoded.extend(decode_lines(py, buf, &ranges[index + 1..]));
     }
     decoded
 }
@@ -673,16 +669,14 @@ impl PyStore {
         // The lines are decoded (attached) while another thread verifies them and makes the
         // freeze durable (detached); for a large log that thread also parses each line into a
         // tape, and this one only builds (and then helps hash): see `Store::freeze_decoding`.
-        let (snapshot, (ranges, decoded)) = py
+        let (snapshot, ranges, decoded) = py
             .detach(|| {
-                self.inner
-                    .freeze_decoding(rollout_id, |buf, ranges, tapes| {
-                        let decoded = Python::attach(|py| match tapes {
-                            Some(tapes) => replay_lines(py, buf, ranges, tapes),
-                            None => decode_lines(py, buf, ranges),
-                        });
-                        (ranges.to_vec(), decoded)
+                self.inner.freeze_decoding(rollout_id, |lines| {
+                    Python::attach(|py| match lines {
+                        FrozenLines::Whole { buf, lines } => decode_lines(py, lines_at(buf, lines)),
+                        FrozenLines::Taped(feed) => replay_lines(py, feed),
                     })
+                })
             })
             .map_err(|e| to_pyerr(py, e))?;
         let log = self.inner.paths(rollout_id).log;

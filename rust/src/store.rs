@@ -26,18 +26,19 @@ use std::num::NonZeroUsize;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::TrySendError;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::SystemTime;
 
 use lru::LruCache;
 
 use crate::digest::{payload_digest, SharedDigests};
 use crate::error::{Error, IoContext, Result};
-use crate::json::tape::{call_id_of, tape_channel, LineTaper, TapeFeed, TapeSink, TapedLine};
+use crate::json::tape::{call_id_of, tape_channel, LineTape, LineTaper, TapeFeed, TapeSink};
 use crate::json::{extract_call_id, LineError, Repeats};
 use crate::lock::{FileId, LockMode, RolloutLock};
 use crate::log::{
-    append_line, complete_lines, complete_prefix_len, read_at, read_into, reserve_past,
+    append_line, complete_lines, complete_prefix_len, read_at, read_into, read_lines_streaming,
+    reserve_past,
 };
 use crate::state::{self, State};
 
@@ -199,19 +200,57 @@ impl Settled {
 }
 
 /// How a log's lines are hashed and walked.
-enum Scan<'f, 'b> {
+enum Scan {
     /// On this thread.
     Serial,
     /// A large log on two threads (when the caller leaves the other core free).
     Parallel,
-    /// The log's complete `lines` (already split) handed in order to `follow`, which walks
-    /// each whole and answers its call id as `json::extract_call_id` would; `digests` (of
-    /// the same lines) are shared with another thread (see `Store::freeze_decoding`).
-    Following {
-        lines: &'f [Range<usize>],
-        digests: &'f SharedDigests<'b>,
-        follow: &'f mut dyn FnMut(&'b [u8]) -> std::result::Result<String, LineError>,
+    /// Already done by the caller: each line's payload digest, and its call id as
+    /// `json::extract_call_id` would answer it (see `Store::freeze_decoding`).
+    Scanned {
+        digests: Vec<String>,
+        call_ids: Vec<std::result::Result<String, LineError>>,
     },
+}
+
+/// The complete lines of a log as a freeze or an inspection checks them.
+struct LogLines<'b> {
+    /// `(file offset, line without its newline)`, in file order.
+    lines: Vec<(u64, &'b [u8])>,
+    /// The bytes read: the complete lines, then any torn tail.
+    len: u64,
+}
+
+impl<'b> LogLines<'b> {
+    fn of(buf: &'b [u8]) -> Self {
+        LogLines {
+            lines: complete_lines(buf, 0).collect(),
+            len: buf.len() as u64,
+        }
+    }
+
+    /// Where the complete lines end (and a torn tail, if any, starts).
+    fn complete_end(&self) -> u64 {
+        self.lines
+            .last()
+            .map_or(0, |&(offset, line)| offset + line.len() as u64 + 1)
+    }
+
+    fn ranges(&self) -> Vec<Range<usize>> {
+        let range = |&(offset, line): &(u64, &[u8])| offset as usize..offset as usize + line.len();
+        self.lines.iter().map(range).collect()
+    }
+}
+
+/// The complete lines of a log being frozen, as `Store::freeze_decoding` hands them over.
+pub enum FrozenLines<'b> {
+    /// A small log: the buffer and its complete lines.
+    Whole {
+        buf: &'b [u8],
+        lines: &'b [Range<usize>],
+    },
+    /// A large log: each line with its tape, in order, sent as soon as it is read.
+    Taped(TapeFeed<'b>),
 }
 
 /// Result of a batch retire or delete.
@@ -467,6 +506,13 @@ impl Store {
         let mut buf = std::mem::take(&mut *self.spare());
         read_into(file, 0, len as usize, &mut buf).ctx("read log", path)?;
         Ok(buf)
+    }
+
+    /// The spare buffer (see `read_whole_log`), `len` bytes long, to be overwritten.
+    fn spare_buffer(&self, len: usize) -> Vec<u8> {
+        let mut buf = std::mem::take(&mut *self.spare());
+        buf.resize(len, 0);
+        buf
     }
 
     /// Give a buffer from `read_whole_log` (a snapshot's or a read's records) back for the
@@ -773,8 +819,9 @@ impl Store {
     pub fn freeze(&self, rollout_id: &str) -> Result<Snapshot> {
         validate_rollout_id(rollout_id)?;
         self.exclusive(rollout_id, |cached, paths| {
-            let buf = self.read_for_freeze(rollout_id, cached, paths)?;
-            let settled = self.settle_freeze(cached, paths, &buf, Scan::Parallel)?;
+            let len = self.log_len_for_freeze(rollout_id, cached, paths)?;
+            let buf = self.read_for_freeze(cached, len, paths)?;
+            let settled = self.settle_freeze(cached, paths, &LogLines::of(&buf), Scan::Parallel)?;
             Ok(settled.into_snapshot(buf))
         })
     }
@@ -783,89 +830,135 @@ impl Store {
     /// another verifies them, folds the tail and makes the freeze durable: a reader's decoding
     /// then costs no wall time beyond the longer of the two. `decode` sees every complete
     /// line, in file order (a rare duplicate included: the snapshot's ranges say which lines
-    /// are the records). If the freeze fails, what `decode` made is dropped.
+    /// are the records), and the ranges of those lines come back with the snapshot. If the
+    /// freeze fails, what `decode` made is dropped.
     ///
-    /// For a large log `decode` also gets the lines' tapes (`json::tape`): the verifying
-    /// thread parses each line into a tape (the one walk it needs anyway for the call ids of
-    /// lines past the index), and `decode` only builds. The hashing goes to whichever thread
-    /// would otherwise wait: the verifying one while the tape channel is full, this one once
-    /// `decode` has returned.
+    /// A large log is read by the verifying thread in chunks; it parses each line into a tape
+    /// as soon as the line is read (the one walk it needs anyway for the call ids of lines
+    /// past the index) and sends it to `decode`, which only builds. The hashing goes to
+    /// whichever thread would otherwise wait: the verifying one while the tape channel is
+    /// full, this one once `decode` has returned.
     pub fn freeze_decoding<D>(
         &self,
         rollout_id: &str,
-        decode: impl for<'b> FnOnce(&'b [u8], &[Range<usize>], Option<TapeFeed<'b>>) -> D,
-    ) -> Result<(Snapshot, D)> {
+        decode: impl for<'b> FnOnce(FrozenLines<'b>) -> D,
+    ) -> Result<(Snapshot, Vec<Range<usize>>, D)> {
         validate_rollout_id(rollout_id)?;
         self.exclusive(rollout_id, |cached, paths| {
-            let buf = self.read_for_freeze(rollout_id, cached, paths)?;
-            let lines: Vec<Range<usize>> = complete_lines(&buf, 0)
-                .map(|(offset, line)| offset as usize..offset as usize + line.len())
-                .collect();
-            let (settled, decoded) = if buf.len() < PARALLEL_SCAN_BYTES {
-                let settled = self.settle_freeze(cached, paths, &buf, Scan::Serial)?;
-                (settled, decode(&buf, &lines, None))
-            } else {
-                let log: &[u8] = &buf;
-                let digests = SharedDigests::new(lines.iter().map(|r| &log[r.clone()]).collect());
-                let lines = lines.as_slice();
-                std::thread::scope(|scope| {
-                    let (tapes, taped) = tape_channel(TAPES_AHEAD);
-                    let digests = &digests;
-                    let settling = scope.spawn(move || {
-                        let mut taper = LineTaper::new();
-                        let mut follow = |line| {
-                            let tape = taper.tape(line);
-                            let call_id = call_id_of(&tape);
-                            send_or_help(&tapes, tape, digests);
-                            call_id
-                        };
-                        let scan = Scan::Following {
-                            lines,
-                            digests,
-                            follow: &mut follow,
-                        };
-                        self.settle_freeze(cached, paths, log, scan)
+            let len = self.log_len_for_freeze(rollout_id, cached, paths)?;
+            match &cached.log {
+                Some(log) if len >= PARALLEL_SCAN_BYTES as u64 => {
+                    let file = log.file.try_clone().ctx("open log", &paths.log)?;
+                    self.freeze_streaming(cached, paths, &file, len, decode)
+                }
+                _ => {
+                    let buf = self.read_for_freeze(cached, len, paths)?;
+                    let log = LogLines::of(&buf);
+                    let settled = self.settle_freeze(cached, paths, &log, Scan::Serial)?;
+                    let lines = log.ranges();
+                    let decoded = decode(FrozenLines::Whole {
+                        buf: &buf,
+                        lines: &lines,
                     });
-                    let decoded = decode(log, lines, Some(taped));
-                    // Decoded: hash the lines the verifying thread has not reached yet.
-                    while digests.help() {}
-                    let settled = settling.join().expect("freeze thread")?;
-                    Ok::<_, Error>((settled, decoded))
-                })?
-            };
-            Ok((settled.into_snapshot(buf), decoded))
+                    Ok((settled.into_snapshot(buf), lines, decoded))
+                }
+            }
         })
     }
 
-    /// The whole log of a rollout about to be frozen (empty when it has none).
-    fn read_for_freeze(
+    /// The large-log half of [`Store::freeze_decoding`]: `file` is the log, `len` its length.
+    fn freeze_streaming<D>(
+        &self,
+        cached: &mut Cached,
+        paths: &RolloutPaths,
+        file: &File,
+        len: u64,
+        decode: impl for<'b> FnOnce(FrozenLines<'b>) -> D,
+    ) -> Result<(Snapshot, Vec<Range<usize>>, D)> {
+        let mut buf = self.spare_buffer(len as usize);
+        // The lines the verifying thread had not hashed when it finished reading, offered to
+        // this thread once `decode` returns.
+        let unhashed = OnceLock::new();
+        let (verified, decoded) = std::thread::scope(|scope| {
+            let (sink, feed) = tape_channel(TAPES_AHEAD);
+            let bytes: &mut [u8] = &mut buf;
+            let unhashed = &unhashed;
+            let verifying = scope.spawn(move || {
+                let mut taper = LineTaper::new();
+                let mut lines = Vec::new();
+                let mut call_ids = Vec::new();
+                let mut digests = Vec::new(); // of `lines[..digests.len()]`
+                read_lines_streaming(file, bytes, |offset, line| {
+                    let tape = taper.tape(line);
+                    call_ids.push(call_id_of(&tape));
+                    lines.push((offset, line));
+                    send_or_hash(&sink, LineTape { line, tape }, || {
+                        hash_next(&lines, &mut digests)
+                    });
+                })
+                .ctx("read log", &paths.log)?;
+                let rest = unhashed.get_or_init(|| {
+                    SharedDigests::new(
+                        lines[digests.len()..]
+                            .iter()
+                            .map(|&(_, line)| line)
+                            .collect(),
+                    )
+                });
+                drop(sink); // every line is sent: `decode` may finish and help
+                digests.extend(rest.collect());
+                let log = LogLines { lines, len };
+                let scan = Scan::Scanned { digests, call_ids };
+                let settled = self.settle_freeze(cached, paths, &log, scan)?;
+                Ok::<_, Error>((settled, log.ranges()))
+            });
+            let decoded = decode(FrozenLines::Taped(feed));
+            if let Some(rest) = unhashed.get() {
+                while rest.help() {}
+            }
+            (verifying.join().expect("freeze thread"), decoded)
+        });
+        drop(unhashed);
+        let (settled, lines) = verified?;
+        Ok((settled.into_snapshot(buf), lines, decoded))
+    }
+
+    /// The length of the log of a rollout about to be frozen (0 when it has none).
+    fn log_len_for_freeze(
         &self,
         rollout_id: &str,
         cached: &Cached,
         paths: &RolloutPaths,
-    ) -> Result<Vec<u8>> {
+    ) -> Result<u64> {
         if cached.state.retired {
             return Err(Error::Retired(rollout_id.to_owned()));
         }
-        let Some(log) = &cached.log else {
-            return missing_log(cached, paths).map(|()| Vec::new());
-        };
-        let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
-        self.read_whole_log(&log.file, len, &paths.log)
+        match &cached.log {
+            Some(log) => Ok(log.file.metadata().ctx("stat log", &paths.log)?.len()),
+            None => missing_log(cached, paths).map(|()| 0),
+        }
     }
 
-    /// Verify `buf` (the whole log) against the index, fold its tail, truncate a torn final
-    /// line, and make the freeze durable (the first freeze mints the snapshot id).
-    fn settle_freeze<'b>(
+    /// The first `len` bytes of the log of a rollout about to be frozen.
+    fn read_for_freeze(&self, cached: &Cached, len: u64, paths: &RolloutPaths) -> Result<Vec<u8>> {
+        match &cached.log {
+            Some(log) => self.read_whole_log(&log.file, len, &paths.log),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Verify the log's lines against the index, fold its tail, truncate a torn final line,
+    /// and make the freeze durable (the first freeze mints the snapshot id).
+    fn settle_freeze(
         &self,
         cached: &mut Cached,
         paths: &RolloutPaths,
-        buf: &'b [u8],
-        scan: Scan<'_, 'b>,
+        log_lines: &LogLines<'_>,
+        scan: Scan,
     ) -> Result<Settled> {
-        let lines = verify_and_fold(&mut cached.state, buf, paths, scan)?;
+        let lines = verify_and_fold(&mut cached.state, log_lines, paths, scan)?;
         if let Some(log) = &cached.log {
-            if cached.state.indexed_size < buf.len() as u64 {
+            if cached.state.indexed_size < log_lines.len {
                 log.file
                     .set_len(cached.state.indexed_size)
                     .ctx("truncate torn line", &paths.log)?;
@@ -1018,7 +1111,12 @@ impl Store {
             Some(log) => {
                 let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
                 let buf = self.read_whole_log(&log.file, len, &paths.log)?;
-                let records = verify_and_fold(&mut loaded.state, &buf, &paths, Scan::Parallel);
+                let records = verify_and_fold(
+                    &mut loaded.state,
+                    &LogLines::of(&buf),
+                    &paths,
+                    Scan::Parallel,
+                );
                 self.recycle_buffer(buf);
                 records?.len()
             }
@@ -1063,13 +1161,13 @@ impl Store {
 /// An indexed line is identified by its digest alone (SHA-256 of bytes that include the call
 /// id), so only unindexed lines, and lines that fail that check, pay for the call-id walk.
 /// Hashing and walking run on two threads for large logs with `Scan::Parallel`.
-fn verify_and_fold<'b>(
+fn verify_and_fold(
     state: &mut State,
-    buf: &'b [u8],
+    log: &LogLines<'_>,
     paths: &RolloutPaths,
-    scan: Scan<'_, 'b>,
+    scan: Scan,
 ) -> Result<Vec<Range<usize>>> {
-    let complete_end = complete_prefix_len(buf) as u64;
+    let complete_end = log.complete_end();
     let indexed = state.indexed_size;
     if indexed > complete_end {
         return Err(Error::corrupt(
@@ -1081,7 +1179,7 @@ fn verify_and_fold<'b>(
             ),
         ));
     }
-    let scanned = scan_lines(buf, indexed, scan);
+    let scanned = scan_lines(log, indexed, scan);
     let by_digest: HashMap<String, String> = state
         .entry_digests
         .iter()
@@ -1143,13 +1241,18 @@ struct ScannedLine<'a> {
 /// How many tapes the verifying thread of `freeze_decoding` may make ahead of the decode.
 const TAPES_AHEAD: usize = 8;
 
-/// Hand `tape` to the decoding thread; while its queue is full, hash lines instead of
-/// waiting. A closed queue (the decode stopped early) drops the tape: the checks go on.
-fn send_or_help<'b>(tapes: &TapeSink<'b>, mut tape: TapedLine<'b>, digests: &SharedDigests<'b>) {
+/// Hand `line` to the decoding thread; while its queue is full, hash lines (`hash_one`, false
+/// when none is left) instead of waiting. A closed queue (the decode stopped early) drops the
+/// line: the checks go on.
+fn send_or_hash<'b>(
+    tapes: &TapeSink<'b>,
+    mut line: LineTape<'b>,
+    mut hash_one: impl FnMut() -> bool,
+) {
     loop {
-        match tapes.try_send(tape) {
+        match tapes.try_send(line) {
             Ok(()) | Err(TrySendError::Disconnected(_)) => return,
-            Err(TrySendError::Full(back)) if digests.help() => tape = back,
+            Err(TrySendError::Full(back)) if hash_one() => line = back,
             Err(TrySendError::Full(back)) => {
                 tapes.send(back);
                 return;
@@ -1158,17 +1261,22 @@ fn send_or_help<'b>(tapes: &TapeSink<'b>, mut tape: TapedLine<'b>, digests: &Sha
     }
 }
 
+/// Hash the first of `lines` past those `digests` covers; false if there is none.
+fn hash_next(lines: &[(u64, &[u8])], digests: &mut Vec<String>) -> bool {
+    match lines.get(digests.len()) {
+        Some(&(_, line)) => {
+            digests.push(payload_digest(line));
+            true
+        }
+        None => false,
+    }
+}
+
 /// Logs at least this large are hashed and walked on two threads.
 const PARALLEL_SCAN_BYTES: usize = 256 << 10;
 
-fn scan_lines<'b>(buf: &'b [u8], indexed: u64, scan: Scan<'_, 'b>) -> Vec<ScannedLine<'b>> {
-    let all: Vec<(u64, &[u8])> = match &scan {
-        Scan::Following { lines, .. } => lines
-            .iter()
-            .map(|range| (range.start as u64, &buf[range.clone()]))
-            .collect(),
-        _ => complete_lines(buf, 0).collect(),
-    };
+fn scan_lines<'b>(log: &LogLines<'b>, indexed: u64, scan: Scan) -> Vec<ScannedLine<'b>> {
+    let all = &log.lines;
     let work = |chunk: &[(u64, &'b [u8])]| {
         let mut repeats = Repeats::new();
         chunk
@@ -1180,25 +1288,19 @@ fn scan_lines<'b>(buf: &'b [u8], indexed: u64, scan: Scan<'_, 'b>) -> Vec<Scanne
             })
             .collect::<Vec<(String, Option<std::result::Result<String, LineError>>)>>()
     };
-    let parallel = matches!(scan, Scan::Parallel) && buf.len() >= PARALLEL_SCAN_BYTES;
-    let results = if let Scan::Following {
-        digests, follow, ..
-    } = scan
-    {
-        let call_ids: Vec<_> = all
-            .iter()
-            .map(|&(offset, line)| {
-                let call_id = follow(line);
-                (offset >= indexed).then_some(call_id)
-            })
-            .collect();
-        digests.collect().into_iter().zip(call_ids).collect()
+    let parallel = matches!(scan, Scan::Parallel) && log.len >= PARALLEL_SCAN_BYTES as u64;
+    let results = if let Scan::Scanned { digests, call_ids } = scan {
+        debug_assert!(digests.len() == all.len() && call_ids.len() == all.len());
+        let past_index = all.iter().map(|&(offset, _)| offset >= indexed);
+        digests
+            .into_iter()
+            .zip(call_ids.into_iter().zip(past_index))
+            .map(|(digest, (call_id, past))| (digest, past.then_some(call_id)))
+            .collect()
     } else if parallel && all.len() > 1 {
         // Split by bytes, not lines: one huge line must not leave the other thread idle.
-        let half = buf.len() / 2;
-        let split = all
-            .partition_point(|&(offset, _)| (offset as usize) < half)
-            .max(1);
+        let half = log.len / 2;
+        let split = all.partition_point(|&(offset, _)| offset < half).max(1);
         let (first, second) = all.split_at(split);
         std::thread::scope(|scope| {
             let other = scope.spawn(|| work(second));
@@ -1207,11 +1309,11 @@ fn scan_lines<'b>(buf: &'b [u8], indexed: u64, scan: Scan<'_, 'b>) -> Vec<Scanne
             results
         })
     } else {
-        work(&all)
+        work(all)
     };
-    all.into_iter()
+    all.iter()
         .zip(results)
-        .map(|((offset, bytes), (digest, call_id))| ScannedLine {
+        .map(|(&(offset, bytes), (digest, call_id))| ScannedLine {
             offset,
             bytes,
             digest,
@@ -1289,27 +1391,29 @@ mod tests {
         calls
     }
 
-    /// Each line of `buf` at `ranges` built in one walk, repeats reused, as a decoder without
-    /// tapes builds them.
-    fn walked(buf: &[u8], ranges: &[Range<usize>]) -> Vec<String> {
-        let mut repeats = Repeats::new();
-        let mut echo = crate::json::tests::Echo::default();
-        ranges
-            .iter()
-            .map(|range| {
-                crate::json::build(&buf[range.clone()], &mut echo, Some(&mut repeats)).unwrap()
-            })
-            .collect()
+    /// The feed of a large log's freeze.
+    fn taped(lines: FrozenLines<'_>) -> TapeFeed<'_> {
+        match lines {
+            FrozenLines::Taped(feed) => feed,
+            FrozenLines::Whole { .. } => panic!("a large log comes with tapes"),
+        }
     }
 
-    /// What a decoder replaying the tapes it was given builds.
-    fn replayed(tapes: TapeFeed<'_>) -> Vec<String> {
+    /// Each line a freeze sent, built from its tape and, for comparison, by one walk over the
+    /// lines (repeats reused) as a decoder without tapes builds them.
+    fn replayed_and_walked(lines: FrozenLines<'_>) -> (Vec<String>, Vec<String>) {
         let mut replay = crate::json::tape::Replay::new();
-        let mut echo = crate::json::tests::Echo::default();
-        tapes
+        let mut replayed = crate::json::tests::Echo::default();
+        let mut repeats = Repeats::new();
+        let mut walked = crate::json::tests::Echo::default();
+        taped(lines)
             .iter()
-            .map(|tape| replay.value(&tape.unwrap(), &mut echo).unwrap())
-            .collect()
+            .map(|sent| {
+                let built = replay.value(&sent.tape.unwrap(), &mut replayed).unwrap();
+                let walk = crate::json::build(sent.line, &mut walked, Some(&mut repeats));
+                (built, walk.unwrap())
+            })
+            .unzip()
     }
 
     #[test]
@@ -1333,17 +1437,38 @@ mod tests {
             .unwrap()
             .write_all(&copy)
             .unwrap();
-        let (snapshot, (replayed, expected)) = store
-            .freeze_decoding("r", |buf, ranges, tapes| {
-                (
-                    replayed(tapes.expect("a large log comes with tapes")),
-                    walked(buf, ranges),
-                )
-            })
-            .unwrap();
+        let bytes = std::fs::read(&log).unwrap();
+        let (snapshot, ranges, (replayed, walked)) =
+            store.freeze_decoding("r", replayed_and_walked).unwrap();
         assert_eq!(snapshot.records.lines.len(), calls);
         assert_eq!(replayed.len(), calls + 1);
-        assert_eq!(replayed, expected);
+        assert_eq!(replayed, walked);
+        let expected: Vec<Range<usize>> = complete_lines(&bytes, 0)
+            .map(|(offset, line)| offset as usize..offset as usize + line.len())
+            .collect();
+        assert_eq!(ranges, expected);
+        assert_eq!(snapshot.records.buf, bytes);
+    }
+
+    #[test]
+    fn a_large_freeze_truncates_a_torn_tail_it_read_in_chunks() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        let calls = growing_log(&store, "r", PARALLEL_SCAN_BYTES as u64 * 3);
+        let log = store.paths("r").log;
+        let complete = std::fs::metadata(&log).unwrap().len();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&log)
+            .unwrap()
+            .write_all(b"{\"model_call_id\":\"torn\",\"prompt_token_ids\":[1,2")
+            .unwrap();
+        let (snapshot, ranges, (replayed, _)) =
+            store.freeze_decoding("r", replayed_and_walked).unwrap();
+        assert_eq!(snapshot.records.lines.len(), calls);
+        assert_eq!(ranges.len(), calls);
+        assert_eq!(replayed.len(), calls);
+        assert_eq!(std::fs::metadata(&log).unwrap().len(), complete);
     }
 
     #[test]
@@ -1358,22 +1483,22 @@ mod tests {
             .unwrap()
             .write_all(b"{\"prompt_token_ids\":[1,2]}\n")
             .unwrap();
-        let frozen = store.freeze_decoding("r", |_, _, tapes| tapes.map(replayed));
+        let frozen = store.freeze_decoding("r", |lines| taped(lines).iter().count());
         assert!(
             matches!(&frozen, Err(Error::Corrupt { detail, .. }) if detail.contains("no model_call_id")),
             "{frozen:?}"
         );
     }
 
-    fn slow_decode(_: &[u8], _: &[Range<usize>], tapes: Option<TapeFeed<'_>>) {
-        for taped in tapes.expect("a large log comes with tapes").iter() {
+    fn slow_decode(lines: FrozenLines<'_>) {
+        for sent in taped(lines).iter() {
             std::thread::sleep(Duration::from_millis(2));
-            drop(taped);
+            drop(sent);
         }
     }
 
-    fn quitting_decode(_: &[u8], _: &[Range<usize>], tapes: Option<TapeFeed<'_>>) {
-        drop(tapes);
+    fn quitting_decode(lines: FrozenLines<'_>) {
+        drop(lines);
     }
 
     #[test]
@@ -1385,7 +1510,7 @@ mod tests {
             let store = Store::open(dir.path(), 8).unwrap();
             let calls = growing_log(&store, "r", PARALLEL_SCAN_BYTES as u64 * 2);
             store.freeze("r").unwrap(); // every line indexed: each digest is checked
-            let (snapshot, ()) = store.freeze_decoding("r", decode).unwrap();
+            let (snapshot, _, ()) = store.freeze_decoding("r", decode).unwrap();
             assert_eq!(snapshot.records.lines.len(), calls);
             // One digit changed inside the last line (still valid JSON, same length).
             let log = store.paths("r").log;
@@ -1413,11 +1538,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path(), 8).unwrap();
         let calls = growing_log(&store, "r", 1);
-        let (snapshot, had_tapes) = store
-            .freeze_decoding("r", |_, _, tapes| tapes.is_some())
+        let (snapshot, ranges, lines) = store
+            .freeze_decoding("r", |lines| match lines {
+                FrozenLines::Whole { lines, .. } => lines.to_vec(),
+                FrozenLines::Taped(_) => panic!("a small log needs no tapes"),
+            })
             .unwrap();
-        assert!(!had_tapes);
         assert_eq!(snapshot.records.lines.len(), calls);
+        assert_eq!(lines, ranges);
+        assert_eq!(ranges.len(), calls);
     }
 
     #[test]
@@ -1431,8 +1560,8 @@ mod tests {
         );
         // The decoder takes one tape and drops the rest: the verifying thread, blocked on a
         // full channel, must see it closed and finish.
-        let (snapshot, first) = store
-            .freeze_decoding("r", |_, _, tapes| tapes.unwrap().iter().next().is_some())
+        let (snapshot, _, first) = store
+            .freeze_decoding("r", |lines| taped(lines).iter().next().is_some())
             .unwrap();
         assert!(first);
         assert_eq!(snapshot.records.lines.len(), calls);

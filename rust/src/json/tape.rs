@@ -205,24 +205,34 @@ pub fn call_id_of(taped: &TapedLine<'_>) -> Result<String, LineError> {
 }
 
 /// Walk the lines at `ranges` of `buf` in order into tapes (see [`LineTaper`]), handing each
-/// line's result to `emit` until it returns false.
+/// line with its tape to `emit` until it returns false.
 pub fn tape_lines<'a>(
     buf: &'a [u8],
     ranges: &[Range<usize>],
-    mut emit: impl FnMut(TapedLine<'a>) -> bool,
+    mut emit: impl FnMut(LineTape<'a>) -> bool,
 ) {
     let mut taper = LineTaper::new();
     for range in ranges {
-        if !emit(taper.tape(&buf[range.clone()])) {
+        let line = &buf[range.clone()];
+        if !emit(LineTape {
+            line,
+            tape: taper.tape(line),
+        }) {
             return;
         }
     }
 }
 
-/// A channel of tapes from the walking thread to the building one, `ahead` tapes deep, with
-/// a way back: the building thread returns each tape it replayed, and the walking thread
-/// frees it. The building thread is the one a two-stage walk waits for; freeing a tape is a
-/// walk over its items that the walking thread has time for.
+/// A complete line and its tape, as a [`tape_channel`] carries them.
+pub struct LineTape<'a> {
+    pub line: &'a [u8],
+    pub tape: TapedLine<'a>,
+}
+
+/// A channel of lines and their tapes from the walking thread to the building one, `ahead`
+/// deep, with a way back: the building thread returns each tape it replayed, and the walking
+/// thread frees it. The building thread is the one a two-stage walk waits for; freeing a tape
+/// is a walk over its items that the walking thread has time for.
 pub fn tape_channel<'a>(ahead: usize) -> (TapeSink<'a>, TapeFeed<'a>) {
     let (tapes, taped) = sync_channel(ahead);
     let (spent, returned) = channel();
@@ -231,22 +241,22 @@ pub fn tape_channel<'a>(ahead: usize) -> (TapeSink<'a>, TapeFeed<'a>) {
 
 /// The walking end of a [`tape_channel`].
 pub struct TapeSink<'a> {
-    tapes: SyncSender<TapedLine<'a>>,
-    returned: Receiver<TapedLine<'a>>,
+    tapes: SyncSender<LineTape<'a>>,
+    returned: Receiver<LineTape<'a>>,
 }
 
 impl<'a> TapeSink<'a> {
-    /// Send the next line's tape, waiting while the channel is full; false once the building
-    /// end is gone.
-    pub fn send(&self, taped: TapedLine<'a>) -> bool {
+    /// Send the next line, waiting while the channel is full; false once the building end is
+    /// gone.
+    pub fn send(&self, line: LineTape<'a>) -> bool {
         self.free_returned();
-        self.tapes.send(taped).is_ok()
+        self.tapes.send(line).is_ok()
     }
 
-    /// Send the next line's tape if the channel has room.
-    pub fn try_send(&self, taped: TapedLine<'a>) -> Result<(), TrySendError<TapedLine<'a>>> {
+    /// Send the next line if the channel has room.
+    pub fn try_send(&self, line: LineTape<'a>) -> Result<(), TrySendError<LineTape<'a>>> {
         self.free_returned();
-        self.tapes.try_send(taped)
+        self.tapes.try_send(line)
     }
 
     fn free_returned(&self) {
@@ -256,19 +266,19 @@ impl<'a> TapeSink<'a> {
 
 /// The building end of a [`tape_channel`].
 pub struct TapeFeed<'a> {
-    taped: Receiver<TapedLine<'a>>,
-    spent: Sender<TapedLine<'a>>,
+    taped: Receiver<LineTape<'a>>,
+    spent: Sender<LineTape<'a>>,
 }
 
 impl<'a> TapeFeed<'a> {
-    /// The tapes in line order, until the walking end stops sending.
-    pub fn iter(&self) -> impl Iterator<Item = TapedLine<'a>> + '_ {
+    /// The lines in order, until the walking end stops sending.
+    pub fn iter(&self) -> impl Iterator<Item = LineTape<'a>> + '_ {
         self.taped.iter()
     }
 
-    /// Return a replayed tape to be freed by the walking thread (here, if it is gone).
-    pub fn give_back(&self, taped: TapedLine<'a>) {
-        let _ = self.spent.send(taped);
+    /// Return a replayed line to be freed by the walking thread (here, if it is gone).
+    pub fn give_back(&self, line: LineTape<'a>) {
+        let _ = self.spent.send(line);
     }
 }
 

@@ -296,7 +296,11 @@ fn direct_and_replayed(lines: &[String]) -> [(Vec<Result<String, LineError>>, Ec
     let mut replay = Replay::new();
     let mut got = Vec::new();
     tape_lines(buf.as_bytes(), &ranges, |line| {
-        got.push(line.and_then(|tape| replay.value(&tape, &mut replayed)));
+        assert_eq!(line.line, lines[got.len()].as_bytes());
+        got.push(
+            line.tape
+                .and_then(|tape| replay.value(&tape, &mut replayed)),
+        );
         true
     });
     [(expected, direct), (got, replayed)]
