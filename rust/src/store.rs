@@ -1533,6 +1533,105 @@ mod tests {
         }
     }
 
+    /// A freeze's result with what differs between two copies of one rollout left out (their
+    /// directory, the fresh snapshot id, and the parser's wording of a syntax error: a tape's
+    /// walk and the call-id walk word it differently).
+    fn freeze_outcome(frozen: Result<Snapshot>, dir: &Path) -> String {
+        let outcome = match frozen {
+            Ok(snapshot) => format!(
+                "records {:?} incomplete {} version {}",
+                snapshot.records.lines, snapshot.incomplete, snapshot.version
+            ),
+            Err(Error::Corrupt { offset, detail, .. }) => {
+                let what = detail.split(':').next().unwrap_or_default();
+                format!("corrupt at {offset}: {what}")
+            }
+            Err(err) => err.to_string(),
+        };
+        outcome.replace(&dir.display().to_string(), "<dir>")
+    }
+
+    #[test]
+    fn a_streamed_freeze_agrees_with_a_whole_buffer_freeze_on_damaged_logs() {
+        // Two copies of one large rollout, damaged alike: the freeze that reads in chunks
+        // and hands tapes to a decoder, and the one that reads the whole log first, must
+        // return the same, leave the same files, and refuse the same damage the same way.
+        let mut rng = crate::json::tests::Lcg(29);
+        let mut outcomes = HashSet::new();
+        for round in 0..12 {
+            let (first, second) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+            let writer = Store::open(first.path(), 8).unwrap();
+            growing_log(&writer, "r", PARALLEL_SCAN_BYTES as u64 + rng.next(400_000));
+            if round < 6 {
+                writer.freeze("r").unwrap(); // every line indexed
+            }
+            let log = writer.paths("r").log;
+            drop(writer); // both freezes start from the files alone
+            let mut bytes = std::fs::read(&log).unwrap();
+            let starts: Vec<usize> = complete_lines(&bytes, 0).map(|(o, _)| o as usize).collect();
+            let line = starts[rng.next(starts.len() as u64) as usize];
+            match round % 6 {
+                0 => {} // undamaged
+                1 => {
+                    // A torn line, once of a single byte.
+                    let torn = b"{\"model_call_id\":\"torn\",\"prompt";
+                    let cut = if round < 6 {
+                        1
+                    } else {
+                        2 + rng.next(30) as usize
+                    };
+                    bytes.extend_from_slice(&torn[..cut]);
+                }
+                2 => {
+                    // One digit changed (still valid JSON).
+                    let at = (line + 60..bytes.len())
+                        .find(|&i| bytes[i].is_ascii_digit() && bytes[i - 1].is_ascii_digit())
+                        .unwrap();
+                    bytes[at] = if bytes[at] == b'0' { b'7' } else { b'0' };
+                }
+                3 => bytes[line] = b'x', // not JSON
+                4 => {
+                    // A copy of an earlier line appended (a crashed retry).
+                    let end = line + bytes[line..].iter().position(|&b| b == b'\n').unwrap();
+                    let copy = bytes[line..=end].to_vec();
+                    bytes.extend_from_slice(&copy);
+                }
+                _ => bytes.extend_from_slice(b"{\"prompt_token_ids\":[1]}\n"),
+            }
+            std::fs::write(&log, &bytes).unwrap();
+            for name in ["r.tokens.jsonl", "r.tokens.state.json"] {
+                let from = first.path().join(name);
+                if from.exists() {
+                    std::fs::copy(&from, second.path().join(name)).unwrap();
+                }
+            }
+            let streamed = Store::open(first.path(), 8).unwrap();
+            let whole = Store::open(second.path(), 8).unwrap();
+            let streamed_result = streamed
+                .freeze_decoding("r", |lines| taped(lines).iter().count())
+                .map(|(snapshot, _, _)| snapshot);
+            let streamed_outcome = freeze_outcome(streamed_result, first.path());
+            let whole_outcome = freeze_outcome(whole.freeze("r"), second.path());
+            assert_eq!(streamed_outcome, whole_outcome, "round {round}");
+            let left_alike = std::fs::read(&log).unwrap()
+                == std::fs::read(second.path().join("r.tokens.jsonl")).unwrap();
+            assert!(
+                left_alike,
+                "round {round}: the two freezes left different logs"
+            );
+            let state = |dir: &Path| {
+                let bytes = std::fs::read(dir.join("r.tokens.state.json")).ok()?;
+                let mut state: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                state["snapshot_id"] = serde_json::Value::Null;
+                Some(state)
+            };
+            assert_eq!(state(first.path()), state(second.path()), "round {round}");
+            outcomes.insert(streamed_outcome.split(' ').next().unwrap().to_owned());
+        }
+        // Both successes and refusals were compared.
+        assert!(outcomes.len() > 1, "{outcomes:?}");
+    }
+
     #[test]
     fn a_small_freeze_decodes_without_tapes() {
         let dir = tempfile::tempdir().unwrap();

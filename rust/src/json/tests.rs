@@ -192,10 +192,11 @@ fn a_repeat_never_swallows_a_longer_number_or_a_broken_line() {
 }
 
 /// A tiny deterministic generator, so the comparison below covers many shapes reproducibly.
-struct Lcg(u64);
+/// A small deterministic generator for randomized tests.
+pub(crate) struct Lcg(pub(crate) u64);
 
 impl Lcg {
-    fn next(&mut self, below: u64) -> u64 {
+    pub(crate) fn next(&mut self, below: u64) -> u64 {
         self.0 = self
             .0
             .wrapping_mul(6364136223846793005)
