@@ -44,8 +44,8 @@ pub fn token_digest(ids: &[u64]) -> String {
 }
 
 /// The payload digests of a batch of lines, hashed by whichever threads call [`help`]: a
-/// thread that would otherwise wait (for a full queue, for another thread to finish) hashes
-/// the next unclaimed line instead, so the hashing spreads over the threads that are idle.
+/// thread that would otherwise wait for another to finish hashes the next unclaimed line
+/// instead, so the hashing spreads over the threads that are idle.
 ///
 /// [`help`]: SharedDigests::help
 #[derive(Debug)]

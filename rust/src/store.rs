@@ -918,7 +918,7 @@ impl Store {
             }
             (verifying.join().expect("freeze thread"), decoded)
         });
-        drop(unhashed);
+        drop(unhashed); // it borrows `buf`, which the snapshot takes
         let (settled, lines) = verified?;
         Ok((settled.into_snapshot(buf), lines, decoded))
     }
