@@ -16,9 +16,9 @@ use pyo3::types::{PyBytes, PyList, PyString, PyTuple, PyType};
 use crate::digest;
 use crate::doorbell::Doorbell;
 use crate::error::Error;
-use crate::json::tape::{tape_channel, TapeFeed};
+use crate::json::tape::TapeFeed;
 use crate::pool::WorkerPool;
-use crate::store::{self, FrozenLines, Store, DEFAULT_CACHED_ROLLOUTS};
+use crate::store::{self, LinesToDecode, Store, DEFAULT_CACHED_ROLLOUTS};
 
 /// Exception classes defined in `tokencapture.protocols`, looked up once.
 struct ExceptionClass {
@@ -302,24 +302,13 @@ fn lines_at<'b>(buf: &'b [u8], ranges: &'b [Range<usize>]) -> impl Iterator<Item
     ranges.iter().map(|range| &buf[range.clone()])
 }
 
-/// [`decode_lines`] in two stages for a large read: a helper thread checks the grammar,
-/// parses numbers and compares repeated arrays (no GIL needed) while this thread builds the
-/// Python objects of the lines already parsed (see `json::tape`). ~15% faster for a 2.5 MB
-/// log here. (A freeze has its verifying thread make the tapes: see `PyStore::freeze`.)
-fn decode_lines_pipelined(
-    py: Python<'_>,
-    buf: &[u8],
-    ranges: &[Range<usize>],
-) -> Vec<PyResult<Py<PyAny>>> {
-    if buf.len() < PIPELINED_DECODE_BYTES {
-        return decode_lines(py, lines_at(buf, ranges));
-    }
-    std::thread::scope(|scope| {
-        let (sink, feed) = tape_channel(PIPELINED_LINES_AHEAD);
-        scope.spawn(move || {
-            crate::json::tape::tape_lines(buf, ranges, |line| sink.send(line));
-        });
-        replay_lines(py, feed)
+/// Decode the lines a store hands over (attaching to the interpreter): a small log's in one
+/// walk, a large log's by replaying the tapes another thread makes while it reads (see
+/// `json::tape`).
+fn decode_in_python(lines: LinesToDecode<'_>) -> Vec<PyResult<Py<PyAny>>> {
+    Python::attach(|py| match lines {
+        LinesToDecode::Whole { buf, lines } => decode_lines(py, lines_at(buf, lines)),
+        LinesToDecode::Taped(feed) => replay_lines(py, feed),
     })
 }
 
@@ -347,12 +336,6 @@ fn replay_lines(py: Python<'_>, tapes: TapeFeed<'_>) -> Vec<PyResult<Py<PyAny>>>
     }
     decoded
 }
-
-/// Reads of logs at least this large are decoded in two stages (`decode_lines_pipelined`).
-const PIPELINED_DECODE_BYTES: usize = 256 << 10;
-
-/// How many parsed lines the helper may run ahead of the building thread.
-const PIPELINED_LINES_AHEAD: usize = 8;
 
 /// Pauses CPython's cycle collector for a decode and restores its state when dropped.
 ///
@@ -670,14 +653,7 @@ impl PyStore {
         // freeze durable (detached); for a large log that thread also parses each line into a
         // tape, and this one only builds (and then helps hash): see `Store::freeze_decoding`.
         let (snapshot, ranges, decoded) = py
-            .detach(|| {
-                self.inner.freeze_decoding(rollout_id, |lines| {
-                    Python::attach(|py| match lines {
-                        FrozenLines::Whole { buf, lines } => decode_lines(py, lines_at(buf, lines)),
-                        FrozenLines::Taped(feed) => replay_lines(py, feed),
-                    })
-                })
-            })
+            .detach(|| self.inner.freeze_decoding(rollout_id, decode_in_python))
             .map_err(|e| to_pyerr(py, e))?;
         let log = self.inner.paths(rollout_id).log;
         let selected = select_records(py, &log, &ranges, decoded, &snapshot.records);
@@ -734,12 +710,11 @@ impl PyStore {
         rollout_id: &Bound<'py, PyString>,
     ) -> PyResult<DecodedRecords<'py>> {
         let rollout_id = text(rollout_id, "rollout_id")?;
-        let records = py
-            .detach(|| self.inner.read_records(rollout_id))
+        let (records, ranges, decoded) = py
+            .detach(|| self.inner.read_decoding(rollout_id, decode_in_python))
             .map_err(|e| to_pyerr(py, e))?;
-        let decoded = decode_lines_pipelined(py, &records.buf, &records.lines);
         let log = self.inner.paths(rollout_id).log;
-        let selected = select_records(py, &log, &records.lines, decoded, &records);
+        let selected = select_records(py, &log, &ranges, decoded, &records);
         self.inner.recycle_buffer(records.buf);
         selected
     }

@@ -242,8 +242,9 @@ impl<'b> LogLines<'b> {
     }
 }
 
-/// The complete lines of a log being frozen, as `Store::freeze_decoding` hands them over.
-pub enum FrozenLines<'b> {
+/// The complete lines of a log, as `Store::freeze_decoding` and `Store::read_decoding` hand
+/// them to their decoder.
+pub enum LinesToDecode<'b> {
     /// A small log: the buffer and its complete lines.
     Whole {
         buf: &'b [u8],
@@ -841,7 +842,7 @@ impl Store {
     pub fn freeze_decoding<D>(
         &self,
         rollout_id: &str,
-        decode: impl for<'b> FnOnce(FrozenLines<'b>) -> D,
+        decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
     ) -> Result<(Snapshot, Vec<Range<usize>>, D)> {
         validate_rollout_id(rollout_id)?;
         self.exclusive(rollout_id, |cached, paths| {
@@ -856,7 +857,7 @@ impl Store {
                     let log = LogLines::of(&buf);
                     let settled = self.settle_freeze(cached, paths, &log, Scan::Serial)?;
                     let lines = log.ranges();
-                    let decoded = decode(FrozenLines::Whole {
+                    let decoded = decode(LinesToDecode::Whole {
                         buf: &buf,
                         lines: &lines,
                     });
@@ -873,7 +874,7 @@ impl Store {
         paths: &RolloutPaths,
         file: &File,
         len: u64,
-        decode: impl for<'b> FnOnce(FrozenLines<'b>) -> D,
+        decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
     ) -> Result<(Snapshot, Vec<Range<usize>>, D)> {
         let mut buf = self.spare_buffer(len as usize);
         // The lines the verifying thread had not hashed when it finished reading, offered to
@@ -884,19 +885,10 @@ impl Store {
             let bytes: &mut [u8] = &mut buf;
             let unhashed = &unhashed;
             let verifying = scope.spawn(move || {
-                let mut taper = LineTaper::new();
-                let mut lines = Vec::new();
-                let mut call_ids = Vec::new();
                 let mut digests = Vec::new(); // of `lines[..digests.len()]`
-                read_lines_streaming(file, bytes, |offset, line| {
-                    let tape = taper.tape(line);
-                    call_ids.push(call_id_of(&tape));
-                    lines.push((offset, line));
-                    send_or_hash(&sink, LineTape { line, tape }, || {
-                        hash_next(&lines, &mut digests)
-                    });
-                })
-                .ctx("read log", &paths.log)?;
+                let (lines, call_ids) =
+                    stream_taped_lines(file, bytes, &sink, |lines| hash_next(lines, &mut digests))
+                        .ctx("read log", &paths.log)?;
                 let rest = unhashed.get_or_init(|| {
                     SharedDigests::new(
                         lines[digests.len()..]
@@ -912,7 +904,7 @@ impl Store {
                 let settled = self.settle_freeze(cached, paths, &log, scan)?;
                 Ok::<_, Error>((settled, log.ranges()))
             });
-            let decoded = decode(FrozenLines::Taped(feed));
+            let decoded = decode(LinesToDecode::Taped(feed));
             if let Some(rest) = unhashed.get() {
                 while rest.help() {}
             }
@@ -1127,29 +1119,62 @@ impl Store {
 
     /// The unique records of a rollout, under the shared lock; a torn tail is ignored.
     pub fn read_records(&self, rollout_id: &str) -> Result<Records> {
+        self.read_decoding(rollout_id, |_| ())
+            .map(|(records, _, ())| records)
+    }
+
+    /// [`Store::read_records`], handing every complete line to `decode` as
+    /// [`Store::freeze_decoding`] does (a large log is read in chunks by a second thread,
+    /// which tapes each line as soon as it is read), and returning the lines' ranges too.
+    pub fn read_decoding<D>(
+        &self,
+        rollout_id: &str,
+        decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
+    ) -> Result<(Records, Vec<Range<usize>>, D)> {
         validate_rollout_id(rollout_id)?;
         let paths = self.paths(rollout_id);
         let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
-            return Ok(Records::default());
+            return Ok(no_records(decode));
         };
         let Some(log) = open_existing(OpenOptions::new().read(true), &paths.log, "open log")?
         else {
-            return Ok(Records::default());
+            return Ok(no_records(decode));
         };
         let len = log.metadata().ctx("stat log", &paths.log)?.len();
-        let buf = self.read_whole_log(&log, len, &paths.log)?;
-        let mut seen = HashSet::new();
-        let mut lines = Vec::new();
-        let mut repeats = Repeats::new();
-        for (offset, line) in complete_lines(&buf, 0) {
-            let call_id = extract_call_id(line, Some(&mut repeats))
-                .map_err(|e| Error::corrupt(&paths.log, offset, e.0))?;
-            if seen.insert(call_id) {
-                let start = offset as usize;
-                lines.push(start..start + line.len());
-            }
+        if len < PARALLEL_SCAN_BYTES as u64 {
+            let buf = self.read_whole_log(&log, len, &paths.log)?;
+            let all = LogLines::of(&buf);
+            let mut repeats = Repeats::new();
+            let call_ids = all
+                .lines
+                .iter()
+                .map(|&(_, line)| extract_call_id(line, Some(&mut repeats)));
+            let lines = first_records(&paths.log, &all.lines, call_ids)?;
+            let ranges = all.ranges();
+            let decoded = decode(LinesToDecode::Whole {
+                buf: &buf,
+                lines: &ranges,
+            });
+            return Ok((Records { buf, lines }, ranges, decoded));
         }
-        Ok(Records { buf, lines })
+        let mut buf = self.spare_buffer(len as usize);
+        let (read, decoded) = std::thread::scope(|scope| {
+            let (sink, feed) = tape_channel(TAPES_AHEAD);
+            let bytes: &mut [u8] = &mut buf;
+            let log = &log;
+            let reading = scope.spawn(move || {
+                let (all, call_ids) =
+                    stream_taped_lines(log, bytes, &sink, |_| false).ctx("read log", &paths.log)?;
+                drop(sink);
+                let records = first_records(&paths.log, &all, call_ids)?;
+                let ranges = LogLines { lines: all, len }.ranges();
+                Ok::<_, Error>((records, ranges))
+            });
+            let decoded = decode(LinesToDecode::Taped(feed));
+            (reading.join().expect("read thread"), decoded)
+        });
+        let (lines, ranges) = read?;
+        Ok((Records { buf, lines }, ranges, decoded))
     }
 }
 
@@ -1241,24 +1266,41 @@ struct ScannedLine<'a> {
 /// How many tapes the verifying thread of `freeze_decoding` may make ahead of the decode.
 const TAPES_AHEAD: usize = 8;
 
-/// Hand `line` to the decoding thread; while its queue is full, hash lines (`hash_one`, false
-/// when none is left) instead of waiting. A closed queue (the decode stopped early) drops the
-/// line: the checks go on.
-fn send_or_hash<'b>(
-    tapes: &TapeSink<'b>,
-    mut line: LineTape<'b>,
-    mut hash_one: impl FnMut() -> bool,
-) {
-    loop {
-        match tapes.try_send(line) {
-            Ok(()) | Err(TrySendError::Disconnected(_)) => return,
-            Err(TrySendError::Full(back)) if hash_one() => line = back,
-            Err(TrySendError::Full(back)) => {
-                tapes.send(back);
-                return;
+/// Read `buf.len()` bytes of `file` into `buf` on this thread, tape each complete line as
+/// soon as it is read and send it through `sink`; while the channel is full, `when_full`
+/// (given the lines so far) does other work, and answers false when it has none left. A
+/// closed channel (the decoder stopped early) drops the tapes: the reading and walking go
+/// on. Returns the lines and their call ids as `json::extract_call_id` would answer them.
+#[allow(clippy::type_complexity)]
+fn stream_taped_lines<'b>(
+    file: &File,
+    buf: &'b mut [u8],
+    sink: &TapeSink<'b>,
+    mut when_full: impl FnMut(&[(u64, &'b [u8])]) -> bool,
+) -> io::Result<(
+    Vec<(u64, &'b [u8])>,
+    Vec<std::result::Result<String, LineError>>,
+)> {
+    let mut taper = LineTaper::new();
+    let mut lines = Vec::new();
+    let mut call_ids = Vec::new();
+    read_lines_streaming(file, buf, |offset, line| {
+        let tape = taper.tape(line);
+        call_ids.push(call_id_of(&tape));
+        lines.push((offset, line));
+        let mut item = LineTape { line, tape };
+        loop {
+            match sink.try_send(item) {
+                Ok(()) | Err(TrySendError::Disconnected(_)) => return,
+                Err(TrySendError::Full(back)) if when_full(&lines) => item = back,
+                Err(TrySendError::Full(back)) => {
+                    sink.send(back);
+                    return;
+                }
             }
         }
-    }
+    })?;
+    Ok((lines, call_ids))
 }
 
 /// Hash the first of `lines` past those `digests` covers; false if there is none.
@@ -1270,6 +1312,36 @@ fn hash_next(lines: &[(u64, &[u8])], digests: &mut Vec<String>) -> bool {
         }
         None => false,
     }
+}
+
+/// The ranges of the first line of each call id, in file order; the first line without a
+/// call id (as `call_ids` answers for each of `lines`) is corruption.
+fn first_records(
+    log: &Path,
+    lines: &[(u64, &[u8])],
+    call_ids: impl IntoIterator<Item = std::result::Result<String, LineError>>,
+) -> Result<Vec<Range<usize>>> {
+    let mut seen = HashSet::new();
+    let mut records = Vec::new();
+    for (&(offset, line), call_id) in lines.iter().zip(call_ids) {
+        let call_id = call_id.map_err(|e| Error::corrupt(log, offset, e.0))?;
+        if seen.insert(call_id) {
+            let start = offset as usize;
+            records.push(start..start + line.len());
+        }
+    }
+    Ok(records)
+}
+
+/// What a read of a rollout without a log returns (its decoder sees no lines).
+fn no_records<D>(
+    decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
+) -> (Records, Vec<Range<usize>>, D) {
+    let decoded = decode(LinesToDecode::Whole {
+        buf: &[],
+        lines: &[],
+    });
+    (Records::default(), Vec::new(), decoded)
 }
 
 /// Logs at least this large are hashed and walked on two threads.
@@ -1392,16 +1464,16 @@ mod tests {
     }
 
     /// The feed of a large log's freeze.
-    fn taped(lines: FrozenLines<'_>) -> TapeFeed<'_> {
+    fn taped(lines: LinesToDecode<'_>) -> TapeFeed<'_> {
         match lines {
-            FrozenLines::Taped(feed) => feed,
-            FrozenLines::Whole { .. } => panic!("a large log comes with tapes"),
+            LinesToDecode::Taped(feed) => feed,
+            LinesToDecode::Whole { .. } => panic!("a large log comes with tapes"),
         }
     }
 
     /// Each line a freeze sent, built from its tape and, for comparison, by one walk over the
     /// lines (repeats reused) as a decoder without tapes builds them.
-    fn replayed_and_walked(lines: FrozenLines<'_>) -> (Vec<String>, Vec<String>) {
+    fn replayed_and_walked(lines: LinesToDecode<'_>) -> (Vec<String>, Vec<String>) {
         let mut replay = crate::json::tape::Replay::new();
         let mut replayed = crate::json::tests::Echo::default();
         let mut repeats = Repeats::new();
@@ -1490,14 +1562,14 @@ mod tests {
         );
     }
 
-    fn slow_decode(lines: FrozenLines<'_>) {
+    fn slow_decode(lines: LinesToDecode<'_>) {
         for sent in taped(lines).iter() {
             std::thread::sleep(Duration::from_millis(2));
             drop(sent);
         }
     }
 
-    fn quitting_decode(lines: FrozenLines<'_>) {
+    fn quitting_decode(lines: LinesToDecode<'_>) {
         drop(lines);
     }
 
@@ -1530,6 +1602,30 @@ mod tests {
                 matches!(&frozen, Err(Error::Corrupt { detail, .. }) if detail.contains("payload digest")),
                 "{frozen:?}"
             );
+        }
+    }
+
+    /// Damage a large log as the differential tests do: `kind` 0 leaves it whole, 1 appends a
+    /// torn line of `torn` bytes, 2 changes a digit (still valid JSON), 3 makes the line at
+    /// `line` not JSON, 4 appends a copy of that line (a crashed retry), 5 appends a line
+    /// without a call id.
+    fn damage(bytes: &mut Vec<u8>, kind: u64, line: usize, torn: usize) {
+        match kind {
+            0 => {}
+            1 => bytes.extend_from_slice(&b"{\"model_call_id\":\"torn\",\"prompt"[..torn]),
+            2 => {
+                let at = (line + 60..bytes.len())
+                    .find(|&i| bytes[i].is_ascii_digit() && bytes[i - 1].is_ascii_digit())
+                    .unwrap();
+                bytes[at] = if bytes[at] == b'0' { b'7' } else { b'0' };
+            }
+            3 => bytes[line] = b'x',
+            4 => {
+                let end = line + bytes[line..].iter().position(|&b| b == b'\n').unwrap();
+                let copy = bytes[line..=end].to_vec();
+                bytes.extend_from_slice(&copy);
+            }
+            _ => bytes.extend_from_slice(b"{\"prompt_token_ids\":[1]}\n"),
         }
     }
 
@@ -1570,34 +1666,13 @@ mod tests {
             let mut bytes = std::fs::read(&log).unwrap();
             let starts: Vec<usize> = complete_lines(&bytes, 0).map(|(o, _)| o as usize).collect();
             let line = starts[rng.next(starts.len() as u64) as usize];
-            match round % 6 {
-                0 => {} // undamaged
-                1 => {
-                    // A torn line, once of a single byte.
-                    let torn = b"{\"model_call_id\":\"torn\",\"prompt";
-                    let cut = if round < 6 {
-                        1
-                    } else {
-                        2 + rng.next(30) as usize
-                    };
-                    bytes.extend_from_slice(&torn[..cut]);
-                }
-                2 => {
-                    // One digit changed (still valid JSON).
-                    let at = (line + 60..bytes.len())
-                        .find(|&i| bytes[i].is_ascii_digit() && bytes[i - 1].is_ascii_digit())
-                        .unwrap();
-                    bytes[at] = if bytes[at] == b'0' { b'7' } else { b'0' };
-                }
-                3 => bytes[line] = b'x', // not JSON
-                4 => {
-                    // A copy of an earlier line appended (a crashed retry).
-                    let end = line + bytes[line..].iter().position(|&b| b == b'\n').unwrap();
-                    let copy = bytes[line..=end].to_vec();
-                    bytes.extend_from_slice(&copy);
-                }
-                _ => bytes.extend_from_slice(b"{\"prompt_token_ids\":[1]}\n"),
-            }
+            // A torn line, once of a single byte.
+            let torn = if round < 6 {
+                1
+            } else {
+                2 + rng.next(30) as usize
+            };
+            damage(&mut bytes, round % 6, line, torn);
             std::fs::write(&log, &bytes).unwrap();
             for name in ["r.tokens.jsonl", "r.tokens.state.json"] {
                 let from = first.path().join(name);
@@ -1633,14 +1708,68 @@ mod tests {
     }
 
     #[test]
+    fn a_large_read_finds_the_records_a_line_by_line_walk_finds() {
+        // The read that streams (tapes, call ids from them) against the plain rule, on large
+        // logs undamaged and damaged; a read never changes the log.
+        let mut rng = crate::json::tests::Lcg(31);
+        let mut refusals = 0;
+        for round in 0..12 {
+            let dir = tempfile::tempdir().unwrap();
+            let writer = Store::open(dir.path(), 8).unwrap();
+            growing_log(&writer, "r", PARALLEL_SCAN_BYTES as u64 + rng.next(300_000));
+            let log = writer.paths("r").log;
+            drop(writer);
+            let mut bytes = std::fs::read(&log).unwrap();
+            let starts: Vec<usize> = complete_lines(&bytes, 0).map(|(o, _)| o as usize).collect();
+            let line = starts[rng.next(starts.len() as u64) as usize];
+            damage(&mut bytes, round % 6, line, 1 + rng.next(30) as usize);
+            std::fs::write(&log, &bytes).unwrap();
+            // The plain rule: the first line of each call id; the first line without one is
+            // corruption at its offset.
+            let mut seen = HashSet::new();
+            let expected: std::result::Result<Vec<Range<usize>>, u64> = complete_lines(&bytes, 0)
+                .filter_map(|(offset, line)| match extract_call_id(line, None) {
+                    Ok(call_id) => seen
+                        .insert(call_id)
+                        .then(|| Ok(offset as usize..offset as usize + line.len())),
+                    Err(_) => Some(Err(offset)),
+                })
+                .collect();
+            let store = Store::open(dir.path(), 8).unwrap();
+            let read = store.read_decoding("r", |lines| taped(lines).iter().count());
+            let complete = complete_lines(&bytes, 0).count();
+            match (read, expected) {
+                (Ok((records, ranges, decoded)), Ok(expected)) => {
+                    assert_eq!(records.lines, expected, "round {round}");
+                    assert_eq!(
+                        (ranges.len(), decoded),
+                        (complete, complete),
+                        "round {round}"
+                    );
+                }
+                (Err(Error::Corrupt { offset, .. }), Err(expected)) => {
+                    assert_eq!(offset, expected, "round {round}");
+                    refusals += 1;
+                }
+                (read, expected) => panic!("round {round}: {read:?} against {expected:?}"),
+            }
+            assert!(
+                std::fs::read(&log).unwrap() == bytes,
+                "round {round}: the read wrote"
+            );
+        }
+        assert!(refusals > 0);
+    }
+
+    #[test]
     fn a_small_freeze_decodes_without_tapes() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path(), 8).unwrap();
         let calls = growing_log(&store, "r", 1);
         let (snapshot, ranges, lines) = store
             .freeze_decoding("r", |lines| match lines {
-                FrozenLines::Whole { lines, .. } => lines.to_vec(),
-                FrozenLines::Taped(_) => panic!("a small log needs no tapes"),
+                LinesToDecode::Whole { lines, .. } => lines.to_vec(),
+                LinesToDecode::Taped(_) => panic!("a small log needs no tapes"),
             })
             .unwrap();
         assert_eq!(snapshot.records.lines.len(), calls);

@@ -2,9 +2,11 @@
 //!
 //! Building Python objects needs the GIL; checking the grammar, parsing numbers and comparing
 //! repeated token arrays does not. A large read therefore walks its lines with [`TapeBuilder`]
-//! on a helper thread ([`tape_lines`]) while the caller [`Replay`]s each finished line into its
-//! own builder, handing that builder exactly the calls a direct [`super::build`] would
-//! have made: the same values, arrays reused from the same earlier arrays, the same errors.
+//! on a second thread (the store's reads and freezes, through a [`tape_channel`], or
+//! [`tape_lines`] over a buffer already read) while the caller [`Replay`]s each finished line
+//! into its own builder, handing that builder exactly the calls a direct [`super::build`]
+//! would have made: the same values, arrays reused from the same earlier arrays, the same
+//! errors.
 
 use std::collections::VecDeque;
 use std::ops::Range;
