@@ -1125,7 +1125,8 @@ impl Store {
 
     /// [`Store::read_records`], handing every complete line to `decode` as
     /// [`Store::freeze_decoding`] does (a large log is read in chunks by a second thread,
-    /// which tapes each line as soon as it is read), and returning the lines' ranges too.
+    /// which tapes each line as soon as it is read), and returning the lines' ranges too. The
+    /// shared lock is held until `decode` returns.
     pub fn read_decoding<D>(
         &self,
         rollout_id: &str,
