@@ -213,7 +213,7 @@ enum Scan {
     },
 }
 
-/// The complete lines of a log as a freeze or an inspection checks them.
+/// The complete lines of a log as a freeze, a read or an inspection checks them.
 struct LogLines<'b> {
     /// `(file offset, line without its newline)`, in file order.
     lines: Vec<(u64, &'b [u8])>,
@@ -1264,7 +1264,7 @@ struct ScannedLine<'a> {
     call_id: Option<std::result::Result<String, LineError>>,
 }
 
-/// How many tapes the verifying thread of `freeze_decoding` may make ahead of the decode.
+/// How many lines a streamed freeze or read may tape ahead of the decoder.
 const TAPES_AHEAD: usize = 8;
 
 /// Read `buf.len()` bytes of `file` into `buf` on this thread, tape each complete line as
@@ -1345,7 +1345,8 @@ fn no_records<D>(
     (Records::default(), Vec::new(), decoded)
 }
 
-/// Logs at least this large are hashed and walked on two threads.
+/// Logs at least this large are hashed and walked on two threads (and freezes and reads of
+/// them stream: see `stream_taped_lines`).
 const PARALLEL_SCAN_BYTES: usize = 256 << 10;
 
 fn scan_lines<'b>(log: &LogLines<'b>, indexed: u64, scan: Scan) -> Vec<ScannedLine<'b>> {
