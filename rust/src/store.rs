@@ -1287,7 +1287,12 @@ fn stream_taped_lines<'b>(
     let mut call_ids = Vec::new();
     read_lines_streaming(file, buf, |offset, line| {
         let tape = taper.tape(line);
-        call_ids.push(call_id_of(&tape));
+        call_ids.push(match &tape {
+            Ok(_) => call_id_of(&tape),
+            // A line the tape walk refused (corrupt, so rare) is walked again for its call
+            // id: its refusal then reads as the one-walk path of a small log words it.
+            Err(_) => extract_call_id(line, None),
+        });
         lines.push((offset, line));
         let mut item = LineTape { line, tape };
         loop {
@@ -1632,18 +1637,13 @@ mod tests {
     }
 
     /// A freeze's result with what differs between two copies of one rollout left out (their
-    /// directory, the fresh snapshot id, and the parser's wording of a syntax error: a tape's
-    /// walk and the call-id walk word it differently).
+    /// directory, the fresh snapshot id).
     fn freeze_outcome(frozen: Result<Snapshot>, dir: &Path) -> String {
         let outcome = match frozen {
             Ok(snapshot) => format!(
                 "records {:?} incomplete {} version {}",
                 snapshot.records.lines, snapshot.incomplete, snapshot.version
             ),
-            Err(Error::Corrupt { offset, detail, .. }) => {
-                let what = detail.split(':').next().unwrap_or_default();
-                format!("corrupt at {offset}: {what}")
-            }
             Err(err) => err.to_string(),
         };
         outcome.replace(&dir.display().to_string(), "<dir>")
@@ -1729,14 +1729,15 @@ mod tests {
             // The plain rule: the first line of each call id; the first line without one is
             // corruption at its offset.
             let mut seen = HashSet::new();
-            let expected: std::result::Result<Vec<Range<usize>>, u64> = complete_lines(&bytes, 0)
-                .filter_map(|(offset, line)| match extract_call_id(line, None) {
-                    Ok(call_id) => seen
-                        .insert(call_id)
-                        .then(|| Ok(offset as usize..offset as usize + line.len())),
-                    Err(_) => Some(Err(offset)),
-                })
-                .collect();
+            let expected: std::result::Result<Vec<Range<usize>>, (u64, String)> =
+                complete_lines(&bytes, 0)
+                    .filter_map(|(offset, line)| match extract_call_id(line, None) {
+                        Ok(call_id) => seen
+                            .insert(call_id)
+                            .then(|| Ok(offset as usize..offset as usize + line.len())),
+                        Err(err) => Some(Err((offset, err.0))),
+                    })
+                    .collect();
             let store = Store::open(dir.path(), 8).unwrap();
             let read = store.read_decoding("r", |lines| taped(lines).iter().count());
             let complete = complete_lines(&bytes, 0).count();
@@ -1749,8 +1750,8 @@ mod tests {
                         "round {round}"
                     );
                 }
-                (Err(Error::Corrupt { offset, .. }), Err(expected)) => {
-                    assert_eq!(offset, expected, "round {round}");
+                (Err(Error::Corrupt { offset, detail, .. }), Err(expected)) => {
+                    assert_eq!((offset, detail), expected, "round {round}");
                     refusals += 1;
                 }
                 (read, expected) => panic!("round {round}: {read:?} against {expected:?}"),
