@@ -1287,12 +1287,7 @@ fn stream_taped_lines<'b>(
     let mut call_ids = Vec::new();
     read_lines_streaming(file, buf, |offset, line| {
         let tape = taper.tape(line);
-        call_ids.push(match &tape {
-            Ok(_) => call_id_of(&tape),
-            // A line the tape walk refused (corrupt, so rare) is walked again for its call
-            // id: its refusal then reads as the one-walk path of a small log words it.
-            Err(_) => extract_call_id(line, None),
-        });
+        call_ids.push(call_id_of(line, &tape));
         lines.push((offset, line));
         let mut item = LineTape { line, tape };
         loop {

@@ -14,8 +14,8 @@ use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender, TrySe
 use std::sync::Arc;
 
 use super::{
-    build, found_call_id, keep_recent, note_call_id, remembers, Builder, LineError, Repeats,
-    CALL_ID_KEY,
+    build, extract_call_id, found_call_id, keep_recent, note_call_id, remembers, Builder,
+    LineError, Repeats, CALL_ID_KEY,
 };
 
 /// One value of a line, held in Rust: texts borrow the line, floats are already parsed.
@@ -184,10 +184,15 @@ impl<'a> LineTaper<'a> {
     }
 }
 
-/// The top-level `model_call_id` of a line's tape, with the verdicts of
+/// The top-level `model_call_id` of `line` from its tape, with the verdicts of
 /// [`super::extract_call_id`] on the same line (its walk and a tape's check the same grammar),
-/// so a thread that tapes lines need not walk them again for their call ids.
-pub fn call_id_of(taped: &TapedLine<'_>) -> Result<String, LineError> {
+/// so a thread that tapes lines need not walk them again for their call ids. A line it refuses
+/// (corrupt, so rare) is walked after all, so that the refusal is worded as the walk words it.
+pub fn call_id_of(line: &[u8], taped: &TapedLine<'_>) -> Result<String, LineError> {
+    taped_call_id(taped).or_else(|_| extract_call_id(line, None))
+}
+
+fn taped_call_id(taped: &TapedLine<'_>) -> Result<String, LineError> {
     let members = match taped {
         Ok(Tape::Object(members, _)) => members,
         Ok(_) => return Err(LineError("expected a JSON object".to_owned())),

@@ -383,14 +383,10 @@ fn a_tape_gives_the_call_id_verdicts_of_the_call_id_walk() {
         let mut repeats = Repeats::new();
         for line in &lines {
             let walked = extract_call_id(line.as_bytes(), Some(&mut repeats));
-            let taped = call_id_of(&taper.tape(line.as_bytes()));
-            assert_eq!(
-                taped.is_ok(),
-                walked.is_ok(),
-                "{line}: {taped:?} vs {walked:?}"
-            );
-            if let Ok(id) = walked {
-                assert_eq!(taped.unwrap(), id);
+            let taped = call_id_of(line.as_bytes(), &taper.tape(line.as_bytes()));
+            // The same call id, or the same refusal in the same words.
+            assert_eq!(taped, walked, "{line}");
+            if walked.is_ok() {
                 found += 1;
             } else {
                 refused += 1;
