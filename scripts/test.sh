@@ -11,6 +11,10 @@ step "install (release build of the Rust extension + test tools)"
 python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 python -m pip install --quiet -e ".[test,dev]"
 
+step "NeMo Gym 0.7.0 as a test oracle (its sdist from PyPI, unpacked under .cache/)"
+TOKENCAPTURE_NEMO_GYM="$(bash scripts/nemo-gym-oracle.sh)"
+export TOKENCAPTURE_NEMO_GYM TOKENCAPTURE_REQUIRE_NEMO_GYM=1
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy (core, and core + bindings) -D warnings"

@@ -1,10 +1,8 @@
 """On-disk interoperability with NeMo Gym's own file store (optional).
 
-NeMo Gym is not a dependency of this package (on PyPI it needs Python 3.13 or newer), so this
-module runs only where `nemo_gym.token_id_capture.store` imports, and skips as a whole
-elsewhere. On a machine with a local copy, point `PYTHONPATH` at it:
-
-    PYTHONPATH=/path/to/nemo-gym python -m pytest -q tests/test_nemo_gym_interop.py
+NeMo Gym is not a dependency of this package (on PyPI it needs Python 3.13 or newer); its
+0.7.0 sdist is unpacked as an oracle by `scripts/nemo-gym-oracle.sh` (`tests/nemo_oracle.py`).
+Where it is missing the module skips as a whole, except under `scripts/test.sh`, where it fails.
 
 Every test drives one directory through NeMo Gym's store and through ours (the Rust-backed store
 and the pure-Python twin, each in turn) and checks that each reads, continues, freezes and
@@ -30,15 +28,10 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.nemo_oracle import import_nemo
 
-nemo_store_module = pytest.importorskip(
-    "nemo_gym.token_id_capture.store",
-    reason=(
-        "NeMo Gym is not importable (not a dependency; it needs Python >= 3.13): "
-        "put a NeMo Gym checkout on PYTHONPATH to run the interoperability tests"
-    ),
-)
-nemo_records = pytest.importorskip("nemo_gym.token_id_capture.records")
+nemo_store_module = import_nemo("store")
+nemo_records = import_nemo("records")
 
 from tests.conftest import is_storable_call_id, make_entry  # noqa: E402
 from tests.test_differential import append_bytes  # noqa: E402
