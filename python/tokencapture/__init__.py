@@ -4,6 +4,38 @@ A drop-in for `nemo_gym.token_id_capture`: the same records, protocols, store AP
 format, with the hot path (append + fsync, flock, digests, tail reconciliation) in Rust.
 """
 
+import platform as _platform
+import sys as _sys
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _distribution_version
+
+# The compiled core first: where it cannot load, say which platform this is and what is supported,
+# instead of a bare loader error from whichever module happened to import it first.
+try:
+    from tokencapture import _core as _core
+except ImportError as _error:
+    _here = (
+        f"{_platform.system() or _sys.platform} {_platform.machine()}, "
+        f"{_platform.python_implementation()} {_platform.python_version()}"
+    )
+    if _sys.platform == "win32":
+        raise ImportError(
+            f"tokencapture does not support Windows ({_here}): its Rust core relies on POSIX "
+            "file locking (flock), positioned reads and Unix descriptors. Run it on Linux or "
+            "macOS (on Windows, under WSL).",
+            name="tokencapture._core",
+        ) from _error
+    _libc = " ".join(_platform.libc_ver()).strip()
+    raise ImportError(
+        f"tokencapture's compiled core (tokencapture._core) does not load on this platform "
+        f"({_here}{', ' + _libc if _libc else ''}): {_error}. Prebuilt wheels cover Linux "
+        "x86_64 and aarch64 with glibc 2.17 or later (manylinux2014) or musl 1.2 or later "
+        "(musllinux_1_2), and macOS x86_64 and arm64, for CPython 3.11 and later; anywhere else "
+        "that is Unix-like, build it from the source distribution with a Rust toolchain "
+        "(pip install --no-binary tokencapture tokencapture).",
+        name="tokencapture._core",
+    ) from _error
+
 from tokencapture.fingerprint import (
     FINGERPRINT_VERSION,
     assistant_fingerprint,
@@ -61,7 +93,12 @@ from tokencapture.store import (
     validate_rollout_ids,
 )
 
-__version__ = "0.1.0"
+# The installed distribution's version, which maturin takes from Cargo.toml (its one source).
+# Imported from a bare source tree (no installed metadata), the version is unknown, not guessed.
+try:
+    __version__: str = _distribution_version("tokencapture")
+except _PackageNotFoundError:
+    __version__ = "0+unknown"
 
 __all__ = [
     "FINGERPRINT_VERSION",
