@@ -30,5 +30,13 @@ step "mypy --strict (package, including the _core.pyi stub)"
 python -m mypy
 python -m mypy.stubtest tokencapture._core
 
+step "docs: mkdocs build --strict (broken links and unresolved references fail)"
+# The docs extra's packages only (pip install -e ".[docs]" would rebuild the extension).
+python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))' \
+    | xargs python -m pip install --quiet
+docs_site="$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict --site-dir "$docs_site"
+rm -rf "$docs_site"
+
 step "pytest"
 python -m pytest -W error -q

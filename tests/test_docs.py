@@ -1,0 +1,166 @@
+"""Cheap consistency checks of the README and the documentation site.
+
+The strict MkDocs build itself runs in `scripts/test.sh` (it needs the docs extra); these
+checks need nothing but the files: the README's two commands are the ones CI runs, every page
+is in the site's navigation, every relative link resolves, the API pages cover the modules the
+site promises, the CLI table lists the CLI's commands, and the getting-started script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokencapture import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+INSTALL_COMMAND = "pip install . && python -m tokencapture demo"
+TEST_COMMAND = "bash scripts/test.sh"
+# The modules whose docstrings the site's API reference is generated from.
+API_MODULES = (
+    "records",
+    "protocols",
+    "store",
+    "lineage",
+    "ledger",
+    "staging.records",
+    "fingerprint",
+    "conformance",
+    "config",
+)
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+
+
+def code_blocks(text: str, language: str) -> list[str]:
+    return [body.strip() for body in re.findall(rf"^```{language}\n(.*?)^```", text, re.S | re.M)]
+
+
+def nav_pages() -> list[str]:
+    """The .md paths named in mkdocs.yml's nav (read as text: no YAML parser needed)."""
+    text = (ROOT / "mkdocs.yml").read_text()
+    nav = text[text.index("\nnav:") :]
+    return re.findall(r"^\s+-\s+(?:[^\n]*?:\s+)?([\w./-]+\.md)\s*$", nav, re.M)
+
+
+def markdown_files() -> list[Path]:
+    return [README, ROOT / "benches" / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def test_readme_commands_come_first_and_are_what_ci_runs() -> None:
+    readme = README.read_text()
+    assert code_blocks(readme, "bash")[:2] == [INSTALL_COMMAND, TEST_COMMAND]
+    # Nothing but the title and the introduction stands before the install section.
+    first_heading = re.search(r"^## (.+)$", readme, re.M)
+    assert first_heading is not None and first_heading.group(1) == "Install"
+    ci = (ROOT / ".ci" / "run").read_text()
+    commands = [line.strip() for line in ci.splitlines() if line.strip() and line[0] != "#"]
+    assert f"exec {TEST_COMMAND}" in commands
+    # The getting-started page repeats them verbatim.
+    started = (DOCS / "getting-started.md").read_text()
+    assert code_blocks(started, "bash")[:2] == [INSTALL_COMMAND, TEST_COMMAND]
+
+
+def test_demo_is_a_cli_command() -> None:
+    parser = cli._parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert "demo" in sub.choices
+
+
+def test_readme_cli_table_lists_every_command() -> None:
+    parser = cli._parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for page in (README, DOCS / "cli.md"):
+        lines = page.read_text().splitlines()
+        start = lines.index("| command | what it does |")
+        rows = []
+        for line in lines[start + 2 :]:
+            if not line.startswith("|"):
+                break
+            rows.append(line.split("|")[1])
+        listed = set(re.findall(r"`(\w+)[ `]", "\n".join(rows)))
+        assert listed == set(sub.choices), page
+
+
+def test_ci_builds_the_docs_strictly_with_the_docs_extra() -> None:
+    script = (ROOT / "scripts" / "test.sh").read_text()
+    build = re.search(r"^.*mkdocs build.*$", script, re.M)
+    assert build is not None
+    assert "--strict" in build.group(0)
+    # --quiet hides warnings, and strict mode then passes over them.
+    assert "--quiet" not in build.group(0) and " -q" not in build.group(0)
+    assert '["optional-dependencies"]["docs"]' in script
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    docs_extra = re.search(r"^docs = \[(.*)\]$", pyproject, re.M)
+    assert docs_extra is not None
+    for package in ("mkdocs", "mkdocs-material", "mkdocstrings[python]"):
+        assert f'"{package}>=' in docs_extra.group(1)
+    assert re.search(r"^/?site/?$", (ROOT / ".gitignore").read_text(), re.M)
+
+
+def test_every_page_is_in_the_nav_and_every_nav_entry_exists() -> None:
+    nav = nav_pages()
+    assert len(nav) == len(set(nav)), "a page is in the nav twice"
+    on_disk = {path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md")}
+    assert set(nav) == on_disk
+
+
+@pytest.mark.parametrize("page", markdown_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(page: Path) -> None:
+    text = FENCE.sub("", page.read_text())
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue
+        path = target.split("#", 1)[0]
+        resolved = (page.parent / path).resolve()
+        if not resolved.exists():
+            broken.append(target)
+        elif page.is_relative_to(DOCS) and not resolved.is_relative_to(DOCS):
+            broken.append(f"{target} (outside docs/: the site cannot link it)")
+    assert broken == []
+
+
+def test_api_pages_cover_the_promised_modules() -> None:
+    documented = set()
+    for page in (DOCS / "api").glob("*.md"):
+        for module in re.findall(r"^::: (tokencapture[\w.]*)$", page.read_text(), re.M):
+            importlib.import_module(module)
+            documented.add(module)
+    assert documented >= {f"tokencapture.{name}" for name in API_MODULES}
+    assert "paths: [python]" in (ROOT / "mkdocs.yml").read_text()
+
+
+def test_benchmarks_page_includes_the_methods_of_benches_readme() -> None:
+    page = (DOCS / "benchmarks.md").read_text()
+    assert '--8<-- "benches/README.md:methods"' in page
+    methods = (ROOT / "benches" / "README.md").read_text()
+    assert "[start:methods]" in methods and "[end:methods]" in methods
+    assert methods.index("[start:methods]") < methods.index("## Micro benchmarks")
+    assert methods.index("## Profiling a cell") < methods.index("[end:methods]")
+
+
+def test_getting_started_script_runs(tmp_path: Path) -> None:
+    page = (DOCS / "getting-started.md").read_text()
+    (script,) = [block for block in code_blocks(page, "python") if "asyncio.run(" in block]
+    (tmp_path / "example.py").write_text(script + "\n")
+    done = subprocess.run(
+        [sys.executable, "-W", "error", str(tmp_path / "example.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    # Three calls put, then a freeze: three entries, every begun call has its entry.
+    assert done.stdout.startswith("3 entries, version ")
+    assert done.stdout.rstrip().endswith(" complete")
