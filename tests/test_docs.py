@@ -143,6 +143,20 @@ def resolve(dotted: str) -> object:
     raise ModuleNotFoundError(dotted)
 
 
+@pytest.mark.parametrize("page", markdown_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_repository_paths_named_in_code_exist(page: Path) -> None:
+    """`scripts/...`, `bash scripts/test.sh`, `tests/...` and the like are files of this tree."""
+    prefix = re.compile(r"(?:scripts|benches|tests|rust|fuzz|python|docs|\.ci)/[\w./-]*")
+    named = [
+        word
+        for span in re.findall(r"`([^`\n]+)`", FENCE.sub("", page.read_text()))
+        for word in span.split()
+        if prefix.fullmatch(word)
+    ]
+    missing = [path for path in named if ".scratch" not in path and not (ROOT / path).exists()]
+    assert missing == []
+
+
 def test_api_pages_cover_the_promised_modules() -> None:
     documented = set()
     for page in (DOCS / "api").glob("*.md"):
