@@ -146,3 +146,15 @@ __all__ = [
     "validate_rollout_id",
     "validate_rollout_ids",
 ]
+
+# The PostgreSQL backend, imported on first access so that `import tokencapture` never needs
+# its driver (`pip install tokencapture[postgres]`); not in __all__ for the same reason.
+_POSTGRES_NAMES = frozenset({"PostgresLineageStore", "PostgresTokenCaptureStore"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _POSTGRES_NAMES:
+        from tokencapture import postgres
+
+        return getattr(postgres, name)
+    raise AttributeError(f"module 'tokencapture' has no attribute {name!r}")

@@ -1,0 +1,28 @@
+"""The PostgreSQL backend: the token capture store (and its lineage resolver) on one server.
+
+Install the driver with `pip install tokencapture[postgres]` (asyncpg). Every operation is one
+call of a server-side function in the `tokencapture` schema (python/tokencapture/postgres/sql),
+which `tokencapture db init DSN` installs and upgrades, or the store on first use when
+`install_schema=True`. See docs/postgres.md.
+"""
+
+from __future__ import annotations
+
+try:
+    import asyncpg  # type: ignore[import-untyped, unused-ignore]  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        "the PostgreSQL backend needs the asyncpg driver: pip install tokencapture[postgres]"
+    ) from exc
+
+from tokencapture.postgres._client import PostgresUnavailableError
+from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, install_schema_sync
+from tokencapture.postgres.store import PostgresTokenCaptureStore
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "PostgresTokenCaptureStore",
+    "PostgresUnavailableError",
+    "install_schema",
+    "install_schema_sync",
+]

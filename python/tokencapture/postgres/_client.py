@@ -1,0 +1,303 @@
+"""Connections for the PostgreSQL backend: a bounded asyncpg pool per event loop and process,
+timeouts on connect and on every statement, the durability check, a loop thread for the
+synchronous methods, and the mapping of connection failures to `OSError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import weakref
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import asyncpg  # type: ignore[import-untyped, unused-ignore]
+
+from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, schema_version
+
+__all__ = [
+    "Client",
+    "PostgresDurabilityError",
+    "PostgresSchemaError",
+    "PostgresUnavailableError",
+]
+
+_T = TypeVar("_T")
+
+
+class PostgresUnavailableError(ConnectionError):
+    """The server could not be reached, went away mid-operation, or did not answer in time.
+
+    An `OSError` (via `ConnectionError`): the operation may or may not have committed. Every
+    write of the store is safe to retry except `mark_incomplete`, which records one more mark.
+    """
+
+
+class PostgresDurabilityError(RuntimeError):
+    """The session would acknowledge commits before they are flushed (synchronous_commit=off)."""
+
+
+class PostgresSchemaError(RuntimeError):
+    """The database lacks the tokencapture schema (or has an older one): run `tokencapture db
+    init DSN`, or construct the store with `install_schema=True`."""
+
+
+# Failures that mean "no answer from the server", as opposed to an answer that refuses.
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,  # refused, reset, unreachable; TimeoutError is one too
+    asyncio.TimeoutError,
+    asyncpg.InterfaceError,  # the connection was closed in the middle of an operation
+    asyncpg.PostgresConnectionError,  # SQLSTATE class 08
+    asyncpg.exceptions.OperatorInterventionError,  # class 57: shutdown, starting up, canceled
+    asyncpg.exceptions.InsufficientResourcesError,  # class 53: too many connections
+    asyncpg.exceptions.InternalClientError,  # a protocol state broken by a cut connection
+)
+# Failures after which a connection's state is unknown: it is closed, not reused.
+_BREAKS_CONNECTION: tuple[type[BaseException], ...] = (*_UNAVAILABLE, asyncio.CancelledError)
+# Answers after which the same call can simply run again (nothing was committed).
+_RETRYABLE: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.DeadlockDetectedError,
+    asyncpg.exceptions.SerializationError,
+)
+
+
+def _where(dsn: str) -> str:
+    """The server's address for messages (never the password)."""
+    try:
+        parts = urlsplit(dsn)
+        host = parts.hostname or "localhost"
+        return f"{host}:{parts.port or 5432}{parts.path}"
+    except ValueError:
+        return "the configured server"
+
+
+class _LoopThread:
+    """An event loop on a daemon thread, for the synchronous twins of the async methods."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="tokencapture-postgres", daemon=True
+        )
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+class Client:
+    """The connection side of one store object: pools per event loop, timeouts, checks."""
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        pool_size: int = 10,
+        connect_timeout: float = 10.0,
+        statement_timeout: float = 30.0,
+        synchronous_commit: str | None = "on",
+        allow_unflushed_commits: bool = False,
+        install_schema: bool = False,
+        statement_cache_size: int = 100,
+    ) -> None:
+        if not isinstance(dsn, str) or not dsn:
+            raise TypeError("dsn must be a non-empty postgresql:// connection string")
+        if not isinstance(pool_size, int) or isinstance(pool_size, bool) or pool_size < 1:
+            raise ValueError(f"pool_size must be a positive integer, not {pool_size!r}")
+        for name, value in (
+            ("connect_timeout", connect_timeout),
+            ("statement_timeout", statement_timeout),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        if synchronous_commit == "off" and not allow_unflushed_commits:
+            raise PostgresDurabilityError(
+                "synchronous_commit='off' acknowledges commits before they are flushed; pass "
+                "allow_unflushed_commits=True to accept losing acknowledged records"
+            )
+        self.dsn = dsn
+        self.where = _where(dsn)
+        self.pool_size = pool_size
+        self.connect_timeout = float(connect_timeout)
+        self.statement_timeout = float(statement_timeout)
+        self.synchronous_commit = synchronous_commit
+        self.allow_unflushed_commits = allow_unflushed_commits
+        self.install_schema = install_schema
+        self.statement_cache_size = statement_cache_size
+        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncpg.Pool] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._creating: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._pid = os.getpid()
+        self._schema_checked = False
+        self._thread: _LoopThread | None = None
+        self._thread_lock = threading.Lock()
+        self.closed = False
+
+    # Pools -----------------------------------------------------------------------------------
+
+    def _server_settings(self) -> dict[str, str]:
+        settings = {
+            "application_name": "tokencapture",
+            "statement_timeout": str(int(self.statement_timeout * 1000)),
+        }
+        if self.synchronous_commit is not None:
+            settings["synchronous_commit"] = self.synchronous_commit
+        return settings
+
+    async def _check_session(self, connection: Any) -> None:
+        """Run on every new connection: refuse one that would not flush commits."""
+        if self.allow_unflushed_commits:
+            return
+        setting = await connection.fetchval("SHOW synchronous_commit")
+        if setting == "off":
+            raise PostgresDurabilityError(
+                f"the session at {self.where} has synchronous_commit=off: an acknowledged "
+                "record could be lost in a crash; fix the server or role setting, or pass "
+                "allow_unflushed_commits=True"
+            )
+
+    async def pool(self) -> asyncpg.Pool:
+        """This event loop's pool (created, and the schema checked, on first use)."""
+        if self.closed:
+            raise RuntimeError("the store is closed")
+        if self._pid != os.getpid():  # a forked child: the parent's pools are not ours
+            self._pools = weakref.WeakKeyDictionary()
+            self._creating = weakref.WeakKeyDictionary()
+            self._thread = None
+            self._pid = os.getpid()
+        loop = asyncio.get_running_loop()
+        pool = self._pools.get(loop)
+        if pool is not None:
+            return pool
+        lock = self._creating.setdefault(loop, asyncio.Lock())
+        async with lock:
+            pool = self._pools.get(loop)
+            if pool is None:
+                pool = asyncpg.create_pool(
+                    self.dsn,
+                    min_size=0,
+                    max_size=self.pool_size,
+                    timeout=self.connect_timeout,
+                    command_timeout=self.statement_timeout,
+                    server_settings=self._server_settings(),
+                    statement_cache_size=self.statement_cache_size,
+                    init=self._check_session,
+                )
+                await pool
+                if not self._schema_checked:
+                    try:
+                        await self._check_schema(pool)
+                    except BaseException:
+                        await pool.close()
+                        raise
+                self._pools[loop] = pool
+            return pool
+
+    async def _check_schema(self, pool: asyncpg.Pool) -> None:
+        async with pool.acquire(timeout=self.connect_timeout) as connection:
+            if self.install_schema:
+                await install_schema(connection)
+            else:
+                found = await schema_version(connection)
+                if found < SCHEMA_VERSION:
+                    raise PostgresSchemaError(
+                        f"the database at {self.where} has tokencapture schema version {found}, "
+                        f"this client needs {SCHEMA_VERSION}: run `tokencapture db init DSN` "
+                        "or pass install_schema=True"
+                    )
+        self._schema_checked = True
+
+    # Calls -----------------------------------------------------------------------------------
+
+    async def fetch(self, kind: str, sql: str, *args: Any, idempotent: bool = True) -> Any:
+        """Run one statement (`kind` is "val" or "row"); one retry of an idempotent call whose
+        connection failed (a pooled connection that died with a restarted server) or that
+        lost a deadlock."""
+        attempts = 2 if idempotent else 1
+        for attempt in range(attempts):
+            try:
+                pool = await self.pool()
+                connection = await pool.acquire(timeout=self.connect_timeout)
+                try:
+                    if kind == "val":
+                        return await connection.fetchval(sql, *args)
+                    return await connection.fetchrow(sql, *args)
+                except _BREAKS_CONNECTION:
+                    # The connection's state is unknown (a cut mid-statement, a timeout, a
+                    # cancelled await): close it rather than reset it for the next caller.
+                    connection.terminate()
+                    raise
+                finally:
+                    await pool.release(connection)
+            except _RETRYABLE:
+                if attempt + 1 == attempts:
+                    raise
+            except (PostgresDurabilityError, PostgresSchemaError):
+                raise
+            except _UNAVAILABLE as exc:
+                if attempt + 1 < attempts and not isinstance(exc, asyncio.TimeoutError):
+                    continue
+                raise PostgresUnavailableError(
+                    f"PostgreSQL at {self.where} is unavailable: {type(exc).__name__}: {exc}"
+                ) from exc
+        raise AssertionError("unreachable")
+
+    def run_sync(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run a coroutine of this client on its own loop thread, from synchronous code."""
+        if self._pid != os.getpid():
+            self._thread = None
+            self._pid = os.getpid()
+        if self._thread is None:
+            with self._thread_lock:
+                if self._thread is None:
+                    self._thread = _LoopThread()
+        return self._thread.run(coro)
+
+    async def close(self) -> None:
+        """Close this loop's pool and the loop thread's; terminate pools of other loops."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        thread, self._thread = self._thread, None
+        for owner, pool in list(self._pools.items()):
+            if owner is loop:
+                await pool.close()
+            elif thread is not None and owner is thread.loop:
+                asyncio.run_coroutine_threadsafe(pool.close(), thread.loop).result()
+            else:
+                pool.terminate()
+        self._pools = weakref.WeakKeyDictionary()
+        if thread is not None:
+            thread.stop()
+
+    def close_sync(self) -> None:
+        """`close` from synchronous code."""
+        if self.closed:
+            return
+        thread = self._thread
+        if thread is not None:
+            self._thread = None
+            thread.run(self._close_on(thread.loop))
+            thread.stop()
+        self.closed = True
+        for pool in list(self._pools.values()):
+            pool.terminate()
+
+    async def _close_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        pool = self._pools.pop(loop, None)
+        if pool is not None:
+            await pool.close()

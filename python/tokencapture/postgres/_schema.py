@@ -1,0 +1,89 @@
+"""The versioned schema: python/tokencapture/postgres/sql/NNN_*.sql, applied in order, once.
+
+`tokencapture.schema_migrations` records each applied version. An install takes a transaction
+advisory lock, so concurrent installers (many workers starting at once) apply each file once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from importlib import resources
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped, unused-ignore]
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "install_schema",
+    "install_schema_sync",
+    "migrations",
+    "schema_version",
+]
+
+# pg_advisory_xact_lock key of the installer ("tokencap" in ASCII).
+_INSTALL_LOCK = 0x746F6B656E636170
+
+_BOOTSTRAP = """
+CREATE SCHEMA IF NOT EXISTS tokencapture;
+CREATE TABLE IF NOT EXISTS tokencapture.schema_migrations (
+    version    integer     PRIMARY KEY,
+    name       text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+"""
+
+
+def migrations() -> list[tuple[int, str, str]]:
+    """`(version, file name, SQL)` of every schema file, in version order."""
+    found = []
+    for item in resources.files("tokencapture.postgres").joinpath("sql").iterdir():
+        match = re.fullmatch(r"(\d{3})_[a-z0-9_]+\.sql", item.name)
+        if match:
+            found.append((int(match.group(1)), item.name, item.read_text(encoding="utf-8")))
+    return sorted(found)
+
+
+SCHEMA_VERSION = migrations()[-1][0]
+
+
+async def schema_version(connection: Any) -> int:
+    """The newest applied version (0 when the schema is not installed)."""
+    exists = await connection.fetchval("SELECT to_regclass('tokencapture.schema_migrations')")
+    if exists is None:
+        return 0
+    value = await connection.fetchval("SELECT max(version) FROM tokencapture.schema_migrations")
+    return int(value or 0)
+
+
+async def install_schema(connection: Any) -> list[str]:
+    """Install or upgrade the schema on an open asyncpg connection; the files applied."""
+    applied: list[str] = []
+    async with connection.transaction():
+        await connection.execute("SELECT pg_advisory_xact_lock($1)", _INSTALL_LOCK)
+        await connection.execute(_BOOTSTRAP)
+        current = await schema_version(connection)
+        for version, name, sql in migrations():
+            if version <= current:
+                continue
+            await connection.execute(sql)
+            await connection.execute(
+                "INSERT INTO tokencapture.schema_migrations (version, name) VALUES ($1, $2)",
+                version,
+                name,
+            )
+            applied.append(name)
+    return applied
+
+
+def install_schema_sync(dsn: str, *, timeout: float = 30.0) -> list[str]:
+    """`install_schema` from synchronous code, on its own connection."""
+
+    async def run() -> list[str]:
+        connection = await asyncpg.connect(dsn, timeout=timeout)
+        try:
+            return await install_schema(connection)
+        finally:
+            await connection.close()
+
+    return asyncio.run(run())

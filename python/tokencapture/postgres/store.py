@@ -1,0 +1,377 @@
+"""`PostgresTokenCaptureStore`: the token capture store on PostgreSQL.
+
+The same contract as the file store (`tokencapture.store.TokenCaptureStore`): the same
+canonical line bytes and payload digests (made here by the same functions), snapshot ids,
+version numbering, incomplete rules, fences, results and exception types. What differs is how
+a mutation becomes atomic and durable: one server-side function call per operation
+(python/tokencapture/postgres/sql), committed and flushed before it returns, instead of flock,
+fdatasync and atomic renames. Arguments are validated in Python, before any round trip.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Coroutine, Sequence
+from time import perf_counter
+from typing import Any
+
+import orjson
+
+from tokencapture import _core
+from tokencapture.metrics import Metrics
+from tokencapture.postgres._client import Client
+from tokencapture.protocols import (
+    RolloutRemovalPayload,
+    TokenCaptureConflictError,
+    TokenCaptureCorruptionError,
+    TokenCaptureFrozenError,
+    TokenCaptureRetiredError,
+    TokenCaptureSnapshot,
+)
+from tokencapture.records import TokenEntry
+from tokencapture.store import (
+    _as_token_entry,
+    _entry_from_record,
+    _log_failure,
+    _marker_line,
+    _Operation,
+    canonical_line,
+    validate_rollout_id,
+    validate_rollout_ids,
+)
+
+__all__ = ["PostgresTokenCaptureStore", "validate_call_id"]
+
+# Status codes of the server functions (see sql/001_store.sql).
+_DONE, _DUPLICATE, _CONFLICT, _FROZEN, _RETIRED = range(5)
+
+
+def _debug_str(text: str) -> str:
+    """`text` quoted as the native core's messages quote it (Rust's `{:?}` of a str)."""
+    out = ['"']
+    for char in text:
+        if char == "\\":
+            out.append("\\\\")
+        elif char == '"':
+            out.append('\\"')
+        elif char == "\n":
+            out.append("\\n")
+        elif char == "\r":
+            out.append("\\r")
+        elif char == "\t":
+            out.append("\\t")
+        elif char == "\0":
+            out.append("\\0")
+        elif not char.isprintable() and char != " ":
+            out.append(f"\\u{{{ord(char):x}}}")
+        else:
+            out.append(char)
+    out.append('"')
+    return "".join(out)
+
+
+def _utf8(value: object, what: str) -> bytes:
+    """A str as UTF-8, refused as the native bindings refuse it (TypeError, ValueError)."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"argument '{what}': '{type(value).__name__}' object is not an instance of 'str'"
+        )
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} must be valid Unicode text (no lone surrogates)") from None
+
+
+_LINE_SPACE = " \t\n\x0b\x0c\r"
+
+
+def validate_call_id(call_id: str) -> None:
+    """The file store's rule for a call id: one line of the intents file that readers, who
+    strip each line, read back unchanged (same messages as the native check)."""
+    if call_id == "":
+        raise ValueError("model_call_id must not be empty")
+    if "\n" in call_id or "\r" in call_id:
+        raise ValueError(f"model_call_id {_debug_str(call_id)} contains a line break")
+    if call_id[0] in _LINE_SPACE or call_id[-1] in _LINE_SPACE:
+        raise ValueError(
+            f"model_call_id {_debug_str(call_id)} starts or ends with whitespace, which readers "
+            "of the intents file strip: its intent would not match its entry"
+        )
+
+
+def _rollout(rollout_id: str) -> str:
+    """Validate a rollout id as the file store's native calls do: the argument's type, then
+    the rule (the same function as the file store's)."""
+    _utf8(rollout_id, "rollout_id")
+    return validate_rollout_id(rollout_id)
+
+
+def _refusal(status: int, rollout_id: str) -> Exception:
+    if status == _RETIRED:
+        return TokenCaptureRetiredError(
+            f"rollout {_debug_str(rollout_id)} is retired: its capture is fenced until it is "
+            "deleted"
+        )
+    if status == _FROZEN:
+        return TokenCaptureFrozenError(
+            f"rollout {_debug_str(rollout_id)} is frozen: its capture no longer accepts writes"
+        )
+    raise AssertionError(f"unexpected status {status} from the server")
+
+
+_PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
+_BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
+_MARK_INCOMPLETE = "SELECT tokencapture.mark_incomplete($1, $2)"
+_FREEZE = "SELECT * FROM tokencapture.freeze($1, $2)"
+_READ = "SELECT * FROM tokencapture.read_entries($1)"
+_IS_INCOMPLETE = "SELECT tokencapture.is_incomplete($1)"
+_DROP = "SELECT tokencapture.drop_snapshot($1, $2, $3)"
+_RETIRE = "SELECT * FROM tokencapture.retire($1)"
+_DELETE = "SELECT * FROM tokencapture.delete($1)"
+
+
+class PostgresTokenCaptureStore:
+    """Durable, rollout-keyed sink and source for `TokenEntry` records on PostgreSQL.
+
+    Safe to share between tasks and threads; any number of processes on any number of hosts
+    may use one database. Options: `pool_size` (connections per event loop, default 10),
+    `connect_timeout` and `statement_timeout` (seconds), `synchronous_commit` (sent at connect;
+    "off" is refused unless `allow_unflushed_commits=True`, and so is a session that reports
+    it off), `install_schema` (install or upgrade the schema on first use) and
+    `statement_cache_size` (0 behind a PgBouncer that does not track prepared statements).
+    """
+
+    def __init__(self, dsn: str, **options: Any) -> None:
+        self._client = Client(dsn, **options)
+        self._metrics = Metrics()
+
+    def __repr__(self) -> str:
+        return f"PostgresTokenCaptureStore({self._client.where!r})"
+
+    @property
+    def dsn(self) -> str:
+        return self._client.dsn
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per-operation counts, failures and latency histograms (see `tokencapture.metrics`)."""
+        return self._metrics.snapshot()
+
+    def _operation(self, name: str, rollout_id: object) -> _Operation:
+        return _Operation(self._metrics, name, rollout_id)
+
+    # Writes ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _put_args(entry: object) -> tuple[str, bytes, str, bytes]:
+        token_entry = _as_token_entry(entry)
+        line = canonical_line(token_entry)
+        rollout_id = _rollout(token_entry.rollout_id)
+        call_id = _utf8(token_entry.model_call_id, "model_call_id")
+        validate_call_id(token_entry.model_call_id)
+        return rollout_id, call_id, _core.payload_digest(line), line
+
+    def put(self, entry: TokenEntry) -> Coroutine[Any, Any, None]:
+        """Store an entry; returns once its commit is flushed. Validated when called."""
+        started = perf_counter()
+        try:
+            args = self._put_args(entry)
+        except BaseException as exc:
+            self._put_failed(entry, exc, started)
+            raise
+        return self._put(args, entry, started)
+
+    async def _put(
+        self, args: tuple[str, bytes, str, bytes], entry: object, started: float
+    ) -> None:
+        try:
+            status = await self._client.fetch("val", _PUT, *args)
+            self._put_status(status, args)
+        except BaseException as exc:
+            self._put_failed(entry, exc, started)
+            raise
+        self._metrics.observe("put", perf_counter() - started)
+
+    def append(self, entry: TokenEntry) -> None:
+        """Synchronous `put`."""
+        self._client.run_sync(self.put(entry))
+
+    def _put_status(self, status: int, args: tuple[str, bytes, str, bytes]) -> None:
+        if status in (_DONE, _DUPLICATE):
+            return
+        rollout_id = args[0]
+        if status == _CONFLICT:
+            call_id = args[1].decode("utf-8")
+            raise TokenCaptureConflictError(
+                f"model_call_id {_debug_str(call_id)} of rollout {_debug_str(rollout_id)} is "
+                "already stored with a different payload; the rollout is now marked incomplete"
+            )
+        raise _refusal(status, rollout_id)
+
+    def _put_failed(self, entry: object, exc: BaseException, started: float) -> None:
+        self._metrics.observe("put", perf_counter() - started, failed=True)
+        _log_failure("put", getattr(entry, "rollout_id", None), exc)
+
+    def begin_call(self, rollout_id: str, model_call_id: str) -> Coroutine[Any, Any, None]:
+        """Durably record that a captured call is about to be dispatched. Validated when called.
+
+        An intent with no entry at freeze masks the rollout.
+        """
+        rollout = _rollout(rollout_id)
+        call_id = _utf8(model_call_id, "model_call_id")
+        validate_call_id(model_call_id)
+        return self._begin_call_async(rollout, call_id)
+
+    async def _begin_call_async(self, rollout_id: str, call_id: bytes) -> None:
+        with self._operation("begin_call", rollout_id):
+            status = await self._client.fetch("val", _BEGIN_CALL, rollout_id, call_id)
+            if status != _DONE:
+                raise _refusal(status, rollout_id)
+
+    def _begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Synchronous `begin_call` (the reference's name)."""
+        self._client.run_sync(self.begin_call(rollout_id, model_call_id))
+
+    def mark_incomplete(
+        self, rollout_id: str, model_call_id: str = ""
+    ) -> Coroutine[Any, Any, None]:
+        """Durably record that a call was lost (allowed after freeze, refused after retire).
+
+        Not retried after a connection failure: a retry could record a second mark.
+        """
+        rollout = _rollout(rollout_id)
+        return self._mark_incomplete_async(rollout, _marker_line(model_call_id))
+
+    async def _mark_incomplete_async(self, rollout_id: str, marker: bytes) -> None:
+        with self._operation("mark_incomplete", rollout_id):
+            status = await self._client.fetch(
+                "val", _MARK_INCOMPLETE, rollout_id, marker, idempotent=False
+            )
+            if status != _DONE:
+                raise _refusal(status, rollout_id)
+
+    def _mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+        """Synchronous `mark_incomplete` (the reference's name)."""
+        self._client.run_sync(self.mark_incomplete(rollout_id, model_call_id))
+
+    # Reads and lifecycle -----------------------------------------------------------------
+
+    def _entries(
+        self, rollout_id: str, lines: list[bytes], digests: list[str]
+    ) -> tuple[TokenEntry, ...]:
+        """Entries from stored lines: every line checked against its digest, then decoded in
+        one pass; a line that is not a valid entry is corruption."""
+        for line, digest in zip(lines, digests, strict=True):
+            if _core.payload_digest(line) != digest:
+                raise TokenCaptureCorruptionError(
+                    f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}: a stored "
+                    f"line does not match its payload digest {digest}"
+                )
+        if not lines:
+            return ()
+        try:
+            records = orjson.loads(b"[" + b",".join(lines) + b"]")
+        except orjson.JSONDecodeError as exc:
+            raise TokenCaptureCorruptionError(
+                f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}: a stored line "
+                f"is not JSON: {exc}"
+            ) from exc
+        entries = []
+        for index, record in enumerate(records):
+            try:
+                if not isinstance(record, dict):
+                    raise ValueError("expected a JSON object")
+                entries.append(_entry_from_record(record))
+            except ValueError as exc:
+                raise TokenCaptureCorruptionError(
+                    f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}: line "
+                    f"{index} is not a valid entry: {exc}"
+                ) from exc
+        return tuple(entries)
+
+    def freeze(self, rollout_id: str) -> Coroutine[Any, Any, TokenCaptureSnapshot]:
+        """Freeze one rollout (the first freeze mints the snapshot id) and return its snapshot."""
+        return self._freeze(_rollout(rollout_id))
+
+    async def _freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        with self._operation("freeze", rollout_id):
+            row = await self._client.fetch("row", _FREEZE, rollout_id, uuid.uuid4().hex)
+            if row["status"] != _DONE:
+                raise _refusal(row["status"], rollout_id)
+            entries = self._entries(rollout_id, row["lines"], row["digests"])
+            return TokenCaptureSnapshot(
+                rollout_id, entries, row["incomplete"], row["snapshot_id"], row["version"]
+            )
+
+    def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Synchronous `freeze`."""
+        return self._client.run_sync(self.freeze(rollout_id))
+
+    async def read_entries_async(self, rollout_id: str) -> list[TokenEntry]:
+        rollout = _rollout(rollout_id)
+        row = await self._client.fetch("row", _READ, rollout)
+        return list(self._entries(rollout, row["lines"], row["digests"]))
+
+    def read_entries(self, rollout_id: str) -> list[TokenEntry]:
+        """The stored entries (nothing is created or changed)."""
+        _rollout(rollout_id)
+        return self._client.run_sync(self.read_entries_async(rollout_id))
+
+    async def is_incomplete_async(self, rollout_id: str) -> bool:
+        return bool(await self._client.fetch("val", _IS_INCOMPLETE, _rollout(rollout_id)))
+
+    def is_incomplete(self, rollout_id: str) -> bool:
+        """The stored flag: a call in flight is not a hole until freeze judges it."""
+        _rollout(rollout_id)
+        return self._client.run_sync(self.is_incomplete_async(rollout_id))
+
+    def drop(self, rollout_id: str, snapshot_id: str, version: int) -> Coroutine[Any, Any, bool]:
+        """Delete the consumed snapshot's records and keep its fence, if nothing changed."""
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**64:
+            return self._false()  # no stored version can equal it (checked first, as files do)
+        if not isinstance(snapshot_id, str):
+            _rollout(rollout_id)
+            _utf8(snapshot_id, "snapshot_id")
+        _utf8(snapshot_id, "snapshot_id")
+        return self._drop_async(_rollout(rollout_id), snapshot_id, version)
+
+    @staticmethod
+    async def _false() -> bool:
+        return False
+
+    async def _drop_async(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+        if version >= 2**63 or "\0" in snapshot_id:
+            return False  # no stored version (bigint) or snapshot id (uuid hex) can equal it
+        with self._operation("drop", rollout_id):
+            return bool(await self._client.fetch("val", _DROP, rollout_id, snapshot_id, version))
+
+    def _drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+        """Synchronous `drop` (the reference's name)."""
+        return self._client.run_sync(self.drop(rollout_id, snapshot_id, version))
+
+    def retire(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """Fence every rollout and remove its records, whatever its state, in one transaction."""
+        return self._batch("retire", _RETIRE, validate_rollout_ids(rollout_ids))
+
+    def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """Remove records and fences in one transaction, so a reused id starts empty."""
+        return self._batch("delete", _DELETE, validate_rollout_ids(rollout_ids))
+
+    async def _batch(self, name: str, sql: str, ids: list[str]) -> RolloutRemovalPayload:
+        if not ids:
+            return {"removed": [], "absent": []}
+        with self._operation(name, ids):
+            row = await self._client.fetch("row", sql, ids)
+        return {"removed": list(row["removed"]), "absent": list(row["absent"])}
+
+    def retire_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        return self._client.run_sync(self.retire(rollout_ids))
+
+    def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        return self._client.run_sync(self.delete(rollout_ids))
+
+    async def close(self) -> None:
+        """Close this store's connections (idempotent)."""
+        await self._client.close()
+
+    def close_sync(self) -> None:
+        self._client.close_sync()

@@ -1,0 +1,292 @@
+"""A throwaway PostgreSQL server for the tests: initdb + postgres in a temporary directory.
+
+The Debian package's binaries (`/usr/lib/postgresql/<major>/bin`) refuse to run as root, so a
+root test run starts them as the `postgres` account the package creates. The data directory
+and the unix socket directory live in one temporary directory (made traversable for that
+account); the server also listens on a free loopback port. `fsync` and `synchronous_commit`
+are on, as in production. `kill()` is a SIGKILL of the postmaster and of its children (backends
+call `setsid`, so a process-group kill would miss them, and a surviving child keeps the shared
+memory block that makes the restart fail).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PgServer", "PgServerUnavailable", "find_bindir"]
+
+
+class PgServerUnavailable(RuntimeError):
+    """No PostgreSQL server could be started here (the reason says why)."""
+
+
+def find_bindir() -> Path | None:
+    """The newest installed `/usr/lib/postgresql/<major>/bin` that has initdb, or None."""
+    override = os.environ.get("TOKENCAPTURE_PG_BINDIR")
+    if override:
+        return Path(override)
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda path: int(Path(path).parts[-3]) if Path(path).parts[-3].isdigit() else 0,
+    )
+    return Path(found[-1]).parent if found else None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (read from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # The command name is in parentheses and may contain spaces: split after the last ')'.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (0.0 if it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    # utime, stime, cutime, cstime: fields 14-17 of stat(5) (11-14 after the name and state).
+    return sum(int(value) for value in fields[11:15]) / ticks
+
+
+class PgServer:
+    """One PostgreSQL cluster in a temporary directory; start/stop/kill/restart it."""
+
+    def __init__(self, base: Path | None = None, bindir: Path | None = None) -> None:
+        found = bindir or find_bindir()
+        if found is None or not (found / "initdb").exists():
+            raise PgServerUnavailable(
+                "PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb); "
+                "apt-get install postgresql"
+            )
+        self.bindir = found
+        self._owns_base = base is None
+        self.base = Path(base or tempfile.mkdtemp(prefix="tokencapture-pg-"))
+        self.data = self.base / "data"
+        self.socket_dir = self.base / "socket"
+        self.log = self.base / "server.log"
+        self.port = _free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self._run_as: dict[str, Any] = {}
+        if os.geteuid() == 0:
+            try:
+                account = pwd.getpwnam("postgres")
+            except KeyError as exc:
+                raise PgServerUnavailable(
+                    "running as root and there is no `postgres` account to run the server as"
+                ) from exc
+            self._run_as = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+            self._uid, self._gid = account.pw_uid, account.pw_gid
+        else:
+            self._uid, self._gid = os.getuid(), os.getgid()
+        self._initdb()
+
+    # Setup -----------------------------------------------------------------------------------
+
+    def _initdb(self) -> None:
+        os.chmod(self.base, 0o755)  # traversable for the server's account
+        for path in (self.data, self.socket_dir):
+            path.mkdir(mode=0o700)
+            os.chown(path, self._uid, self._gid)
+        self.log.touch()
+        os.chown(self.log, self._uid, self._gid)
+        result = subprocess.run(
+            [
+                str(self.bindir / "initdb"),
+                "-D",
+                str(self.data),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--no-locale",
+                "--no-sync",  # only the bootstrap; the server itself runs with fsync on
+            ],
+            capture_output=True,
+            check=False,
+            cwd=self.base,
+            **self._run_as,
+        )
+        if result.returncode != 0:
+            raise PgServerUnavailable(
+                f"initdb failed ({result.returncode}): {result.stderr.decode(errors='replace')}"
+            )
+
+    @property
+    def dsn(self) -> str:
+        """A loopback TCP DSN (what most tests use)."""
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def socket_dsn(self) -> str:
+        """A DSN over the unix socket in the temporary directory."""
+        return f"postgresql://postgres@/postgres?host={self.socket_dir}&port={self.port}"
+
+    def dsn_for(self, database: str) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    # Lifecycle -------------------------------------------------------------------------------
+
+    def start(self, timeout: float = 30.0) -> None:
+        if self.running:
+            return
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    str(self.bindir / "postgres"),
+                    "-D",
+                    str(self.data),
+                    "-k",
+                    str(self.socket_dir),
+                    "-p",
+                    str(self.port),
+                    "-h",
+                    "127.0.0.1",
+                    "-c",
+                    "fsync=on",
+                    "-c",
+                    "synchronous_commit=on",
+                    "-c",
+                    "max_connections=200",
+                    "-c",
+                    "shared_buffers=32MB",
+                    "-c",
+                    "max_prepared_transactions=0",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.base,
+                start_new_session=True,
+                **self._run_as,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise PgServerUnavailable(
+                    f"postgres exited with {self.process.returncode}: {self.log_tail()}"
+                )
+            ready = subprocess.run(
+                [
+                    str(self.bindir / "pg_isready"),
+                    "-q",
+                    "-h",
+                    str(self.socket_dir),
+                    "-p",
+                    str(self.port),
+                ],
+                check=False,
+            )
+            if ready.returncode == 0:
+                return
+            time.sleep(0.05)
+        self.kill()
+        raise PgServerUnavailable(f"postgres did not become ready in {timeout}s: {self.log_tail()}")
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def server_pids(self) -> list[int]:
+        """The postmaster and its children (backends and auxiliary processes)."""
+        if not self.running:
+            return []
+        return [self.pid, *_children(self.pid)]
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of the postmaster and its live children, plus reaped children's."""
+        return sum(process_cpu_seconds(pid) for pid in self.server_pids())
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Fast shutdown (SIGINT); a SIGKILL if it does not finish in time."""
+        if not self.running:
+            return
+        assert self.process is not None
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and every child, and wait until they are gone."""
+        if self.process is None:
+            return
+        pid = self.process.pid
+        children = _children(pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        self.process.wait()
+        # Children re-parented after the postmaster died: kill any that are still alive.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            alive = [child for child in children if Path(f"/proc/{child}").exists()]
+            alive = [child for child in alive if not _is_zombie(child)]
+            if not alive:
+                return
+            for child in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
+            time.sleep(0.02)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log_tail(self, size: int = 2000) -> str:
+        try:
+            return self.log.read_bytes()[-size:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def cleanup(self) -> None:
+        """Stop the server and remove the temporary directory."""
+        if self.running:
+            self.stop(timeout=10)
+        if self._owns_base:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2 :].split()[0] == "Z"

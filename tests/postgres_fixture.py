@@ -1,0 +1,74 @@
+"""The session's PostgreSQL server for the PostgreSQL backend's tests.
+
+Import the fixtures into a test module (`from tests.postgres_fixture import pg_server, pg_dsn`).
+In CI (`CI=true`) or with `TOKENCAPTURE_REQUIRE_POSTGRES=1` (set by scripts/test.sh) a server that
+cannot start fails the tests; elsewhere they are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from tests.pg_server import PgServer, PgServerUnavailable
+
+__all__ = ["pg_dsn", "pg_server", "require_postgres"]
+
+
+def require_postgres() -> bool:
+    """Whether a missing server must fail the run (CI) rather than skip."""
+    return (
+        os.environ.get("CI", "").lower() == "true"
+        or os.environ.get("TOKENCAPTURE_REQUIRE_POSTGRES") == "1"
+    )
+
+
+def _unavailable(reason: str) -> None:
+    if require_postgres():
+        pytest.fail(f"PostgreSQL is required here but unavailable: {reason}")
+    pytest.skip(f"PostgreSQL unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """A throwaway server for the whole session (stopped and removed at the end)."""
+    try:
+        import asyncpg  # noqa: F401
+    except ImportError:
+        _unavailable("the asyncpg driver is not installed (pip install tokencapture[postgres])")
+    try:
+        server = PgServer()
+    except (PgServerUnavailable, OSError) as exc:
+        _unavailable(str(exc))
+        raise  # unreachable: _unavailable raises
+    try:
+        server.start()
+    except (PgServerUnavailable, OSError) as exc:
+        server.cleanup()
+        _unavailable(str(exc))
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def pg_dsn(pg_server: PgServer) -> str:
+    """The DSN of a fresh database on the session's server (isolates each test's schema)."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    _psql(pg_server, f"CREATE DATABASE {name}")
+    return pg_server.dsn_for(name)
+
+
+def _psql(server: PgServer, sql: str) -> None:
+    import subprocess
+
+    if not server.running:
+        server.start()
+    subprocess.run(
+        [str(server.bindir / "psql"), "-qAt", "-v", "ON_ERROR_STOP=1", server.dsn, "-c", sql],
+        check=True,
+        capture_output=True,
+    )

@@ -1,0 +1,558 @@
+"""The PostgreSQL store against the file store's contract: the conformance suite, a
+differential state machine (same random operations on both, every result compared), bad input
+refused before any round trip, and the server's faults."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from tests.conftest import make_entry
+from tests.pg_server import PgServer
+from tests.postgres_fixture import pg_dsn, pg_server
+from tests.test_conformance import STORE_CHECKS
+
+from tokencapture.conformance import run_conformance
+from tokencapture.postgres import (
+    PostgresTokenCaptureStore,
+    PostgresUnavailableError,
+    install_schema_sync,
+)
+from tokencapture.protocols import (
+    TokenCaptureConflictError,
+    TokenCaptureFrozenError,
+    TokenCaptureRetiredError,
+    TokenCaptureSnapshot,
+)
+from tokencapture.store import TokenCaptureStore, canonical_line
+
+__all__ = ["pg_dsn", "pg_server"]  # the fixtures, imported for pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def store(pg_dsn: str) -> Iterator[PostgresTokenCaptureStore]:
+    pg = PostgresTokenCaptureStore(pg_dsn, install_schema=True)
+    yield pg
+    pg.close_sync()
+
+
+def lines_of(snapshot: TokenCaptureSnapshot) -> list[bytes]:
+    return [canonical_line(entry) for entry in snapshot.entries]
+
+
+# --- The contract, rule by rule (expected values from the file store's rules) ------------------
+
+
+def test_put_freeze_round_trip_stores_the_canonical_line(store: PostgresTokenCaptureStore) -> None:
+    entry = make_entry(extra_field={"kept": [1, 2]})
+    store.append(entry)
+    store.append(entry.model_copy())  # identical: no-op, no version bump
+    snapshot = store.freeze_now("r1")
+    assert snapshot.entries == (entry,)
+    assert snapshot.entries[0].model_extra == {"extra_field": {"kept": [1, 2]}}
+    assert len(snapshot.snapshot_id) == 32 and snapshot.version == 2
+    assert store.freeze_now("r1") == snapshot  # idempotent
+
+
+def test_conflict_marks_incomplete_durably_then_raises(store: PostgresTokenCaptureStore) -> None:
+    store.append(make_entry())
+    with pytest.raises(TokenCaptureConflictError, match="different payload"):
+        store.append(make_entry(generation_log_probs=[-0.5, -0.3]))
+    assert store.is_incomplete("r1")  # the status function kept the mark (no rollback)
+    snapshot = store.freeze_now("r1")
+    assert snapshot.incomplete and len(snapshot.entries) == 1 and snapshot.version == 3
+
+
+def test_fences_drop_retire_delete(store: PostgresTokenCaptureStore) -> None:
+    store.append(make_entry())
+    store._begin_call("r1", "call-7")
+    snapshot = store.freeze_now("r1")
+    assert snapshot.incomplete  # the dangling intent masks it
+    assert not store.is_incomplete("r1")  # but the stored flag is not set
+    with pytest.raises(TokenCaptureFrozenError) as frozen:
+        store.append(make_entry(call=2))
+    assert not isinstance(frozen.value, TokenCaptureRetiredError)
+    store._mark_incomplete("r1", "call-9")  # allowed after freeze
+    assert store._drop("r1", snapshot.snapshot_id, snapshot.version) is False  # stale
+    again = store.freeze_now("r1")
+    assert again.version == snapshot.version + 1 and again.snapshot_id == snapshot.snapshot_id
+    assert store._drop("r1", again.snapshot_id, again.version) is True
+    assert store.read_entries("r1") == []
+    with pytest.raises(TokenCaptureRetiredError):
+        store._mark_incomplete("r1")
+    assert store.retire_now(["r1", "r2"]) == {"removed": [], "absent": ["r1", "r2"]}
+    assert store.delete_now(["r2", "r1", "r3"]) == {"removed": ["r2", "r1"], "absent": ["r3"]}
+    store.append(make_entry())  # reuse starts empty
+    assert store.freeze_now("r1").version == 2
+
+
+async def test_async_methods_validate_when_called(store: PostgresTokenCaptureStore) -> None:
+    with pytest.raises(ValueError, match="rollout_id"):
+        store.freeze("bad id")  # no await needed: refused at the call
+    with pytest.raises(TypeError):
+        store.retire("r1")
+    with pytest.raises(ValueError, match="line break"):
+        store.begin_call("r1", "a\nb")
+    await store.put(make_entry())
+    assert (await store.freeze("r1")).version == 2
+    await store.close()
+    await store.close()  # idempotent
+
+
+def test_store_conformance(pg_dsn: str) -> None:
+    install_schema_sync(pg_dsn)
+
+    async def run() -> list[str]:
+        return await run_conformance(
+            lambda: PostgresTokenCaptureStore(pg_dsn), lambda: PostgresTokenCaptureStore(pg_dsn)
+        )
+
+    assert asyncio.run(run()) == STORE_CHECKS
+
+
+def test_schema_is_required_unless_installed(pg_dsn: str) -> None:
+    fresh = PostgresTokenCaptureStore(pg_dsn)
+    with pytest.raises(RuntimeError, match="tokencapture db init"):
+        fresh.is_incomplete("r1")
+    fresh.close_sync()
+    assert install_schema_sync(pg_dsn) == ["001_store.sql"]
+    assert install_schema_sync(pg_dsn) == []  # upgrade is a no-op when current
+
+
+def test_unflushed_commits_are_refused_unless_allowed(pg_dsn: str) -> None:
+    install_schema_sync(pg_dsn)
+    with pytest.raises(RuntimeError, match="allow_unflushed_commits"):
+        PostgresTokenCaptureStore(pg_dsn, synchronous_commit="off")
+    # A session that reports it off (a role or database setting) is refused at connect.
+    no_setting = PostgresTokenCaptureStore(pg_dsn, synchronous_commit=None)
+    no_setting.is_incomplete("r1")
+    no_setting.close_sync()
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import asyncio, asyncpg, sys\n"
+            "async def main():\n"
+            "    c = await asyncpg.connect(sys.argv[1])\n"
+            "    await c.execute('ALTER ROLE postgres IN DATABASE ' + c._params.database"
+            " + ' SET synchronous_commit = off')\n"
+            "    await c.close()\n"
+            "asyncio.run(main())\n",
+            pg_dsn,
+        ],
+        check=True,
+    )
+    refused = PostgresTokenCaptureStore(pg_dsn, synchronous_commit=None)
+    with pytest.raises(RuntimeError, match="synchronous_commit=off"):
+        refused.is_incomplete("r1")
+    refused.close_sync()
+    allowed = PostgresTokenCaptureStore(
+        pg_dsn, synchronous_commit=None, allow_unflushed_commits=True
+    )
+    assert allowed.is_incomplete("r1") is False
+    allowed.close_sync()
+    forced_on = PostgresTokenCaptureStore(pg_dsn)  # sends synchronous_commit=on at connect
+    assert forced_on.is_incomplete("r1") is False
+    forced_on.close_sync()
+
+
+def test_missing_driver_is_an_import_error_naming_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['asyncpg'] = None\n"
+        "import tokencapture\n"
+        "try:\n"
+        "    tokencapture.PostgresTokenCaptureStore\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert "pip install tokencapture[postgres]" in result.stdout
+
+
+def test_import_tokencapture_does_not_import_the_driver() -> None:
+    code = "import sys, tokencapture; print('asyncpg' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+# --- Bad input: the file store's errors, before any round trip --------------------------------
+
+# Nothing listens on this port: any round trip would be a PostgresUnavailableError instead.
+_NOWHERE = "postgresql://postgres@127.0.0.1:9/postgres"
+
+
+def _outcome(call: Callable[[], object]) -> tuple[str, str]:
+    try:
+        result = call()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", repr(result)
+
+
+_BAD_CALLS: list[tuple[str, Callable[[Any], object]]] = [
+    ("empty rollout", lambda s: s.freeze_now("")),
+    ("slash rollout", lambda s: s.freeze_now("a/b")),
+    ("long rollout", lambda s: s.is_incomplete("x" * 300)),
+    ("int rollout", lambda s: s.read_entries(5)),
+    ("surrogate rollout", lambda s: s._mark_incomplete("r\ud800")),
+    ("bare string batch", lambda s: s.retire_now("r1")),
+    ("bad id in batch", lambda s: s.delete_now(["ok", "no way"])),
+    ("empty call id", lambda s: s._begin_call("r1", "")),
+    ("newline call id", lambda s: s._begin_call("r1", "a\nb")),
+    ("spaced call id", lambda s: s._begin_call("r1", " a")),
+    ("tab-ended call id", lambda s: s.append(make_entry(call="a\t"))),
+    ("surrogate call id", lambda s: s._begin_call("r1", "\udc80")),
+    ("nan entry", lambda s: s.append(make_entry(generation_log_probs=[float("nan"), 0.0]))),
+    ("huge int", lambda s: s.append(make_entry(prompt_token_ids=[2**64]))),
+    ("not an entry", lambda s: s.append(42)),
+    ("dict missing fields", lambda s: s.append({"rollout_id": "r1"})),
+    ("bad rollout in entry", lambda s: s.append(make_entry(rollout_id="a b"))),
+    ("negative drop version", lambda s: s._drop("r1", "x", -1)),
+    ("bool drop version", lambda s: s._drop("r1", "x", True)),
+    ("drop bad id bad version", lambda s: s._drop("bad id", "x", -1)),
+    ("empty batches", lambda s: (s.retire_now([]), s.delete_now(()))),
+]
+
+
+@pytest.mark.parametrize(("name", "call"), _BAD_CALLS, ids=[name for name, _ in _BAD_CALLS])
+def test_bad_input_is_refused_like_the_file_store_before_any_round_trip(
+    tmp_path: Path, name: str, call: Callable[[Any], object]
+) -> None:
+    files = TokenCaptureStore(tmp_path / "files")
+    pg = PostgresTokenCaptureStore(_NOWHERE, connect_timeout=2)
+    try:
+        expected = _outcome(lambda: call(files))
+        assert expected[0] != "ok" or name.startswith(("empty batches", "negative", "bool", "drop"))
+        assert _outcome(lambda: call(pg)) == expected
+    finally:
+        pg.close_sync()
+
+
+# --- The differential state machine ------------------------------------------------------------
+
+_CALL_IDS = ["call-1", "call-2", "c\x00nul", "é-ü", "call-3"]
+_ODD_MARKERS = ["", "call-1", "a\nb", "\ud800x", "call-2"]
+
+
+class _Shared:
+    """One PostgreSQL store for every example (each example uses fresh rollout ids)."""
+
+    store: PostgresTokenCaptureStore | None = None
+    dsn = ""
+
+
+class StoresAgree(RuleBasedStateMachine):
+    """The same random operations on the file store and the PostgreSQL store: every result,
+    exception type and message, and snapshot agree (snapshot ids by their equality pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tag = uuid.uuid4().hex[:8]
+        self.dir = Path(f"/tmp/tokencapture-sm-{self.tag}")
+        self.files = TokenCaptureStore(self.dir)
+        assert _Shared.store is not None
+        self.pg = _Shared.store
+        self.ids: dict[str, str] = {}  # file snapshot id -> PostgreSQL snapshot id
+        self.snapshots: dict[str, tuple[str, int]] = {}  # rollout -> last file snapshot
+
+    def teardown(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def rollout(self, n: int) -> str:
+        return f"{self.tag}-r{n}"
+
+    def both(self, call: Callable[[Any], object]) -> tuple[object, object]:
+        outcomes = []
+        for store in (self.files, self.pg):
+            try:
+                outcomes.append(("ok", call(store)))
+            except Exception as exc:
+                outcomes.append((type(exc).__name__, str(exc)))
+        file_outcome, pg_outcome = outcomes
+        assert file_outcome[0] == pg_outcome[0], (file_outcome, pg_outcome)
+        if file_outcome[0] != "ok":
+            assert file_outcome[1] == pg_outcome[1]
+        return file_outcome[1], pg_outcome[1]
+
+    def same_snapshot(self, file_snap: TokenCaptureSnapshot, pg_snap: TokenCaptureSnapshot) -> None:
+        assert lines_of(file_snap) == lines_of(pg_snap)
+        assert file_snap.entries == pg_snap.entries
+        assert (file_snap.incomplete, file_snap.version) == (pg_snap.incomplete, pg_snap.version)
+        known = self.ids.setdefault(file_snap.snapshot_id, pg_snap.snapshot_id)
+        assert known == pg_snap.snapshot_id
+        assert list(self.ids.values()).count(pg_snap.snapshot_id) == 1  # a bijection
+
+    @initialize()
+    def start(self) -> None:
+        pass
+
+    @rule(r=st.integers(0, 2), call=st.sampled_from(_CALL_IDS), variant=st.integers(0, 1))
+    def put(self, r: int, call: str, variant: int) -> None:
+        entry = make_entry(self.rollout(r), call=call, generation_log_probs=[-0.5, -0.25 - variant])
+        self.both(lambda s: s.append(entry))
+
+    @rule(r=st.integers(0, 2), call=st.sampled_from([*_CALL_IDS, "call-9", " x"]))
+    def begin_call(self, r: int, call: str) -> None:
+        self.both(lambda s: s._begin_call(self.rollout(r), call))
+
+    @rule(r=st.integers(0, 2), marker=st.sampled_from(_ODD_MARKERS))
+    def mark_incomplete(self, r: int, marker: str) -> None:
+        self.both(lambda s: s._mark_incomplete(self.rollout(r), marker))
+
+    @rule(r=st.integers(0, 2))
+    def freeze(self, r: int) -> None:
+        file_snap, pg_snap = self.both(lambda s: s.freeze_now(self.rollout(r)))
+        if isinstance(file_snap, TokenCaptureSnapshot):
+            assert isinstance(pg_snap, TokenCaptureSnapshot)
+            self.same_snapshot(file_snap, pg_snap)
+            self.snapshots[self.rollout(r)] = (file_snap.snapshot_id, file_snap.version)
+
+    @rule(r=st.integers(0, 2), stale=st.integers(-1, 1), other_id=st.booleans())
+    def drop(self, r: int, stale: int, other_id: bool) -> None:
+        rollout = self.rollout(r)
+        file_id, version = self.snapshots.get(rollout, ("0" * 32, 1))
+        pg_id = self.ids.get(file_id, file_id)
+        if other_id:
+            file_id = pg_id = "f" * 32
+        outcomes = []
+        for store, snapshot_id in ((self.files, file_id), (self.pg, pg_id)):
+            outcomes.append(store._drop(rollout, snapshot_id, version + stale))
+        assert outcomes[0] == outcomes[1]
+
+    @rule(rs=st.lists(st.integers(0, 3), max_size=3))
+    def retire(self, rs: list[int]) -> None:
+        file_result, pg_result = self.both(lambda s: s.retire_now([self.rollout(r) for r in rs]))
+        assert file_result == pg_result
+
+    @rule(rs=st.lists(st.integers(0, 3), max_size=3))
+    def delete(self, rs: list[int]) -> None:
+        file_result, pg_result = self.both(lambda s: s.delete_now([self.rollout(r) for r in rs]))
+        assert file_result == pg_result
+
+    @rule(r=st.integers(0, 3))
+    def read(self, r: int) -> None:
+        file_result, pg_result = self.both(lambda s: s.read_entries(self.rollout(r)))
+        assert file_result == pg_result
+
+    @invariant()
+    def flags_agree(self) -> None:
+        for r in range(3):
+            file_flag, pg_flag = self.both(lambda s, r=r: s.is_incomplete(self.rollout(r)))
+            assert file_flag == pg_flag
+
+
+def test_file_and_postgres_stores_agree(pg_dsn: str) -> None:
+    install_schema_sync(pg_dsn)
+    _Shared.store = PostgresTokenCaptureStore(pg_dsn)
+    try:
+        StoresAgree.TestCase.settings = settings(
+            max_examples=int(os.environ.get("TOKENCAPTURE_SM_EXAMPLES", "60")),
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
+        StoresAgree.TestCase().runTest()
+    finally:
+        _Shared.store.close_sync()
+        _Shared.store = None
+
+
+# --- Faults ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[PgServer]:
+    """A server of this test's own (the fault tests kill and restart it)."""
+    pytest.importorskip("asyncpg")
+    server = PgServer()
+    try:
+        server.start()
+        install_schema_sync(server.dsn)
+        yield server
+    finally:
+        server.cleanup()
+
+
+def test_server_down_at_start_and_while_running_is_an_oserror_in_time(
+    own_server: PgServer,
+) -> None:
+    own_server.stop()
+    store = PostgresTokenCaptureStore(own_server.dsn, connect_timeout=2, statement_timeout=5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError) as down:
+            store.append(make_entry())
+        assert isinstance(down.value, PostgresUnavailableError)
+        assert time.monotonic() - started < 5
+        own_server.start()
+        store.append(make_entry())  # works once it is back
+        own_server.kill()
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            store.append(make_entry(call=2))
+        with pytest.raises(OSError):
+            store.freeze_now("r1")
+        assert time.monotonic() - started < 10
+        own_server.start()
+        store.append(make_entry(call=2))
+        assert [e.model_call_id for e in store.freeze_now("r1").entries] == ["call-1", "call-2"]
+    finally:
+        store.close_sync()
+
+
+_WORKER = """
+import json, os, sys, time
+sys.path.insert(0, {root!r})
+from tests.conftest import make_entry
+from tokencapture.postgres import PostgresTokenCaptureStore
+from tokencapture.protocols import TokenCaptureRetiredError
+dsn, log, mode = sys.argv[1], sys.argv[4], sys.argv[5]
+index, count = int(sys.argv[2]), int(sys.argv[3])
+store = PostgresTokenCaptureStore(dsn, connect_timeout=2, statement_timeout=5)
+with open(log, "a") as out:
+    def note(**fields):
+        out.write(json.dumps(fields) + "\\n"); out.flush(); os.fsync(out.fileno())
+    for n in range(count):
+        rollout = "race" if mode == "race" else f"w{{index}}-r{{n % 3}}"
+        tokens = list(range(n, n + 40))
+        entry = make_entry(rollout, call=f"w{{index}}-c{{n}}", prompt_token_ids=tokens)
+        while True:
+            note(event="try", rollout=rollout, call=entry.model_call_id)
+            try:
+                store.append(entry)
+            except TokenCaptureRetiredError:
+                note(event="retired", rollout=rollout, call=entry.model_call_id, at=time.time())
+                break
+            except OSError as exc:
+                note(event="error", rollout=rollout, call=entry.model_call_id, error=str(exc))
+                time.sleep(0.05)
+                continue  # a retried put is idempotent
+            note(event="ack", rollout=rollout, call=entry.model_call_id, at=time.time())
+            break
+    if mode == "race":
+        # Keep trying until the fence is seen.
+        n = count
+        while True:
+            entry = make_entry("race", call=f"w{{index}}-late{{n}}")
+            try:
+                store.append(entry)
+                note(event="ack", rollout="race", call=entry.model_call_id, at=time.time())
+            except TokenCaptureRetiredError:
+                note(event="retired", rollout="race", call=entry.model_call_id, at=time.time())
+                break
+            n += 1
+store.close_sync()
+"""
+
+
+def _events(log: Path) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(line) for line in log.read_text().splitlines() if line.endswith("}")]
+
+
+def _start_workers(
+    tmp_path: Path, dsn: str, workers: int, count: int, mode: str
+) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER.format(root=str(ROOT)))
+    logs = [tmp_path / f"worker-{i}.log" for i in range(workers)]
+    procs = [
+        subprocess.Popen([sys.executable, str(script), dsn, str(i), str(count), str(log), mode])
+        for i, log in enumerate(logs)
+    ]
+    return procs, logs
+
+
+def test_sigkill_of_the_server_loses_no_acknowledged_put(
+    own_server: PgServer, tmp_path: Path
+) -> None:
+    procs, logs = _start_workers(tmp_path, own_server.dsn, workers=3, count=150, mode="puts")
+    try:
+        for _ in range(2):  # two SIGKILLs at points where puts are in flight
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                acks = sum(
+                    1 for log in logs if log.exists() for e in _events(log) if e["event"] == "ack"
+                )
+                if acks >= 60:
+                    break
+                time.sleep(0.05)
+            own_server.kill()
+            time.sleep(0.3)
+            own_server.start()
+            time.sleep(0.3)
+        for proc in procs:
+            assert proc.wait(timeout=120) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    events = [event for log in logs for event in _events(log)]
+    assert any(event["event"] == "error" for event in events), "no put was in flight at a kill"
+    acked = {(e["rollout"], e["call"]) for e in events if e["event"] == "ack"}
+    assert len(acked) == 3 * 150  # every put was eventually acknowledged (retries included)
+    store = PostgresTokenCaptureStore(own_server.dsn)
+    try:
+        for rollout in {rollout for rollout, _ in acked}:
+            snapshot = store.freeze_now(rollout)
+            stored = [entry.model_call_id for entry in snapshot.entries]
+            assert sorted(stored) == sorted(call for r, call in acked if r == rollout)
+            # One version per entry plus the freeze: a retried put after an error landed once.
+            assert snapshot.version == len(stored) + 1
+            for entry in snapshot.entries:
+                n = int(entry.model_call_id.split("-c")[1])
+                assert entry.prompt_token_ids == list(range(n, n + 40))  # whole, not torn
+    finally:
+        store.close_sync()
+
+
+def test_processes_racing_retire_land_no_put_after_it_returns(
+    own_server: PgServer, tmp_path: Path
+) -> None:
+    procs, logs = _start_workers(tmp_path, own_server.dsn, workers=3, count=30, mode="race")
+    store = PostgresTokenCaptureStore(own_server.dsn)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            acks = sum(
+                1 for log in logs if log.exists() for e in _events(log) if e["event"] == "ack"
+            )
+            if acks >= 45:
+                break
+            time.sleep(0.02)
+        result = store.retire_now(["race"])
+        # After retire returns, nothing lands: the rollout holds no entries now and, since
+        # nothing removes entries of a fenced rollout, none landed later either.
+        assert store.read_entries("race") == []
+        assert result == {"removed": ["race"], "absent": []}
+        for proc in procs:
+            assert proc.wait(timeout=60) == 0
+        assert all(any(e["event"] == "retired" for e in _events(log)) for log in logs)
+        assert store.read_entries("race") == []
+        with pytest.raises(TokenCaptureRetiredError):
+            store.freeze_now("race")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        store.close_sync()
