@@ -65,6 +65,7 @@ from pydantic import BaseModel, ValidationError
 
 from tokencapture import _core
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
+from tokencapture.metrics import instrumented
 from tokencapture.protocols import (
     LineageMatch,
     LineageResolution,
@@ -206,6 +207,21 @@ def _resolution(step: _Step) -> LineageResolution:
     return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=reason)
 
 
+@instrumented(
+    "ledger",
+    "file",
+    {
+        "record_now": "record",
+        "record": "record",
+        "record_failure_now": "record_failure",
+        "record_failure": "record_failure",
+        "manifest_now": "manifest",
+        "has_rows_now": "has_rows",
+        "resolve_now": "resolve",
+        "retire_now": "retire",
+        "delete_now": "delete",
+    },
+)
 class FileCaptureLedger:
     """A `CaptureLedger` over one directory, shared by every process that opens it.
 

@@ -32,6 +32,7 @@ from tokencapture.fingerprint import (
     assistant_fingerprint,
     conversation_digest,
 )
+from tokencapture.metrics import instrumented
 from tokencapture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload
 from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokencapture.store import (
@@ -133,6 +134,7 @@ def _resolve_in_python(native: _Native, rollout_id: str, items: list[Any]) -> Li
             digests[length] = conversation_digest(items[:length])
 
 
+@instrumented("lineage", "file", {"resolve_now": "resolve", "resolve": "resolve"})
 class FileLineageStore:
     """A `LineageResolver` over the JSONL files of a `TokenCaptureStore` directory.
 
@@ -208,6 +210,18 @@ class FileLineageStore:
         self._native.clear()
 
 
+@instrumented(
+    "lineage",
+    "memory",
+    {
+        "put_now": "put",
+        "put": "put",
+        "resolve_now": "resolve",
+        "resolve": "resolve",
+        "delete_now": "delete",
+        "delete": "delete",
+    },
+)
 class InMemoryLineageStore:
     """A bounded, single-process `LineageResolver` fed by `put`.
 

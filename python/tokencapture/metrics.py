@@ -1,20 +1,46 @@
-"""Counters and latency histograms for store operations, readable from Python.
+"""Counters and latency histograms for store operations, readable from Python and OpenTelemetry.
 
 Each `TokenCaptureStore` keeps a `Metrics` (see `TokenCaptureStore.stats()`); `snapshot()`
 merges every live store's figures so a server can export them in one call. Latencies are what
 the caller experienced (an async put includes waiting for the worker pool).
+
+When the `opentelemetry-api` package is importable (`pip install 'tokencapture[otel]'`), every
+operation a `Metrics` observes is also recorded into OpenTelemetry instruments (see
+`tokencapture._otel` and docs/metrics.md), through the global meter provider unless
+`use_meter_provider` or `Metrics(meter_provider=...)` names another. The stores that keep no
+`Metrics` (the lineage stores, the capture ledger, the reference store) are timed by the
+`instrumented` class decorator, which leaves a class untouched when the package is absent.
+Without the package nothing of OpenTelemetry is imported; `TOKENCAPTURE_OTEL=0` in the
+environment disables it even when present.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
+import sys
 import threading
 import time
 import weakref
 from bisect import bisect_left
-from types import TracebackType
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
+from types import ModuleType, TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
 
-__all__ = ["BUCKET_BOUNDS_SECONDS", "Metrics", "Timed", "snapshot"]
+if TYPE_CHECKING:
+    from tokencapture._otel import Recorder
+
+__all__ = [
+    "BUCKET_BOUNDS_SECONDS",
+    "Metrics",
+    "Timed",
+    "instrumented",
+    "otel_enabled",
+    "snapshot",
+    "use_meter_provider",
+]
 
 # Upper bounds of the histogram buckets: 16 µs doubling up to ~17 s, then +inf.
 BUCKET_BOUNDS_SECONDS: tuple[float, ...] = tuple(16e-6 * 2**i for i in range(21))
@@ -63,18 +89,49 @@ class Timed:
         traceback: TracebackType | None,
     ) -> None:
         elapsed = time.perf_counter() - self.started
-        self.metrics.observe(self.operation, elapsed, failed=exc_type is not None)
+        if exc_type is None:
+            self.metrics.observe(self.operation, elapsed)
+        else:
+            self.metrics.observe(self.operation, elapsed, failed=True, error_type=exc_type)
 
 
 class Metrics:
-    """Thread-safe per-operation counters (calls, failures) and latency histograms."""
+    """Thread-safe per-operation counters (calls, failures) and latency histograms.
 
-    def __init__(self) -> None:
+    `backend` and `store` become the `tokencapture.backend` and `tokencapture.store`
+    attributes of the OpenTelemetry measurements; `meter_provider` pins this store's
+    instruments to a provider (default: the one `use_meter_provider` names, else the global).
+    """
+
+    def __init__(
+        self,
+        backend: str = "file",
+        *,
+        store: str = "token_capture",
+        meter_provider: Any = None,
+    ) -> None:
         self._lock = threading.Lock()
         self._operations: dict[str, _Operation] = {}
+        otel = _load_otel()
+        self._otel: Recorder | None = (
+            None if otel is None else otel.recorder(store, backend, meter_provider)
+        )
         _live.add(self)
 
-    def observe(self, operation: str, seconds: float, *, failed: bool = False) -> None:
+    def observe(
+        self,
+        operation: str,
+        seconds: float,
+        *,
+        failed: bool = False,
+        error_type: type[BaseException] | None = None,
+    ) -> None:
+        """Count one call of `operation` that took `seconds`.
+
+        A failure's `error_type` (for OpenTelemetry's `error.type`) defaults to the exception
+        being handled when this is called from an `except` block.
+        """
+        failed = failed or error_type is not None
         with self._lock:
             stats = self._operations.get(operation)
             if stats is None:
@@ -85,6 +142,11 @@ class Metrics:
             if seconds > stats.max_seconds:
                 stats.max_seconds = seconds
             stats.buckets[bisect_left(BUCKET_BOUNDS_SECONDS, seconds)] += 1
+        otel = self._otel
+        if otel is not None:
+            if failed and error_type is None:
+                error_type = sys.exc_info()[0]
+            otel.record(operation, seconds, failed, error_type)
 
     def timed(self, operation: str) -> Timed:
         """A context manager timing the block; an exception counts as a failure."""
@@ -126,3 +188,142 @@ def snapshot() -> dict[str, dict[str, Any]]:
                 a + b for a, b in zip(into["buckets"], stats["buckets"], strict=True)
             ]
     return merged
+
+
+# OpenTelemetry ------------------------------------------------------------------------------
+
+_otel_module: ModuleType | None = None
+_otel_checked = False
+_otel_lock = threading.Lock()
+_DISABLED = frozenset({"0", "false", "no", "off"})
+
+
+def _load_otel() -> Any:
+    """`tokencapture._otel`, or None when `opentelemetry-api` is absent or disabled."""
+    global _otel_module, _otel_checked
+    if _otel_checked:
+        return _otel_module
+    with _otel_lock:
+        if not _otel_checked:
+            if os.environ.get("TOKENCAPTURE_OTEL", "").strip().lower() not in _DISABLED:
+                try:
+                    import opentelemetry.metrics  # noqa: F401
+                except ImportError:
+                    pass
+                else:
+                    from tokencapture import _otel
+
+                    _otel_module = _otel
+            _otel_checked = True
+    return _otel_module
+
+
+def otel_enabled() -> bool:
+    """Whether store operations are recorded into OpenTelemetry instruments."""
+    return _load_otel() is not None
+
+
+def use_meter_provider(meter_provider: Any) -> None:
+    """Record every store's operations into `meter_provider` from now on (None: the global).
+
+    Stores created with `Metrics(meter_provider=...)` keep theirs. Raises `ImportError` when
+    `opentelemetry-api` is not installed (or `TOKENCAPTURE_OTEL=0` disabled it).
+    """
+    otel = _load_otel()
+    if otel is None:
+        raise ImportError(
+            "OpenTelemetry metrics need the opentelemetry-api package: "
+            "pip install 'tokencapture[otel]' (and TOKENCAPTURE_OTEL unset)"
+        )
+    otel.use_meter_provider(meter_provider)
+
+
+_C = TypeVar("_C", bound=type)
+
+
+def instrumented(store: str, backend: str, operations: Mapping[str, str]) -> Callable[[_C], _C]:
+    """Class decorator: time the methods named in `operations` (method -> operation name).
+
+    Each call is recorded into the OpenTelemetry instruments with `store` and `backend` as
+    attributes; a coroutine function (or a method returning an awaitable) is timed until its
+    result is ready. A timed method that calls another timed method of the same object in the
+    same context (an async twin awaiting its sync twin, or `asyncio.to_thread` of it) counts
+    once, as the outer call; an async twin that hands its sync twin to an executor without
+    copying the context must not be named as well. Without OpenTelemetry the class is returned
+    as is.
+    """
+
+    def decorate(cls: _C) -> _C:
+        otel = _load_otel()
+        if otel is None:
+            return cls
+        recorder = otel.recorder(store, backend)
+        for method, operation in operations.items():
+            function = cls.__dict__.get(method)
+            if not callable(function):
+                raise AttributeError(f"{cls.__name__}.{method} is not a method to instrument")
+            setattr(cls, method, _timed_method(function, recorder, operation))
+        return cls
+
+    return decorate
+
+
+# The object whose timed method is running in this context (its nested timed calls don't count).
+_timing: ContextVar[object] = ContextVar("tokencapture_timing", default=None)
+
+
+def _timed_method(function: Callable[..., Any], recorder: Recorder, operation: str) -> Any:
+    record = recorder.record
+    clock = time.perf_counter
+
+    if inspect.iscoroutinefunction(function):
+
+        @functools.wraps(function)
+        async def timed_coroutine(self: object, *args: Any, **kwargs: Any) -> Any:
+            if _timing.get() is self:
+                return await function(self, *args, **kwargs)
+            token = _timing.set(self)
+            started = clock()
+            try:
+                result = await function(self, *args, **kwargs)
+            except BaseException as exc:
+                record(operation, clock() - started, True, type(exc))
+                raise
+            finally:
+                _timing.reset(token)
+            record(operation, clock() - started, False, None)
+            return result
+
+        return timed_coroutine
+
+    async def finish(self: object, awaitable: Awaitable[Any], started: float) -> Any:
+        token = _timing.set(self)
+        try:
+            result = await awaitable
+        except BaseException as exc:
+            record(operation, clock() - started, True, type(exc))
+            raise
+        finally:
+            _timing.reset(token)
+        record(operation, clock() - started, False, None)
+        return result
+
+    @functools.wraps(function)
+    def timed(self: object, *args: Any, **kwargs: Any) -> Any:
+        if _timing.get() is self:
+            return function(self, *args, **kwargs)
+        token = _timing.set(self)
+        started = clock()
+        try:
+            result = function(self, *args, **kwargs)
+        except BaseException as exc:
+            record(operation, clock() - started, True, type(exc))
+            raise
+        finally:
+            _timing.reset(token)
+        if inspect.isawaitable(result):
+            return finish(self, result, started)
+        record(operation, clock() - started, False, None)
+        return result
+
+    return timed

@@ -49,6 +49,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from tokencapture.metrics import instrumented
 from tokencapture.protocols import (
     RolloutRemovalPayload,
     TokenCaptureConflictError,
@@ -536,6 +537,19 @@ class _Lock:
 # The store ---------------------------------------------------------------------------------
 
 
+@instrumented(
+    "token_capture",
+    "reference",
+    {
+        "append": "put",
+        "_begin_call": "begin_call",
+        "_mark_incomplete": "mark_incomplete",
+        "freeze_now": "freeze",
+        "_drop": "drop",
+        "retire_now": "retire",
+        "delete_now": "delete",
+    },
+)
 class TokenCaptureStore:
     """Durable, rollout-keyed JSONL sink and source for `TokenEntry` records (pure Python).
 
