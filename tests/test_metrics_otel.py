@@ -448,3 +448,20 @@ def test_the_global_meter_provider_is_the_default(tmp_path: Path) -> None:
             }.items()
         )
     )
+
+
+async def test_a_new_backend_names_itself(reader: InMemoryMetricReader) -> None:
+    """The PostgreSQL store keeps a `Metrics("postgres")`: its failed put (no server listens on
+    port 1) is reported under its own backend, as an I/O error."""
+    pytest.importorskip("asyncpg", reason="the postgres extra is not installed")
+    from tokencapture.postgres import PostgresTokenCaptureStore
+
+    store = PostgresTokenCaptureStore("postgresql://nobody@127.0.0.1:1/none")
+    try:
+        with pytest.raises(OSError, match="unavailable"):
+            await store.put(make_entry("r", call=1))
+    finally:
+        await store.close()
+    _, counts = read(reader)["tokencapture.operations"]
+    unavailable = "tokencapture.postgres._client.PostgresUnavailableError"
+    assert counts == {key("token_capture", "postgres", "put", "io_error", unavailable): 1}

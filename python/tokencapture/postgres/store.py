@@ -143,7 +143,7 @@ class PostgresTokenCaptureStore:
 
     def __init__(self, dsn: str, **options: Any) -> None:
         self._client = Client(dsn, **options)
-        self._metrics = Metrics()
+        self._metrics = Metrics("postgres")
 
     def __repr__(self) -> str:
         return f"PostgresTokenCaptureStore({self._client.where!r})"
