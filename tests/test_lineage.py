@@ -820,11 +820,18 @@ async def test_corrupted_chains_raise(tmp_path: Path, corruption: str) -> None:
         )
     store = TokenCaptureStore(tmp_path)
     memory = InMemoryLineageStore()
+    # The in-memory store refuses, at put, a delta entry whose parent it does not hold.
+    parentless = corruption in ("missing_parent", "cycle")
     for entry in entries:
         store.append(entry)
-        memory.put_now(entry)
+        if parentless:
+            with pytest.raises(ValueError, match="durable-log-backed lineage store"):
+                memory.put_now(entry)
+        else:
+            memory.put_now(entry)
     reference = ReferenceLineageStore(tmp_path)
-    for resolver in (FileLineageStore(tmp_path), memory, reference):
+    resolvers = (FileLineageStore(tmp_path), reference, *(() if parentless else (memory,)))
+    for resolver in resolvers:
         with pytest.raises(LineageIntegrityError):
             await resolver.resolve("r", request)
     await reference.close()

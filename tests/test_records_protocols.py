@@ -62,14 +62,14 @@ def test_defaults_and_field_order_follow_the_reference() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"schema_version": 2}, "newer"),
-        ({"schema_version": 0}, "below"),
-        ({"generation_log_probs": [-0.1]}, "generation_log_probs"),
-        ({"token_item_index": 0}, "token_item_index"),
-        ({"parent_resolution": "resolved"}, "requires parent_call_id"),
-        ({"parent_resolution": "root", "parent_call_id": "p"}, "forbids"),
-        ({"parent_resolution": "unresolved", "parent_call_id": "p"}, "forbids"),
-        ({"prompt_is_delta": True}, "prompt_is_delta"),
+        ({"schema_version": 2}, "understands up to 1"),
+        ({"schema_version": 0}, "below the supported minimum 1"),
+        ({"generation_log_probs": [-0.1]}, r"same length \(got 2 and 1\)"),
+        ({"token_item_index": 0}, "token_item_index 0 is outside output_items of length 0"),
+        ({"parent_resolution": "resolved"}, "resolved parent metadata requires parent_call_id"),
+        ({"parent_resolution": "root", "parent_call_id": "p"}, "root parent metadata cannot"),
+        ({"parent_resolution": "unresolved", "parent_call_id": "p"}, "unresolved parent metadata"),
+        ({"prompt_is_delta": True}, "a delta prompt requires a RESOLVED parent_call_id"),
     ],
 )
 def test_validation_rules(fields: dict[str, Any], message: str) -> None:
@@ -96,7 +96,7 @@ def test_cumulative_tokens_and_stamp_lineage() -> None:
     assert cumulative_tokens(entry) == [1, 2, 3]
     stamped = stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.ROOT)
     assert stamped is entry and entry.cum_len == 3 and entry.digest == independent_digest([1, 2, 3])
-    with pytest.raises(ValueError, match="differ"):
+    with pytest.raises(ValueError, match="disagree with the entry's own arrays"):
         stamp_lineage(entry, None, cumulative=[9, 9, 9])
     with pytest.raises(ValueError, match="requires parent_call_id"):
         stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.RESOLVED)
@@ -199,3 +199,68 @@ def test_every_name_on_the_seed_pages_exists() -> None:
         assert hasattr(TokenCaptureStore, name), name
     for name in tokencapture.__all__:
         assert hasattr(tokencapture, name), name
+
+
+PUBLIC_MODULES = (
+    "tokencapture.protocols",
+    "tokencapture.records",
+    "tokencapture.store",
+    "tokencapture.lineage",
+    "tokencapture.ledger",
+    "tokencapture.staging.records",
+    "tokencapture.fingerprint",
+    "tokencapture.config",
+)
+
+
+def public_annotated_objects() -> list[tuple[str, object]]:
+    """Every public class, function and method (properties' getters included) of the modules
+    above, by qualified name."""
+    import importlib
+    import inspect
+
+    found: list[tuple[str, object]] = []
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        names = getattr(module, "__all__", None) or [
+            name for name in vars(module) if not name.startswith("_")
+        ]
+        for name in names:
+            obj = getattr(module, name)
+            if inspect.isfunction(obj):
+                found.append((f"{module_name}.{name}", obj))
+            elif inspect.isclass(obj):
+                found.append((f"{module_name}.{name}", obj))
+                for attr, member in vars(obj).items():
+                    if attr.startswith("_") and attr not in ("__init__", "__post_init__"):
+                        continue
+                    if isinstance(member, staticmethod | classmethod):
+                        member = member.__func__
+                    elif isinstance(member, property):
+                        member = member.fget
+                    if inspect.isfunction(member):
+                        found.append((f"{module_name}.{name}.{attr}", member))
+    return found
+
+
+def test_every_public_annotation_resolves_at_run_time() -> None:
+    import typing
+
+    objects = public_annotated_objects()
+    assert len(objects) > 100  # the walk found the modules' contents
+    failures = []
+    for qualified, obj in objects:
+        try:
+            typing.get_type_hints(obj)
+        except Exception as exc:
+            failures.append(f"{qualified}: {type(exc).__name__}: {exc}")
+    assert not failures, "\n".join(failures)
+
+
+def test_capture_ledger_record_names_the_commit_model() -> None:
+    import typing
+
+    from tokencapture.staging.records import CaptureLedgerCommit
+
+    hints = typing.get_type_hints(protocols.CaptureLedger.record)
+    assert hints["commit"] is CaptureLedgerCommit

@@ -65,6 +65,7 @@ from pydantic import BaseModel, ValidationError
 
 from tokencapture import _core
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
+from tokencapture.lineage import check_resolve_args
 from tokencapture.metrics import instrumented
 from tokencapture.protocols import (
     LineageMatch,
@@ -79,7 +80,13 @@ from tokencapture.staging.records import (
     CallRecord,
     CaptureLedgerCommit,
 )
-from tokencapture.store import _native_job, _off_loop, validate_rollout_id, validate_rollout_ids
+from tokencapture.store import (
+    _native_job,
+    _off_loop,
+    checked_when_called,
+    validate_rollout_id,
+    validate_rollout_ids,
+)
 
 __all__ = [
     "DEFAULT_LEDGER_CACHED_ROLLOUTS",
@@ -270,6 +277,7 @@ class FileCaptureLedger:
         rollout_id, _, line = _commit_line(commit)
         return self._native.record(rollout_id, line)
 
+    @checked_when_called(_as_commit)  # arguments are checked when called
     async def record(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> None:
         """Publish a completed call; returns once every process can read it.
 
@@ -291,6 +299,7 @@ class FileCaptureLedger:
         _check_failure(rollout_id, model_call_id, reason)
         return self._native.record_failure(rollout_id, model_call_id, reason)
 
+    @checked_when_called(_check_failure)  # arguments are checked when called
     async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         """Durably record a call whose capture did not complete (it poisons the manifest)."""
         _check_failure(rollout_id, model_call_id, reason)
@@ -323,6 +332,7 @@ class FileCaptureLedger:
             "failures": failure_rows,
         }
 
+    @checked_when_called(validate_rollout_id)  # arguments are checked when called
     async def manifest(self, rollout_id: str) -> dict[str, Any]:
         """The rollout's token-free ledger as plain wire data (validates as `RolloutManifest`).
 
@@ -336,6 +346,7 @@ class FileCaptureLedger:
         validate_rollout_id(rollout_id)
         return self._native.has_rows(rollout_id)
 
+    @checked_when_called(validate_rollout_id)  # arguments are checked when called
     async def has_rows(self, rollout_id: str) -> bool:
         """Whether any row (committed or failed) exists; retired -> `RolloutRetiredError`."""
         return await _off_loop(self.has_rows_now, rollout_id)
@@ -359,6 +370,7 @@ class FileCaptureLedger:
             for length in step:
                 digests[length] = _hashes(items[:length], length)[1]
 
+    @checked_when_called(check_resolve_args)  # arguments are checked when called
     async def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
@@ -381,6 +393,7 @@ class FileCaptureLedger:
         removed, absent = self._native.retire(ids)
         return {"removed": removed, "absent": absent}
 
+    @checked_when_called(validate_rollout_ids)  # arguments are checked when called
     async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Fence rollouts durably, then remove their rows. Retiring again is a no-op.
 
@@ -396,6 +409,7 @@ class FileCaptureLedger:
         removed, absent = self._native.delete(ids)
         return {"removed": removed, "absent": absent}
 
+    @checked_when_called(validate_rollout_ids)  # arguments are checked when called
     async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Remove rollouts' rows and fences, so a reused id starts empty. Idempotent."""
         ids = validate_rollout_ids(rollout_ids)

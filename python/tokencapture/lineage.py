@@ -23,7 +23,8 @@ to `tokencapture.fingerprint` for anything else, which is the definition of both
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from tokencapture import _core
@@ -52,7 +53,9 @@ __all__ = [
     "FileLineageStore",
     "InMemoryLineageStore",
     "LineageIntegrityError",
+    "check_resolve_args",
     "encode_delta",
+    "request_list",
     "stamp_continuation",
 ]
 
@@ -111,9 +114,33 @@ def _resolution(raw: tuple[str, str | None, tuple[int, ...] | None, str, str]) -
     return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=reason)
 
 
+def request_list(request_items: Iterable[Any]) -> list[Any]:
+    """The request items as a list (a list is used as is, any other iterable copied).
+
+    A `str`, `bytes` or mapping is refused with `TypeError`: each is iterable, but iterating
+    it yields characters or keys, never request items.
+    """
+    if isinstance(request_items, list):
+        return request_items
+    if isinstance(request_items, str | bytes | bytearray | Mapping) or not isinstance(
+        request_items, Iterable
+    ):
+        raise TypeError(
+            f"request_items must be a list of request items, not {type(request_items).__name__}"
+        )
+    return list(request_items)
+
+
+def check_resolve_args(rollout_id: str, request_items: Iterable[Any]) -> list[Any]:
+    """The checks of `resolve`'s arguments: a valid rollout id and a list of request items
+    (`TypeError` / `ValueError`); returns the items as `request_list` does."""
+    validate_rollout_id(rollout_id)
+    return request_list(request_items)
+
+
 def _resolve(native: _Native, rollout_id: str, request_items: Iterable[Any]) -> LineageResolution:
     validate_rollout_id(rollout_id)
-    items = request_items if isinstance(request_items, list) else list(request_items)
+    items = request_list(request_items)
     raw = native.resolve(rollout_id, items)
     if raw is not None:
         return _resolution(raw)
@@ -177,16 +204,20 @@ class FileLineageStore:
         """Synchronous `resolve` (blocks on the rollout's shared lock and file reads)."""
         return _resolve(self._native, rollout_id, request_items)
 
-    async def resolve(
+    def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
-    ) -> LineageResolution:
+    ) -> Coroutine[Any, Any, LineageResolution]:
         """Return ROOT, RESOLVED with the verified parent, or UNRESOLVED with a reason.
 
-        The request items are copied here; hashing, the file check and materialization run on
-        the native worker pool (no GIL, no thread hop), and only the answer is built here.
+        The arguments are checked when this is called (`TypeError` / `ValueError`). When it
+        is awaited the request items are copied; hashing, the file check and materialization
+        run on the native worker pool (no GIL, no thread hop), and only the answer is built
+        on the loop.
         """
         validate_rollout_id(rollout_id)
-        items = request_items if isinstance(request_items, list) else list(request_items)
+        return self._resolve_job(rollout_id, request_list(request_items))
+
+    async def _resolve_job(self, rollout_id: str, items: list[Any]) -> LineageResolution:
         job = self._native.prepare(rollout_id, items)
         if job is not None:
             await _native_job(self._native.submit, job)
@@ -247,33 +278,92 @@ class InMemoryLineageStore:
         if cached < 0:
             raise ValueError("max_cached_tokens must not be negative")
         self._native = _core.MemoryLineage(max_rollouts, max_tokens, cached)
+        # The call ids put per rollout, for the delta-parent check of `put` (the native index
+        # cannot be asked). Kept for up to 4x the native LRU's rollouts, touched on every put
+        # and resolve, so it holds at least every rollout the native index still holds.
+        self._seen: OrderedDict[str, set[str]] = OrderedDict()
+        self._seen_rollouts = 4 * max_rollouts
+
+    def _check_put(self, entry: object) -> tuple[TokenEntry, bytes]:
+        """Check an entry for `put`: its type, fields, canonical line and delta parent."""
+        token_entry = _as_token_entry(entry)
+        rollout_id = validate_rollout_id(token_entry.rollout_id)
+        line = canonical_line(token_entry)
+        parent = token_entry.parent_call_id
+        if token_entry.prompt_is_delta and parent not in self._seen.get(rollout_id, ()):
+            raise ValueError(
+                "delta records require a durable-log-backed lineage store: entry "
+                f"{token_entry.model_call_id!r} of rollout {rollout_id!r} stores its prompt as "
+                f"a delta of {parent!r}, which this in-memory store does not hold (never put, "
+                "deleted or evicted), so its tokens could never be rebuilt. Put the parent "
+                "first, or resolve over a FileLineageStore"
+            )
+        return token_entry, line
+
+    def _index(self, entry: TokenEntry, line: bytes) -> bool:
+        rollout_id = entry.rollout_id
+        added = self._native.put(rollout_id, line)
+        seen = self._seen.get(rollout_id)
+        if seen is None:
+            seen = self._seen[rollout_id] = set()
+            while len(self._seen) > self._seen_rollouts:
+                self._seen.popitem(last=False)
+        else:
+            self._seen.move_to_end(rollout_id)
+        seen.add(entry.model_call_id)
+        return added
+
+    def _touch(self, rollout_id: str) -> None:
+        if rollout_id in self._seen:
+            self._seen.move_to_end(rollout_id)
 
     def put_now(self, entry: TokenEntry) -> bool:
-        """Index one entry; False when the identical entry was already indexed."""
-        token_entry = _as_token_entry(entry)
-        validate_rollout_id(token_entry.rollout_id)
-        return self._native.put(token_entry.rollout_id, canonical_line(token_entry))
+        """Index one entry; False when the identical entry was already indexed.
 
-    async def put(self, entry: TokenEntry) -> None:
-        """Index one entry (the `TokenSink.put` shape)."""
-        self.put_now(entry)
+        A delta entry (`prompt_is_delta`) whose parent this store does not hold is refused
+        with `ValueError`, as NeMo Gym's in-memory store refuses delta entries.
+        """
+        return self._index(*self._check_put(entry))
+
+    def put(self, entry: TokenEntry) -> Coroutine[Any, Any, None]:
+        """Index one entry (the `TokenSink.put` shape). The entry is checked when this is
+        called (`TypeError` / `ValueError`), indexed when it is awaited."""
+        return self._put_job(*self._check_put(entry))
+
+    async def _put_job(self, entry: TokenEntry, line: bytes) -> None:
+        self._index(entry, line)
 
     def resolve_now(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
-        return _resolve(self._native, rollout_id, request_items)
+        resolution = _resolve(self._native, rollout_id, request_items)
+        self._touch(rollout_id)
+        return resolution
 
-    async def resolve(
+    def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
-    ) -> LineageResolution:
-        return _resolve(self._native, rollout_id, request_items)
+    ) -> Coroutine[Any, Any, LineageResolution]:
+        """`resolve_now` when awaited; the arguments are checked when this is called."""
+        validate_rollout_id(rollout_id)
+        return self._resolve_job(rollout_id, request_list(request_items))
+
+    async def _resolve_job(self, rollout_id: str, items: list[Any]) -> LineageResolution:
+        resolution = _resolve(self._native, rollout_id, items)
+        self._touch(rollout_id)
+        return resolution
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Forget rollouts, so a reused id starts empty."""
         removed, absent = self._native.delete(validate_rollout_ids(rollout_ids))
+        for rollout_id in (*removed, *absent):
+            self._seen.pop(rollout_id, None)
         return {"removed": removed, "absent": absent}
 
-    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+    def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """`delete_now` when awaited; the batch is validated when this is called."""
+        return self._delete_job(validate_rollout_ids(rollout_ids))
+
+    async def _delete_job(self, rollout_ids: list[str]) -> RolloutRemovalPayload:
         return self.delete_now(rollout_ids)
 
     def is_process_shared(self) -> bool:
@@ -291,6 +381,7 @@ class InMemoryLineageStore:
     async def close(self) -> None:
         """Forget everything. Idempotent."""
         self._native.clear()
+        self._seen.clear()
 
 
 def encode_delta(entry: TokenEntry, parent: LineageResolution | LineageMatch) -> TokenEntry:

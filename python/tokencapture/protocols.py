@@ -8,13 +8,15 @@ through `TokenSource.freeze` and retire what they consumed. Nothing here imports
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
-from tokencapture.records import ParentResolutionStatus, TokenEntry
+from tokencapture.records import ParentResolutionStatus, TokenEntry, as_status
 
-if TYPE_CHECKING:
-    from tokencapture.staging.records import CaptureLedgerCommit
+# Imported at run time (not only for type checking) so that `typing.get_type_hints` resolves
+# `CaptureLedger.record`. `tokencapture.staging.records` must therefore never import this
+# module.
+from tokencapture.staging.records import CaptureLedgerCommit
 
 __all__ = [
     "CaptureLedger",
@@ -95,19 +97,49 @@ class LineageMatch:
     chain_hash: str = ""
 
 
+_MATCH_FIELDS = tuple(field.name for field in fields(LineageMatch))
+
+
+def _as_match(match: object) -> object:
+    """A foreign `LineageMatch` (NeMo Gym's dataclass, same fields) as ours; anything else as
+    given (NeMo Gym does not check the type of a match either)."""
+    if isinstance(match, LineageMatch) or match is None:
+        return match
+    if all(hasattr(match, name) for name in _MATCH_FIELDS):
+        values = {name: getattr(match, name) for name in _MATCH_FIELDS}
+        for name in ("cumulative_token_ids", "staging_chain"):
+            if isinstance(values[name], list):
+                values[name] = tuple(values[name])
+        return LineageMatch(**values)
+    return match
+
+
 @dataclass(frozen=True, slots=True)
 class LineageResolution:
-    """One immutable request-time parent decision."""
+    """One immutable request-time parent decision.
+
+    `status` is compared by value and stored as our `ParentResolutionStatus`: NeMo Gym's
+    members and the plain strings `"root"`, `"resolved"`, `"unresolved"` are accepted. A
+    `LineageMatch` of NeMo Gym's (same fields) is stored as ours.
+    """
 
     status: ParentResolutionStatus
     match: LineageMatch | None = None
     reason: str = ""
 
     def __post_init__(self) -> None:
-        if self.status is ParentResolutionStatus.RESOLVED and self.match is None:
-            raise ValueError("a RESOLVED lineage decision needs a match")
-        if self.status is not ParentResolutionStatus.RESOLVED and self.match is not None:
-            raise ValueError(f"a {self.status.value!r} lineage decision cannot carry a match")
+        status = as_status(self.status)
+        object.__setattr__(self, "status", status)
+        object.__setattr__(self, "match", _as_match(self.match))
+        if status == ParentResolutionStatus.RESOLVED and self.match is None:
+            raise ValueError(
+                "resolved lineage requires a match (the verified parent it resolved to)"
+            )
+        if status != ParentResolutionStatus.RESOLVED and self.match is not None:
+            raise ValueError(
+                f"{status.value} lineage cannot carry a match; only a resolved decision names "
+                "its parent"
+            )
 
 
 @runtime_checkable
@@ -171,17 +203,21 @@ _INSTALLED_SOURCE: TokenSource | None = None
 _INSTALLED_LINEAGE_STORE: LineageResolver | None = None
 
 
-def _require_methods(obj: object, role: str, names: tuple[str, ...]) -> None:
+def _require_methods(obj: object, role: str, what: str, names: tuple[str, ...]) -> None:
+    """Refuse an object without the methods of `role` (`TypeError`, NeMo Gym's wording)."""
     missing = [name for name in names if not callable(getattr(obj, name, None))]
     if missing:
-        raise TypeError(f"{type(obj).__name__} is not a {role}: missing {', '.join(missing)}")
+        raise TypeError(
+            f"installed {what} lacks required methods: {', '.join(missing)} "
+            f"({type(obj).__name__} is not a {role})"
+        )
 
 
 def install_token_sink(sink: TokenSink | None) -> None:
     """Set (or clear, with None) the process-wide default sink."""
     global _INSTALLED_SINK
     if sink is not None:
-        _require_methods(sink, "TokenSink", ("put", "mark_incomplete", "close"))
+        _require_methods(sink, "TokenSink", "token sink", ("put", "mark_incomplete", "close"))
     _INSTALLED_SINK = sink
 
 
@@ -190,10 +226,14 @@ def installed_token_sink() -> TokenSink | None:
 
 
 def install_token_source(source: TokenSource | None) -> None:
-    """Set (or clear) the caller-owned source in this process. It is never closed for you."""
+    """Set (or clear) the caller-owned source in this process. It is never closed for you.
+
+    The source needs `freeze`, `drop` and `close` (NeMo Gym 0.7.0's `TokenSource`, so its own
+    store installs here too); `retire` and `delete` are needed only by callers that use them.
+    """
     global _INSTALLED_SOURCE
     if source is not None:
-        _require_methods(source, "TokenSource", ("freeze", "drop", "retire", "delete", "close"))
+        _require_methods(source, "TokenSource", "token source", ("freeze", "drop", "close"))
     _INSTALLED_SOURCE = source
 
 
@@ -205,7 +245,9 @@ def install_lineage_store(store: LineageResolver | None) -> None:
     """Set (or clear) the process-wide request-time lineage store."""
     global _INSTALLED_LINEAGE_STORE
     if store is not None:
-        _require_methods(store, "LineageResolver", ("resolve", "is_process_shared", "close"))
+        _require_methods(
+            store, "LineageResolver", "lineage store", ("resolve", "is_process_shared", "close")
+        )
     _INSTALLED_LINEAGE_STORE = store
 
 

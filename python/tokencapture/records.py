@@ -24,6 +24,7 @@ __all__ = [
     "UNRESOLVED_PARENT_REASON",
     "ParentResolutionStatus",
     "TokenEntry",
+    "as_status",
     "check_entry_invariants",
     "compute_digest",
     "cumulative_tokens",
@@ -68,7 +69,7 @@ class TokenEntry(BaseModel):
     generation_token_ids: list[int]
     generation_log_probs: list[float]
     routed_experts: Any | None = None
-    output_items: list[dict[str, Any]] = []
+    output_items: list[dict[Any, Any]] = []
     token_item_index: int | None = None
     response_id: str | None = None
     created_at: float = 0.0
@@ -158,66 +159,124 @@ def check_field_types(values: dict[str, Any]) -> None:
         raise ValueError("output_items must be a list of dicts")
 
 
+# The messages below start with NeMo Gym 0.7.0's wording for the same failure (so a caller
+# matching on its text keeps working) and add what the reader needs to act on it.
+
+
 def check_entry_invariants(entry: TokenEntry) -> None:
     """The cross-field rules of a `TokenEntry`, on its current values.
 
     Run by validation, and again by `put`: an entry mutated after validation (or built with
-    `model_construct`) must not be stored in a shape that will not read back.
+    `model_construct`) must not be stored in a shape that will not read back. The rules and
+    their order are NeMo Gym 0.7.0's, so the first failure reported is the same.
     """
-    if entry.schema_version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
+    version = entry.schema_version
+    if version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
         raise ValueError(
-            f"schema_version {entry.schema_version} is newer than this reader supports "
-            f"({TOKEN_ENTRY_RECORD_SCHEMA_VERSION}); upgrade tokencapture to read it"
+            f"token record is schema_version {version}, but this reader understands up to "
+            f"{TOKEN_ENTRY_RECORD_SCHEMA_VERSION}. Upgrade the reader, or point it at records "
+            "written by a writer it matches. (A newer record may change what its fields mean; "
+            "tokencapture refuses to guess.)"
         )
-    if entry.schema_version < TOKEN_ENTRY_MIN_SCHEMA_VERSION:
+    if version < TOKEN_ENTRY_MIN_SCHEMA_VERSION:
         raise ValueError(
-            f"schema_version {entry.schema_version} is below the minimum "
-            f"{TOKEN_ENTRY_MIN_SCHEMA_VERSION}"
+            f"token record is schema_version {version}, below the supported minimum "
+            f"{TOKEN_ENTRY_MIN_SCHEMA_VERSION}. Pre-lineage records were never written in "
+            "production; regenerate the rollout with a current writer."
         )
-    if len(entry.generation_token_ids) != len(entry.generation_log_probs):
+    generated, log_probs = len(entry.generation_token_ids), len(entry.generation_log_probs)
+    if generated != log_probs:
         raise ValueError(
-            f"generation_log_probs has {len(entry.generation_log_probs)} values for "
-            f"{len(entry.generation_token_ids)} generated tokens"
+            "generation_token_ids and generation_log_probs must have the same length "
+            f"(got {generated} and {log_probs}): one log-prob per generated token"
         )
-    if entry.token_item_index is not None and not (
-        0 <= entry.token_item_index < len(entry.output_items)
-    ):
+    index = entry.token_item_index
+    if index is not None and not 0 <= index < len(entry.output_items):
         raise ValueError(
-            f"token_item_index {entry.token_item_index} does not index output_items "
-            f"(length {len(entry.output_items)})"
+            f"token_item_index {index} is outside output_items of length "
+            f"{len(entry.output_items)}: it must index the item that carried the token arrays"
         )
     _check_parent(entry.parent_resolution, entry.parent_call_id, entry.prompt_is_delta)
 
 
-def _check_parent(
-    status: ParentResolutionStatus | None, parent_call_id: str | None, prompt_is_delta: bool
-) -> None:
-    if status is ParentResolutionStatus.RESOLVED and not parent_call_id:
-        raise ValueError("parent_resolution 'resolved' requires parent_call_id")
+def as_status(value: object) -> ParentResolutionStatus:
+    """`value` as our `ParentResolutionStatus`, compared by value.
+
+    Accepts our members, NeMo Gym's `ParentResolutionStatus` members (or any other `str`
+    enum with the same values) and the plain strings `"root"`, `"resolved"` and
+    `"unresolved"`. Anything else is refused: a `str` that is no status is a `ValueError`,
+    any other type a `TypeError`.
+    """
+    if isinstance(value, ParentResolutionStatus):
+        return value
+    if isinstance(value, str):
+        try:
+            return ParentResolutionStatus(str.__str__(value))
+        except ValueError:
+            pass
+        raise ValueError(
+            f"{value!r} is not a ParentResolutionStatus; expected one of "
+            f"{[status.value for status in ParentResolutionStatus]}"
+        )
+    raise TypeError(
+        f"a parent resolution status must be a ParentResolutionStatus or its str value, not "
+        f"{type(value).__name__}"
+    )
+
+
+def _check_parent(status: object, parent_call_id: str | None, prompt_is_delta: bool) -> None:
+    """NeMo Gym 0.7.0's parent rules; `status` is compared by value (any `str` enum works)."""
+    if status is not None and not isinstance(status, ParentResolutionStatus):
+        status = as_status(status)
+    if status == ParentResolutionStatus.RESOLVED and not parent_call_id:
+        raise ValueError(
+            "resolved parent metadata requires parent_call_id (the id of the call it continues)"
+        )
     if (
         status in (ParentResolutionStatus.ROOT, ParentResolutionStatus.UNRESOLVED)
         and parent_call_id is not None
     ):
-        raise ValueError(f"parent_resolution {status.value!r} forbids parent_call_id")
-    if prompt_is_delta and status is not ParentResolutionStatus.RESOLVED:
-        raise ValueError("prompt_is_delta requires a resolved parent")
+        assert isinstance(status, ParentResolutionStatus)
+        raise ValueError(
+            f"{status.value} parent metadata cannot carry parent_call_id "
+            f"(got {parent_call_id!r}); only a resolved call names its parent"
+        )
+    if prompt_is_delta and (parent_call_id is None or status != ParentResolutionStatus.RESOLVED):
+        raise ValueError(
+            "a delta prompt requires a RESOLVED parent_call_id to reconstruct from "
+            "(prompt_is_delta is set, but the parent is not resolved)"
+        )
 
 
 def compute_digest(token_ids: Sequence[int] | Any) -> str:
     """Lowercase hex SHA-256 of a token-id sequence in the reference's framing.
 
     `token_ids` is a sequence of ints or a buffer of integers. A negative id or one above
-    2**64-1 raises `ValueError`.
+    2**64-1 raises `ValueError` (for a negative id, in NeMo Gym's words).
     """
-    return _core.compute_digest(token_ids)
+    try:
+        return _core.compute_digest(token_ids)
+    except ValueError as exc:
+        negative = _first_negative(token_ids)
+        if negative is None:
+            raise
+        raise ValueError(f"token ids must be non-negative, got {negative} ({exc})") from None
+
+
+def _first_negative(token_ids: Any) -> int | None:
+    """The first negative id of a sequence that failed to digest (None if there is none)."""
+    try:
+        return next((int(t) for t in token_ids if t < 0), None)
+    except (TypeError, ValueError):
+        return None
 
 
 def cumulative_tokens(entry: TokenEntry) -> list[int]:
     """The full token sequence after this call: prompt followed by generation."""
     if entry.prompt_is_delta:
         raise ValueError(
-            f"entry {entry.model_call_id!r} stores its prompt as a delta; rebuild its "
-            "cumulative tokens through the parent chain"
+            f"model call {entry.model_call_id} stores a delta prompt; reconstruct through its "
+            "parent chain (its cumulative tokens are the parent's followed by this call's)"
         )
     return [*entry.prompt_token_ids, *entry.generation_token_ids]
 
@@ -234,9 +293,11 @@ def stamp_lineage(
         cumulative = cumulative_tokens(entry)
     elif not entry.prompt_is_delta and list(cumulative) != cumulative_tokens(entry):
         raise ValueError(
-            f"cumulative tokens given for {entry.model_call_id!r} differ from its own "
-            "prompt + generation"
+            f"provided cumulative tokens disagree with the entry's own arrays (model call "
+            f"{entry.model_call_id!r}: they differ from its prompt + generation)"
         )
+    if parent_resolution is not None:
+        parent_resolution = as_status(parent_resolution)
     _check_parent(parent_resolution, parent_call_id, entry.prompt_is_delta)
     entry.cum_len = len(cumulative)
     entry.digest = compute_digest(cumulative)

@@ -11,18 +11,20 @@ a thread pool. Either way the event loop never waits on a disk.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import itertools
 import json
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from time import perf_counter
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import orjson
 from pydantic import BaseModel
@@ -86,6 +88,35 @@ async def _off_loop(func: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs)
     """Run a blocking call that builds Python objects (freeze, batches) on the thread pool."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_io_executor(), lambda: func(*args, **kwargs))
+
+
+_F = TypeVar("_F", bound=Callable[..., Coroutine[Any, Any, Any]])
+
+
+def checked_when_called(check: Callable[..., object]) -> Callable[[_F], _F]:
+    """Make an async method validate its arguments when it is called, not when it is awaited.
+
+    `check` takes some of the method's parameters, by the same names (for example
+    `validate_rollout_id(rollout_id)`), and raises on bad values; only then is the coroutine
+    created. So `obj.method(bad)` raises at once, even if its result is never awaited, and a
+    refused call leaves no coroutine behind. The decorated method is a plain function that
+    returns the coroutine: `await obj.method(...)` works as before.
+    """
+    wanted = tuple(inspect.signature(check).parameters)
+
+    def decorate(method: _F) -> _F:
+        signature = inspect.signature(method)
+
+        @functools.wraps(method)
+        def checked(*args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+            arguments = signature.bind(*args, **kwargs)
+            arguments.apply_defaults()
+            check(**{name: arguments.arguments[name] for name in wanted})
+            return method(*args, **kwargs)
+
+        return cast(_F, checked)
+
+    return decorate
 
 
 class _LoopBridge:
@@ -152,11 +183,52 @@ def validate_rollout_id(rollout_id: str) -> str:
 def validate_rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
     """Validate a whole batch before anything changes, and drop duplicates (first order kept).
 
-    A bare string is rejected: it is a sequence of one-character rollout ids.
+    A bare string is rejected (`TypeError`): it is a sequence of one-character rollout ids, and
+    NeMo Gym 0.7.0's synchronous `delete(rollout_id)` would otherwise silently do nothing.
     """
     if isinstance(rollout_ids, str | bytes):
-        raise TypeError("rollout_ids must be a sequence of rollout ids, not a single string")
+        raise TypeError(
+            f"rollout_ids must be a sequence of rollout ids, not a single string "
+            f"({rollout_ids!r}); pass [{rollout_ids!r}]. NeMo Gym 0.7.0's synchronous "
+            "store.delete(rollout_id) is store.delete_now([rollout_id]) here"
+        )
+    if not isinstance(rollout_ids, Iterable):
+        raise TypeError(
+            f"rollout_ids must be a sequence of rollout ids, not {type(rollout_ids).__name__}"
+        )
     return list(dict.fromkeys(validate_rollout_id(rollout_id) for rollout_id in rollout_ids))
+
+
+def check_snapshot_id(snapshot_id: object) -> str:
+    """A snapshot id is a str (`TypeError` otherwise)."""
+    if not isinstance(snapshot_id, str):
+        raise TypeError(f"snapshot_id must be a str, not {type(snapshot_id).__name__}")
+    return snapshot_id
+
+
+# What readers strip from both ends of an intents line (`bytes.strip()`, as NeMo Gym reads them).
+_LINE_SPACE = " \t\n\x0b\x0c\r"
+
+
+def check_call_id(call_id: object) -> str:
+    """A call id must be one line of the intents file: non-empty, no line break, UTF-8, and
+    without the surrounding whitespace readers strip (`TypeError` / `ValueError`)."""
+    if not isinstance(call_id, str):
+        raise TypeError(f"model_call_id must be a str, not {type(call_id).__name__}")
+    if not call_id:
+        raise ValueError("model_call_id must not be empty")
+    if "\n" in call_id or "\r" in call_id:
+        raise ValueError(f"model_call_id {call_id!r} contains a line break")
+    if call_id != call_id.strip(_LINE_SPACE):
+        raise ValueError(
+            f"model_call_id {call_id!r} starts or ends with whitespace, which readers of the "
+            "intents file strip: its intent would not match its entry"
+        )
+    try:
+        call_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("model_call_id must be valid Unicode text (no lone surrogates)") from None
+    return call_id
 
 
 def _as_token_entry(entry: object) -> TokenEntry:
@@ -358,23 +430,36 @@ class TokenCaptureStore:
             raise
         self._metrics.observe("put", perf_counter() - started)
 
-    async def put(self, entry: TokenEntry) -> None:
-        """Store an entry durably without blocking the event loop.
+    def put(self, entry: TokenEntry) -> Coroutine[Any, Any, None]:
+        """Store an entry durably without blocking the event loop (`await store.put(entry)`).
 
-        The canonical line is built on the calling thread (CPU work that holds the GIL
-        wherever it runs); the lock, append and fsync run natively on the worker pool.
+        The entry is checked and its canonical line built when `put` is called, so a bad
+        entry raises then, awaited or not; the lock, append and fsync run natively on the
+        worker pool when the returned coroutine is awaited.
         """
         started = perf_counter()
         try:
             token_entry = _as_token_entry(entry)
             line = canonical_line(token_entry)
-            await _native_job(
-                self._native.submit_put, token_entry.rollout_id, token_entry.model_call_id, line
-            )
+            validate_rollout_id(token_entry.rollout_id)
+            check_call_id(token_entry.model_call_id)
+        except BaseException as exc:
+            self._put_failed(entry, exc, started)
+            raise
+        return self._put_line(token_entry, line, started)
+
+    async def _put_line(self, entry: TokenEntry, line: bytes, started: float) -> None:
+        try:
+            await _native_job(self._native.submit_put, entry.rollout_id, entry.model_call_id, line)
         except BaseException as exc:
             self._put_failed(entry, exc, started)
             raise
         self._metrics.observe("put", perf_counter() - started)
+
+    def _refused(self, name: str, rollout_id: object, exc: BaseException) -> None:
+        """Count and log a call refused before it started."""
+        self._metrics.observe(name, 0.0, failed=True)
+        _log_failure(name, rollout_id, exc)
 
     def _put_failed(self, entry: object, exc: BaseException, started: float) -> None:
         self._metrics.observe("put", perf_counter() - started, failed=True)
@@ -385,11 +470,21 @@ class TokenCaptureStore:
         with self._operation("begin_call", rollout_id):
             self._native.begin_call(rollout_id, model_call_id)
 
-    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+    def begin_call(self, rollout_id: str, model_call_id: str) -> Coroutine[Any, Any, None]:
         """Durably record that a captured call is about to be dispatched.
 
-        An intent with no entry at freeze masks the rollout.
+        An intent with no entry at freeze masks the rollout. The ids are checked when this is
+        called (`TypeError` / `ValueError`), the intent is written when it is awaited.
         """
+        try:
+            validate_rollout_id(rollout_id)
+            check_call_id(model_call_id)
+        except BaseException as exc:
+            self._refused("begin_call", rollout_id, exc)
+            raise
+        return self._begin_call_job(rollout_id, model_call_id)
+
+    async def _begin_call_job(self, rollout_id: str, model_call_id: str) -> None:
         with self._operation("begin_call", rollout_id):
             await _native_job(self._native.submit_begin_call, rollout_id, model_call_id)
 
@@ -398,12 +493,23 @@ class TokenCaptureStore:
         with self._operation("mark_incomplete", rollout_id):
             self._native.mark_incomplete(rollout_id, _marker_line(model_call_id))
 
-    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
-        """Durably record that a call was lost (allowed after freeze, refused after retire)."""
+    def mark_incomplete(
+        self, rollout_id: str, model_call_id: str = ""
+    ) -> Coroutine[Any, Any, None]:
+        """Durably record that a call was lost (allowed after freeze, refused after retire).
+
+        The rollout id is checked when this is called; any call id is accepted.
+        """
+        try:
+            validate_rollout_id(rollout_id)
+        except BaseException as exc:
+            self._refused("mark_incomplete", rollout_id, exc)
+            raise
+        return self._mark_incomplete_job(rollout_id, _marker_line(model_call_id))
+
+    async def _mark_incomplete_job(self, rollout_id: str, line: bytes) -> None:
         with self._operation("mark_incomplete", rollout_id):
-            await _native_job(
-                self._native.submit_mark_incomplete, rollout_id, _marker_line(model_call_id)
-            )
+            await _native_job(self._native.submit_mark_incomplete, rollout_id, line)
 
     # Reads and lifecycle -----------------------------------------------------------------
 
@@ -429,8 +535,10 @@ class TokenCaptureStore:
                 ) from exc
         return tuple(entries)
 
-    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
-        return await _off_loop(self.freeze_now, rollout_id)
+    def freeze(self, rollout_id: str) -> Coroutine[Any, Any, TokenCaptureSnapshot]:
+        """Freeze the rollout off the event loop (the id is checked when this is called)."""
+        validate_rollout_id(rollout_id)
+        return _off_loop(self.freeze_now, rollout_id)
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The stored entries (a torn tail is ignored; nothing is created or changed)."""
@@ -446,9 +554,14 @@ class TokenCaptureStore:
         with self._operation("drop", rollout_id):
             return self._native.drop_snapshot(rollout_id, snapshot_id, version)
 
-    async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
-        """Delete the consumed snapshot's records and keep its fence, if nothing changed."""
-        return await _off_loop(self._drop, rollout_id, snapshot_id, version)
+    def drop(self, rollout_id: str, snapshot_id: str, version: int) -> Coroutine[Any, Any, bool]:
+        """Delete the consumed snapshot's records and keep its fence, if nothing changed.
+
+        The rollout id and the snapshot id's type are checked when this is called.
+        """
+        validate_rollout_id(rollout_id)
+        check_snapshot_id(snapshot_id)
+        return _off_loop(self._drop, rollout_id, snapshot_id, version)
 
     def retire_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `retire`: fence every rollout durably, then remove their records."""
@@ -457,10 +570,13 @@ class TokenCaptureStore:
             removed, absent = self._native.retire(ids)
         return {"removed": removed, "absent": absent}
 
-    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
-        """Remove rollouts' records and keep a fence, whatever their state."""
+    def retire(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """Remove rollouts' records and keep a fence, whatever their state.
+
+        The batch is validated when this is called (a bare string is a `TypeError`).
+        """
         ids = validate_rollout_ids(rollout_ids)
-        return await _off_loop(self.retire_now, ids)
+        return _off_loop(self.retire_now, ids)
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `delete`: remove records, fences and lock files."""
@@ -469,10 +585,16 @@ class TokenCaptureStore:
             removed, absent = self._native.delete(ids)
         return {"removed": removed, "absent": absent}
 
-    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
-        """Remove rollouts' records and fences, so a reused id starts empty."""
+    def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """Remove rollouts' records and fences, so a reused id starts empty.
+
+        The batch is validated when this is called. NeMo Gym 0.7.0's `delete(rollout_id)` was
+        synchronous and took one id; called that way here it raises `TypeError` at once (a
+        bare string), instead of building a coroutine that never runs: use
+        `delete_now([rollout_id])`.
+        """
         ids = validate_rollout_ids(rollout_ids)
-        return await _off_loop(self.delete_now, ids)
+        return _off_loop(self.delete_now, ids)
 
     def inspect(self, rollout_id: str) -> dict[str, Any] | None:
         """The rollout's state as a reader sees it, or None when it has no files.

@@ -15,6 +15,7 @@ import hashlib
 import os
 import struct
 import threading
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -22,7 +23,12 @@ from typing import Any, BinaryIO
 import orjson
 
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
-from tokencapture.lineage import AMBIGUOUS_REASON, NO_MATCH_REASON, LineageIntegrityError
+from tokencapture.lineage import (
+    AMBIGUOUS_REASON,
+    NO_MATCH_REASON,
+    LineageIntegrityError,
+    request_list,
+)
 from tokencapture.protocols import LineageMatch, LineageResolution, TokenCaptureCorruptionError
 from tokencapture.records import ParentResolutionStatus
 from tokencapture.store import _off_loop, validate_rollout_id
@@ -206,7 +212,7 @@ class FileLineageStore:
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
         validate_rollout_id(rollout_id)
-        items = list(request_items)
+        items = list(request_list(request_items))
         fingerprint = assistant_fingerprint(items)
         if not fingerprint:
             return LineageResolution(ParentResolutionStatus.ROOT)
@@ -235,10 +241,12 @@ class FileLineageStore:
             ParentResolutionStatus.RESOLVED, LineageMatch(winner.call_id, tuple(tokens), digest)
         )
 
-    async def resolve(
+    def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
-    ) -> LineageResolution:
-        return await _off_loop(self.resolve_now, rollout_id, request_items)
+    ) -> Coroutine[Any, Any, LineageResolution]:
+        """`resolve_now` off the event loop; the arguments are checked when this is called."""
+        validate_rollout_id(rollout_id)
+        return _off_loop(self.resolve_now, rollout_id, request_list(request_items))
 
     @staticmethod
     def _unresolved(reason: str) -> LineageResolution:

@@ -41,7 +41,7 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ from tokencapture.protocols import (
     TokenCaptureSnapshot,
 )
 from tokencapture.records import TokenEntry, check_entry_invariants, check_field_types
-from tokencapture.store import _as_token_entry, _marker_line
+from tokencapture.store import _as_token_entry, _marker_line, check_snapshot_id
 
 __all__ = ["TokenCaptureStore"]
 
@@ -93,7 +93,15 @@ def validate_rollout_id(rollout_id: str) -> str:
 def validate_rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
     """Validate a whole batch first and drop duplicates; a bare string is refused."""
     if isinstance(rollout_ids, str | bytes):
-        raise TypeError("rollout_ids must be a sequence of rollout ids, not a single string")
+        raise TypeError(
+            f"rollout_ids must be a sequence of rollout ids, not a single string "
+            f"({rollout_ids!r}); pass [{rollout_ids!r}]. NeMo Gym 0.7.0's synchronous "
+            "store.delete(rollout_id) is store.delete_now([rollout_id]) here"
+        )
+    if not isinstance(rollout_ids, Iterable):
+        raise TypeError(
+            f"rollout_ids must be a sequence of rollout ids, not {type(rollout_ids).__name__}"
+        )
     return list(dict.fromkeys(validate_rollout_id(rollout_id) for rollout_id in rollout_ids))
 
 
@@ -727,12 +735,25 @@ class TokenCaptureStore:
 
     # Writes ------------------------------------------------------------------------------
 
-    def append(self, entry: TokenEntry) -> None:
-        """Idempotently append one entry and fsync it before returning."""
+    @staticmethod
+    def _checked(entry: object) -> tuple[TokenEntry, bytes]:
+        """The entry and its canonical line, or the error a put of it raises."""
         token_entry = _as_token_entry(entry)
         line = canonical_line(token_entry)
-        rollout_id = validate_rollout_id(token_entry.rollout_id)
-        call_id = _check_call_id(token_entry.model_call_id)
+        validate_rollout_id(token_entry.rollout_id)
+        _check_call_id(token_entry.model_call_id)
+        return token_entry, line
+
+    def append(self, entry: TokenEntry, *, _line: bytes | None = None) -> None:
+        """Idempotently append one entry and fsync it before returning.
+
+        (`_line` is `put`'s already checked canonical line of `entry`.)
+        """
+        if _line is None:
+            entry, _line = self._checked(entry)
+        line = _line
+        rollout_id = entry.rollout_id
+        call_id = entry.model_call_id
         digest = _payload_digest(line)
         paths = self._paths(rollout_id)
         with self._locked(paths):
@@ -780,9 +801,13 @@ class TokenCaptureStore:
                 # from a writer that failed before making it so).
                 self._fsync_root()
 
-    async def put(self, entry: TokenEntry) -> None:
-        """Store an entry durably without blocking the event loop."""
-        await asyncio.to_thread(self.append, entry)
+    def put(self, entry: TokenEntry) -> Coroutine[Any, Any, None]:
+        """Store an entry durably without blocking the event loop (`await store.put(entry)`).
+
+        The entry is checked when this is called, appended on a thread when it is awaited.
+        """
+        token_entry, line = self._checked(entry)
+        return asyncio.to_thread(self.append, token_entry, _line=line)
 
     def _begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Synchronous `begin_call`."""
@@ -796,12 +821,15 @@ class TokenCaptureStore:
             if self._append_marker(paths.intents, call_id.encode("utf-8")):
                 self._fsync_root()
 
-    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+    def begin_call(self, rollout_id: str, model_call_id: str) -> Coroutine[Any, Any, None]:
         """Durably record that a captured call is about to be dispatched.
 
-        An intent with no entry at freeze masks the rollout.
+        An intent with no entry at freeze masks the rollout. The ids are checked when this is
+        called, the intent written when it is awaited.
         """
-        await asyncio.to_thread(self._begin_call, rollout_id, model_call_id)
+        validate_rollout_id(rollout_id)
+        _check_call_id(model_call_id)
+        return asyncio.to_thread(self._begin_call, rollout_id, model_call_id)
 
     def _mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Synchronous `mark_incomplete`."""
@@ -817,9 +845,15 @@ class TokenCaptureStore:
             # One directory fsync covers both the marker file's creation and the rename.
             self._write_state(paths, state, durable=True, sync_root=True)
 
-    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
-        """Durably record that a call was lost (allowed after freeze, refused after retire)."""
-        await asyncio.to_thread(self._mark_incomplete, rollout_id, model_call_id)
+    def mark_incomplete(
+        self, rollout_id: str, model_call_id: str = ""
+    ) -> Coroutine[Any, Any, None]:
+        """Durably record that a call was lost (allowed after freeze, refused after retire).
+
+        The rollout id is checked when this is called; any call id is accepted.
+        """
+        validate_rollout_id(rollout_id)
+        return asyncio.to_thread(self._mark_incomplete, rollout_id, model_call_id)
 
     # Reads and lifecycle -----------------------------------------------------------------
 
@@ -894,8 +928,10 @@ class TokenCaptureStore:
             rollout_id, entries, incomplete, state.snapshot_id, state.version
         )
 
-    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
-        return await asyncio.to_thread(self.freeze_now, rollout_id)
+    def freeze(self, rollout_id: str) -> Coroutine[Any, Any, TokenCaptureSnapshot]:
+        """`freeze_now` on a thread; the rollout id is checked when this is called."""
+        validate_rollout_id(rollout_id)
+        return asyncio.to_thread(self.freeze_now, rollout_id)
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The stored entries (a torn tail is ignored; nothing is created or changed)."""
@@ -955,9 +991,14 @@ class TokenCaptureStore:
             self._fsync_root()
             return True
 
-    async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
-        """Delete the consumed snapshot's records and keep its fence, if nothing changed."""
-        return await asyncio.to_thread(self._drop, rollout_id, snapshot_id, version)
+    def drop(self, rollout_id: str, snapshot_id: str, version: int) -> Coroutine[Any, Any, bool]:
+        """Delete the consumed snapshot's records and keep its fence, if nothing changed.
+
+        The rollout id and the snapshot id's type are checked when this is called.
+        """
+        validate_rollout_id(rollout_id)
+        check_snapshot_id(snapshot_id)
+        return asyncio.to_thread(self._drop, rollout_id, snapshot_id, version)
 
     @staticmethod
     def _remove_records(paths: _Paths) -> bool:
@@ -1019,10 +1060,11 @@ class TokenCaptureStore:
         self._fsync_root()
         return {"removed": removed, "absent": absent}
 
-    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
-        """Remove rollouts' records and keep a fence, whatever their state."""
+    def retire(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """Remove rollouts' records and keep a fence, whatever their state (the batch is
+        validated when this is called)."""
         ids = validate_rollout_ids(rollout_ids)
-        return await asyncio.to_thread(self.retire_now, ids)
+        return asyncio.to_thread(self.retire_now, ids)
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `delete`: remove records, fences and lock files.
@@ -1046,10 +1088,11 @@ class TokenCaptureStore:
         self._fsync_root()
         return {"removed": removed, "absent": absent}
 
-    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
-        """Remove rollouts' records and fences, so a reused id starts empty."""
+    def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """Remove rollouts' records and fences, so a reused id starts empty (the batch is
+        validated when this is called; a bare string is a `TypeError`)."""
         ids = validate_rollout_ids(rollout_ids)
-        return await asyncio.to_thread(self.delete_now, ids)
+        return asyncio.to_thread(self.delete_now, ids)
 
     @staticmethod
     def _read_and_verify(paths: _Paths, state: _State) -> _Records:

@@ -1,0 +1,224 @@
+"""Async methods check their arguments when they are CALLED, not when they are awaited.
+
+A call that is never awaited (NeMo Gym 0.7.0 calls `store.delete(rollout_id)` synchronously)
+must not be a silent no-op: bad arguments raise at the call, and no coroutine is left behind to
+be collected unawaited. The public async methods of every public class are found by
+introspection (coroutine functions, or methods annotated to return a coroutine), so a new one
+without a row in the bad-argument table below fails `test_every_async_method_is_covered`.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import gc
+import inspect
+import typing
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.conftest import make_entry
+
+from tokencapture.ledger import FileCaptureLedger
+from tokencapture.lineage import FileLineageStore, InMemoryLineageStore
+from tokencapture.reference.lineage import FileLineageStore as ReferenceLineageStore
+from tokencapture.reference.store import TokenCaptureStore as ReferenceStore
+from tokencapture.store import TokenCaptureStore
+
+FACTORIES: dict[str, Callable[[Path], Any]] = {
+    "TokenCaptureStore": lambda root: TokenCaptureStore(root / "store"),
+    "reference.TokenCaptureStore": lambda root: ReferenceStore(root / "reference"),
+    "FileLineageStore": lambda root: FileLineageStore(root / "store"),
+    "reference.FileLineageStore": lambda root: ReferenceLineageStore(root / "store"),
+    "InMemoryLineageStore": lambda root: InMemoryLineageStore(),
+    "FileCaptureLedger": lambda root: FileCaptureLedger(root / "ledger"),
+}
+CLASSES: dict[str, type] = {
+    "TokenCaptureStore": TokenCaptureStore,
+    "reference.TokenCaptureStore": ReferenceStore,
+    "FileLineageStore": FileLineageStore,
+    "reference.FileLineageStore": ReferenceLineageStore,
+    "InMemoryLineageStore": InMemoryLineageStore,
+    "FileCaptureLedger": FileCaptureLedger,
+}
+
+
+def valid_commit() -> Any:
+    from tests.test_ledger import make_commit
+
+    return make_commit("c1", "r1")
+
+
+# A valid value for each parameter name (called fresh for every use).
+VALID: dict[str, Callable[[], Any]] = {
+    "entry": lambda: make_entry("r1", 1),
+    "rollout_id": lambda: "r1",
+    "rollout_ids": lambda: ["r1"],
+    "model_call_id": lambda: "call-1",
+    "request_items": lambda: [{"role": "user", "content": "hi"}],
+    "snapshot_id": lambda: "0" * 32,
+    "version": lambda: 1,
+    "commit": valid_commit,
+    "reason": lambda: "capture failed",
+}
+
+# Bad values per parameter name, with the error each must raise at the call.
+BAD: dict[str, list[tuple[str, Callable[[], Any], type[Exception]]]] = {
+    "entry": [
+        ("a str", lambda: "not an entry", TypeError),
+        ("an int", lambda: 5, TypeError),
+        ("a bad rollout id", lambda: make_entry("bad id", 1), ValueError),
+        ("an empty call id", lambda: make_entry("r1", ""), ValueError),
+        (
+            "broken invariants",
+            lambda: make_entry("r1", 1).model_copy(update={"generation_log_probs": []}),
+            ValueError,
+        ),
+    ],
+    "rollout_id": [
+        ("empty", lambda: "", ValueError),
+        ("a path", lambda: "../escape", ValueError),
+        ("an int", lambda: 5, TypeError),
+        ("None", lambda: None, TypeError),
+    ],
+    "rollout_ids": [
+        ("a bare str", lambda: "r1", TypeError),
+        ("an int", lambda: 5, TypeError),
+        ("a bad id in the batch", lambda: ["r1", "bad id"], ValueError),
+        ("a non-str id in the batch", lambda: ["r1", 5], TypeError),
+    ],
+    "model_call_id": [
+        ("an int", lambda: 5, TypeError),
+        ("empty", lambda: "", ValueError),
+    ],
+    "request_items": [
+        ("a str", lambda: "hello", TypeError),
+        ("an int", lambda: 5, TypeError),
+        ("a dict", lambda: {"role": "user"}, TypeError),
+    ],
+    "snapshot_id": [("an int", lambda: 5, TypeError)],
+    "commit": [
+        ("a str", lambda: "not a commit", TypeError),
+        ("an int", lambda: 5, TypeError),
+        ("an empty dict", lambda: {}, ValueError),
+    ],
+    "reason": [("an int", lambda: 5, TypeError)],
+}
+
+# Parameters a method deliberately accepts anything for.
+ANY_VALUE = {
+    ("mark_incomplete", "model_call_id"),  # the most available write never fails on its id
+}
+# Rows that apply to the token stores only: the in-memory resolver keeps no intents file, so
+# it takes any call id (as NeMo Gym's does).
+STORES_ONLY = {"an empty call id"}
+STORES = {"TokenCaptureStore", "reference.TokenCaptureStore"}
+
+
+def returns_a_coroutine(function: Any) -> bool:
+    """An `async def`, a wrapper of one, or a function annotated to return a coroutine."""
+    if inspect.iscoroutinefunction(inspect.unwrap(function)):
+        return True
+    hint = typing.get_type_hints(function).get("return")
+    return typing.get_origin(hint) in (collections.abc.Coroutine, collections.abc.Awaitable)
+
+
+def async_methods(cls: type) -> list[str]:
+    """The public methods of `cls` that are awaited by their callers."""
+    return sorted(
+        name
+        for name, member in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_") and returns_a_coroutine(member)
+    )
+
+
+def parameters(cls: type, method: str) -> list[str]:
+    signature = inspect.signature(getattr(cls, method))
+    return [name for name in signature.parameters if name != "self"]
+
+
+CASES = [
+    pytest.param(cls_name, method, param, bad, error, id=f"{cls_name}.{method}-{param}-{what}")
+    for cls_name, cls in CLASSES.items()
+    for method in async_methods(cls)
+    for param in parameters(cls, method)
+    if (method, param) not in ANY_VALUE
+    for what, bad, error in BAD.get(param, [])
+    if what not in STORES_ONLY or cls_name in STORES
+]
+
+
+EXPECTED = {
+    "TokenCaptureStore": "put begin_call mark_incomplete freeze drop retire delete close",
+    "reference.TokenCaptureStore": "put begin_call mark_incomplete freeze drop retire delete close",
+    "FileLineageStore": "resolve close",
+    "reference.FileLineageStore": "resolve close",
+    "InMemoryLineageStore": "put resolve delete close",
+    "FileCaptureLedger": "record record_failure manifest has_rows resolve retire delete close",
+}
+
+
+def test_every_async_method_is_covered() -> None:
+    """Introspection finds the async methods, and each one that takes arguments has rows."""
+    covered = {(case.values[0], case.values[1]) for case in CASES}
+    for cls_name, cls in CLASSES.items():
+        methods = async_methods(cls)
+        assert set(EXPECTED[cls_name].split()) <= set(methods), cls_name
+        for method in methods:
+            params = parameters(cls, method)
+            unknown = [p for p in params if p not in VALID]
+            assert not unknown, f"{cls_name}.{method}: no table entry for {unknown}"
+            if params:
+                assert (cls_name, method) in covered, f"{cls_name}.{method}"
+
+
+def call_args(cls: type, method: str, **override: Any) -> dict[str, Any]:
+    return {
+        name: override[name] if name in override else VALID[name]()
+        for name in parameters(cls, method)
+    }
+
+
+@pytest.mark.parametrize(("cls_name", "method", "param", "bad", "error"), CASES)
+async def test_bad_arguments_raise_when_called(
+    tmp_path: Path,
+    cls_name: str,
+    method: str,
+    param: str,
+    bad: Callable[[], Any],
+    error: type[Exception],
+) -> None:
+    obj = FACTORIES[cls_name](tmp_path)
+    cls = CLASSES[cls_name]
+    # The same call with valid arguments is accepted and works when awaited, so the refusal
+    # below is the bad argument's.
+    await getattr(obj, method)(**call_args(cls, method))
+    args = call_args(cls, method, **{param: bad()})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(error):
+            getattr(obj, method)(**args)  # not awaited: it must raise right here
+        gc.collect()
+    leaked = [w for w in caught if "never awaited" in str(w.message)]
+    assert not leaked, leaked
+    close = getattr(obj, "close", None)
+    if close is not None:
+        await close()
+
+
+@pytest.mark.parametrize("factory", [TokenCaptureStore, ReferenceStore])
+async def test_nemo_style_synchronous_delete_fails_loudly(
+    tmp_path: Path, factory: Callable[[Path], Any]
+) -> None:
+    """NeMo Gym 0.7.0's `delete(rollout_id)` is synchronous and deletes; called that way ours
+    raises at once and changes nothing (the records stay), rather than returning a coroutine
+    that never runs. The batch form is `delete_now([rollout_id])`."""
+    store = factory(tmp_path)
+    await store.put(make_entry("r1", 1))
+    with pytest.raises(TypeError, match=r"delete_now\(\[rollout_id\]\)"):
+        store.delete("r1")
+    assert len(store.read_entries("r1")) == 1
+    assert store.delete_now(["r1"]) == {"removed": ["r1"], "absent": []}
+    assert store.read_entries("r1") == []
