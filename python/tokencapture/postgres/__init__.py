@@ -17,10 +17,12 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 
 from tokencapture.postgres._client import PostgresUnavailableError
 from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, install_schema_sync
+from tokencapture.postgres.lineage import PostgresLineageStore
 from tokencapture.postgres.store import PostgresTokenCaptureStore
 
 __all__ = [
     "SCHEMA_VERSION",
+    "PostgresLineageStore",
     "PostgresTokenCaptureStore",
     "PostgresUnavailableError",
     "install_schema",

@@ -73,6 +73,10 @@ def _where(dsn: str) -> str:
         return "the configured server"
 
 
+async def _keep_session(connection: Any) -> None:
+    """The pool's reset hook: nothing to reset."""
+
+
 class _LoopThread:
     """An event loop on a daemon thread, for the synchronous twins of the async methods."""
 
@@ -192,6 +196,10 @@ class Client:
                     server_settings=self._server_settings(),
                     statement_cache_size=self.statement_cache_size,
                     init=self._check_session,
+                    # No reset query on release (asyncpg's default is a round trip of
+                    # RESET ALL, UNLISTEN, ...): the store only calls functions and never
+                    # changes session state, and its settings come from `server_settings`.
+                    reset=_keep_session,
                 )
                 await pool
                 if not self._schema_checked:

@@ -1,0 +1,139 @@
+"""`PostgresLineageStore`: request-time lineage over the entries a `PostgresTokenCaptureStore`
+committed, in any process on any host.
+
+The matcher is the one every resolver here shares (`tokencapture._core.MemoryLineage`, as
+`InMemoryLineageStore` uses it): each resolve first fetches the rollout's lines committed past
+this resolver's cursor (one function call; nothing when nothing is new) and indexes them, so a
+put that has returned anywhere is visible to the next resolve, then resolves natively. A
+retired rollout, or a deleted one whose id was reused, starts over.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Coroutine
+from typing import Any
+
+from tokencapture import _core
+from tokencapture.lineage import (
+    DEFAULT_CACHED_ROLLOUTS,
+    DEFAULT_CACHED_TOKENS,
+    _resolve,
+    check_resolve_args,
+)
+from tokencapture.metrics import instrumented
+from tokencapture.postgres._client import Client
+from tokencapture.protocols import LineageResolution
+
+__all__ = ["PostgresLineageStore"]
+
+_TAIL = "SELECT * FROM tokencapture.lineage_tail($1, $2, $3)"
+# The native index never evicts on its own (this class evicts whole rollouts, LRU, and resets
+# their cursors with them): an eviction the cursor did not see would hide committed calls.
+_UNBOUNDED_TOKENS = 2**62
+
+
+@instrumented("lineage", "postgres", {"resolve_now": "resolve", "resolve": "resolve"})
+class PostgresLineageStore:
+    """A `LineageResolver` over a PostgreSQL token capture database.
+
+    Memory is bounded by `max_cached_rollouts` indexed rollouts (LRU) and `max_cached_tokens`
+    tokens of materialized cumulative sequences. Connection options as for
+    `PostgresTokenCaptureStore` (pool_size, connect_timeout, statement_timeout, ...).
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        max_cached_rollouts: int = DEFAULT_CACHED_ROLLOUTS,
+        max_cached_tokens: int = DEFAULT_CACHED_TOKENS,
+        **options: Any,
+    ) -> None:
+        if max_cached_rollouts < 1:
+            raise ValueError("max_cached_rollouts must be at least 1")
+        if max_cached_tokens < 0:
+            raise ValueError("max_cached_tokens must not be negative")
+        self._client = Client(dsn, **options)
+        self._max_rollouts = max_cached_rollouts
+        self._native = _core.MemoryLineage(
+            max_cached_rollouts + 1, _UNBOUNDED_TOKENS, max_cached_tokens
+        )
+        # rollout id -> (incarnation, last seq indexed); LRU order.
+        self._cursors: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"PostgresLineageStore({self._client.where!r})"
+
+    async def _refresh(self, rollout_id: str) -> None:
+        """Index the rollout's lines committed since the last refresh."""
+        with self._lock:
+            incarnation, after = self._cursors.get(rollout_id, (0, 0))
+        row = await self._client.fetch("row", _TAIL, rollout_id, incarnation, after)
+        with self._lock:
+            known = self._cursors.get(rollout_id)
+            if row["incarnation"] is None or row["retired"]:
+                # Gone or fenced: nothing of it resolves (a fenced rollout has no entries).
+                self._forget(rollout_id)
+                return
+            fresh = row["incarnation"]
+            if known is not None and known[0] > fresh:
+                return  # an older answer than one already applied
+            if known is None or known[0] != fresh:
+                self._forget(rollout_id)
+            elif row["last_seq"] <= known[1]:
+                self._cursors.move_to_end(rollout_id)
+                return  # nothing new (or a concurrent refresh applied it already)
+            for line in row["lines"]:
+                self._native.put(rollout_id, line)
+            self._cursors[rollout_id] = (fresh, row["last_seq"])
+            self._cursors.move_to_end(rollout_id)
+            while len(self._cursors) > self._max_rollouts:
+                oldest, _ = self._cursors.popitem(last=False)
+                self._native.delete([oldest])
+
+    def _forget(self, rollout_id: str) -> None:
+        self._cursors.pop(rollout_id, None)
+        self._native.delete([rollout_id])
+
+    def resolve(
+        self, rollout_id: str, request_items: list[dict[str, Any]]
+    ) -> Coroutine[Any, Any, LineageResolution]:
+        """Return ROOT, RESOLVED with the verified parent, or UNRESOLVED with a reason. The
+        arguments are checked when this is called (`TypeError` / `ValueError`)."""
+        items = check_resolve_args(rollout_id, request_items)
+        return self._resolve(rollout_id, items)
+
+    async def _resolve(self, rollout_id: str, items: list[Any]) -> LineageResolution:
+        await self._refresh(rollout_id)
+        return _resolve(self._native, rollout_id, items)
+
+    def resolve_now(
+        self, rollout_id: str, request_items: list[dict[str, Any]]
+    ) -> LineageResolution:
+        """Synchronous `resolve`."""
+        return self._client.run_sync(self.resolve(rollout_id, request_items))
+
+    def is_process_shared(self) -> bool:
+        return True
+
+    def cached_rollouts(self) -> int:
+        return len(self._cursors)
+
+    def cached_tokens(self) -> int:
+        return self._native.cached_tokens()
+
+    async def close(self) -> None:
+        """Close the connections and drop the caches (idempotent)."""
+        await self._client.close()
+        with self._lock:
+            self._cursors.clear()
+            self._native.clear()
+
+    def close_sync(self) -> None:
+        self._client.close_sync()
+        with self._lock:
+            self._cursors.clear()
+            self._native.clear()
