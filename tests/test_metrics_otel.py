@@ -181,7 +181,7 @@ async def test_otel_agrees_with_stats(tmp_path: Path, reader: InMemoryMetricRead
     assert (ok.count, conflict.count) == (5, 1)
     assert ok.sum + conflict.sum == pytest.approx(stats["put"]["total_seconds"])
     assert max(ok.max, conflict.max) == pytest.approx(stats["put"]["max_seconds"])
-    # The same bounds, so the same buckets (the SDK counts a bound in the bucket below it too).
+    # The same bounds, so the same buckets (both put a value equal to a bound in its bucket).
     merged = [a + b for a, b in zip(ok.bucket_counts, conflict.bucket_counts, strict=True)]
     assert merged == stats["put"]["buckets"]
     assert histograms[key("token_capture", "file", "mark_incomplete")].count == 1
