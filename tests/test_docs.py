@@ -9,7 +9,9 @@ site promises, the CLI table lists the CLI's commands, and the getting-started s
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
+import json
 import re
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tokencapture import cli
+from tokencapture import TokenCaptureStore, TokenEntry, cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -192,3 +194,34 @@ def test_getting_started_script_runs(tmp_path: Path) -> None:
     # Three calls put, then a freeze: three entries, every begun call has its entry.
     assert done.stdout.startswith("3 entries, version ")
     assert done.stdout.rstrip().endswith(" complete")
+
+
+def test_on_disk_example_is_what_the_store_writes(tmp_path: Path) -> None:
+    page = (DOCS / "on-disk-format.md").read_text()
+    line, state = code_blocks(page, "json")[:2]
+    store = TokenCaptureStore(tmp_path)
+    store._begin_call("rollout-7", "call-1")
+    store.append(
+        TokenEntry(
+            rollout_id="rollout-7",
+            model_call_id="call-1",
+            prompt_token_ids=[1, 2, 3],
+            generation_token_ids=[4, 5],
+            generation_log_probs=[-0.25, -1.5],
+        )
+    )
+    store.freeze_now("rollout-7")
+    names = {path.name for path in tmp_path.iterdir()}
+    assert names == {
+        f"rollout-7.tokens.{suffix}" for suffix in ("jsonl", "state.json", "intents", "lock")
+    }
+    assert (tmp_path / "rollout-7.tokens.jsonl").read_text() == line + "\n"
+    assert (tmp_path / "rollout-7.tokens.intents").read_text() == "call-1\n"
+    assert (tmp_path / "rollout-7.tokens.lock").read_bytes() == b""
+    written = json.loads((tmp_path / "rollout-7.tokens.state.json").read_text())
+    documented = json.loads(state)
+    assert len(written.pop("snapshot_id")) == len(documented.pop("snapshot_id")) == 32
+    assert written == documented
+    # What the page says about the state, computed independently of the store.
+    assert documented["indexed_size"] == len(line.encode()) + 1
+    assert documented["entry_digests"]["call-1"] == hashlib.sha256(line.encode()).hexdigest()
