@@ -374,7 +374,7 @@ def test_nothing_is_imported_or_reported_without_opentelemetry(tmp_path: Path) -
         stats = asyncio.run(main())
         assert stats["put"]["count"] == 3 and stats["freeze"]["count"] == 1, stats
         assert not metrics.otel_enabled()
-        assert not hasattr(InMemoryLineageStore.put_now, "__wrapped__")
+        assert InMemoryLineageStore.put_now.__code__.co_name == "put_now"
         try:
             metrics.use_meter_provider(object())
         except ImportError as exc:
@@ -465,3 +465,31 @@ async def test_a_new_backend_names_itself(reader: InMemoryMetricReader) -> None:
     _, counts = read(reader)["tokencapture.operations"]
     unavailable = "tokencapture.postgres._client.PostgresUnavailableError"
     assert counts == {key("token_capture", "postgres", "put", "io_error", unavailable): 1}
+
+
+def test_tokencapture_otel_0_turns_it_off_with_the_package_installed(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from tokencapture import TokenCaptureStore, metrics
+        from tokencapture.lineage import InMemoryLineageStore
+        from tests.conftest import make_entry
+
+        TokenCaptureStore({str(tmp_path)!r}).append(make_entry("r"))
+        assert not metrics.otel_enabled()
+        assert InMemoryLineageStore.put_now.__code__.co_name == "put_now"
+        assert not [name for name in sys.modules if name.startswith("opentelemetry")]
+        print("ok")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": python_path(), "TOKENCAPTURE_OTEL": "0"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
