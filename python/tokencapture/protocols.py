@@ -128,9 +128,12 @@ class LineageResolution:
     reason: str = ""
 
     def __post_init__(self) -> None:
-        status = as_status(self.status)
-        object.__setattr__(self, "status", status)
-        object.__setattr__(self, "match", _as_match(self.match))
+        status = self.status
+        if type(status) is not ParentResolutionStatus:
+            status = as_status(status)
+            object.__setattr__(self, "status", status)
+        if self.match is not None and type(self.match) is not LineageMatch:
+            object.__setattr__(self, "match", _as_match(self.match))
         if status == ParentResolutionStatus.RESOLVED and self.match is None:
             raise ValueError(
                 "resolved lineage requires a match (the verified parent it resolved to)"

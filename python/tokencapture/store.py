@@ -213,6 +213,15 @@ _LINE_SPACE = " \t\n\x0b\x0c\r"
 def check_call_id(call_id: object) -> str:
     """A call id must be one line of the intents file: non-empty, no line break, UTF-8, and
     without the surrounding whitespace readers strip (`TypeError` / `ValueError`)."""
+    if (
+        type(call_id) is str
+        and call_id.isascii()
+        and call_id.isprintable()  # printable ASCII: no line break, tab or surrogate
+        and call_id[:1] != " "
+        and call_id[-1:] != " "
+        and call_id
+    ):
+        return call_id
     if not isinstance(call_id, str):
         raise TypeError(f"model_call_id must be a str, not {type(call_id).__name__}")
     if not call_id:
@@ -440,8 +449,8 @@ class TokenCaptureStore:
         started = perf_counter()
         try:
             token_entry = _as_token_entry(entry)
-            line = canonical_line(token_entry)
-            validate_rollout_id(token_entry.rollout_id)
+            line = canonical_line(token_entry)  # the field types, rollout_id a str included
+            _core.validate_rollout_id(token_entry.rollout_id)
             check_call_id(token_entry.model_call_id)
         except BaseException as exc:
             self._put_failed(entry, exc, started)
