@@ -59,10 +59,10 @@ __all__ = [
     "stamp_continuation",
 ]
 
-NO_MATCH_REASON: Final = "no_match"
-AMBIGUOUS_REASON: Final = "ambiguous"
-DEFAULT_CACHED_ROLLOUTS: Final = 256
-DEFAULT_CACHED_TOKENS: Final = 4_000_000
+NO_MATCH_REASON: Final[str] = "no_match"
+AMBIGUOUS_REASON: Final[str] = "ambiguous"
+DEFAULT_CACHED_ROLLOUTS: Final[int] = 256
+DEFAULT_CACHED_TOKENS: Final[int] = 4_000_000
 
 
 class LineageIntegrityError(ValueError):
@@ -74,7 +74,7 @@ class LineageIntegrityError(ValueError):
     """
 
 
-_ROOT: Final = LineageResolution(ParentResolutionStatus.ROOT)
+_ROOT: Final[LineageResolution] = LineageResolution(ParentResolutionStatus.ROOT)
 
 
 def stamp_continuation(entry: TokenEntry, request_items: Sequence[Mapping[str, Any]]) -> TokenEntry:
