@@ -128,7 +128,7 @@ def test_schema_is_required_unless_installed(pg_dsn: str) -> None:
     with pytest.raises(RuntimeError, match="tokencapture db init"):
         fresh.is_incomplete("r1")
     fresh.close_sync()
-    assert install_schema_sync(pg_dsn) == ["001_store.sql", "002_lineage.sql"]
+    assert install_schema_sync(pg_dsn) == ["001_store.sql", "002_lineage.sql", "003_tools.sql"]
     assert install_schema_sync(pg_dsn) == []  # upgrade is a no-op when current
 
 

@@ -16,11 +16,14 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokencapture.lineage import FileLineageStore, stamp_continuation
 from tokencapture.records import TokenEntry, compute_digest, stamp_lineage
 from tokencapture.store import TokenCaptureStore, validate_rollout_id
+
+if TYPE_CHECKING:
+    from tokencapture.postgres import PostgresTokenCaptureStore
 
 # Every file name the store writes: `<rollout>.tokens.<suffix>`.
 _FILE_PATTERN = re.compile(
@@ -32,6 +35,27 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 class CliError(Exception):
     """A problem to report as one line, with exit code 2."""
+
+
+def _is_dsn(text: str) -> bool:
+    """Whether a store argument names a PostgreSQL database rather than a directory."""
+    return text.startswith(("postgresql://", "postgres://"))
+
+
+def _pg_store(dsn: str) -> PostgresTokenCaptureStore:
+    from tokencapture.postgres import PostgresTokenCaptureStore
+
+    return PostgresTokenCaptureStore(dsn)
+
+
+def _pg_query(store: PostgresTokenCaptureStore, sql: str, *args: Any) -> list[Any]:
+    """Rows of an operator query (not a store operation) on the store's connections."""
+
+    async def run() -> list[Any]:
+        pool = await store._client.pool()
+        return list(await pool.fetch(sql, *args))
+
+    return store._client.run_sync(run())
 
 
 def _existing_dir(text: str) -> Path:
@@ -79,7 +103,43 @@ def _emit(args: argparse.Namespace, payload: Any, render: Callable[[Any], str]) 
 # Commands ---------------------------------------------------------------------------------
 
 
+_PG_LS = """
+SELECT r.rollout_id, r.frozen, r.retired, r.incomplete, r.version,
+       extract(epoch FROM now() - r.retired_at) AS retired_seconds,
+       count(e.rollout_id) AS entries, coalesce(sum(octet_length(e.line) + 1), 0) AS bytes
+FROM tokencapture.rollouts r LEFT JOIN tokencapture.entries e USING (rollout_id)
+GROUP BY r.rollout_id ORDER BY r.rollout_id
+"""
+
+
+def _ls_postgres(dsn: str) -> list[dict[str, Any]]:
+    store = _pg_store(dsn)
+    try:
+        return [
+            {
+                "rollout_id": row["rollout_id"],
+                "status": _status(dict(row)),
+                "problem": None,
+                "entries": row["entries"],
+                "bytes": int(row["bytes"]),
+                "version": row["version"],
+                # The store keeps no modification times; a fence knows when it was set.
+                "age_seconds": (
+                    None
+                    if row["retired_seconds"] is None
+                    else round(float(row["retired_seconds"]), 3)
+                ),
+            }
+            for row in _pg_query(store, _PG_LS)
+        ]
+    finally:
+        store.close_sync()
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    if _is_dsn(args.dir):
+        _emit(args, _ls_postgres(args.dir), _render_ls)
+        return 0
     root = _existing_dir(args.dir)
     store = TokenCaptureStore(root)
     now = time.time()
@@ -103,32 +163,59 @@ def cmd_ls(args: argparse.Namespace) -> int:
             }
         )
 
-    def render(rows: list[dict[str, Any]]) -> str:
-        lines = [f"{'ROLLOUT':<32} {'STATUS':<10} {'ENTRIES':>7} {'BYTES':>12} {'VERSION':>7} AGE"]
-        for row in rows:
-            lines.append(
-                f"{row['rollout_id']:<32} {row['status']:<10} {row['entries']:>7} "
-                f"{row['bytes']:>12} {row['version']:>7} {_human_age(row['age_seconds'])}"
-            )
-        lines.append(f"{len(rows)} rollout(s)")
-        return "\n".join(lines)
-
-    _emit(args, rows, render)
+    _emit(args, rows, _render_ls)
     return 0
 
 
+def _render_ls(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'ROLLOUT':<32} {'STATUS':<10} {'ENTRIES':>7} {'BYTES':>12} {'VERSION':>7} AGE"]
+    for row in rows:
+        age = "-" if row["age_seconds"] is None else _human_age(row["age_seconds"])
+        lines.append(
+            f"{row['rollout_id']:<32} {row['status']:<10} {row['entries']:>7} "
+            f"{row['bytes']:>12} {row['version']:>7} {age}"
+        )
+    lines.append(f"{len(rows)} rollout(s)")
+    return "\n".join(lines)
+
+
+def _show_postgres(dsn: str, rollout_id: str) -> tuple[dict[str, Any], list[str], list[TokenEntry]]:
+    from tokencapture.postgres.transfer import export_from_postgres
+
+    store = _pg_store(dsn)
+    try:
+        image = store._client.run_sync(export_from_postgres(store._client, rollout_id))
+        if image is None:
+            raise CliError(f"rollout {rollout_id!r} is not in the database")
+        state = {
+            "version": image.version,
+            "snapshot_id": image.snapshot_id,
+            "frozen": image.frozen,
+            "retired": image.retired,
+            "incomplete": image.incomplete,
+        }
+        intents = [intent.decode("utf-8", "replace") for intent in image.intents]
+        return state, intents, store.read_entries(rollout_id)
+    finally:
+        store.close_sync()
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    root = _existing_dir(args.dir)
-    store = TokenCaptureStore(root)
     rollout_id = validate_rollout_id(args.rollout)
-    state = store.inspect(rollout_id)
-    if state is None:
-        raise CliError(f"rollout {rollout_id!r} has no files in {root}")
-    intents_path = store.intents_path_for(rollout_id)
-    intents = (
-        intents_path.read_text("utf-8", "replace").splitlines() if intents_path.exists() else []
-    )
-    entries = store.read_entries(rollout_id)
+    if _is_dsn(args.dir):
+        state, intents, entries = _show_postgres(args.dir, rollout_id)
+    else:
+        root = _existing_dir(args.dir)
+        store = TokenCaptureStore(root)
+        found = store.inspect(rollout_id)
+        if found is None:
+            raise CliError(f"rollout {rollout_id!r} has no files in {root}")
+        state = found
+        intents_path = store.intents_path_for(rollout_id)
+        intents = (
+            intents_path.read_text("utf-8", "replace").splitlines() if intents_path.exists() else []
+        )
+        entries = store.read_entries(rollout_id)
     stored = {e.model_call_id for e in entries}
     payload = {
         "rollout_id": rollout_id,
@@ -173,15 +260,18 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify_rollout(store: TokenCaptureStore, rollout_id: str) -> list[str]:
+def _verify_rollout(
+    store: TokenCaptureStore | PostgresTokenCaptureStore, rollout_id: str
+) -> list[str]:
     """Every problem of one rollout: lines and payload digests, token digests, delta chains."""
     try:
-        state = store.inspect(rollout_id)  # checks every line and every indexed payload digest
-        entries = store.read_entries(rollout_id)  # full validation of every record
+        # A directory: every line and every indexed payload digest checked first.
+        if isinstance(store, TokenCaptureStore) and store.inspect(rollout_id) is None:
+            return []
+        # Full validation of every record (PostgreSQL: each line against its digest first).
+        entries = store.read_entries(rollout_id)
     except (ValueError, OSError) as exc:
         return [str(exc)]
-    if state is None:
-        return []
     problems = []
     by_id = {e.model_call_id: e for e in entries}
     for entry in entries:
@@ -222,9 +312,19 @@ def _cumulative(entry: TokenEntry, by_id: dict[str, TokenEntry]) -> list[int]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    root = _existing_dir(args.dir)
-    store = TokenCaptureStore(root)
-    rollouts = list(_rollouts_in(root))
+    store: TokenCaptureStore | PostgresTokenCaptureStore
+    if _is_dsn(args.dir):
+        store = _pg_store(args.dir)
+        rollouts = [
+            row["rollout_id"]
+            for row in _pg_query(
+                store, "SELECT rollout_id FROM tokencapture.rollouts ORDER BY rollout_id"
+            )
+        ]
+    else:
+        root = _existing_dir(args.dir)
+        store = TokenCaptureStore(root)
+        rollouts = list(_rollouts_in(root))
     show_progress = args.progress or (not args.json and sys.stderr.isatty() and len(rollouts) > 20)
     problems: dict[str, list[str]] = {}
     for index, rollout_id in enumerate(rollouts, 1):
@@ -240,6 +340,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             sys.stderr.flush()
     if show_progress:
         sys.stderr.write("\n")
+    if not isinstance(store, TokenCaptureStore):
+        store.close_sync()
     payload = {"rollouts": len(rollouts), "problems": problems, "ok": not problems}
 
     def render(p: dict[str, Any]) -> str:
@@ -254,16 +356,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if not problems else 1
 
 
+def _removal(args: argparse.Namespace, operation: str) -> Any:
+    if _is_dsn(args.dir):
+        store = _pg_store(args.dir)
+        try:
+            return getattr(store, operation)(args.ids)
+        finally:
+            store.close_sync()
+    return getattr(TokenCaptureStore(_existing_dir(args.dir)), operation)(args.ids)
+
+
 def cmd_retire(args: argparse.Namespace) -> int:
-    store = TokenCaptureStore(_existing_dir(args.dir))
-    result = store.retire_now(args.ids)
+    result = _removal(args, "retire_now")
     _emit(args, result, lambda r: f"retired: removed {r['removed']}, absent {r['absent']}")
     return 0
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    store = TokenCaptureStore(_existing_dir(args.dir))
-    result = store.delete_now(args.ids)
+    result = _removal(args, "delete_now")
     _emit(args, result, lambda r: f"deleted: removed {r['removed']}, absent {r['absent']}")
     return 0
 
@@ -275,7 +385,35 @@ def _duration(text: str) -> float:
     return float(match["value"]) * _UNIT_SECONDS[match["unit"] or "s"]
 
 
+_PG_SWEEP = """
+SELECT r.rollout_id FROM tokencapture.rollouts r
+WHERE r.retired AND r.retired_at <= now() - make_interval(secs => $1)
+  AND NOT EXISTS (SELECT 1 FROM tokencapture.entries e WHERE e.rollout_id = r.rollout_id)
+  AND NOT EXISTS (SELECT 1 FROM tokencapture.intents i WHERE i.rollout_id = r.rollout_id)
+  AND NOT EXISTS (
+      SELECT 1 FROM tokencapture.incomplete_marks m WHERE m.rollout_id = r.rollout_id)
+ORDER BY r.rollout_id
+"""
+
+
+def _sweep_postgres(dsn: str, older_than: float, dry_run: bool) -> list[str]:
+    store = _pg_store(dsn)
+    try:
+        swept = [row["rollout_id"] for row in _pg_query(store, _PG_SWEEP, older_than)]
+        if swept and not dry_run:
+            store.delete_now(swept)
+        return swept
+    finally:
+        store.close_sync()
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
+    if _is_dsn(args.dir):
+        swept = _sweep_postgres(args.dir, args.older_than, args.dry_run)
+        payload = {"swept": swept, "dry_run": args.dry_run}
+        verb = "would remove" if args.dry_run else "removed"
+        _emit(args, payload, lambda p: f"{verb} {len(p['swept'])} retired fence(s)")
+        return 0
     root = _existing_dir(args.dir)
     store = TokenCaptureStore(root)
     now = time.time()
@@ -300,6 +438,106 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_db_init(args: argparse.Namespace) -> int:
+    if not _is_dsn(args.dsn):
+        raise CliError(f"{args.dsn}: not a postgresql:// connection string")
+    from tokencapture.postgres import SCHEMA_VERSION, install_schema_sync
+
+    applied = install_schema_sync(args.dsn)
+    payload = {"applied": applied, "schema_version": SCHEMA_VERSION}
+    _emit(
+        args,
+        payload,
+        lambda p: (
+            f"schema version {p['schema_version']}: "
+            + (f"applied {', '.join(p['applied'])}" if p["applied"] else "already current")
+        ),
+    )
+    return 0
+
+
+class _Backend:
+    """One side of `copy`: a store directory or a PostgreSQL database."""
+
+    def __init__(self, location: str, *, create: bool) -> None:
+        self.location = location
+        self.pg: PostgresTokenCaptureStore | None = None
+        self.files: TokenCaptureStore | None = None
+        if _is_dsn(location):
+            self.pg = _pg_store(location)
+        else:
+            path = Path(location)
+            if not create:
+                _existing_dir(location)
+            self.files = TokenCaptureStore(path)
+
+    def rollouts(self) -> list[str]:
+        from tokencapture.postgres import transfer
+
+        if self.pg is not None:
+            return self.pg._client.run_sync(transfer.rollouts_in_postgres(self.pg._client))
+        assert self.files is not None
+        return transfer.rollouts_in_directory(self.files.root)
+
+    def export(self, rollout_id: str) -> Any:
+        from tokencapture.postgres import transfer
+
+        if self.pg is not None:
+            client = self.pg._client
+            return client.run_sync(transfer.export_from_postgres(client, rollout_id))
+        assert self.files is not None
+        return transfer.export_from_directory(self.files, rollout_id)
+
+    def create(self, image: Any) -> bool:
+        from tokencapture.postgres import transfer
+
+        if self.pg is not None:
+            client = self.pg._client
+            return client.run_sync(transfer.import_into_postgres(client, image))
+        assert self.files is not None
+        return transfer.import_into_directory(self.files, image)
+
+    def close(self) -> None:
+        if self.pg is not None:
+            self.pg.close_sync()
+
+
+def cmd_copy(args: argparse.Namespace) -> int:
+    source = _Backend(args.source, create=False)
+    target = _Backend(args.target, create=True)
+    copied: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    missing: list[str] = []
+    try:
+        names = args.rollouts or source.rollouts()
+        for rollout_id in names:
+            image = source.export(validate_rollout_id(rollout_id))
+            if image is None:
+                missing.append(rollout_id)
+            elif target.create(image):
+                copied.append(image.summary())
+            else:
+                skipped.append(rollout_id)
+    finally:
+        source.close()
+        target.close()
+    payload = {"copied": copied, "exists_in_target": skipped, "missing_in_source": missing}
+
+    def render(p: dict[str, Any]) -> str:
+        lines = [
+            f"copied {len(p['copied'])} rollout(s) "
+            f"({sum(c['entries'] for c in p['copied'])} entries)"
+        ]
+        if p["exists_in_target"]:
+            lines.append(f"not copied, already in the target: {', '.join(p['exists_in_target'])}")
+        if p["missing_in_source"]:
+            lines.append(f"not in the source: {', '.join(p['missing_in_source'])}")
+        return "\n".join(lines)
+
+    _emit(args, payload, render)
+    return 0 if not skipped and not missing else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     script = Path(__file__).resolve().parents[2] / "benches" / "compare.py"
     if not script.exists():
@@ -308,17 +546,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0  # pragma: no cover - execv does not return
 
 
-async def _demo(rollouts: int, calls: int) -> None:
-    """Put, resolve, freeze, drop and retire a few small agent rollouts in a temp directory."""
+async def _demo(rollouts: int, calls: int, dsn: str | None = None) -> None:
+    """Put, resolve, freeze, drop and retire a few small agent rollouts in a temp directory
+    (or, with `dsn`, in a PostgreSQL database, under rollout ids of their own)."""
     with tempfile.TemporaryDirectory(prefix="tokencapture-demo-") as root:
-        store = TokenCaptureStore(root)
-        resolver = FileLineageStore(root)
-        print(f"demo store: {root}")
+        store: Any
+        resolver: Any
+        prefix = "demo"
+        if dsn is not None:
+            from tokencapture.postgres import PostgresLineageStore, PostgresTokenCaptureStore
+
+            store = PostgresTokenCaptureStore(dsn, install_schema=True)
+            resolver = PostgresLineageStore(dsn, install_schema=True)
+            prefix = f"demo-{os.urandom(4).hex()}"
+            print(f"demo store: PostgreSQL at {store._client.where}, rollouts {prefix}-*")
+        else:
+            store = TokenCaptureStore(root)
+            resolver = FileLineageStore(root)
+            print(f"demo store: {root}")
         resolved = 0
 
         async def run_rollout(index: int) -> None:
             nonlocal resolved
-            rollout_id = f"demo-{index}"
+            rollout_id = f"{prefix}-{index}"
             request: list[dict[str, Any]] = [{"role": "user", "content": f"Task {index}."}]
             prompt = list(range(100 + index, 132 + index))
             for call in range(calls):
@@ -357,7 +607,7 @@ async def _demo(rollouts: int, calls: int) -> None:
             f"{resolved} requests resolved to their parent call's exact tokens"
         )
         for index in range(rollouts):
-            rollout_id = f"demo-{index}"
+            rollout_id = f"{prefix}-{index}"
             snapshot = await store.freeze(rollout_id)
             tokens = sum(
                 len(e.prompt_token_ids) + len(e.generation_token_ids) for e in snapshot.entries
@@ -368,20 +618,29 @@ async def _demo(rollouts: int, calls: int) -> None:
                 f"version {snapshot.version}, incomplete={snapshot.incomplete}, "
                 f"snapshot {snapshot.snapshot_id[:8]}; dropped={dropped}"
             )
-        removal = await store.retire([f"demo-{i}" for i in range(rollouts)])
+        removal = await store.retire([f"{prefix}-{i}" for i in range(rollouts)])
         print(f"retired {len(removal['absent'])} dropped rollouts again: a no-op, fences kept")
+        if dsn is not None:
+            await store.delete([f"{prefix}-{i}" for i in range(rollouts)])
+            print("deleted the demo's fences from the database")
         await resolver.close()
         await store.close()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    asyncio.run(_demo(args.rollouts, args.calls))
+    if args.dsn is not None and not _is_dsn(args.dsn):
+        raise CliError(f"{args.dsn}: not a postgresql:// connection string")
+    asyncio.run(_demo(args.rollouts, args.calls, args.dsn))
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tokencapture", description="Inspect and manage a token capture directory."
+        prog="tokencapture",
+        description=(
+            "Inspect and manage a token capture store: a directory, or a postgresql:// DSN "
+            "wherever a DIR is asked for."
+        ),
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -399,6 +658,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd_demo,
         "put, resolve, freeze, drop and retire a few rollouts in a temporary directory",
     )
+    demo.add_argument("--dsn", default=None, help="run against this postgresql:// database instead")
     demo.add_argument("--rollouts", type=int, default=4)
     demo.add_argument("--calls", type=int, default=3)
     command(
@@ -431,6 +691,26 @@ def _parser() -> argparse.ArgumentParser:
         help="e.g. 90s, 30m, 12h, 7d",
     )
     sweep.add_argument("--dry-run", action="store_true")
+    db = commands.add_parser("db", help="manage a PostgreSQL database's tokencapture schema")
+    db_commands = db.add_subparsers(dest="db_command", required=True)
+    init = db_commands.add_parser(
+        "init",
+        help="install or upgrade the schema (idempotent)",
+        description="install or "
+        "upgrade the tokencapture schema in a PostgreSQL database (idempotent)",
+    )
+    init.set_defaults(handler=cmd_db_init)
+    init.add_argument("dsn", metavar="DSN")
+    init.add_argument("--json", action="store_true", help="machine-readable output")
+    copy = command(
+        "copy",
+        cmd_copy,
+        "copy rollouts byte for byte (versions, snapshot ids, fences) between two stores: "
+        "directories or postgresql:// DSNs, either way",
+    )
+    copy.add_argument("source", metavar="SRC")
+    copy.add_argument("target", metavar="DST")
+    copy.add_argument("rollouts", nargs="*", metavar="ROLLOUT", help="default: every rollout")
     bench = command("bench", cmd_bench, "run the benchmark comparison (benches/compare.py)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser

@@ -1,0 +1,224 @@
+"""The command line on PostgreSQL: `db init`, the directory commands given a DSN, `copy`
+between any two backends (byte for byte, versions, snapshot ids, fences), `demo --dsn`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.conftest import make_entry
+from tests.postgres_fixture import pg_dsn, pg_server
+
+from tokencapture.cli import main
+from tokencapture.postgres import PostgresTokenCaptureStore, install_schema_sync
+from tokencapture.postgres.transfer import export_from_directory
+from tokencapture.protocols import TokenCaptureRetiredError
+from tokencapture.store import TokenCaptureStore, canonical_line
+
+__all__ = ["pg_dsn", "pg_server"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any]:
+    code = main([*args, "--json"] if args[0] != "demo" else list(args))
+    out = capsys.readouterr().out
+    return code, (json.loads(out) if args[0] != "demo" else out)
+
+
+def test_db_init_installs_then_reports_current(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, first = run(capsys, "db", "init", pg_dsn)
+    assert code == 0 and first["applied"] == ["001_store.sql", "002_lineage.sql", "003_tools.sql"]
+    code, second = run(capsys, "db", "init", pg_dsn)
+    assert code == 0 and second == {"applied": [], "schema_version": 3}
+
+
+def _varied(store: TokenCaptureStore) -> None:
+    """Rollouts in every state a store can hold."""
+    store.append(make_entry("open", call=1))
+    store.append(make_entry("open", call=2))
+    store._begin_call("open", "call-3")  # dangling intent
+    store.append(make_entry("frozen", call=1))
+    store.freeze_now("frozen")
+    store.append(make_entry("marked", call="é\x00x"))
+    store._mark_incomplete("marked", "lost\ncall")
+    store._mark_incomplete("marked")
+    store.append(make_entry("conflicted", call=1))
+    with pytest.raises(ValueError):
+        store.append(make_entry("conflicted", call=1, generation_log_probs=[-1.0, -2.0]))
+    store.append(make_entry("retired", call=1))
+    store.retire_now(["retired", "never-written"])
+    store.append(make_entry("dropped", call=1))
+    snapshot = store.freeze_now("dropped")
+    assert store._drop("dropped", snapshot.snapshot_id, snapshot.version)
+    store.append(make_entry("frozen-marked", call=1))
+    store.freeze_now("frozen-marked")
+    store._mark_incomplete("frozen-marked", "late")
+
+
+def _images(store: TokenCaptureStore) -> dict[str, Any]:
+    from tokencapture.postgres.transfer import rollouts_in_directory
+
+    return {
+        rollout_id: export_from_directory(store, rollout_id)
+        for rollout_id in rollouts_in_directory(store.root)
+    }
+
+
+def test_copy_round_trips_every_state_byte_for_byte(
+    pg_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    install_schema_sync(pg_dsn)
+    source = TokenCaptureStore(tmp_path / "source")
+    _varied(source)
+    code, copied = run(capsys, "copy", str(source.root), pg_dsn)
+    assert code == 0 and copied["exists_in_target"] == [] and copied["missing_in_source"] == []
+    assert len(copied["copied"]) == 8
+    back = tmp_path / "back"
+    code, _ = run(capsys, "copy", pg_dsn, str(back))
+    assert code == 0
+    restored = TokenCaptureStore(back)
+    assert _images(restored) == _images(source)
+    for rollout_id in ("open", "marked", "conflicted"):  # the exact log bytes
+        assert (
+            restored.path_for(rollout_id).read_bytes() == source.path_for(rollout_id).read_bytes()
+        )
+    # Every backend now answers alike: freezes (same ids where frozen), fences, flags.
+    pg = PostgresTokenCaptureStore(pg_dsn)
+    try:
+        for rollout_id in sorted(_images(source)):
+            answers = []
+            for store in (source, pg, restored):
+                try:
+                    snapshot = store.freeze_now(rollout_id)
+                except TokenCaptureRetiredError:
+                    answers.append("retired")
+                    continue
+                answers.append(
+                    (
+                        [canonical_line(e) for e in snapshot.entries],
+                        snapshot.incomplete,
+                        snapshot.version,
+                        snapshot.snapshot_id if rollout_id.startswith("frozen") else "",
+                    )
+                )
+            assert answers[0] == answers[1] == answers[2], rollout_id
+            assert store.is_incomplete(rollout_id) == source.is_incomplete(rollout_id)
+    finally:
+        pg.close_sync()
+    # A second copy refuses to overwrite.
+    code, again = run(capsys, "copy", str(source.root), pg_dsn, "open", "nope")
+    assert code == 1 and again["exists_in_target"] == ["open"]
+    assert again["missing_in_source"] == ["nope"]
+
+
+def test_copy_of_the_reference_stores_directory_freezes_as_expected(
+    pg_dsn: str, golden_store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The golden directory (an unindexed tail and a torn line included) copied to PostgreSQL
+    freezes to what the file store freezes it to."""
+    install_schema_sync(pg_dsn)
+    files_copy = tmp_path / "golden-files"
+    shutil.copytree(golden_store, files_copy)
+    code, copied = run(capsys, "copy", str(golden_store), pg_dsn)
+    assert code == 0 and copied["copied"]
+    files = TokenCaptureStore(files_copy)
+    pg = PostgresTokenCaptureStore(pg_dsn)
+    try:
+        for summary in copied["copied"]:
+            rollout_id = summary["rollout_id"]
+            try:
+                expected = files.freeze_now(rollout_id)
+            except TokenCaptureRetiredError:
+                with pytest.raises(TokenCaptureRetiredError):
+                    pg.freeze_now(rollout_id)
+                continue
+            got = pg.freeze_now(rollout_id)
+            assert got.entries == expected.entries
+            assert (got.incomplete, got.version) == (expected.incomplete, expected.version)
+    finally:
+        pg.close_sync()
+
+
+def test_directory_commands_take_a_dsn(
+    pg_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    install_schema_sync(pg_dsn)
+    pg = PostgresTokenCaptureStore(pg_dsn)
+    try:
+        pg.append(make_entry("a", call=1))
+        pg.append(make_entry("a", call=2))
+        pg._begin_call("a", "call-9")
+        pg.append(make_entry("b", call=1))
+        pg.freeze_now("b")
+    finally:
+        pg.close_sync()
+    code, rows = run(capsys, "ls", pg_dsn)
+    assert code == 0
+    assert [(r["rollout_id"], r["status"], r["entries"], r["version"]) for r in rows] == [
+        ("a", "open", 2, 2),
+        ("b", "frozen", 1, 2),
+    ]
+    assert (
+        rows[0]["bytes"]
+        == len(canonical_line(make_entry("a", call=1)))
+        + len(canonical_line(make_entry("a", call=2)))
+        + 2
+    )
+    code, shown = run(capsys, "show", pg_dsn, "a")
+    assert code == 0 and shown["dangling_intents"] == ["call-9"]
+    assert [e["model_call_id"] for e in shown["entries"]] == ["call-1", "call-2"]
+    code, verified = run(capsys, "verify", pg_dsn)
+    assert code == 0 and verified == {"rollouts": 2, "problems": {}, "ok": True}
+    code, retired = run(capsys, "retire", pg_dsn, "a", "c")
+    assert code == 0 and retired == {"removed": ["a"], "absent": ["c"]}
+    code, swept = run(capsys, "sweep", pg_dsn, "--older-than", "1h")
+    assert code == 0 and swept["swept"] == []  # fences are younger than an hour
+    code, swept = run(capsys, "sweep", pg_dsn, "--older-than", "0s", "--dry-run")
+    assert code == 0 and swept == {"swept": ["a", "c"], "dry_run": True}
+    code, swept = run(capsys, "sweep", pg_dsn, "--older-than", "0s")
+    assert code == 0 and swept["swept"] == ["a", "c"]
+    code, deleted = run(capsys, "delete", pg_dsn, "b", "a")
+    assert code == 0 and deleted == {"removed": ["b"], "absent": ["a"]}
+    code, rows = run(capsys, "ls", pg_dsn)
+    assert rows == []
+
+
+def test_verify_reports_a_damaged_line(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import asyncio
+
+    import asyncpg
+
+    install_schema_sync(pg_dsn)
+    pg = PostgresTokenCaptureStore(pg_dsn)
+    pg.append(make_entry("a", call=1))
+    pg.close_sync()
+
+    async def damage() -> None:
+        connection = await asyncpg.connect(pg_dsn)
+        await connection.execute(
+            "UPDATE tokencapture.entries"
+            " SET line = convert_to(replace(convert_from(line, 'UTF8'), '506', '507'), 'UTF8')"
+        )
+        await connection.close()
+
+    asyncio.run(damage())
+    code, verified = run(capsys, "verify", pg_dsn)
+    assert code == 1 and "does not match its payload digest" in verified["problems"]["a"][0]
+
+
+def test_demo_runs_against_a_dsn(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "demo", "--dsn", pg_dsn, "--rollouts", "2", "--calls", "3")
+    assert code == 0
+    assert "4 requests resolved to their parent call's exact tokens" in out
+    assert "deleted the demo's fences" in out
+    code, rows = run(capsys, "ls", pg_dsn)
+    assert rows == []
+
+
+def test_db_init_refuses_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["db", "init", str(tmp_path)]) == 2
+    assert "not a postgresql:// connection string" in capsys.readouterr().err
