@@ -48,5 +48,9 @@ docs_site="$(mktemp -d)"
 NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict --site-dir "$docs_site"
 rm -rf "$docs_site"
 
+step "wheels: sdist + manylinux2014 abi3 wheel (zig), auditwheel; the wheel in fresh CPython 3.11/3.12/3.13 venvs, no Rust on PATH"
+wheel="$(bash scripts/build-wheels.sh dist | tail -n 1)"
+bash scripts/wheel-smoke.sh "$wheel" 3.11 3.12 3.13
+
 step "pytest"
 python -m pytest -W error -q

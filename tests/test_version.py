@@ -91,8 +91,14 @@ def test_a_core_that_does_not_load_names_the_platform(tmp_path: Path) -> None:
 
 
 def test_windows_is_refused_by_name(tmp_path: Path) -> None:
-    # No core is ever built for Windows; pretend to be there with the core missing.
-    prelude = "import sys\nsys.modules['tokencapture._core'] = None\nsys.platform = 'win32'"
+    # No core is ever built for Windows; pretend to be there with the core missing. The standard
+    # modules the package imports first are loaded before the pretence (some pick Windows-only
+    # modules by sys.platform).
+    prelude = (
+        "import importlib.metadata, platform, sys\n"
+        "sys.modules['tokencapture._core'] = None\n"
+        "sys.platform = 'win32'"
+    )
 
     result = import_in_subprocess(prelude, tmp_path)
 
