@@ -199,36 +199,43 @@ _NOWHERE = "postgresql://postgres@127.0.0.1:9/postgres"
 
 
 def _outcome(call: Callable[[], object]) -> tuple[str, str]:
+    """What a call gives: its exception (type and message) or its result; a coroutine it
+    returns is run (a refusal must come from the call itself, before any await)."""
     try:
         result = call()
+        if asyncio.iscoroutine(result):
+            result = asyncio.run(result)
     except Exception as exc:
         return type(exc).__name__, str(exc)
     return "ok", repr(result)
 
 
 _BAD_CALLS: list[tuple[str, Callable[[Any], object]]] = [
-    ("empty rollout", lambda s: s.freeze_now("")),
-    ("slash rollout", lambda s: s.freeze_now("a/b")),
-    ("long rollout", lambda s: s.is_incomplete("x" * 300)),
-    ("int rollout", lambda s: s.read_entries(5)),
-    ("surrogate rollout", lambda s: s._mark_incomplete("r\ud800")),
-    ("bare string batch", lambda s: s.retire_now("r1")),
-    ("bad id in batch", lambda s: s.delete_now(["ok", "no way"])),
-    ("empty call id", lambda s: s._begin_call("r1", "")),
-    ("newline call id", lambda s: s._begin_call("r1", "a\nb")),
-    ("spaced call id", lambda s: s._begin_call("r1", " a")),
-    ("tab-ended call id", lambda s: s.append(make_entry(call="a\t"))),
-    ("surrogate call id", lambda s: s._begin_call("r1", "\udc80")),
-    ("nan entry", lambda s: s.append(make_entry(generation_log_probs=[float("nan"), 0.0]))),
-    ("huge int", lambda s: s.append(make_entry(prompt_token_ids=[2**64]))),
-    ("not an entry", lambda s: s.append(42)),
-    ("dict missing fields", lambda s: s.append({"rollout_id": "r1"})),
-    ("bad rollout in entry", lambda s: s.append(make_entry(rollout_id="a b"))),
-    ("negative drop version", lambda s: s._drop("r1", "x", -1)),
-    ("bool drop version", lambda s: s._drop("r1", "x", True)),
-    ("drop bad id bad version", lambda s: s._drop("bad id", "x", -1)),
-    ("empty batches", lambda s: (s.retire_now([]), s.delete_now(()))),
+    ("empty rollout", lambda s: s.freeze("")),
+    ("slash rollout", lambda s: s.freeze("a/b")),
+    ("long rollout", lambda s: s.drop("x" * 300, "s", 1)),
+    ("int rollout", lambda s: s.freeze(5)),
+    ("surrogate rollout", lambda s: s.mark_incomplete("r\ud800")),
+    ("bare string batch", lambda s: s.retire("r1")),
+    ("bad id in batch", lambda s: s.delete(["ok", "no way"])),
+    ("empty call id", lambda s: s.begin_call("r1", "")),
+    ("newline call id", lambda s: s.begin_call("r1", "a\nb")),
+    ("spaced call id", lambda s: s.begin_call("r1", " a")),
+    ("int call id", lambda s: s.begin_call("r1", 7)),
+    ("tab-ended call id", lambda s: s.put(make_entry(call="a\t"))),
+    ("surrogate call id", lambda s: s.begin_call("r1", "\udc80")),
+    ("nan entry", lambda s: s.put(make_entry(generation_log_probs=[float("nan"), 0.0]))),
+    ("huge int", lambda s: s.put(make_entry(prompt_token_ids=[2**64]))),
+    ("not an entry", lambda s: s.put(42)),
+    ("dict missing fields", lambda s: s.put({"rollout_id": "r1"})),
+    ("bad rollout in entry", lambda s: s.put(make_entry(rollout_id="a b"))),
+    ("int snapshot id", lambda s: s.drop("r1", 5, 1)),
+    ("negative drop version", lambda s: s.drop("r1", "x", -1)),
+    ("bool drop version", lambda s: s.drop("r1", "x", True)),
+    ("sync drop bad id bad version", lambda s: s._drop("bad id", "x", -1)),
+    ("empty batches", lambda s: (asyncio.run(s.retire([])), asyncio.run(s.delete(())))),
 ]
+_NO_ROUND_TRIP = ("empty batches", "negative", "bool", "sync drop")
 
 
 @pytest.mark.parametrize(("name", "call"), _BAD_CALLS, ids=[name for name, _ in _BAD_CALLS])
@@ -239,8 +246,34 @@ def test_bad_input_is_refused_like_the_file_store_before_any_round_trip(
     pg = PostgresTokenCaptureStore(_NOWHERE, connect_timeout=2)
     try:
         expected = _outcome(lambda: call(files))
-        assert expected[0] != "ok" or name.startswith(("empty batches", "negative", "bool", "drop"))
+        assert expected[0] != "ok" or name.startswith(_NO_ROUND_TRIP)
         assert _outcome(lambda: call(pg)) == expected
+    finally:
+        pg.close_sync()
+
+
+_SYNC_BAD_CALLS: list[Callable[[Any], object]] = [
+    lambda s: s.freeze_now("a/b"),
+    lambda s: s.read_entries(5),
+    lambda s: s.is_incomplete(""),
+    lambda s: s._begin_call("r1", "a\nb"),
+    lambda s: s._mark_incomplete("bad id"),
+    lambda s: s.append(make_entry(call=" x")),
+    lambda s: s.retire_now("r1"),
+    lambda s: s.delete_now([1]),
+]
+
+
+@pytest.mark.parametrize("call", _SYNC_BAD_CALLS)
+def test_sync_twins_refuse_bad_input_with_the_same_exception_types(
+    tmp_path: Path, call: Callable[[Any], object]
+) -> None:
+    files = TokenCaptureStore(tmp_path / "files")
+    pg = PostgresTokenCaptureStore(_NOWHERE, connect_timeout=2)
+    try:
+        expected = _outcome(lambda: call(files))
+        assert expected[0] in ("ValueError", "TypeError")
+        assert _outcome(lambda: call(pg))[0] == expected[0]
     finally:
         pg.close_sync()
 
@@ -255,7 +288,7 @@ class _Shared:
     """One PostgreSQL store for every example (each example uses fresh rollout ids)."""
 
     store: PostgresTokenCaptureStore | None = None
-    dsn = ""
+    loop: asyncio.AbstractEventLoop | None = None  # every example's awaits run on it
 
 
 class StoresAgree(RuleBasedStateMachine):
@@ -281,10 +314,15 @@ class StoresAgree(RuleBasedStateMachine):
         return f"{self.tag}-r{n}"
 
     def both(self, call: Callable[[Any], object]) -> tuple[object, object]:
+        """The protocol's API on both stores (a returned coroutine is awaited)."""
+        assert _Shared.loop is not None
         outcomes = []
         for store in (self.files, self.pg):
             try:
-                outcomes.append(("ok", call(store)))
+                result = call(store)
+                if asyncio.iscoroutine(result):
+                    result = _Shared.loop.run_until_complete(result)
+                outcomes.append(("ok", result))
             except Exception as exc:
                 outcomes.append((type(exc).__name__, str(exc)))
         file_outcome, pg_outcome = outcomes
@@ -308,19 +346,19 @@ class StoresAgree(RuleBasedStateMachine):
     @rule(r=st.integers(0, 2), call=st.sampled_from(_CALL_IDS), variant=st.integers(0, 1))
     def put(self, r: int, call: str, variant: int) -> None:
         entry = make_entry(self.rollout(r), call=call, generation_log_probs=[-0.5, -0.25 - variant])
-        self.both(lambda s: s.append(entry))
+        self.both(lambda s: s.put(entry))
 
     @rule(r=st.integers(0, 2), call=st.sampled_from([*_CALL_IDS, "call-9", " x"]))
     def begin_call(self, r: int, call: str) -> None:
-        self.both(lambda s: s._begin_call(self.rollout(r), call))
+        self.both(lambda s: s.begin_call(self.rollout(r), call))
 
     @rule(r=st.integers(0, 2), marker=st.sampled_from(_ODD_MARKERS))
     def mark_incomplete(self, r: int, marker: str) -> None:
-        self.both(lambda s: s._mark_incomplete(self.rollout(r), marker))
+        self.both(lambda s: s.mark_incomplete(self.rollout(r), marker))
 
     @rule(r=st.integers(0, 2))
     def freeze(self, r: int) -> None:
-        file_snap, pg_snap = self.both(lambda s: s.freeze_now(self.rollout(r)))
+        file_snap, pg_snap = self.both(lambda s: s.freeze(self.rollout(r)))
         if isinstance(file_snap, TokenCaptureSnapshot):
             assert isinstance(pg_snap, TokenCaptureSnapshot)
             self.same_snapshot(file_snap, pg_snap)
@@ -333,19 +371,21 @@ class StoresAgree(RuleBasedStateMachine):
         pg_id = self.ids.get(file_id, file_id)
         if other_id:
             file_id = pg_id = "f" * 32
+        assert _Shared.loop is not None
         outcomes = []
         for store, snapshot_id in ((self.files, file_id), (self.pg, pg_id)):
-            outcomes.append(store._drop(rollout, snapshot_id, version + stale))
+            drop = store.drop(rollout, snapshot_id, version + stale)
+            outcomes.append(_Shared.loop.run_until_complete(drop))
         assert outcomes[0] == outcomes[1]
 
     @rule(rs=st.lists(st.integers(0, 3), max_size=3))
     def retire(self, rs: list[int]) -> None:
-        file_result, pg_result = self.both(lambda s: s.retire_now([self.rollout(r) for r in rs]))
+        file_result, pg_result = self.both(lambda s: s.retire([self.rollout(r) for r in rs]))
         assert file_result == pg_result
 
     @rule(rs=st.lists(st.integers(0, 3), max_size=3))
     def delete(self, rs: list[int]) -> None:
-        file_result, pg_result = self.both(lambda s: s.delete_now([self.rollout(r) for r in rs]))
+        file_result, pg_result = self.both(lambda s: s.delete([self.rollout(r) for r in rs]))
         assert file_result == pg_result
 
     @rule(r=st.integers(0, 3))
@@ -363,6 +403,7 @@ class StoresAgree(RuleBasedStateMachine):
 def test_file_and_postgres_stores_agree(pg_dsn: str) -> None:
     install_schema_sync(pg_dsn)
     _Shared.store = PostgresTokenCaptureStore(pg_dsn)
+    _Shared.loop = asyncio.new_event_loop()
     try:
         StoresAgree.TestCase.settings = settings(
             max_examples=int(os.environ.get("TOKENCAPTURE_SM_EXAMPLES", "60")),
@@ -372,8 +413,9 @@ def test_file_and_postgres_stores_agree(pg_dsn: str) -> None:
         )
         StoresAgree.TestCase().runTest()
     finally:
-        _Shared.store.close_sync()
-        _Shared.store = None
+        _Shared.loop.run_until_complete(_Shared.store.close())
+        _Shared.loop.close()
+        _Shared.store = _Shared.loop = None
 
 
 # --- Faults ------------------------------------------------------------------------------------

@@ -36,11 +36,13 @@ from tokencapture.store import (
     _marker_line,
     _Operation,
     canonical_line,
+    check_call_id,
+    check_snapshot_id,
     validate_rollout_id,
     validate_rollout_ids,
 )
 
-__all__ = ["PostgresTokenCaptureStore", "validate_call_id"]
+__all__ = ["PostgresTokenCaptureStore"]
 
 # Status codes of the server functions (see sql/001_store.sql).
 _DONE, _DUPLICATE, _CONFLICT, _FROZEN, _RETIRED = range(5)
@@ -68,42 +70,6 @@ def _debug_str(text: str) -> str:
             out.append(char)
     out.append('"')
     return "".join(out)
-
-
-def _utf8(value: object, what: str) -> bytes:
-    """A str as UTF-8, refused as the native bindings refuse it (TypeError, ValueError)."""
-    if not isinstance(value, str):
-        raise TypeError(
-            f"argument '{what}': '{type(value).__name__}' object is not an instance of 'str'"
-        )
-    try:
-        return value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"{what} must be valid Unicode text (no lone surrogates)") from None
-
-
-_LINE_SPACE = " \t\n\x0b\x0c\r"
-
-
-def validate_call_id(call_id: str) -> None:
-    """The file store's rule for a call id: one line of the intents file that readers, who
-    strip each line, read back unchanged (same messages as the native check)."""
-    if call_id == "":
-        raise ValueError("model_call_id must not be empty")
-    if "\n" in call_id or "\r" in call_id:
-        raise ValueError(f"model_call_id {_debug_str(call_id)} contains a line break")
-    if call_id[0] in _LINE_SPACE or call_id[-1] in _LINE_SPACE:
-        raise ValueError(
-            f"model_call_id {_debug_str(call_id)} starts or ends with whitespace, which readers "
-            "of the intents file strip: its intent would not match its entry"
-        )
-
-
-def _rollout(rollout_id: str) -> str:
-    """Validate a rollout id as the file store's native calls do: the argument's type, then
-    the rule (the same function as the file store's)."""
-    _utf8(rollout_id, "rollout_id")
-    return validate_rollout_id(rollout_id)
 
 
 def _refusal(status: int, rollout_id: str) -> Exception:
@@ -159,15 +125,20 @@ class PostgresTokenCaptureStore:
     def _operation(self, name: str, rollout_id: object) -> _Operation:
         return _Operation(self._metrics, name, rollout_id)
 
+    def _refused(self, name: str, rollout_id: object, exc: BaseException) -> None:
+        """Count and log a call refused before it started."""
+        self._metrics.observe(name, 0.0, failed=True)
+        _log_failure(name, rollout_id, exc)
+
     # Writes ------------------------------------------------------------------------------
 
     @staticmethod
     def _put_args(entry: object) -> tuple[str, bytes, str, bytes]:
+        # The file store's checks, in its order (the same functions).
         token_entry = _as_token_entry(entry)
         line = canonical_line(token_entry)
-        rollout_id = _rollout(token_entry.rollout_id)
-        call_id = _utf8(token_entry.model_call_id, "model_call_id")
-        validate_call_id(token_entry.model_call_id)
+        rollout_id = validate_rollout_id(token_entry.rollout_id)
+        call_id = check_call_id(token_entry.model_call_id).encode("utf-8")
         return rollout_id, call_id, _core.payload_digest(line), line
 
     def put(self, entry: TokenEntry) -> Coroutine[Any, Any, None]:
@@ -216,9 +187,12 @@ class PostgresTokenCaptureStore:
 
         An intent with no entry at freeze masks the rollout.
         """
-        rollout = _rollout(rollout_id)
-        call_id = _utf8(model_call_id, "model_call_id")
-        validate_call_id(model_call_id)
+        try:
+            rollout = validate_rollout_id(rollout_id)
+            call_id = check_call_id(model_call_id).encode("utf-8")
+        except BaseException as exc:
+            self._refused("begin_call", rollout_id, exc)
+            raise
         return self._begin_call_async(rollout, call_id)
 
     async def _begin_call_async(self, rollout_id: str, call_id: bytes) -> None:
@@ -238,7 +212,11 @@ class PostgresTokenCaptureStore:
 
         Not retried after a connection failure: a retry could record a second mark.
         """
-        rollout = _rollout(rollout_id)
+        try:
+            rollout = validate_rollout_id(rollout_id)
+        except BaseException as exc:
+            self._refused("mark_incomplete", rollout_id, exc)
+            raise
         return self._mark_incomplete_async(rollout, _marker_line(model_call_id))
 
     async def _mark_incomplete_async(self, rollout_id: str, marker: bytes) -> None:
@@ -290,7 +268,7 @@ class PostgresTokenCaptureStore:
 
     def freeze(self, rollout_id: str) -> Coroutine[Any, Any, TokenCaptureSnapshot]:
         """Freeze one rollout (the first freeze mints the snapshot id) and return its snapshot."""
-        return self._freeze(_rollout(rollout_id))
+        return self._freeze(validate_rollout_id(rollout_id))
 
     async def _freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         with self._operation("freeze", rollout_id):
@@ -307,45 +285,48 @@ class PostgresTokenCaptureStore:
         return self._client.run_sync(self.freeze(rollout_id))
 
     async def read_entries_async(self, rollout_id: str) -> list[TokenEntry]:
-        rollout = _rollout(rollout_id)
+        rollout = validate_rollout_id(rollout_id)
         row = await self._client.fetch("row", _READ, rollout)
         return list(self._entries(rollout, row["lines"], row["digests"]))
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The stored entries (nothing is created or changed)."""
-        _rollout(rollout_id)
+        validate_rollout_id(rollout_id)
         return self._client.run_sync(self.read_entries_async(rollout_id))
 
     async def is_incomplete_async(self, rollout_id: str) -> bool:
-        return bool(await self._client.fetch("val", _IS_INCOMPLETE, _rollout(rollout_id)))
+        rollout = validate_rollout_id(rollout_id)
+        return bool(await self._client.fetch("val", _IS_INCOMPLETE, rollout))
 
     def is_incomplete(self, rollout_id: str) -> bool:
         """The stored flag: a call in flight is not a hole until freeze judges it."""
-        _rollout(rollout_id)
+        validate_rollout_id(rollout_id)
         return self._client.run_sync(self.is_incomplete_async(rollout_id))
 
     def drop(self, rollout_id: str, snapshot_id: str, version: int) -> Coroutine[Any, Any, bool]:
-        """Delete the consumed snapshot's records and keep its fence, if nothing changed."""
-        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**64:
-            return self._false()  # no stored version can equal it (checked first, as files do)
-        if not isinstance(snapshot_id, str):
-            _rollout(rollout_id)
-            _utf8(snapshot_id, "snapshot_id")
-        _utf8(snapshot_id, "snapshot_id")
-        return self._drop_async(_rollout(rollout_id), snapshot_id, version)
+        """Delete the consumed snapshot's records and keep its fence, if nothing changed.
 
-    @staticmethod
-    async def _false() -> bool:
-        return False
+        The rollout id and the snapshot id's type are checked when this is called.
+        """
+        validate_rollout_id(rollout_id)
+        check_snapshot_id(snapshot_id)
+        return self._drop_async(rollout_id, snapshot_id, version)
 
     async def _drop_async(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
-        if version >= 2**63 or "\0" in snapshot_id:
-            return False  # no stored version (bigint) or snapshot id (uuid hex) can equal it
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version < 2**63  # a bigint; the file store's u64 never exceeds it
+            or "\0" in snapshot_id  # minted ids are uuid hex; text cannot hold NUL
+        ):
+            return False  # no stored version or snapshot id can equal it
         with self._operation("drop", rollout_id):
             return bool(await self._client.fetch("val", _DROP, rollout_id, snapshot_id, version))
 
     def _drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Synchronous `drop` (the reference's name)."""
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**64:
+            return False  # no stored version can equal it (checked first, as files do)
         return self._client.run_sync(self.drop(rollout_id, snapshot_id, version))
 
     def retire(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
