@@ -9,6 +9,7 @@ from running NeMo Gym's code on the same values, never from constants worked out
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -440,3 +441,30 @@ async def test_in_memory_put_refuses_a_delta_without_its_parent_in_nemos_words()
     await ours.delete(["r"])
     with pytest.raises(ValueError, match="durable-log-backed"):
         ours.put_now(child)  # a deleted rollout's calls are gone
+
+
+async def test_in_memory_resolve_answers_as_nemos_in_memory_resolver() -> None:
+    """The same stamped entries in NeMo Gym's in-memory resolver and ours: the same decision
+    and the same match, field by field (NeMo's reports the parent's cumulative length as
+    `prev_len`, unlike its file resolver)."""
+    parent, _ = delta_chain()
+    follow_up = [
+        {"role": "user", "content": "go"},
+        {"type": "message", "role": "assistant", "content": "ok"},
+        {"role": "user", "content": "more"},
+    ]
+    nemo_store = nemo_lineage.InMemoryLineageStore()
+    await nemo_store.put(NemoEntry.model_validate(parent.model_dump()))
+    ours = InMemoryLineageStore()
+    await ours.put(parent)
+    for request in (follow_up, follow_up[:1], [{"role": "assistant", "content": "x"}]):
+        expected = await nemo_store.resolve("r", request)
+        got = await ours.resolve("r", request)
+        assert (got.status.value, got.reason) == (expected.status.value, expected.reason)
+        if expected.match is None:
+            assert got.match is None
+            continue
+        assert got.match is not None
+        cumulative = len(parent.prompt_token_ids) + len(parent.generation_token_ids)
+        assert got.match.prev_len == expected.match.prev_len == cumulative
+        assert dataclasses.asdict(got.match) == dataclasses.asdict(expected.match)

@@ -22,6 +22,7 @@ to `tokencapture.fingerprint` for anything else, which is the definition of both
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import OrderedDict
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
@@ -241,6 +242,19 @@ class FileLineageStore:
         self._native.clear()
 
 
+def _with_parent_length(resolution: LineageResolution) -> LineageResolution:
+    """NeMo Gym's in-memory resolver reports the parent's cumulative length as the match's
+    `prev_len` (its file resolver leaves it 0, and so does ours): match it, as a drop-in."""
+    match = resolution.match
+    if match is None:
+        return resolution
+    return LineageResolution(
+        resolution.status,
+        match=dataclasses.replace(match, prev_len=len(match.cumulative_token_ids)),
+        reason=resolution.reason,
+    )
+
+
 @instrumented(
     "lineage",
     "memory",
@@ -336,7 +350,7 @@ class InMemoryLineageStore:
     def resolve_now(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
-        resolution = _resolve(self._native, rollout_id, request_items)
+        resolution = _with_parent_length(_resolve(self._native, rollout_id, request_items))
         self._touch(rollout_id)
         return resolution
 
@@ -348,7 +362,7 @@ class InMemoryLineageStore:
         return self._resolve_job(rollout_id, request_list(request_items))
 
     async def _resolve_job(self, rollout_id: str, items: list[Any]) -> LineageResolution:
-        resolution = _resolve(self._native, rollout_id, items)
+        resolution = _with_parent_length(_resolve(self._native, rollout_id, items))
         self._touch(rollout_id)
         return resolution
 
