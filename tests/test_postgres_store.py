@@ -5,6 +5,7 @@ refused before any round trip, and the server's faults."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -598,3 +599,135 @@ def test_processes_racing_retire_land_no_put_after_it_returns(
             if proc.poll() is None:
                 proc.kill()
         store.close_sync()
+
+
+class CuttingProxy:
+    """A TCP proxy to the server that can cut every open connection mid-operation."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+        import threading
+
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: set[Any] = set()
+        self.lock = threading.Lock()
+        self.cuts = 0
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.sockets.update((client, server))
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: Any, sink: Any) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            self._close(source)
+            self._close(sink)
+
+    def _close(self, sock: Any) -> None:
+        import socket
+
+        with self.lock:
+            self.sockets.discard(sock)
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+
+    def cut(self) -> None:
+        """Close every proxied connection now, whatever is in flight."""
+        with self.lock:
+            open_sockets = list(self.sockets)
+        for sock in open_sockets:
+            self._close(sock)
+        self.cuts += 1
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut()
+
+
+def test_connections_cut_mid_operation_lose_or_tear_nothing(own_server: PgServer) -> None:
+    import threading
+
+    proxy = CuttingProxy(own_server.port)
+    dsn = f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres"
+    store = PostgresTokenCaptureStore(dsn, connect_timeout=2, statement_timeout=5, pool_size=8)
+    stop = threading.Event()
+
+    def cutter() -> None:
+        while not stop.wait(0.05):
+            proxy.cut()
+
+    acked: list[tuple[str, str]] = []
+    errors = 0
+    marks_acked = 0
+
+    async def writer(index: int) -> None:
+        nonlocal errors, marks_acked
+        for n in range(20):
+            entry = make_entry(f"cut-{index % 4}", call=f"w{index}-c{n}", prompt_token_ids=[n] * 50)
+            while True:
+                try:
+                    await store.put(entry)
+                    break
+                except OSError:
+                    errors += 1  # unacknowledged: retried (a put is idempotent)
+            acked.append((entry.rollout_id, entry.model_call_id))
+            if n % 10 == 0:
+                try:
+                    await store.mark_incomplete(entry.rollout_id, f"mark-{index}-{n}")
+                    marks_acked += 1
+                except OSError:
+                    errors += 1  # not retried: it may or may not have landed
+
+    async def run() -> None:
+        await asyncio.gather(*(writer(i) for i in range(6)))
+        await store.close()
+
+    thread = threading.Thread(target=cutter, daemon=True)
+    thread.start()
+    try:
+        asyncio.run(run())
+    finally:
+        stop.set()
+        thread.join()
+        proxy.close()
+    assert proxy.cuts > 5 and errors > 0, "no operation was cut"
+    direct = PostgresTokenCaptureStore(own_server.dsn)
+    try:
+        total_marks = 0
+        for r in range(4):
+            rollout = f"cut-{r}"
+            snapshot = direct.freeze_now(rollout)
+            stored = [entry.model_call_id for entry in snapshot.entries]
+            assert sorted(stored) == sorted(call for rid, call in acked if rid == rollout)
+            for entry in snapshot.entries:  # whole, never torn
+                n = int(entry.model_call_id.split("-c")[1])
+                assert entry.prompt_token_ids == [n] * 50
+            # Versions: one per entry, one per mark that landed, one for the freeze.
+            total_marks += snapshot.version - len(stored) - 1
+        assert marks_acked <= total_marks <= 6 * 2
+    finally:
+        direct.close_sync()
