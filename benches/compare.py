@@ -56,7 +56,14 @@ COLUMNS = ("tokencapture", "reference", "sqlite", "raw")
 NEMO_GYM = "nemo-gym"
 NEMO_GYM_MODULE = "nemo_gym.token_id_capture.store"
 WORKLOADS = ("W1", "W2", "W3", "W4")
-W4_COLUMNS = ("tokencapture", "reference")  # only the two stores have a lineage resolver
+# The PostgreSQL backend: a column only when asked for (`--columns ... postgres`). The driver
+# starts a throwaway server on these cores (tests/pg_server.py) unless TOKENCAPTURE_BENCH_PG_DSN
+# names one; each (workload, repeat) gets a database of its own, and the server's CPU (the
+# postmaster and its children, from /proc) is measured beside the client's.
+POSTGRES = "postgres"
+PG_DSN_ENV = "TOKENCAPTURE_BENCH_PG_DSN"
+PG_PID_ENV = "TOKENCAPTURE_BENCH_PG_PID"
+W4_COLUMNS = ("tokencapture", "reference", POSTGRES)  # the columns with a lineage resolver
 RESULT_PREFIX = "RESULT "
 DEFAULT_JSON = BENCHES / "results" / "latest.json"
 DEFAULT_SCRATCH = BENCHES / ".scratch"
@@ -225,7 +232,74 @@ class SqliteColumn:
             self._connections.clear()
 
 
+def _pg_database(root: Path) -> str:
+    """The DSN of this run's database (named after its directory; created on first use)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    import asyncpg
+
+    from tokencapture.postgres import install_schema
+
+    base = os.environ[PG_DSN_ENV]
+    name = "bench_" + "".join(c if c.isalnum() else "_" for c in root.name.lower())
+
+    async def create() -> None:
+        admin = await asyncpg.connect(base)
+        try:
+            if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
+                await admin.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await admin.close()
+        connection = await asyncpg.connect(dsn)
+        try:
+            await install_schema(connection)
+        finally:
+            await connection.close()
+
+    parts = urlsplit(base)
+    dsn = urlunsplit(parts._replace(path=f"/{name}"))
+    asyncio.run(create())
+    return dsn
+
+
+def pg_server_cpu() -> float | None:
+    """CPU seconds of the benchmark's PostgreSQL server (postmaster, children, reaped children)."""
+    pid = os.environ.get(PG_PID_ENV)
+    if not pid:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if entry == pid:
+            total += sum(int(v) for v in fields[11:15])  # with reaped backends (cutime, cstime)
+        elif fields[1] == pid:
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+class PostgresColumn(StoreColumn):
+    """`tokencapture.postgres.PostgresTokenCaptureStore` on this run's database."""
+
+    def __init__(self, root: Path) -> None:
+        from tokencapture.postgres import PostgresTokenCaptureStore
+
+        self.dsn = _pg_database(root)
+        super().__init__(PostgresTokenCaptureStore(self.dsn))
+
+    def close(self) -> None:
+        self._store.close_sync()
+
+
 def open_column(column: str, root: Path) -> Column:
+    if column == POSTGRES:
+        return PostgresColumn(root)
     if column == "tokencapture":
         from tokencapture.store import TokenCaptureStore
 
@@ -268,12 +342,24 @@ async def _timed_puts(
             async with semaphore:
                 await column.put(entry)
 
+    if isinstance(column, PostgresColumn):  # open the pool's connections before timing
+        warm_more = small_rollouts(SmallShape(rollouts=in_flight, calls=1), prefix="warm", seed=98)
+        await asyncio.gather(*(column.put(calls[0]) for calls in warm_more))
     cpu0, rss_setup = _usage()
+    server0 = pg_server_cpu()
     begin = time.perf_counter()
     await asyncio.gather(*(one(calls) for calls in rollouts))
     wall = time.perf_counter() - begin
     cpu1, rss_peak = _usage()
-    return {"wall": wall, "cpu": cpu1 - cpu0, "rss_setup": rss_setup, "rss_peak": rss_peak}
+    server1 = pg_server_cpu()
+    server = None if server0 is None or server1 is None else server1 - server0
+    return {
+        "wall": wall,
+        "cpu": cpu1 - cpu0,
+        "server_cpu": server,
+        "rss_setup": rss_setup,
+        "rss_peak": rss_peak,
+    }
 
 
 def run_puts(column_name: str, root: Path, workload: str, quick: bool) -> dict[str, Any]:
@@ -285,7 +371,7 @@ def run_puts(column_name: str, root: Path, workload: str, quick: bool) -> dict[s
         timed = asyncio.run(_timed_puts(column, rollouts, shape.in_flight))
     finally:
         column.close()
-    return {
+    result = {
         "puts": puts,
         "wall_s": timed["wall"],
         "puts_per_s": puts / timed["wall"],
@@ -293,6 +379,9 @@ def run_puts(column_name: str, root: Path, workload: str, quick: bool) -> dict[s
         "rss_setup_mb": timed["rss_setup"],
         "peak_rss_mb": timed["rss_peak"],
     }
+    if timed["server_cpu"] is not None and column_name == POSTGRES:
+        result["server_cpu_us_per_put"] = timed["server_cpu"] / puts * 1e6
+    return result
 
 
 def run_freeze(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
@@ -300,12 +389,17 @@ def run_freeze(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
     shape: AgenticShape = shapes(quick)["W2"]
     rollout_ids = [f"w2-r{r:04d}" for r in range(shape.rollouts)]
     column = open_column(column_name, root)
+    server0 = server1 = None
     try:
+        if isinstance(column, PostgresColumn):  # connect before timing, as a trainer would
+            column._store.is_incomplete(rollout_ids[0])
         cpu0, rss_setup = _usage()
+        server0 = pg_server_cpu()
         begin = time.perf_counter()
         snapshots = [column.freeze(rollout_id) for rollout_id in rollout_ids]
         wall = time.perf_counter() - begin
         cpu1, rss_peak = _usage()
+        server1 = pg_server_cpu()
     finally:
         column.close()
     for rollout_id, entries in zip(rollout_ids, snapshots, strict=True):
@@ -318,7 +412,7 @@ def run_freeze(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
         last = entries[-1]
         if len(last.prompt_token_ids) != shape.final_prompt_tokens():
             raise RuntimeError(f"{column_name}: {rollout_id} read back a truncated prompt")
-    return {
+    result = {
         "freezes": len(rollout_ids),
         "wall_s": wall,
         "ms_per_freeze": wall / len(rollout_ids) * 1e3,
@@ -326,6 +420,9 @@ def run_freeze(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
         "rss_setup_mb": rss_setup,
         "peak_rss_mb": rss_peak,
     }
+    if server0 is not None and server1 is not None and column_name == POSTGRES:
+        result["server_cpu_ms_per_freeze"] = (server1 - server0) / len(rollout_ids) * 1e3
+    return result
 
 
 # W4: lineage resolution. The resolvers are built by another workstream; until both
@@ -376,11 +473,24 @@ def run_resolve(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
         for c, entry in enumerate(calls):
             stamp_continuation(entry, data.requests[r][c])
     order = [(r, c) for c in range(shape.calls) for r in range(shape.rollouts)]
-    writer = TokenCaptureStore(root)
-    resolver_type = importlib.import_module(LINEAGE_MODULES[column_name]).FileLineageStore
+    writer: Any
+    if column_name == POSTGRES:
+        from tokencapture.postgres import PostgresLineageStore, PostgresTokenCaptureStore
+
+        dsn = _pg_database(root)
+        writer = PostgresTokenCaptureStore(dsn)
+
+        def make_resolver() -> Any:
+            return PostgresLineageStore(dsn)
+    else:
+        writer = TokenCaptureStore(root)
+        resolver_type = importlib.import_module(LINEAGE_MODULES[column_name]).FileLineageStore
+
+        def make_resolver() -> Any:
+            return resolver_type(root)
 
     async def replay() -> tuple[float, float, list[Any]]:
-        resolver = resolver_type(root)
+        resolver = make_resolver()
         wall = cpu = 0.0
         answers = []
         for r, c in order:
@@ -401,6 +511,8 @@ def run_resolve(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
     _, rss_setup = _usage()
     wall, cpu, answers = asyncio.run(replay())
     _, rss_peak = _usage()
+    if column_name == POSTGRES:
+        writer.close_sync()
     for (r, c), answer in zip(order, answers, strict=True):
         call_id = data.rollouts[r][c].model_call_id
         match = getattr(answer, "match", None)
@@ -479,13 +591,16 @@ class Metric:
 METRICS = (
     Metric("W1", "puts_per_s", "W1 small      puts/s", ",.0f"),
     Metric("W1", "cpu_us_per_put", "              CPU us/put", ",.0f"),
+    Metric("W1", "server_cpu_us_per_put", "              server CPU us/put", ",.0f"),
     Metric("W1", "peak_rss_mb", "              peak RSS MiB", ",.0f"),
     Metric("W2", "puts_per_s", "W2 agentic    puts/s", ",.0f"),
     Metric("W2", "cpu_us_per_put", "              CPU us/put", ",.0f"),
+    Metric("W2", "server_cpu_us_per_put", "              server CPU us/put", ",.0f"),
     Metric("W2", "peak_rss_mb", "              peak RSS MiB", ",.0f"),
     Metric("W2", "rss_growth_mb", "              RSS growth MiB", ",.0f"),
     Metric("W3", "ms_per_freeze", "W3 freeze     ms/freeze", ",.1f"),
     Metric("W3", "cpu_ms_per_freeze", "              CPU ms/freeze", ",.1f"),
+    Metric("W3", "server_cpu_ms_per_freeze", "              server CPU ms/freeze", ",.1f"),
     Metric("W3", "peak_rss_mb", "              peak RSS MiB", ",.0f"),
     Metric("W4", "us_per_resolve", "W4 resolve    us/resolve", ",.0f"),
     Metric("W4", "cpu_us_per_resolve", "              CPU us/resolve", ",.0f"),
@@ -566,6 +681,11 @@ RATIO_TERMS: dict[str, tuple[str, str, str, str]] = {
     "W2 tokencapture/nemo-gym puts/s": ("W2", "tokencapture", NEMO_GYM, "puts_per_s"),
     "W3 nemo-gym ms / tokencapture ms": ("W3", NEMO_GYM, "tokencapture", "ms_per_freeze"),
     "W4 reference us / tokencapture us": ("W4", "reference", "tokencapture", "us_per_resolve"),
+    "W1 postgres/tokencapture puts/s": ("W1", POSTGRES, "tokencapture", "puts_per_s"),
+    "W1 postgres CPU / tokencapture CPU": ("W1", POSTGRES, "tokencapture", "cpu_us_per_put"),
+    "W2 postgres/tokencapture puts/s": ("W2", POSTGRES, "tokencapture", "puts_per_s"),
+    "W3 postgres ms / tokencapture ms": ("W3", POSTGRES, "tokencapture", "ms_per_freeze"),
+    "W4 postgres us / tokencapture us": ("W4", POSTGRES, "tokencapture", "us_per_resolve"),
     "W4 reference CPU / tokencapture CPU": (
         "W4",
         "reference",
@@ -599,10 +719,16 @@ def ratios_and_targets(medians: dict[str, Any]) -> tuple[dict[str, Any], list[di
         ("W3 freeze >= 5x reference", "W3 reference ms / tokencapture ms", 5.0, True),
         ("W2 peak RSS <= reference", "W2 peak RSS tokencapture/reference", 1.0, False),
         ("W4 resolve >= 5x reference", "W4 reference us / tokencapture us", 5.0, True),
+        ("PG W1 puts/s >= 0.7x files", "W1 postgres/tokencapture puts/s", 0.7, True),
+        ("PG W1 CPU/put <= 0.6x files", "W1 postgres CPU / tokencapture CPU", 0.6, False),
+        ("PG W3 freeze <= 1.5x files", "W3 postgres ms / tokencapture ms", 1.5, False),
+        ("PG W4 resolve <= 1.5x files", "W4 postgres us / tokencapture us", 1.5, False),
     ]
     targets = []
     for name, key, threshold, higher in spec:
         value = ratios[key]
+        if value is None and POSTGRES in key:
+            continue  # no PostgreSQL column in this run
         if value is None:
             status, margin = "N/A", None
         else:
@@ -657,8 +783,8 @@ def render(report: dict[str, Any]) -> str:
     paired = report.get("paired_ratios", {})
     for name, value in report["ratios"].items():
         other = paired.get(name)
-        if value is None and NEMO_GYM in name:
-            continue  # no NeMo Gym column in this run
+        if value is None and (NEMO_GYM in name or POSTGRES in name):
+            continue  # no NeMo Gym (or PostgreSQL) column in this run
         lines.append(
             f"  {name:<40}{'n/a' if value is None else f'{value:.2f}':>12}"
             f"{'n/a' if other is None else f'{other:.2f}':>10}"
@@ -704,6 +830,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     )
     load_before = os.getloadavg()
     started = time.time()
+    pg_server = start_pg_server() if POSTGRES in columns else None
     try:
         for repeat in range(args.repeats):
             order = rotated(columns, repeat)
@@ -728,6 +855,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             for child in run_dir.iterdir():  # this repeat's logs are no longer needed
                 shutil.rmtree(child, ignore_errors=True)
     finally:
+        if pg_server is not None:
+            pg_server.cleanup()
         shutil.rmtree(run_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             scratch.rmdir()  # only when empty: a concurrent run may be using it
@@ -774,6 +903,20 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def start_pg_server() -> Any:
+    """A throwaway PostgreSQL server for the postgres column (None if one is configured)."""
+    if os.environ.get(PG_DSN_ENV):
+        return None
+    sys.path.insert(0, os.fspath(BENCHES.parent))
+    from tests.pg_server import PgServer
+
+    server = PgServer()
+    server.start()
+    os.environ[PG_DSN_ENV] = server.dsn
+    os.environ[PG_PID_ENV] = str(server.pid)
+    return server
+
+
 def default_columns() -> list[str]:
     try:
         nemo_gym = importlib.util.find_spec(NEMO_GYM_MODULE) is not None
@@ -790,9 +933,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--columns",
         nargs="+",
-        choices=(*COLUMNS, NEMO_GYM),
+        choices=(*COLUMNS, NEMO_GYM, POSTGRES),
         default=default_columns(),
-        help=f"default: {', '.join(COLUMNS)}, and {NEMO_GYM} where NeMo Gym is importable",
+        help=f"default: {', '.join(COLUMNS)}, and {NEMO_GYM} where NeMo Gym is importable; "
+        f"{POSTGRES} only when named (it starts a throwaway server)",
     )
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--scratch", default=os.fspath(DEFAULT_SCRATCH), help="data directory")

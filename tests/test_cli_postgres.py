@@ -20,6 +20,14 @@ from tokencapture.store import TokenCaptureStore, canonical_line
 
 __all__ = ["pg_dsn", "pg_server"]
 
+SCHEMA_FILES = [
+    "001_store.sql",
+    "002_lineage.sql",
+    "003_tools.sql",
+    "004_put_batch.sql",
+    "005_log_reads.sql",
+]
+
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any]:
     code = main([*args, "--json"] if args[0] != "demo" else list(args))
@@ -31,9 +39,9 @@ def test_db_init_installs_then_reports_current(
     pg_dsn: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, first = run(capsys, "db", "init", pg_dsn)
-    assert code == 0 and first["applied"] == ["001_store.sql", "002_lineage.sql", "003_tools.sql"]
+    assert code == 0 and first["applied"] == SCHEMA_FILES
     code, second = run(capsys, "db", "init", pg_dsn)
-    assert code == 0 and second == {"applied": [], "schema_version": 3}
+    assert code == 0 and second == {"applied": [], "schema_version": 5}
 
 
 def _varied(store: TokenCaptureStore) -> None:

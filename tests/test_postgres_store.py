@@ -38,7 +38,15 @@ from tokencapture.protocols import (
 )
 from tokencapture.store import TokenCaptureStore, canonical_line
 
-__all__ = ["pg_dsn", "pg_server"]  # the fixtures, imported for pytest
+__all__ = ["pg_dsn", "pg_server"]
+
+SCHEMA_FILES = [
+    "001_store.sql",
+    "002_lineage.sql",
+    "003_tools.sql",
+    "004_put_batch.sql",
+    "005_log_reads.sql",
+]  # the fixtures, imported for pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +137,7 @@ def test_schema_is_required_unless_installed(pg_dsn: str) -> None:
     with pytest.raises(RuntimeError, match="tokencapture db init"):
         fresh.is_incomplete("r1")
     fresh.close_sync()
-    assert install_schema_sync(pg_dsn) == ["001_store.sql", "002_lineage.sql", "003_tools.sql"]
+    assert install_schema_sync(pg_dsn) == SCHEMA_FILES
     assert install_schema_sync(pg_dsn) == []  # upgrade is a no-op when current
 
 
@@ -731,3 +739,33 @@ def test_connections_cut_mid_operation_lose_or_tear_nothing(own_server: PgServer
         assert marks_acked <= total_marks <= 6 * 2
     finally:
         direct.close_sync()
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [b'{"model_call_id":"call-1","rollout_id":"r1"}', b"not json", b'{"model_call_id":"call-1",'],
+)
+def test_a_damaged_line_with_a_matching_digest_is_corruption_not_an_entry(
+    store: PostgresTokenCaptureStore, pg_dsn: str, stored: bytes
+) -> None:
+    import asyncpg
+
+    from tokencapture import _core
+    from tokencapture.protocols import TokenCaptureCorruptionError
+
+    store.append(make_entry())
+
+    async def damage() -> None:
+        connection = await asyncpg.connect(pg_dsn)
+        await connection.execute(
+            "UPDATE tokencapture.entries SET line = $1, digest = $2",
+            stored,
+            _core.payload_digest(stored),
+        )
+        await connection.close()
+
+    asyncio.run(damage())
+    with pytest.raises(TokenCaptureCorruptionError, match="in PostgreSQL"):
+        store.read_entries("r1")
+    with pytest.raises(TokenCaptureCorruptionError, match="in PostgreSQL"):
+        store.freeze_now("r1")

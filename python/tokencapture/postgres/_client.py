@@ -73,6 +73,13 @@ def _where(dsn: str) -> str:
         return "the configured server"
 
 
+def _terminate(loop: asyncio.AbstractEventLoop, pool: asyncpg.Pool) -> None:
+    """Close a pool of another event loop without waiting (nothing to do if that loop is
+    closed: its transports went with it)."""
+    if not loop.is_closed():
+        pool.terminate()
+
+
 async def _keep_session(connection: Any) -> None:
     """The pool's reset hook: nothing to reset."""
 
@@ -287,7 +294,7 @@ class Client:
             elif thread is not None and owner is thread.loop:
                 asyncio.run_coroutine_threadsafe(pool.close(), thread.loop).result()
             else:
-                pool.terminate()
+                _terminate(owner, pool)
         self._pools = weakref.WeakKeyDictionary()
         if thread is not None:
             thread.stop()
@@ -302,8 +309,9 @@ class Client:
             thread.run(self._close_on(thread.loop))
             thread.stop()
         self.closed = True
-        for pool in list(self._pools.values()):
-            pool.terminate()
+        for owner, pool in list(self._pools.items()):
+            _terminate(owner, pool)
+        self._pools = weakref.WeakKeyDictionary()
 
     async def _close_on(self, loop: asyncio.AbstractEventLoop) -> None:
         pool = self._pools.pop(loop, None)

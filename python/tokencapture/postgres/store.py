@@ -10,16 +10,17 @@ fdatasync and atomic renames. Arguments are validated in Python, before any roun
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+import weakref
 from collections.abc import Coroutine, Sequence
 from time import perf_counter
 from typing import Any
 
-import orjson
-
 from tokencapture import _core
 from tokencapture.metrics import Metrics
 from tokencapture.postgres._client import Client
+from tokencapture.postgres._decode import decode_log
 from tokencapture.protocols import (
     RolloutRemovalPayload,
     TokenCaptureConflictError,
@@ -86,14 +87,87 @@ def _refusal(status: int, rollout_id: str) -> Exception:
 
 
 _PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
+_PUT_BATCH = "SELECT tokencapture.put_batch($1, $2, $3, $4)"
 _BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
 _MARK_INCOMPLETE = "SELECT tokencapture.mark_incomplete($1, $2)"
-_FREEZE = "SELECT * FROM tokencapture.freeze($1, $2)"
-_READ = "SELECT * FROM tokencapture.read_entries($1)"
+_FREEZE = "SELECT * FROM tokencapture.freeze_log($1, $2)"
+_READ = "SELECT * FROM tokencapture.read_log($1)"
 _IS_INCOMPLETE = "SELECT tokencapture.is_incomplete($1)"
 _DROP = "SELECT tokencapture.drop_snapshot($1, $2, $3)"
 _RETIRE = "SELECT * FROM tokencapture.retire($1)"
 _DELETE = "SELECT * FROM tokencapture.delete($1)"
+
+
+_PutArgs = tuple[str, bytes, str, bytes]  # rollout id, call id (UTF-8), digest, line
+
+
+def _copy_error(exc: BaseException) -> BaseException:
+    """A failure of a shared batch, as one exception object per waiting put."""
+    try:
+        copy = type(exc)(*exc.args)
+    except Exception:
+        return exc
+    copy.__cause__ = exc.__cause__ or exc
+    return copy
+
+
+class _PutBatcher:
+    """Puts waiting on one event loop, sent together: whenever a connection is free, every
+    put queued since the last call (up to `max_batch`) goes in one `put_batch` call."""
+
+    __slots__ = ("client", "flushing", "loop", "max_batch", "pending", "scheduled")
+
+    def __init__(self, client: Client, loop: asyncio.AbstractEventLoop, max_batch: int) -> None:
+        self.client = client
+        self.loop = loop
+        self.max_batch = max_batch
+        self.pending: list[tuple[_PutArgs, asyncio.Future[int]]] = []
+        self.flushing = 0
+        self.scheduled = False
+
+    def submit(self, args: _PutArgs) -> asyncio.Future[int]:
+        future: asyncio.Future[int] = self.loop.create_future()
+        self.pending.append((args, future))
+        self._schedule()
+        return future
+
+    def _schedule(self) -> None:
+        if not self.scheduled and self.flushing < self.client.pool_size:
+            self.scheduled = True
+            self.loop.call_soon(self._start)
+
+    def _start(self) -> None:
+        self.scheduled = False
+        while self.pending and self.flushing < self.client.pool_size:
+            batch = self.pending[: self.max_batch]
+            del self.pending[: self.max_batch]
+            self.flushing += 1
+            self.loop.create_task(self._flush(batch))
+
+    async def _flush(self, batch: list[tuple[_PutArgs, asyncio.Future[int]]]) -> None:
+        try:
+            statuses = await self.client.fetch(
+                "val",
+                _PUT_BATCH,
+                [args[0] for args, _ in batch],
+                [args[1] for args, _ in batch],
+                [args[2] for args, _ in batch],
+                [args[3] for args, _ in batch],
+            )
+        except BaseException as exc:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(_copy_error(exc))
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            for (_, future), status in zip(batch, statuses, strict=True):
+                if not future.done():  # the awaiting task was cancelled; the put stands
+                    future.set_result(status)
+        finally:
+            self.flushing -= 1
+            if self.pending:
+                self._schedule()
 
 
 class PostgresTokenCaptureStore:
@@ -105,11 +179,24 @@ class PostgresTokenCaptureStore:
     "off" is refused unless `allow_unflushed_commits=True`, and so is a session that reports
     it off), `install_schema` (install or upgrade the schema on first use) and
     `statement_cache_size` (0 behind a PgBouncer that does not track prepared statements).
+    Puts waiting for a connection share one call and one commit (`put_batch_size`, default
+    64; `batch_puts=False` sends each put alone).
     """
 
-    def __init__(self, dsn: str, **options: Any) -> None:
+    def __init__(
+        self, dsn: str, *, batch_puts: bool = True, put_batch_size: int = 64, **options: Any
+    ) -> None:
+        if isinstance(put_batch_size, bool) or not isinstance(put_batch_size, int):
+            raise TypeError("put_batch_size must be an int")
+        if put_batch_size < 1:
+            raise ValueError("put_batch_size must be at least 1")
         self._client = Client(dsn, **options)
         self._metrics = Metrics("postgres")
+        self._batch_puts = batch_puts
+        self._put_batch_size = put_batch_size
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _PutBatcher] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def __repr__(self) -> str:
         return f"PostgresTokenCaptureStore({self._client.where!r})"
@@ -133,7 +220,7 @@ class PostgresTokenCaptureStore:
     # Writes ------------------------------------------------------------------------------
 
     @staticmethod
-    def _put_args(entry: object) -> tuple[str, bytes, str, bytes]:
+    def _put_args(entry: object) -> _PutArgs:
         # The file store's checks, in its order (the same functions).
         token_entry = _as_token_entry(entry)
         line = canonical_line(token_entry)
@@ -151,11 +238,17 @@ class PostgresTokenCaptureStore:
             raise
         return self._put(args, entry, started)
 
-    async def _put(
-        self, args: tuple[str, bytes, str, bytes], entry: object, started: float
-    ) -> None:
+    async def _put(self, args: _PutArgs, entry: object, started: float) -> None:
         try:
-            status = await self._client.fetch("val", _PUT, *args)
+            if self._batch_puts:
+                loop = asyncio.get_running_loop()
+                batcher = self._batchers.get(loop)
+                if batcher is None:
+                    batcher = _PutBatcher(self._client, loop, self._put_batch_size)
+                    self._batchers[loop] = batcher
+                status = await batcher.submit(args)
+            else:
+                status = await self._client.fetch("val", _PUT, *args)
             self._put_status(status, args)
         except BaseException as exc:
             self._put_failed(entry, exc, started)
@@ -166,7 +259,7 @@ class PostgresTokenCaptureStore:
         """Synchronous `put`."""
         self._client.run_sync(self.put(entry))
 
-    def _put_status(self, status: int, args: tuple[str, bytes, str, bytes]) -> None:
+    def _put_status(self, status: int, args: _PutArgs) -> None:
         if status in (_DONE, _DUPLICATE):
             return
         rollout_id = args[0]
@@ -233,36 +326,28 @@ class PostgresTokenCaptureStore:
 
     # Reads and lifecycle -----------------------------------------------------------------
 
-    def _entries(
-        self, rollout_id: str, lines: list[bytes], digests: list[str]
-    ) -> tuple[TokenEntry, ...]:
-        """Entries from stored lines: every line checked against its digest, then decoded in
-        one pass; a line that is not a valid entry is corruption."""
+    def _entries(self, rollout_id: str, log: bytes, digests: list[str]) -> tuple[TokenEntry, ...]:
+        """Entries from a fetched log: every line checked against its stored payload digest,
+        then decoded by the file store's native decoder; a bad line is corruption."""
+        where = f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}"
+        lines = log.split(b"\n")
+        if lines.pop() != b"" or len(lines) != len(digests):
+            raise TokenCaptureCorruptionError(f"{where}: the log does not split into its lines")
         for line, digest in zip(lines, digests, strict=True):
             if _core.payload_digest(line) != digest:
                 raise TokenCaptureCorruptionError(
-                    f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}: a stored "
-                    f"line does not match its payload digest {digest}"
+                    f"{where}: a stored line does not match its payload digest {digest}"
                 )
-        if not lines:
-            return ()
-        try:
-            records = orjson.loads(b"[" + b",".join(lines) + b"]")
-        except orjson.JSONDecodeError as exc:
-            raise TokenCaptureCorruptionError(
-                f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}: a stored line "
-                f"is not JSON: {exc}"
-            ) from exc
+        records = decode_log(log, where)
+        if len(records) != len(lines):
+            raise TokenCaptureCorruptionError(f"{where}: two stored lines share a call id")
         entries = []
         for index, record in enumerate(records):
             try:
-                if not isinstance(record, dict):
-                    raise ValueError("expected a JSON object")
                 entries.append(_entry_from_record(record))
             except ValueError as exc:
                 raise TokenCaptureCorruptionError(
-                    f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}: line "
-                    f"{index} is not a valid entry: {exc}"
+                    f"{where}: line {index} is not a valid entry: {exc}"
                 ) from exc
         return tuple(entries)
 
@@ -275,7 +360,7 @@ class PostgresTokenCaptureStore:
             row = await self._client.fetch("row", _FREEZE, rollout_id, uuid.uuid4().hex)
             if row["status"] != _DONE:
                 raise _refusal(row["status"], rollout_id)
-            entries = self._entries(rollout_id, row["lines"], row["digests"])
+            entries = self._entries(rollout_id, row["log"], row["digests"])
             return TokenCaptureSnapshot(
                 rollout_id, entries, row["incomplete"], row["snapshot_id"], row["version"]
             )
@@ -287,7 +372,7 @@ class PostgresTokenCaptureStore:
     async def read_entries_async(self, rollout_id: str) -> list[TokenEntry]:
         rollout = validate_rollout_id(rollout_id)
         row = await self._client.fetch("row", _READ, rollout)
-        return list(self._entries(rollout, row["lines"], row["digests"]))
+        return list(self._entries(rollout, row["log"], row["digests"]))
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The stored entries (nothing is created or changed)."""
