@@ -769,3 +769,31 @@ def test_a_damaged_line_with_a_matching_digest_is_corruption_not_an_entry(
         store.read_entries("r1")
     with pytest.raises(TokenCaptureCorruptionError, match="in PostgreSQL"):
         store.freeze_now("r1")
+
+
+async def test_puts_sharing_a_batch_keep_their_own_outcomes(
+    store: PostgresTokenCaptureStore, tmp_path: Path
+) -> None:
+    files = TokenCaptureStore(tmp_path / "files")
+    first = [make_entry(f"b{r}", call=1) for r in range(3)]
+    for backend in (files, store):
+        for entry in first:
+            await backend.put(entry)
+    # One gather: new calls, an identical retry (a no-op) and a conflicting payload (refused,
+    # the rollout marked incomplete) of three rollouts: one batch on the PostgreSQL side.
+    wave = [
+        *(make_entry(f"b{r}", call=c) for r in range(3) for c in (2, 3)),
+        make_entry("b0", call=1),
+        make_entry("b1", call=1, generation_log_probs=[-9.0, -9.0]),
+    ]
+    outcomes = []
+    for backend in (files, store):
+        results = await asyncio.gather(*(backend.put(e) for e in wave), return_exceptions=True)
+        outcomes.append([type(result).__name__ for result in results])
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1].count("TokenCaptureConflictError") == 1
+    for r in range(3):
+        expected, got = files.freeze_now(f"b{r}"), await store.freeze(f"b{r}")
+        assert lines_of(expected) == sorted(lines_of(got), key=lines_of(expected).index)
+        assert (expected.incomplete, expected.version) == (got.incomplete, got.version)
+    await store.close()  # on the loop whose pool it closes
