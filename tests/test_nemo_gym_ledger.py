@@ -571,3 +571,62 @@ def test_a_torn_tail_nemo_gym_left_is_not_folded_in(tmp_path: Path) -> None:
     assert path.read_bytes() == good + b'\n{"failure_reason":"late","model_call_id":"c2"}\n'
     mine, reference = asyncio.run(_readings(tmp_path / "d"))
     assert mine == reference
+
+
+def _concurrent_writer(root: str, nemo: bool) -> None:
+    async def go() -> None:
+        writer = nemo_lineage.FileLineageStore(root) if nemo else FileCaptureLedger(root)
+        module = theirs if nemo else ours
+        for n in range(12):
+            op = ("commit", f"{'n' if nemo else 'o'}{n}", n % 4, n % 3, 2, None, None)
+            await writer.record(_commit(module, op))
+            await writer.record_failure("r", f"f{n}", "boom")  # both write it: one row
+        await writer.record(_commit(module, ("commit", "common", 0, 0, 2, 1.5, None)))
+
+    asyncio.run(go())
+
+
+def test_concurrent_writers_of_both_kinds_share_the_lock(tmp_path: Path) -> None:
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        pool.starmap(_concurrent_writer, [(str(tmp_path), True), (str(tmp_path), False)])
+    lines = (tmp_path / "r.lineage.jsonl").read_bytes().splitlines()
+    assert len(lines) == 12 + 12 + 12 + 1
+    mine, reference = asyncio.run(_readings(tmp_path))
+    assert mine == reference
+    assert len(mine[0]["records"]) == 25
+
+
+def test_our_ledger_records_nemo_gyms_commit_objects(tmp_path: Path) -> None:
+    op = ("commit", "c1", 3, 2, 2, 1e-05, None)
+
+    async def go() -> None:
+        await FileCaptureLedger(tmp_path / "a").record(_commit(theirs, op))
+        await nemo_lineage.FileLineageStore(tmp_path / "b").record(_commit(theirs, op))
+
+    asyncio.run(go())
+    written = (tmp_path / "a" / "r.lineage.jsonl").read_bytes()
+    assert written == (tmp_path / "b" / "r.lineage.jsonl").read_bytes()
+    assert b'"admitted_at":1e-05' in written and b"\\u00e9" in written
+
+
+def test_async_methods_check_their_arguments_when_called(tmp_path: Path) -> None:
+    ledger = FileCaptureLedger(tmp_path)
+    # NeMo Gym 0.7.0 code calls `store.delete(rollout_id)` without awaiting: it must fail here.
+    with pytest.raises(TypeError):
+        ledger.delete("r")  # type: ignore[unused-coroutine]  # a bare string
+    with pytest.raises(TypeError):
+        ledger.retire("r")  # type: ignore[unused-coroutine]
+    with pytest.raises(TypeError):
+        ledger.record("not a commit")  # type: ignore[arg-type,unused-coroutine]
+    with pytest.raises(ValidationError):
+        ledger.record({"rollout_id": "r"})  # type: ignore[unused-coroutine]
+    with pytest.raises(ValueError, match="must not be empty"):
+        ledger.record_failure("r", "", "x")  # type: ignore[unused-coroutine]
+    for read in (ledger.manifest, ledger.has_rows):
+        with pytest.raises(ValueError):
+            read("../escape")
+    with pytest.raises(TypeError):
+        ledger.resolve("r", "not a list")  # type: ignore[arg-type,unused-coroutine]
+    assert list(tmp_path.iterdir()) == []
