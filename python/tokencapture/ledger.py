@@ -89,13 +89,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LEDGER_CACHED_ROLLOUTS: Final = 256
+DEFAULT_LEDGER_CACHED_ROLLOUTS: Final[int] = 256
 """Rollouts whose folded rows a `FileCaptureLedger` keeps in memory (one descriptor each)."""
 
-_ROOT: Final = LineageResolution(ParentResolutionStatus.ROOT)
-_NO_MATCH: Final = LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="no_match")
+_ROOT: Final[LineageResolution] = LineageResolution(ParentResolutionStatus.ROOT)
+_NO_MATCH: Final[LineageResolution] = LineageResolution(
+    ParentResolutionStatus.UNRESOLVED, reason="no_match"
+)
 # What reading a row the way NeMo Gym reads it can raise on a row it cannot use.
-_ROW_ERRORS: Final = (KeyError, TypeError, ValueError, ArithmeticError)
+_ROW_ERRORS: Final[tuple[type[Exception], ...]] = (KeyError, TypeError, ValueError, ArithmeticError)
 
 
 class CaptureLedgerConflictError(ValueError):

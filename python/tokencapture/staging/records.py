@@ -84,14 +84,14 @@ __all__ = [
 
 # ---- versions and digests ----------------------------------------------------------------
 
-STAGING_SCHEMA_VERSION: Final = 2
-STAGING_DIGEST_VERSION: Final = 2
-EXTRAS_DIGEST_VERSION: Final = 1
+STAGING_SCHEMA_VERSION: Final[Literal[2]] = 2
+STAGING_DIGEST_VERSION: Final[Literal[2]] = 2
+EXTRAS_DIGEST_VERSION: Final[Literal[1]] = 1
 
 # Older names of this module, kept for callers that import them.
-LEDGER_SCHEMA_VERSION: Final = STAGING_SCHEMA_VERSION
-CALL_RECORD_DIGEST_VERSION: Final = STAGING_DIGEST_VERSION
-CALL_RECORD_EXTRAS_DIGEST_VERSION: Final = EXTRAS_DIGEST_VERSION
+LEDGER_SCHEMA_VERSION: Final[int] = STAGING_SCHEMA_VERSION
+CALL_RECORD_DIGEST_VERSION: Final[int] = STAGING_DIGEST_VERSION
+CALL_RECORD_EXTRAS_DIGEST_VERSION: Final[int] = EXTRAS_DIGEST_VERSION
 
 _CALL_DOMAIN = b"nemo-gym-staging-call-v2"
 _EXTRAS_DOMAIN = b"nemo-gym-staging-extras-v1"
@@ -185,7 +185,7 @@ def compute_extras_digest(extras: Mapping[str, Any] | None) -> str:
     return hashlib.sha256(_EXTRAS_DOMAIN + bytes([EXTRAS_DIGEST_VERSION]) + body).hexdigest()
 
 
-EMPTY_EXTRAS_DIGEST: Final = compute_extras_digest(None)
+EMPTY_EXTRAS_DIGEST: Final[str] = compute_extras_digest(None)
 
 
 def compute_staging_digest(
@@ -279,24 +279,24 @@ def staging_key(rollout_id: str, model_call_id: str) -> str:
 
 # ---- reasons (wire values: frameworks switch on them) -------------------------------------
 
-LEDGER_ROW_MISSING_RESPONSE_ID_REASON: Final = "ledger_row_missing_response_id"
+LEDGER_ROW_MISSING_RESPONSE_ID_REASON: Final[str] = "ledger_row_missing_response_id"
 """A committed ledger row has no response id (terminal attribution joins on it)."""
-LEDGER_ROW_MISSING_CHAIN_HASH_REASON: Final = "ledger_row_missing_chain_hash"
+LEDGER_ROW_MISSING_CHAIN_HASH_REASON: Final[str] = "ledger_row_missing_chain_hash"
 """A committed ledger row lacks its chain or cumulative hash (verification anchors on them)."""
-MISSING_RESPONSE_ID_REASON: Final = LEDGER_ROW_MISSING_RESPONSE_ID_REASON
+MISSING_RESPONSE_ID_REASON: Final[str] = LEDGER_ROW_MISSING_RESPONSE_ID_REASON
 """Older name of `LEDGER_ROW_MISSING_RESPONSE_ID_REASON`."""
-MISSING_CHAIN_DIGEST_REASON: Final = LEDGER_ROW_MISSING_CHAIN_HASH_REASON
+MISSING_CHAIN_DIGEST_REASON: Final[str] = LEDGER_ROW_MISSING_CHAIN_HASH_REASON
 """Older name of `LEDGER_ROW_MISSING_CHAIN_HASH_REASON`."""
-WORKER_MISSING_COMMIT_COORDS_REASON: Final = "worker_response_missing_commit_coordinates"
-WORKER_CAPTURE_FAILED_REASON: Final = "worker_capture_failed"
-INVALID_COMMIT_COORDS_REASON: Final = "invalid_worker_commit_coordinates"
+WORKER_MISSING_COMMIT_COORDS_REASON: Final[str] = "worker_response_missing_commit_coordinates"
+WORKER_CAPTURE_FAILED_REASON: Final[str] = "worker_capture_failed"
+INVALID_COMMIT_COORDS_REASON: Final[str] = "invalid_worker_commit_coordinates"
 
-TERMINAL_SELECTED: Final = "selected"
-TERMINAL_NO_RECORDS: Final = "no_records"
-TERMINAL_DUPLICATE_CALL_ID: Final = "duplicate_call_id"
-TERMINAL_ORPHANED_ROW: Final = "orphaned_row"
-TERMINAL_NO_ROOT: Final = "no_root"
-TERMINAL_AMBIGUOUS: Final = "ambiguous_terminal"
+TERMINAL_SELECTED: Final[str] = "selected"
+TERMINAL_NO_RECORDS: Final[str] = "no_records"
+TERMINAL_DUPLICATE_CALL_ID: Final[str] = "duplicate_call_id"
+TERMINAL_ORPHANED_ROW: Final[str] = "orphaned_row"
+TERMINAL_NO_ROOT: Final[str] = "no_root"
+TERMINAL_AMBIGUOUS: Final[str] = "ambiguous_terminal"
 
 # ---- field types ---------------------------------------------------------------------------
 
