@@ -630,3 +630,84 @@ def test_async_methods_check_their_arguments_when_called(tmp_path: Path) -> None
     with pytest.raises(TypeError):
         ledger.resolve("r", "not a list")  # type: ignore[arg-type,unused-coroutine]
     assert list(tmp_path.iterdir()) == []
+
+
+@SETTINGS
+@given(
+    st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=12),
+    st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=12),
+)
+def test_failure_rows_are_escaped_as_nemo_gym_escapes_them(call_id: str, reason: str) -> None:
+    # Control characters, DEL, non-ASCII and astral characters are all \u-escaped by Python.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        roots = [Path(scratch) / "ours", Path(scratch) / "nemo"]
+
+        async def go() -> None:
+            await FileCaptureLedger(roots[0]).record_failure("r", call_id, reason)
+            await nemo_lineage.FileLineageStore(roots[1]).record_failure("r", call_id, reason)
+
+        asyncio.run(go())
+        written = [(root / "r.lineage.jsonl").read_bytes() for root in roots]
+        assert written[0] == written[1]
+        mine, reference = asyncio.run(_readings(roots[0]))
+        assert mine == reference
+
+
+# A key of the stored row, and a value NeMo Gym's `==` may or may not find equal to it.
+MUTATIONS = [
+    ("admitted_at", 2),  # 2.0 == 2
+    ("admitted_at", True),  # 2.0 != True
+    ("admitted_at", 2.0000000000000004),
+    ("prev_len", False),  # 0 == False
+    ("prev_len", 0.0),
+    ("prev_len", None),
+    ("weight_version", 1.0),
+    ("weight_version", "1"),
+    ("fingerprint_version", 2.0),
+    ("staging_chain", ["seg-c1"]),
+    ("staging_chain", ["seg-c1", "x"]),
+    ("staging_chain", "seg-c1"),
+    ("output_fingerprint", ""),
+    ("response_id", "resp-c1-\u00e9"),
+    ("response_id", "resp-c1-e"),
+    ("extra", None),  # an added key
+    ("parent_call_id", ...),  # a removed key
+]
+
+
+@SETTINGS
+@given(st.sampled_from(MUTATIONS), st.booleans())
+def test_write_once_compares_rows_as_nemo_gym_does(mutation: tuple[str, Any], pretty: bool) -> None:
+    import json
+    import tempfile
+
+    key, value = mutation
+    op = ("commit", "c1", 0, 0, 2, 2.0, None)
+    with tempfile.TemporaryDirectory() as scratch:
+        seed = asyncio.run(_row_of(Path(scratch) / "seed", op))
+        row = json.loads(seed)
+        if value is ...:
+            del row[key]
+        else:
+            row[key] = value
+        # The stored row need not be in canonical form: spacing, key order, raw UTF-8.
+        line = json.dumps(row)
+        if pretty:
+            line = json.dumps(dict(reversed(list(row.items()))), ensure_ascii=False)
+        roots = [Path(scratch) / "ours", Path(scratch) / "nemo"]
+        for root in roots:
+            root.mkdir()
+            (root / "r.lineage.jsonl").write_bytes(line.encode() + b"\n")
+
+        async def go() -> list[str]:
+            return [
+                await _apply(FileCaptureLedger(roots[0]), op, nemo=False),
+                await _apply(nemo_lineage.FileLineageStore(roots[1]), op, nemo=True),
+            ]
+
+        mine, reference = asyncio.run(go())
+        assert mine == reference, (key, value)
+        written = [(root / "r.lineage.jsonl").read_bytes() for root in roots]
+        assert written[0] == written[1]
