@@ -711,3 +711,34 @@ def test_write_once_compares_rows_as_nemo_gym_does(mutation: tuple[str, Any], pr
         assert mine == reference, (key, value)
         written = [(root / "r.lineage.jsonl").read_bytes() for root in roots]
         assert written[0] == written[1]
+
+
+def test_write_once_tells_integers_beyond_64_bits_apart(tmp_path: Path) -> None:
+    op = ("commit", "c1", 0, 0, 2, None, None)
+
+    def big(module: Any, weight_version: int) -> Any:
+        commit = _commit(module, op)
+        commit.record.weight_version = weight_version  # the models are mutable
+        return commit
+
+    async def go() -> list[str]:
+        outcomes = []
+        for root in (tmp_path / "ours", tmp_path / "nemo"):
+            await nemo_lineage.FileLineageStore(root).record(big(theirs, 2**70))
+        for nemo, root in ((False, tmp_path / "ours"), (True, tmp_path / "nemo")):
+            writer = nemo_lineage.FileLineageStore(root) if nemo else FileCaptureLedger(root)
+            for weight_version in (2**70, 2**70 + 1):
+                commit = big(theirs if nemo else ours, weight_version)
+                try:
+                    await writer.record(commit)
+                    outcomes.append("ok")
+                except ValueError:
+                    outcomes.append("conflict")
+        return outcomes
+
+    assert asyncio.run(go()) == ["ok", "conflict", "ok", "conflict"]
+    ours_bytes = (tmp_path / "ours" / "r.lineage.jsonl").read_bytes()
+    assert ours_bytes == (tmp_path / "nemo" / "r.lineage.jsonl").read_bytes()
+    assert b'"weight_version":1180591620717411303424' in ours_bytes
+    manifest = FileCaptureLedger(tmp_path / "ours").manifest_now("r")
+    assert manifest["records"][0]["weight_version"] == 2**70

@@ -178,6 +178,11 @@ fn py_num(value: &Value) -> Option<PyNum> {
     }
 }
 
+/// An integral double at or beyond 2^53, which may stand for several integers.
+fn beyond_exact(f: f64) -> bool {
+    f.fract() == 0.0 && f.abs() >= 9_007_199_254_740_992.0
+}
+
 fn int_eq_float(i: i128, f: f64) -> bool {
     // i128 -> f64 may round, so compare through the float only when it is integral and in
     // range, then exactly.
@@ -185,6 +190,9 @@ fn int_eq_float(i: i128, f: f64) -> bool {
 }
 
 /// Python's `==` on two values parsed by `json.loads` (`1 == 1.0 == True`, dicts by keys).
+///
+/// One deliberate exception: two integral numbers at or beyond 2^53 both parsed as doubles are
+/// unequal (they may be different integers); the caller compares the rows' bytes first.
 pub fn py_eq(a: &Value, b: &Value) -> bool {
     match (a, b) {
         (Value::Null, Value::Null) => true,
@@ -195,7 +203,9 @@ pub fn py_eq(a: &Value, b: &Value) -> bool {
         (Value::Object(x), Value::Object(y)) => py_eq_map(x, y),
         _ => match (py_num(a), py_num(b)) {
             (Some(PyNum::Int(x)), Some(PyNum::Int(y))) => x == y,
-            (Some(PyNum::Float(x)), Some(PyNum::Float(y))) => x == y,
+            // Without arbitrary precision, an integer beyond 64 bits parses as a double: two
+            // such numbers may be different ints, so only identical bytes make them equal.
+            (Some(PyNum::Float(x)), Some(PyNum::Float(y))) => x == y && !beyond_exact(x),
             (Some(PyNum::Int(i)), Some(PyNum::Float(f)))
             | (Some(PyNum::Float(f)), Some(PyNum::Int(i))) => int_eq_float(i, f),
             _ => false,
@@ -304,7 +314,7 @@ impl LedgerIndex {
     }
 
     /// What appending a commit row (`failure` false) or failure row would do.
-    fn check(&self, call_id: &str, value: &Map<String, Value>, failure: bool) -> Fold {
+    fn check(&self, call_id: &str, line: &[u8], value: &Map<String, Value>, failure: bool) -> Fold {
         if failure {
             return match failure_pair(value) {
                 Some(pair) if self.failure_pairs.contains(&pair) => Fold::Duplicate,
@@ -313,7 +323,9 @@ impl LedgerIndex {
         }
         match self.first_by_call.get(call_id) {
             None => Fold::New,
-            Some(&at) if py_eq_map(&self.rows[at].value, value) => Fold::Duplicate,
+            Some(&at) if self.rows[at].line == line || py_eq_map(&self.rows[at].value, value) => {
+                Fold::Duplicate
+            }
             Some(_) => Fold::Conflict,
         }
     }
@@ -603,7 +615,10 @@ impl Ledger {
         if state.fenced {
             return Ok(RecordOutcome::Discarded);
         }
-        match state.index.check(&row.call_id, &row.value, row.failure) {
+        match state
+            .index
+            .check(&row.call_id, line, &row.value, row.failure)
+        {
             Fold::Duplicate => return Ok(RecordOutcome::Duplicate),
             Fold::Conflict => {
                 return Err(LedgerError::Conflict {
@@ -857,6 +872,12 @@ mod tests {
         assert!(!py_eq(&v("{\"a\": 1}"), &v("{\"a\": 1, \"b\": 1}")));
         assert!(!py_eq(&v("\"1\""), &v("1")));
         assert!(!py_eq(&v("null"), &v("0")));
+        // Integers beyond 64 bits parse as doubles: never equal unless the bytes are.
+        assert!(!py_eq(
+            &v("1180591620717411303424"),
+            &v("1180591620717411303425")
+        ));
+        assert!(py_eq(&v("4.5e15"), &v("4500000000000000")));
         assert_eq!(strip_ascii_whitespace(b" \x0b{}\x0c\r"), b"{}");
     }
 
