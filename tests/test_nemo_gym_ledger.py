@@ -742,3 +742,29 @@ def test_write_once_tells_integers_beyond_64_bits_apart(tmp_path: Path) -> None:
     assert b'"weight_version":1180591620717411303424' in ours_bytes
     manifest = FileCaptureLedger(tmp_path / "ours").manifest_now("r")
     assert manifest["records"][0]["weight_version"] == 2**70
+
+
+def test_nemo_gym_models_nest_inside_ours() -> None:
+    commit = _commit(theirs, ("commit", "c1", 0, 0, 2, 1.5, None))
+    mine = ours.CaptureLedgerCommit(
+        rollout_id="r",
+        record=commit.record,  # NeMo Gym's CallRecord instance
+        request_items=commit.request_items,
+        response_items=commit.response_items,
+    )
+    assert isinstance(mine.record, ours.CallRecord)
+    assert mine.record.model_dump() == commit.record.model_dump()
+    manifest = ours.RolloutManifest(rollout_id="r", records=[commit.record])
+    assert (
+        manifest.model_dump_json()
+        == theirs.RolloutManifest(rollout_id="r", records=[commit.record]).model_dump_json()
+    )
+    # A changed foreign instance is validated again, not trusted.
+    commit.record.delta_len = 0
+    with pytest.raises(ValidationError, match="manifest lengths"):
+        ours.RolloutManifest(rollout_id="r", records=[commit.record])
+    # Another model of another name is refused as pydantic refuses it.
+    with pytest.raises(ValidationError, match="valid dictionary or instance of CallRecord"):
+        ours.RolloutManifest(
+            rollout_id="r", records=[theirs.ManifestFailure(model_call_id="c", reason="x")]
+        )
