@@ -768,3 +768,9 @@ def test_nemo_gym_models_nest_inside_ours() -> None:
         ours.RolloutManifest(
             rollout_id="r", records=[theirs.ManifestFailure(model_call_id="c", reason="x")]
         )
+
+
+def test_nemo_gyms_published_golden_vectors() -> None:
+    vectors = import_nemo("staging.conformance").load_golden_vectors()
+    assert ours.compute_extras_digest(vectors["extras"]) == vectors["extras_digest"]
+    assert ours.compute_staging_digest(**vectors["staged_call"]) == vectors["staged_call_digest"]
