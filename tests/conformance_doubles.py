@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
+from tokencapture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from tokencapture.protocols import (
     LineageMatch,
     LineageResolution,
@@ -309,19 +309,22 @@ class MemoryLedger:
         candidates = [
             commit
             for commit in self.backend.records.get(rollout_id, {}).values()
-            if commit.record.continuation_fingerprint == fingerprint
-            and commit.record.continuation_context_len <= len(request_items)
-            and conversation_digest(request_items[: commit.record.continuation_context_len])
-            == commit.record.continuation_context_digest
+            if commit.record.fingerprint_version == FINGERPRINT_VERSION
+            and assistant_fingerprint([*commit.request_items, *commit.response_items])
+            == fingerprint
         ]
-        if len(candidates) != 1:
-            reason = "no_match" if not candidates else "ambiguous"
-            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=reason)
+        context = candidates[0].request_items if len(candidates) == 1 else None
+        if (
+            context is None
+            or len(context) > len(request_items)
+            or conversation_digest(request_items[: len(context)]) != conversation_digest(context)
+        ):
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="no_match")
         record = candidates[0].record
         match = LineageMatch(
             record.model_call_id,
             (),
-            record.digest,
+            record.cumulative_hash,
             candidates[0].staging_chain,
             record.cum_len,
             record.chain_hash,

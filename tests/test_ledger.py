@@ -31,10 +31,8 @@ from tokencapture.protocols import (
 )
 from tokencapture.records import ParentResolutionStatus, compute_digest
 from tokencapture.staging.records import (
-    CONFLICTING_CALL_RECORD_REASON,
-    INVALID_CALL_RECORD_REASON,
-    MISSING_CHAIN_DIGEST_REASON,
-    MISSING_RESPONSE_ID_REASON,
+    LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
+    LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
     UNCOMMITTED_CALL_REASON,
     CallRecord,
     CaptureLedgerCommit,
@@ -70,27 +68,33 @@ def make_commit(
     parent: str | None = None,
     prev_len: int = 0,
     delta_len: int = 5,
-    digest: str | None = None,
+    cumulative_hash: str | None = None,
     staging_chain: tuple[str, ...] = ("stage-a",),
     response_id: str | None = None,
+    fingerprint_version: int = 2,
+    admitted_at: float | None = 1_700_000_000.5,
 ) -> CaptureLedgerCommit:
-    """A valid commit whose continuation hashes match its items."""
+    """A valid commit of NeMo Gym's schema (version-2 fingerprints, so it can resolve)."""
     request = [user("question")] if request is None else request
     response = [assistant(f"answer of {call}")] if response is None else response
     cum_len = prev_len + delta_len
     record = CallRecord(
         model_call_id=call,
-        response_id=response_id or f"resp-{call}",
         parent_call_id=parent,
-        mode="token_in" if parent else "text",
         prev_len=prev_len,
         delta_len=delta_len,
         cum_len=cum_len,
-        digest=digest or compute_digest(list(range(cum_len))),
+        weight_version=3,
+        digest=sha(f"staged-{call}"),
+        extras_digest=sha(f"extras-{call}"),
+        staging_key=f"{rollout_id}/{call}",
+        mode="token_in" if parent else "text",
         chain_hash=sha(f"chain-{call}"),
-        continuation_fingerprint=assistant_fingerprint([*request, *response]),
-        continuation_context_len=len(request),
-        continuation_context_digest=conversation_digest(request),
+        cumulative_hash=cumulative_hash or compute_digest(list(range(cum_len))),
+        response_id=response_id or f"resp-{call}",
+        admitted_at=admitted_at,
+        output_fingerprint=sha(f"output-{call}"),
+        fingerprint_version=fingerprint_version,
     )
     return CaptureLedgerCommit(
         rollout_id=rollout_id,
@@ -101,15 +105,43 @@ def make_commit(
     )
 
 
-def row_line(commit: CaptureLedgerCommit) -> bytes:
-    """The documented row of a commit: sorted keys, compact separators."""
-    row = {
-        "kind": "commit",
-        "record": commit.record.model_dump(mode="json"),
-        "rollout_id": commit.rollout_id,
-        "schema_version": 2,
+def expected_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
+    """The documented commit row (docs/compat-ledger.md), column by column."""
+    record = commit.record
+    request = list(commit.request_items)
+    return {
+        "admitted_at": record.admitted_at,
+        "chain_hash": record.chain_hash,
+        "context_digest": conversation_digest(request),
+        "context_len": len(request),
+        "continuation_fingerprint": record.continuation_fingerprint,
+        "cum_len": record.cum_len,
+        "cumulative_hash": record.cumulative_hash,
+        "delta_len": record.delta_len,
+        "digest": record.cumulative_hash,
+        "extras_digest": record.extras_digest,
+        "fingerprint": assistant_fingerprint([*request, *commit.response_items]),
+        "fingerprint_version": record.fingerprint_version,
+        "mode": record.mode,
+        "model_call_id": record.model_call_id,
+        "output_fingerprint": record.output_fingerprint,
+        "parent_call_id": record.parent_call_id,
+        "prev_len": record.prev_len,
+        "response_id": record.response_id,
         "staging_chain": list(commit.staging_chain),
+        "staging_digest": record.digest,
+        "staging_key": record.staging_key,
+        "weight_version": record.weight_version,
     }
+
+
+def row_line(commit: CaptureLedgerCommit) -> bytes:
+    """Sorted keys, compact separators, non-ASCII escaped (Python's json.dumps defaults)."""
+    return json.dumps(expected_row(commit), sort_keys=True, separators=(",", ":")).encode()
+
+
+def failure_line(call: str, reason: str) -> bytes:
+    row = {"model_call_id": call, "failure_reason": reason}
     return json.dumps(row, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -160,7 +192,7 @@ async def test_record_writes_one_sorted_compact_row_and_a_token_free_manifest(
         "records": [commit.record.model_dump(mode="json")],
         "failures": [],
     }
-    assert validated(manifest).records == (commit.record,)
+    assert validated(manifest).records == [commit.record]
     assert await ledger.has_rows("r1")
 
 
@@ -191,34 +223,37 @@ async def test_failure_rows_are_listed_deduplicated_and_never_resolve(
 ) -> None:
     await ledger.record_failure("r1", "c1", UNCOMMITTED_CALL_REASON)
     await ledger.record_failure("r1", "c1", UNCOMMITTED_CALL_REASON)  # no-op
-    assert ledger.record_failure_now("r1", "c1", MISSING_RESPONSE_ID_REASON) is True
-    assert ledger.path_for("r1").read_bytes().count(b"\n") == 2
+    assert ledger.record_failure_now("r1", "c1", "staging_lost") is True
+    assert ledger.path_for("r1").read_bytes() == (
+        failure_line("c1", UNCOMMITTED_CALL_REASON)
+        + b"\n"
+        + failure_line("c1", "staging_lost")
+        + b"\n"
+    )
+    assert failure_line("c1", "x") == b'{"failure_reason":"x","model_call_id":"c1"}'
     manifest = await ledger.manifest("r1")
     assert validated(manifest).failures[0].reason == UNCOMMITTED_CALL_REASON
-    assert [f["reason"] for f in manifest["failures"]] == [
-        UNCOMMITTED_CALL_REASON,
-        MISSING_RESPONSE_ID_REASON,
-    ]
+    assert [f["reason"] for f in manifest["failures"]] == [UNCOMMITTED_CALL_REASON, "staging_lost"]
     assert manifest["records"] == []
     assert await ledger.has_rows("r1")
-    first_row = orjson.loads(ledger.path_for("r1").read_bytes().splitlines()[0])
-    assert first_row == {
-        "kind": "failure",
-        "model_call_id": "c1",
-        "reason": UNCOMMITTED_CALL_REASON,
-        "rollout_id": "r1",
-        "schema_version": 2,
-    }
+    # The first row of a call id decides: a commit after its failure row conflicts.
+    with pytest.raises(CaptureLedgerConflictError):
+        await ledger.record(make_commit("c1"))
 
-    # A committed call that also has a failure row is listed twice and never resolves.
+    # A failure row after a commit is listed too; like NeMo Gym, it does not stop the commit
+    # row from resolving (the failure poisons the whole rollout at finalization anyway).
     await ledger.record(make_commit("c2"))
     continuation = [user("question"), assistant("answer of c2"), user("next")]
     assert (await ledger.resolve("r1", continuation)).status is RESOLVED
     await ledger.record_failure("r1", "c2", "staging_lost")
-    after = await ledger.resolve("r1", continuation)
-    assert (after.status, after.reason) == (UNRESOLVED, "no_match")
+    assert (await ledger.resolve("r1", continuation)).status is RESOLVED
     manifest = await ledger.manifest("r1")
     assert [r["model_call_id"] for r in validated(manifest).model_dump()["records"]] == ["c2"]
+    assert [f["model_call_id"] for f in manifest["failures"]] == ["c1", "c1", "c2"]
+    # Non-ASCII text is escaped as Python's json.dumps escapes it.
+    await ledger.record_failure("r1", "c3", "d\u00e9j\u00e0 \U0001f600")
+    last = ledger.path_for("r1").read_bytes().splitlines()[-1]
+    assert last == b'{"failure_reason":"d\\u00e9j\\u00e0 \\ud83d\\ude00","model_call_id":"c3"}'
 
 
 # ---- poison rows, torn and corrupt lines -----------------------------------------------------
@@ -226,75 +261,77 @@ async def test_failure_rows_are_listed_deduplicated_and_never_resolve(
 
 def write_rows(path: Path, rows: list[dict[str, Any]], tail: bytes = b"") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [orjson.dumps(row, option=orjson.OPT_SORT_KEYS) + b"\n" for row in rows]
+    lines = [
+        json.dumps(row, sort_keys=True, separators=(",", ":")).encode() + b"\n" for row in rows
+    ]
     path.write_bytes(b"".join(lines) + tail)
 
 
-def commit_row(record: dict[str, Any], rollout_id: str = "r1", **extra: Any) -> dict[str, Any]:
-    return {
-        "kind": "commit",
-        "record": record,
-        "rollout_id": rollout_id,
-        "schema_version": 2,
-        "staging_chain": [],
-        **extra,
-    }
-
-
-def poisoned(call: str, **changes: Any) -> dict[str, Any]:
-    record = make_commit(call).record.model_dump(mode="json")
+def changed_row(call: str, **changes: Any) -> dict[str, Any]:
+    """The row of `make_commit(call)` with columns changed (`...` removes one)."""
+    row = expected_row(make_commit(call))
     for key, value in changes.items():
         if value is ...:
-            del record[key]
+            del row[key]
         else:
-            record[key] = value
-    return record
+            row[key] = value
+    return row
 
 
-async def test_poison_rows_become_failures_with_the_matching_reason(
-    ledger: FileCaptureLedger,
-) -> None:
+async def test_rows_are_read_by_nemo_gyms_rules(ledger: FileCaptureLedger) -> None:
+    lineage_only = {
+        "model_call_id": "local",
+        "fingerprint": sha("x"),
+        "fingerprint_version": 2,
+        "context_len": 0,
+        "context_digest": "",
+        "digest": sha("d"),
+    }
     rows = [
-        commit_row(poisoned("no-response", response_id=...)),
-        commit_row(poisoned("null-response", response_id=None)),
-        commit_row(poisoned("empty-response", response_id="")),
-        commit_row(poisoned("no-chain", chain_hash=...)),
-        commit_row(poisoned("null-digest", digest=None)),
-        commit_row(poisoned("bad-lengths", cum_len=99)),
-        commit_row(poisoned("old-schema", schema_version=1)),
-        commit_row(poisoned("extra-field", surprise=True)),
-        commit_row(poisoned("empty-context", continuation_context_digest="")),
-        commit_row(make_commit("good").record.model_dump(mode="json")),
-        commit_row(make_commit("twice").record.model_dump(mode="json")),
-        commit_row(make_commit("twice", response_id="other").record.model_dump(mode="json")),
+        changed_row("no-response", response_id=...),
+        changed_row("null-response", response_id=None),
+        changed_row("empty-response", response_id=""),
+        changed_row("no-chain", chain_hash=...),
+        changed_row("null-cumulative", cumulative_hash=None),
+        lineage_only,  # no staging_key and no failure_reason: not part of a manifest
+        changed_row("float-lengths", prev_len=0.0, delta_len=5.9, cum_len=5),  # int() truncates
+        changed_row("good"),
+        {"model_call_id": 7, "failure_reason": 404},  # listed through str()
+        changed_row("null-staging", staging_key=None, failure_reason=None),
     ]
     write_rows(ledger.path_for("r1"), rows)
-    manifest = await ledger.manifest("r1")
-    parsed = validated(manifest)
-    assert [r.model_call_id for r in parsed.records] == ["good"]
+    assert await ledger.has_rows("r1")
+    parsed = validated(await ledger.manifest("r1"))
+    assert [r.model_call_id for r in parsed.records] == ["float-lengths", "good"]
+    assert parsed.records[0].delta_len == 5
+    assert parsed.records[1] == make_commit("good").record
     assert [(f.model_call_id, f.reason) for f in parsed.failures] == [
-        ("no-response", MISSING_RESPONSE_ID_REASON),
-        ("null-response", MISSING_RESPONSE_ID_REASON),
-        ("empty-response", MISSING_RESPONSE_ID_REASON),
-        ("no-chain", MISSING_CHAIN_DIGEST_REASON),
-        ("null-digest", MISSING_CHAIN_DIGEST_REASON),
-        ("bad-lengths", INVALID_CALL_RECORD_REASON),
-        ("old-schema", INVALID_CALL_RECORD_REASON),
-        ("extra-field", INVALID_CALL_RECORD_REASON),
-        ("empty-context", INVALID_CALL_RECORD_REASON),
-        ("twice", CONFLICTING_CALL_RECORD_REASON),
+        ("no-response", LEDGER_ROW_MISSING_RESPONSE_ID_REASON),
+        ("null-response", LEDGER_ROW_MISSING_RESPONSE_ID_REASON),
+        ("empty-response", LEDGER_ROW_MISSING_RESPONSE_ID_REASON),
+        ("no-chain", LEDGER_ROW_MISSING_CHAIN_HASH_REASON),
+        ("null-cumulative", LEDGER_ROW_MISSING_CHAIN_HASH_REASON),
+        ("7", "404"),
     ]
-    # Poison and conflicting rows are never candidates; every one of them shares the good
-    # row's request, so a match on any of them would be ambiguous.
-    for call in ["no-response", "no-chain", "bad-lengths", "empty-context", "twice"]:
-        request = [user("question"), assistant(f"answer of {call}"), user("go on")]
-        found = await ledger.resolve("r1", request)
-        assert (found.status, found.reason) == (UNRESOLVED, "no_match"), call
+    # Every commit row shares the request, but each has its own response: one candidate each.
     good = await ledger.resolve("r1", [user("question"), assistant("answer of good")])
     assert good.match is not None and good.match.model_call_id == "good"
-    # A poisoned call id is still write-once: the identical good row conflicts with it.
-    with pytest.raises(CaptureLedgerConflictError):
-        await ledger.record(make_commit("twice"))
+    poisoned = await ledger.resolve("r1", [user("question"), assistant("answer of no-chain")])
+    assert poisoned.match is not None and poisoned.match.chain_hash == ""
+
+
+async def test_a_row_the_manifest_cannot_read_is_corruption(ledger: FileCaptureLedger) -> None:
+    good = row_line(make_commit("c1"))
+    bad = json.dumps(changed_row("c2", cum_len=99), sort_keys=True).encode()
+    ledger.path_for("r1").parent.mkdir(parents=True, exist_ok=True)
+    ledger.path_for("r1").write_bytes(good + b"\n" + bad + b"\n")
+    offset = len(good) + 1
+    with pytest.raises(TokenCaptureCorruptionError, match=rf"r1\.lineage\.jsonl.*offset {offset}"):
+        await ledger.manifest("r1")
+    # Its own continuation cannot be read either (no context_len: NeMo Gym raises KeyError).
+    write_rows(ledger.path_for("r2"), [changed_row("c3", context_len=...)])
+    with pytest.raises(TokenCaptureCorruptionError, match="context_len"):
+        await ledger.resolve("r2", [user("question"), assistant("answer of c3")])
 
 
 async def test_torn_final_line_is_ignored_then_truncated_by_the_next_write(
@@ -316,11 +353,11 @@ async def test_torn_final_line_is_ignored_then_truncated_by_the_next_write(
     [
         b"not json",
         b"[1,2]",
-        b'{"kind":"mystery","model_call_id":"c"}',
-        b'{"kind":"commit","record":{"response_id":"x"}}',
-        b'{"kind":"failure","model_call_id":"c"}',
-        b'{"kind":"failure","model_call_id":"c","reason":"x","rollout_id":"someone-else"}',
-        b'{"kind":"failure","model_call_id":"c","reason":"x","schema_version":3}',
+        b'"a string"',
+        b"NaN",
+        b'{"failure_reason":"no call id"}',
+        b'{"kind":"failure","model_call_id":"c","reason":"x"}',  # our pre-compat format
+        b'{"model_call_id":"c\\ud800"}',  # a lone surrogate no UTF-8 reader takes
     ],
 )
 async def test_a_corrupt_complete_line_raises_and_blocks_writes(
@@ -415,7 +452,7 @@ async def test_resolution_returns_a_token_free_match(ledger: FileCaptureLedger) 
     assert found.match == LineageMatch(
         model_call_id="c1",
         cumulative_token_ids=(),
-        digest=record.digest,
+        digest=record.cumulative_hash,
         staging_chain=("s1",),
         prev_len=record.cum_len,
         chain_hash=record.chain_hash,
@@ -461,20 +498,32 @@ async def test_context_must_be_verified(ledger: FileCaptureLedger) -> None:
     assert (await ledger.resolve("r1", exact)).status is RESOLVED
 
 
-async def test_identical_retries_collapse_and_different_ones_are_ambiguous(
-    ledger: FileCaptureLedger,
-) -> None:
+async def test_a_fingerprint_on_several_rows_resolves_nothing(ledger: FileCaptureLedger) -> None:
+    # NeMo Gym's rule: exactly one row may carry the fingerprint; identical retries do not
+    # collapse and several rows are "no_match", not "ambiguous".
     request, response = [user("q")], [assistant("same output")]
     digest = compute_digest([1, 2, 3, 4, 5])
-    for call in ("retry-b", "retry-a", "retry-c"):
-        await ledger.record(make_commit(call, request=request, response=response, digest=digest))
+    await ledger.record(make_commit("retry-a", request=request, response=response))
     found = await ledger.resolve("r1", [*request, *response, user("next")])
     assert found.match is not None and found.match.model_call_id == "retry-a"
-
-    other = make_commit("retry-0", request=request, response=response, delta_len=6)
-    await ledger.record(other)
+    await ledger.record(
+        make_commit("retry-b", request=request, response=response, cumulative_hash=digest)
+    )
     found = await ledger.resolve("r1", [*request, *response, user("next")])
-    assert (found.status, found.reason) == (UNRESOLVED, "ambiguous")
+    assert (found.status, found.reason) == (UNRESOLVED, "no_match")
+
+
+async def test_only_current_fingerprint_versions_resolve(ledger: FileCaptureLedger) -> None:
+    await ledger.record(make_commit("c1", fingerprint_version=0))
+    request = [user("question"), assistant("answer of c1")]
+    assert (await ledger.resolve("r1", request)).reason == "no_match"
+    # ...and they do not count against a current row with the same fingerprint.
+    await ledger.record(make_commit("c1", "r2", fingerprint_version=1))
+    await ledger.record(
+        make_commit("c2", "r2", response=[assistant("answer of c1")], response_id="x")
+    )
+    found = await ledger.resolve("r2", request)
+    assert found.match is not None and found.match.model_call_id == "c2"
 
 
 async def test_resolution_hashes_non_plain_items_in_python(ledger: FileCaptureLedger) -> None:
@@ -568,7 +617,6 @@ async def test_shares_the_directory_and_lock_with_the_token_store(root: Path) ->
 
 def bad_calls(ledger: FileCaptureLedger) -> list[tuple[type[Exception], Any]]:
     valid = make_commit()
-    wrong_hash = make_commit().model_copy(update={"request_items": [user("something else")]})
     invalid_record = CaptureLedgerCommit.model_construct(
         rollout_id="r1",
         record=CallRecord.model_construct(**{**valid.record.model_dump(), "cum_len": 3}),
@@ -576,6 +624,8 @@ def bad_calls(ledger: FileCaptureLedger) -> list[tuple[type[Exception], Any]]:
         request_items=valid.request_items,
         response_items=valid.response_items,
     )
+    mutated = make_commit()
+    mutated.record.prev_len = -1  # the models are mutable, as NeMo Gym's are
     empty_stage = valid.model_copy(update={"staging_chain": ("",)})
     bad_commit = valid.model_dump()
     bad_commit["record"]["digest"] = "XYZ"
@@ -585,8 +635,8 @@ def bad_calls(ledger: FileCaptureLedger) -> list[tuple[type[Exception], Any]]:
         (ValidationError, lambda: ledger.record_now(bad_commit)),
         (ValueError, lambda: ledger.record_now(make_commit(rollout_id="bad/id"))),
         (ValueError, lambda: ledger.record_now(make_commit(rollout_id="x" * 300))),
-        (ValueError, lambda: ledger.record_now(wrong_hash)),
         (ValueError, lambda: ledger.record_now(invalid_record)),
+        (ValueError, lambda: ledger.record_now(mutated)),
         (ValueError, lambda: ledger.record_now(empty_stage)),
         (ValueError, lambda: ledger.record_failure_now("r1", "", "reason")),
         (ValueError, lambda: ledger.record_failure_now("r1", "c1", "")),

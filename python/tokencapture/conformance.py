@@ -88,7 +88,7 @@ from uuid import uuid4
 
 import orjson
 
-from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
+from tokencapture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
 from tokencapture.lineage import stamp_continuation
 from tokencapture.protocols import (
     CaptureLedger,
@@ -988,18 +988,28 @@ def _commit(rollout_id: str, call_id: str, variant: int = 0) -> CaptureLedgerCom
     ]
     response: list[dict[str, Any]] = [{"role": "assistant", "content": f"Answer {variant}: 391 ✓"}]
     tokens = list(range(500 + variant, 540 + variant))
+
+    def sha(label: str) -> str:
+        return hashlib.sha256(f"{label}:{call_id}:{variant}".encode()).hexdigest()
+
     record = CallRecord(
         model_call_id=call_id,
-        response_id=f"resp-{call_id}-{variant}",
-        mode="text",
         prev_len=0,
         delta_len=len(tokens),
         cum_len=len(tokens),
-        digest=compute_digest(tokens),
-        chain_hash=hashlib.sha256(f"chain:{call_id}:{variant}".encode()).hexdigest(),
+        weight_version=variant,
+        digest=sha("staged"),
+        extras_digest=sha("extras"),
+        staging_key=f"{rollout_id}/{call_id}",
+        mode="text",
+        chain_hash=sha("chain"),
+        cumulative_hash=compute_digest(tokens),
+        response_id=f"resp-{call_id}-{variant}",
+        admitted_at=1_700_000_000.25 + variant,
+        output_fingerprint=assistant_fingerprint(response),
         continuation_fingerprint=assistant_fingerprint([*request, *response]),
-        continuation_context_len=len(request),
-        continuation_context_digest=conversation_digest(request),
+        # Only rows of the current fingerprint version resolve.
+        fingerprint_version=FINGERPRINT_VERSION,
     )
     return CaptureLedgerCommit(
         rollout_id=rollout_id,
@@ -1071,17 +1081,21 @@ async def _ledger_round_trip(ctx: _Context) -> None:
         f"the manifest's records are {[r.model_dump() for r in manifest.records]}, expected "
         f"exactly the recorded {commit.record.model_dump()}",
     )
-    ctx.expect(manifest.failures == (), f"unexpected failure rows {manifest.failures}")
+    ctx.expect(not manifest.failures, f"unexpected failure rows {manifest.failures}")
     ctx.expect(await fresh.has_rows(rollout_id) is True, "has_rows is not True after a record")
     resolution = await fresh.resolve(rollout_id, _continuation_of(commit))
     ctx.expect(
         _status(resolution) == ParentResolutionStatus.RESOLVED.value
         and resolution.match is not None
         and resolution.match.model_call_id == "call-1"
-        and resolution.match.digest == commit.record.digest,
+        and resolution.match.digest == commit.record.cumulative_hash
+        and resolution.match.chain_hash == commit.record.chain_hash
+        and resolution.match.prev_len == commit.record.cum_len
+        and tuple(resolution.match.staging_chain) == commit.staging_chain,
         f"a fresh ledger client resolved the continuation of the recorded call as "
         f"{_status(resolution)!r} ({getattr(resolution, 'reason', '')!r}) to "
-        f"{getattr(resolution.match, 'model_call_id', None)!r}, expected 'call-1' with its digest",
+        f"{getattr(resolution.match, 'model_call_id', None)!r}, expected 'call-1' with its "
+        "cumulative hash as digest, its chain hash, its cum_len as prev_len and its staging chain",
     )
 
 

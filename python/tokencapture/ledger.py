@@ -1,67 +1,61 @@
-"""`FileCaptureLedger`: a file-backed `CaptureLedger`, backed by the Rust core.
+"""`FileCaptureLedger`: a file-backed `CaptureLedger` whose files are NeMo Gym 0.7.0's.
 
 A training framework that stages token arrays itself publishes each call's token-free
 `CallRecord` here (`record`), or a poison row for a call that did not commit (`record_failure`);
 serving workers resolve a new request's parent over the committed rows (`resolve`), and the
 trajectory builder reads the rollout's `manifest`, then `retire`s it.
 
-On disk, beside the token store's files (one directory, shareable by many processes), per rollout
-id ``R``:
+The rows are exactly those of NeMo Gym 0.7.0's `FileLineageStore` (its `CaptureLedger`), so
+both implementations can share one directory, each reading what the other writes with the same
+answers. Per rollout id ``R``, beside the token store's files:
 
 ``R.lineage.jsonl``
-    One row per line, ``\\n``-terminated, JSON with sorted keys and ``(",", ":")`` separators.
-    A commit row is ``{"kind":"commit","record":{...},"rollout_id":R,"schema_version":2,
-    "staging_chain":[...]}`` (``record`` is the `CallRecord` payload, whose ``model_call_id``
-    keys the row); a failure row is ``{"kind":"failure","model_call_id":C,"reason":T,
-    "rollout_id":R,"schema_version":2}``. The request and response items are not stored: the
-    record's ``continuation_*`` hashes, checked against them at `record` time, are what
-    resolution needs.
+    One row per line, ``\\n``-terminated, written as Python's
+    ``json.dumps(row, sort_keys=True, separators=(",", ":"))`` writes it (non-ASCII escaped).
+    A commit row holds the call id, the assistant ``fingerprint`` of its request and response
+    items, ``context_len`` and ``context_digest`` of the request, the record's
+    ``cumulative_hash`` as ``digest``, and the record's custody columns (``staging_digest`` is
+    the record's ``digest``; ``staging_chain`` the commit's). A failure row is
+    ``{"failure_reason":T,"model_call_id":C}``. See ``docs/compat-ledger.md``.
 ``R.lineage.retired``
-    **The fence**: an empty file whose existence means "retired". It is a separate file rather
-    than a row so that removing the rows never touches it and so that checking it is one
-    ``stat`` under the lock.
+    **The fence** (ours; NeMo Gym ignores it): an empty file whose existence means "retired".
 ``R.tokens.lock``
-    The token store's per-rollout ``flock`` target, shared: writers hold it exclusively,
-    readers shared, and every acquisition verifies that the path still names the locked inode.
+    The token store's per-rollout ``flock`` target: writers hold it exclusively, readers shared.
 
 Rules:
 
-* **Write once.** A commit row is written at most once per ``model_call_id``: the identical row
-  again is a no-op, a different one raises `CaptureLedgerConflictError` (a `ValueError`) and
-  writes nothing. Failure rows never conflict; an identical ``(model_call_id, reason)`` is a
-  no-op.
-* **Durable and visible before returning.** `record` and `record_failure` return after the row
-  and its newline are written in one call and ``fdatasync``ed (creating the file also fsyncs
-  the directory). Every reader, in any process, folds the bytes appended since its last look
-  under the shared lock, so the row is seen by the next `resolve`, `manifest` or `has_rows`.
+* **Write once**, decided as NeMo Gym decides it: a commit row is compared with the first row of
+  its call id (by value): equal is a no-op, different raises `CaptureLedgerConflictError` (a
+  `ValueError`) and writes nothing, so a commit after a failure row of the same call conflicts.
+  A failure row is a no-op when the identical failure row exists.
+* **Durable and visible before returning.** The row and its newline are written in one call and
+  ``fdatasync``ed (creating the file also fsyncs the directory).
 * **Recovery.** A final line without its newline was never acknowledged: readers ignore it, the
-  next writer truncates it. A complete line that is not a ledger row raises
-  `TokenCaptureCorruptionError` with the file and byte offset; nothing is skipped.
-* **Poison rows.** A commit row whose record has no response id, no ``digest`` or
-  ``chain_hash``, or is otherwise not a valid `CallRecord` (an older or foreign writer), is
-  listed under ``failures`` with ``missing_response_id``, ``missing_chain_digest`` or
-  ``invalid_call_record``; two different commit rows for one call id (a writer without this
-  ledger's check) are listed as ``conflicting_call_record``. None of them ever resolves, and
-  neither does a committed call that also has a failure row.
-* **Retire** is two phases, each ending in one directory fsync: create (and fsync) every
-  missing fence, then remove the rows. The fence is therefore durable before any removal is, and
-  a crash in between leaves a fenced rollout with rows, which still reads as retired. Later
-  `record` / `record_failure` calls for a fenced rollout are discarded silently (the seed's
-  contract); `manifest` and `has_rows` raise `RolloutRetiredError`; `resolve` finds no parent.
-* **Delete** removes the rows and the fence (and the shared lock file when no token-store file of
-  the rollout remains), then fsyncs the directory: the id reads as unused again.
+  next writer truncates it. A complete line that is not a JSON object with a ``model_call_id``
+  raises `TokenCaptureCorruptionError` with the file and byte offset, and so does a row the
+  manifest or resolution cannot read the way NeMo Gym reads it (where NeMo Gym would raise).
+* **Manifest and resolution** follow NeMo Gym: failure rows and rows with a ``staging_key`` are
+  listed (a custody row without a response id or chain hashes as a failure with NeMo Gym's
+  reason); a request resolves only when exactly one row carries its fingerprint (version 2)
+  and that row's recorded context matches.
+* **Retire** fences durably, then removes the rows; a fenced rollout discards later writes,
+  resolves nothing, and `manifest`/`has_rows` raise `RolloutRetiredError`. **Delete** removes
+  rows and fence.
+
+Every async method checks its arguments when it is called, not when it is awaited: a misuse
+raises at once instead of inside a coroutine nobody awaits.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-import orjson
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from tokencapture import _core
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
@@ -72,34 +66,38 @@ from tokencapture.protocols import (
     LineageResolution,
     RolloutRemovalPayload,
     TokenCaptureConflictError,
+    TokenCaptureCorruptionError,
 )
 from tokencapture.records import ParentResolutionStatus
 from tokencapture.staging.records import (
-    INVALID_CALL_RECORD_REASON,
-    LEDGER_SCHEMA_VERSION,
+    LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
+    LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
     CallRecord,
     CaptureLedgerCommit,
+    ManifestFailure,
+    RolloutManifest,
 )
-from tokencapture.store import (
-    _native_job,
-    _off_loop,
-    checked_when_called,
-    validate_rollout_id,
-    validate_rollout_ids,
-)
+from tokencapture.store import _native_job, _off_loop, validate_rollout_id, validate_rollout_ids
 
 __all__ = [
     "DEFAULT_LEDGER_CACHED_ROLLOUTS",
     "CaptureLedgerConflictError",
     "FileCaptureLedger",
+    "commit_row",
+    "manifest_from_rows",
 ]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LEDGER_CACHED_ROLLOUTS: Final = 256
+DEFAULT_LEDGER_CACHED_ROLLOUTS: Final[int] = 256
 """Rollouts whose folded rows a `FileCaptureLedger` keeps in memory (one descriptor each)."""
 
-_ROOT: Final = LineageResolution(ParentResolutionStatus.ROOT)
+_ROOT: Final[LineageResolution] = LineageResolution(ParentResolutionStatus.ROOT)
+_NO_MATCH: Final[LineageResolution] = LineageResolution(
+    ParentResolutionStatus.UNRESOLVED, reason="no_match"
+)
+# What reading a row the way NeMo Gym reads it can raise on a row it cannot use.
+_ROW_ERRORS: Final[tuple[type[Exception], ...]] = (KeyError, TypeError, ValueError, ArithmeticError)
 
 
 class CaptureLedgerConflictError(ValueError):
@@ -118,10 +116,9 @@ def _conflict(rollout_id: str, model_call_id: str) -> CaptureLedgerConflictError
 
 
 def _as_commit(commit: object) -> CaptureLedgerCommit:
-    if isinstance(commit, CaptureLedgerCommit) and isinstance(commit.record, CallRecord):
-        return commit
+    """Our `CaptureLedgerCommit`, revalidated (models are mutable, so an instance may have been
+    changed since it was validated); NeMo Gym's model and a dict are accepted alike."""
     if isinstance(commit, BaseModel):
-        # A foreign model with the same fields (NeMo Gym's own commit): revalidate its values.
         return CaptureLedgerCommit.model_validate(commit.model_dump())
     if isinstance(commit, Mapping):
         return CaptureLedgerCommit.model_validate(dict(commit))
@@ -131,56 +128,63 @@ def _as_commit(commit: object) -> CaptureLedgerCommit:
     )
 
 
-def _hashes(items: list[Any], context_len: int) -> tuple[str, str]:
-    """`(assistant_fingerprint(items), conversation_digest(items[:context_len]))`: natively for
-    plain JSON items, by `tokencapture.fingerprint` (their definition) otherwise."""
-    hashes = _core.continuation_hashes(items, context_len)
-    if hashes is not None:
-        return hashes
-    return assistant_fingerprint(items), conversation_digest(items[:context_len])
+def _custody_columns(record: CallRecord, staging_chain: Sequence[str]) -> dict[str, Any]:
+    """The record's columns of a commit row (``staging_digest`` is the record's ``digest``)."""
+    return {
+        "parent_call_id": record.parent_call_id,
+        "staging_key": record.staging_key,
+        "weight_version": record.weight_version,
+        "prev_len": record.prev_len,
+        "delta_len": record.delta_len,
+        "cum_len": record.cum_len,
+        "staging_digest": record.digest,
+        "extras_digest": record.extras_digest,
+        "mode": record.mode,
+        "admitted_at": record.admitted_at,
+        "staging_chain": list(staging_chain),
+        "chain_hash": record.chain_hash,
+        "cumulative_hash": record.cumulative_hash,
+        "response_id": record.response_id,
+        "output_fingerprint": record.output_fingerprint or None,
+        "continuation_fingerprint": record.continuation_fingerprint or None,
+        "fingerprint_version": record.fingerprint_version,
+    }
+
+
+def commit_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
+    """The ledger row of a validated commit, as NeMo Gym 0.7.0's `FileLineageStore` builds it.
+
+    ``fingerprint_version`` is the record's own field (0 unless the framework set it), and only
+    rows of version 2 ever resolve: NeMo Gym's rule, kept so both read a row alike.
+    """
+    request = list(commit.request_items)
+    return {
+        "model_call_id": commit.record.model_call_id,
+        "fingerprint": assistant_fingerprint([*request, *commit.response_items]),
+        "context_len": len(request),
+        "context_digest": conversation_digest(request),
+        "digest": commit.record.cumulative_hash,
+        **_custody_columns(commit.record, commit.staging_chain),
+    }
+
+
+def _row_bytes(row: Mapping[str, Any]) -> bytes:
+    return json.dumps(row, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _commit_line(commit: object) -> tuple[str, str, bytes]:
     """Validate a commit and build its row: `(rollout_id, model_call_id, line)`.
 
     Raises before anything is written: `TypeError` for a wrong type, `ValueError` (pydantic's
-    `ValidationError` included) for a malformed commit or a record whose continuation hashes do
-    not match the commit's request and response items.
+    `ValidationError` included) for a malformed commit or one whose text cannot be stored.
     """
     checked = _as_commit(commit)
     rollout_id = validate_rollout_id(checked.rollout_id)
-    record = checked.record
-    request = list(checked.request_items)
-    fingerprint, context_digest = _hashes([*request, *checked.response_items], len(request))
-    expected = {
-        "continuation_fingerprint": fingerprint,
-        "continuation_context_len": len(request),
-        "continuation_context_digest": context_digest,
-    }
-    wrong = [name for name, value in expected.items() if getattr(record, name) != value]
-    if wrong:
-        fields = ", ".join(f"record.{name}" for name in wrong)
-        raise ValueError(
-            f"commit of {record.model_call_id!r} (rollout {rollout_id!r}): {fields} "
-            f"{'does' if len(wrong) == 1 else 'do'} not match the hashes of its request_items "
-            "and response_items (as stamp_continuation computes them), so no request could "
-            "ever be matched to it"
-        )
-    row = {
-        "kind": "commit",
-        "record": record.model_dump(mode="json"),
-        "rollout_id": rollout_id,
-        "schema_version": LEDGER_SCHEMA_VERSION,
-        "staging_chain": list(checked.staging_chain),
-    }
-    try:
-        line = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
-    except (orjson.JSONEncodeError, RecursionError) as exc:
-        raise ValueError(
-            f"commit of {record.model_call_id!r} (rollout {rollout_id!r}) cannot be stored as "
-            f"JSON that reads back: {exc}"
-        ) from exc
-    return rollout_id, record.model_call_id, line
+    row = commit_row(checked)
+    # Every text of the row passed a strict-str check, which refuses lone surrogates, so the
+    # row encodes as UTF-8 and reads back.
+    call_id = checked.record.model_call_id
+    return rollout_id, call_id, _row_bytes(row)
 
 
 def _check_failure(rollout_id: str, model_call_id: str, reason: str) -> None:
@@ -190,28 +194,95 @@ def _check_failure(rollout_id: str, model_call_id: str, reason: str) -> None:
             raise TypeError(f"{name} must be a str, not {type(value).__name__}")
         if not value:
             raise ValueError(f"{name} must not be empty")
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{name} is not valid Unicode (a lone surrogate): {exc}") from exc
 
 
-def _failure(model_call_id: str, reason: str) -> dict[str, Any]:
-    return {
-        "schema_version": LEDGER_SCHEMA_VERSION,
-        "model_call_id": model_call_id,
-        "reason": reason,
-    }
+def _corrupt(path: Path, offset: int, exc: BaseException) -> TokenCaptureCorruptionError:
+    detail = " ".join(str(exc).split())  # one line, like every corruption message
+    return TokenCaptureCorruptionError(
+        f"{path}: ledger row cannot be read as NeMo Gym reads it ({type(exc).__name__}: "
+        f"{detail}) (byte offset {offset})"
+    )
 
 
-_Step = tuple[str, str | None, str, tuple[str, ...], int, str, str]
+def _manifest_entry(row: dict[str, Any]) -> CallRecord | ManifestFailure | None:
+    """What one row contributes to the manifest, by NeMo Gym's rules (None: nothing)."""
+    if row.get("failure_reason") is not None:
+        return ManifestFailure(
+            model_call_id=str(row["model_call_id"]), reason=str(row["failure_reason"])
+        )
+    if row.get("staging_key") is None:
+        return None  # a lineage-only row: not part of a capture manifest
+    if not row.get("response_id"):
+        return ManifestFailure(
+            model_call_id=str(row["model_call_id"]), reason=LEDGER_ROW_MISSING_RESPONSE_ID_REASON
+        )
+    if not row.get("chain_hash") or not row.get("cumulative_hash"):
+        return ManifestFailure(
+            model_call_id=str(row["model_call_id"]), reason=LEDGER_ROW_MISSING_CHAIN_HASH_REASON
+        )
+    return CallRecord(
+        model_call_id=str(row["model_call_id"]),
+        parent_call_id=row.get("parent_call_id"),
+        prev_len=int(row["prev_len"]),
+        delta_len=int(row["delta_len"]),
+        cum_len=int(row["cum_len"]),
+        weight_version=int(row["weight_version"]),
+        digest=str(row["staging_digest"]),
+        extras_digest=str(row["extras_digest"]),
+        staging_key=str(row["staging_key"]),
+        mode=str(row["mode"]),
+        chain_hash=str(row["chain_hash"]),
+        cumulative_hash=str(row["cumulative_hash"]),
+        response_id=str(row["response_id"]),
+        admitted_at=row.get("admitted_at"),
+        output_fingerprint=row.get("output_fingerprint") or None,
+        continuation_fingerprint=row.get("continuation_fingerprint") or None,
+        fingerprint_version=int(row.get("fingerprint_version") or 0),
+    )
 
 
-def _resolution(step: _Step) -> LineageResolution:
-    status, call_id, digest, staging_chain, prev_len, chain_hash, reason = step
-    if status == "resolved":
-        assert call_id is not None
-        match = LineageMatch(call_id, (), digest, staging_chain, prev_len, chain_hash)
-        return LineageResolution(ParentResolutionStatus.RESOLVED, match)
-    if status == "root":
-        return _ROOT
-    return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=reason)
+def manifest_from_rows(
+    rollout_id: str, rows: Sequence[tuple[int, bytes]], path: Path
+) -> dict[str, Any]:
+    """The manifest payload of `(offset, row bytes)` rows, as NeMo Gym builds it.
+
+    Where NeMo Gym's manifest would raise on a row (a missing column, a value its model
+    refuses), this raises `TokenCaptureCorruptionError` naming the row's file and offset.
+    """
+    records: list[CallRecord] = []
+    failures: list[ManifestFailure] = []
+    for offset, line in rows:
+        try:
+            entry = _manifest_entry(json.loads(line))
+        except _ROW_ERRORS as exc:
+            raise _corrupt(path, offset, exc) from exc
+        if isinstance(entry, CallRecord):
+            records.append(entry)
+        elif entry is not None:
+            failures.append(entry)
+    manifest = RolloutManifest(rollout_id=rollout_id, records=records, failures=failures)
+    return manifest.model_dump(mode="json")
+
+
+def _match_of(row: dict[str, Any], items: list[Any]) -> LineageMatch | None:
+    """The parent a candidate row makes of this request, or None when its context differs."""
+    context_len = int(row["context_len"])
+    if len(items) < context_len:
+        return None
+    if conversation_digest(items[:context_len]) != row["context_digest"]:
+        return None
+    return LineageMatch(
+        model_call_id=str(row["model_call_id"]),
+        cumulative_token_ids=tuple(int(token) for token in row.get("cumulative_token_ids") or ()),
+        digest=str(row["digest"]),
+        staging_chain=tuple(row.get("staging_chain") or []),
+        prev_len=int(row.get("cum_len") or 0),
+        chain_hash=str(row.get("chain_hash") or ""),
+    )
 
 
 @instrumented(
@@ -230,7 +301,8 @@ def _resolution(step: _Step) -> LineageResolution:
     },
 )
 class FileCaptureLedger:
-    """A `CaptureLedger` over one directory, shared by every process that opens it.
+    """A `CaptureLedger` over one directory, shared by every process that opens it (and by
+    NeMo Gym 0.7.0's `FileLineageStore` over the same directory).
 
     Safe to share between threads. Each instance keeps the folded rows of at most
     `cached_rollouts` rollouts (LRU); every operation first folds whatever other processes
@@ -277,14 +349,17 @@ class FileCaptureLedger:
         rollout_id, _, line = _commit_line(commit)
         return self._native.record(rollout_id, line)
 
-    @checked_when_called(_as_commit)  # arguments are checked when called
-    async def record(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> None:
-        """Publish a completed call; returns once every process can read it.
+    def record(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> Coroutine[Any, Any, None]:
+        """Publish a completed call; the awaited result returns once every process can read it.
 
-        The same row again is a no-op; a different row for the same model_call_id raises
-        `CaptureLedgerConflictError`. A retired rollout discards the row.
+        The commit is validated and its row built when this is called. The same row again is a
+        no-op; a different row for the same model_call_id raises `CaptureLedgerConflictError`.
+        A retired rollout discards the row.
         """
         rollout_id, call_id, line = _commit_line(commit)
+        return self._record(rollout_id, call_id, line)
+
+    async def _record(self, rollout_id: str, call_id: str, line: bytes) -> None:
         try:
             stored = await _native_job(self._native.submit_record, rollout_id, line)
         except TokenCaptureConflictError:
@@ -299,10 +374,17 @@ class FileCaptureLedger:
         _check_failure(rollout_id, model_call_id, reason)
         return self._native.record_failure(rollout_id, model_call_id, reason)
 
-    @checked_when_called(_check_failure)  # arguments are checked when called
-    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
-        """Durably record a call whose capture did not complete (it poisons the manifest)."""
+    def record_failure(
+        self, rollout_id: str, model_call_id: str, reason: str
+    ) -> Coroutine[Any, Any, None]:
+        """Durably record a call whose capture did not complete (it poisons the manifest).
+
+        The arguments are checked when this is called.
+        """
         _check_failure(rollout_id, model_call_id, reason)
+        return self._record_failure(rollout_id, model_call_id, reason)
+
+    async def _record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         stored = await _native_job(
             self._native.submit_record_failure, rollout_id, model_call_id, reason
         )
@@ -315,72 +397,61 @@ class FileCaptureLedger:
 
     def manifest_now(self, rollout_id: str) -> dict[str, Any]:
         """Synchronous `manifest`."""
-        validate_rollout_id(rollout_id)
-        commits, failures = self._native.manifest(rollout_id)
-        records: list[dict[str, Any]] = []
-        failure_rows = [_failure(call_id, reason) for call_id, reason in failures]
-        for call_id, raw in commits:
-            try:
-                records.append(CallRecord.model_validate_json(raw).model_dump(mode="json"))
-            except ValidationError as exc:  # pragma: no cover - the native check is stricter
-                logger.warning("ledger row of %r in %r is invalid: %s", call_id, rollout_id, exc)
-                failure_rows.append(_failure(call_id, INVALID_CALL_RECORD_REASON))
-        return {
-            "schema_version": LEDGER_SCHEMA_VERSION,
-            "rollout_id": rollout_id,
-            "records": records,
-            "failures": failure_rows,
-        }
+        path = self.path_for(rollout_id)
+        return manifest_from_rows(rollout_id, self._native.manifest_rows(rollout_id), path)
 
-    @checked_when_called(validate_rollout_id)  # arguments are checked when called
-    async def manifest(self, rollout_id: str) -> dict[str, Any]:
+    def manifest(self, rollout_id: str) -> Coroutine[Any, Any, dict[str, Any]]:
         """The rollout's token-free ledger as plain wire data (validates as `RolloutManifest`).
 
         Committed rows are under ``records``, poison rows under ``failures``; no token arrays.
         A retired rollout raises `RolloutRetiredError` instead of looking empty.
         """
-        return await _off_loop(self.manifest_now, rollout_id)
+        validate_rollout_id(rollout_id)
+        return _off_loop(self.manifest_now, rollout_id)
 
     def has_rows_now(self, rollout_id: str) -> bool:
         """Synchronous `has_rows`."""
         validate_rollout_id(rollout_id)
         return self._native.has_rows(rollout_id)
 
-    @checked_when_called(validate_rollout_id)  # arguments are checked when called
-    async def has_rows(self, rollout_id: str) -> bool:
-        """Whether any row (committed or failed) exists; retired -> `RolloutRetiredError`."""
-        return await _off_loop(self.has_rows_now, rollout_id)
+    def has_rows(self, rollout_id: str) -> Coroutine[Any, Any, bool]:
+        """Whether any row exists (any JSON object row, as NeMo Gym counts them); a retired
+        rollout raises `RolloutRetiredError`."""
+        validate_rollout_id(rollout_id)
+        return _off_loop(self.has_rows_now, rollout_id)
 
     def resolve_now(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
         """Synchronous `resolve`."""
-        validate_rollout_id(rollout_id)
-        items = request_items if isinstance(request_items, list) else list(request_items)
-        fingerprint, _ = _hashes(items, 0)
+        items = check_resolve_args(rollout_id, request_items)
+        fingerprint = assistant_fingerprint(items)
         if not fingerprint:
             return _ROOT
-        digests: dict[int, str] = {}
-        while True:
-            step = self._native.resolve_hashed(rollout_id, fingerprint, len(items), digests)
-            if isinstance(step, tuple):
-                return _resolution(step)
-            if not step:  # pragma: no cover - caller-supplied hashes never need a fallback
-                raise RuntimeError("the native ledger asked for no digests")
-            for length in step:
-                digests[length] = _hashes(items[:length], length)[1]
+        found = self._native.candidate(rollout_id, fingerprint)
+        if found is None:
+            return _NO_MATCH
+        offset, line = found
+        try:
+            match = _match_of(json.loads(line), items)
+        except _ROW_ERRORS as exc:
+            raise _corrupt(self.path_for(rollout_id), offset, exc) from exc
+        if match is None:
+            return _NO_MATCH
+        return LineageResolution(ParentResolutionStatus.RESOLVED, match=match)
 
-    @checked_when_called(check_resolve_args)  # arguments are checked when called
-    async def resolve(
+    def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
-    ) -> LineageResolution:
-        """ROOT, RESOLVED with a token-free `LineageMatch`, or UNRESOLVED with a reason.
+    ) -> Coroutine[Any, Any, LineageResolution]:
+        """ROOT, RESOLVED with a token-free `LineageMatch`, or UNRESOLVED ``"no_match"``.
 
-        The match carries the parent's ``digest``, ``chain_hash``, its ``cum_len`` as
-        ``prev_len`` and its commit's ``staging_chain``; ``cumulative_token_ids`` is empty (the
-        tokens live in the framework's staging). A retired rollout resolves no parent.
+        The match carries the row's ``digest`` (the call's cumulative hash), ``chain_hash``,
+        its ``cum_len`` as ``prev_len`` and the commit's ``staging_chain``;
+        ``cumulative_token_ids`` is empty (the tokens live in the framework's staging). A
+        retired rollout resolves no parent.
         """
-        return await _off_loop(self.resolve_now, rollout_id, request_items)
+        items = check_resolve_args(rollout_id, request_items)
+        return _off_loop(self.resolve_now, rollout_id, items)
 
     def is_process_shared(self) -> bool:
         return True
@@ -393,15 +464,14 @@ class FileCaptureLedger:
         removed, absent = self._native.retire(ids)
         return {"removed": removed, "absent": absent}
 
-    @checked_when_called(validate_rollout_ids)  # arguments are checked when called
-    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+    def retire(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
         """Fence rollouts durably, then remove their rows. Retiring again is a no-op.
 
-        The whole batch is validated first (a bare string is a `TypeError`, an invalid id a
-        `ValueError`) and nothing changes if any id is refused.
+        The whole batch is validated when this is called (a bare string is a `TypeError`, an
+        invalid id a `ValueError`) and nothing changes if any id is refused.
         """
         ids = validate_rollout_ids(rollout_ids)
-        return await _off_loop(self.retire_now, ids)
+        return _off_loop(self.retire_now, ids)
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `delete`."""
@@ -409,11 +479,13 @@ class FileCaptureLedger:
         removed, absent = self._native.delete(ids)
         return {"removed": removed, "absent": absent}
 
-    @checked_when_called(validate_rollout_ids)  # arguments are checked when called
-    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
-        """Remove rollouts' rows and fences, so a reused id starts empty. Idempotent."""
+    def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """Remove rollouts' rows and fences, so a reused id starts empty. Idempotent.
+
+        The batch is validated when this is called: a bare string is a `TypeError` at once.
+        """
         ids = validate_rollout_ids(rollout_ids)
-        return await _off_loop(self.delete_now, ids)
+        return _off_loop(self.delete_now, ids)
 
     async def close(self) -> None:
         """Drop the cached rows and their descriptors. Idempotent; nothing is ever pending

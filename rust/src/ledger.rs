@@ -7,40 +7,46 @@
 //! | file | content |
 //! | --- | --- |
 //! | `R.lineage.jsonl` | one row per line, `\n`-terminated, in commit order |
-//! | `R.lineage.retired` | the fence: an empty file whose existence means "retired" |
+//! | `R.lineage.retired` | the fence: an empty file whose existence means "retired" (ours only) |
 //! | `R.tokens.lock` | the same `flock` target as the token store (writers exclusive, readers shared) |
 //!
-//! Rows are JSON objects with sorted keys and no spaces (what orjson `OPT_SORT_KEYS` writes):
+//! The rows are NeMo Gym 0.7.0's `FileLineageStore` rows, so both implementations share one
+//! directory: JSON objects with sorted keys, `(",", ":")` separators and every non-ASCII or
+//! control character `\u`-escaped (what Python's `json.dumps(row, sort_keys=True,
+//! separators=(",", ":"))` writes; the binding builds commit rows with exactly that call).
 //!
-//! * commit: `{"kind":"commit","record":{CallRecord},"rollout_id":R,"schema_version":2,
-//!   "staging_chain":[...]}`; its call id is `record.model_call_id`;
-//! * failure: `{"kind":"failure","model_call_id":C,"reason":T,"rollout_id":R,"schema_version":2}`.
+//! * commit row: `model_call_id`, `fingerprint`, `context_len`, `context_digest`, `digest`
+//!   (the record's cumulative hash) and the record's custody columns (`staging_key`,
+//!   `staging_digest`, `chain_hash`, ...);
+//! * failure row: `{"failure_reason":T,"model_call_id":C}`.
+//!
+//! This module does not interpret custody columns: the manifest is built from the raw rows by
+//! the binding, by NeMo Gym's rules. What it keeps per row is what the write rules and
+//! resolution need: the call id, the failure pair, and the fingerprint.
 //!
 //! # Rules
 //!
-//! * **Write once.** Per call id there is at most one commit row: an identical row (same bytes,
-//!   compared by payload digest) is a no-op, a different one is a [`LedgerError::Conflict`] and
-//!   nothing is written. Failure rows never conflict; an identical `(call id, reason)` is a no-op.
-//!   Rows appended by a writer without this check (a foreign or racing writer) are judged on
-//!   read: a second, different commit row for a call id makes that call *conflicted*, which is
-//!   never a resolution candidate and is reported as a failure.
+//! * **Write once, as NeMo Gym decides it.** A commit row is compared (by Python value equality:
+//!   `1 == 1.0 == true`) with the *first* row of its call id: equal is a no-op, different is a
+//!   [`LedgerError::Conflict`] and nothing is written (so a commit after a failure row of the
+//!   same call conflicts, as in NeMo Gym). A failure row is a no-op when an identical failure
+//!   row exists, and is appended otherwise (also after a commit of the same call).
 //! * **Durable and visible before returning.** A row and its newline are written in one call
 //!   and `fdatasync`ed; creating the ledger file also fsyncs the directory. Readers in any
-//!   process fold the bytes past their cursor under the shared lock, so a row whose `record`
-//!   has returned is seen by the next read anywhere.
-//! * **Torn and corrupt lines** follow the token store ([`crate::log`]): a final line without
-//!   its newline was never acknowledged, so readers ignore it and a writer truncates it before
-//!   appending; a complete line that is not a ledger row (not a JSON object, unknown `kind`, no
-//!   call id, another rollout's id, a newer `schema_version`) is [`Error::Corrupt`].
-//! * **Poison rows.** A commit row whose record is not a valid `CallRecord` is kept but
-//!   classified: no response id -> `missing_response_id`, no `digest` or `chain_hash` ->
-//!   `missing_chain_digest`, anything else -> `invalid_call_record`. It is listed as a failure,
-//!   never resolved. A call that also has a failure row is never resolved either.
+//!   process fold the bytes past their cursor under the shared lock.
+//! * **Torn and corrupt lines.** A final line without its newline was never acknowledged:
+//!   readers ignore it and a writer truncates it before appending. Lines that are empty after
+//!   stripping ASCII whitespace are skipped (as NeMo Gym does). Any other complete line that is
+//!   not a JSON object with a `model_call_id` key, or that carries a `kind` key (the row format
+//!   of tokencapture before it adopted NeMo Gym's), is [`Error::Corrupt`] with its offset.
+//! * **Resolution candidates** are the rows whose `fingerprint` is the request's and whose
+//!   `fingerprint_version` equals 2 (numerically): exactly one is a candidate, any other count
+//!   is no candidate (NeMo Gym's rule; it never collapses or reports "ambiguous" here).
 //! * **The fence.** `retire` first creates every missing `R.lineage.retired` and fsyncs it and
 //!   the directory, then removes `R.lineage.jsonl` and fsyncs the directory again, so a removal
 //!   can never be durable without its fence. A fenced rollout discards later rows (the write
-//!   returns [`RecordOutcome::Discarded`]), and reading it is [`LedgerError::Retired`], even if a
-//!   crash left rows behind. `delete` removes the rows and the fence (and the lock file, when no
+//!   returns [`RecordOutcome::Discarded`]), reading it is [`LedgerError::Retired`], and it
+//!   resolves nothing. `delete` removes the rows and the fence (and the lock file, when no
 //!   token-store file of the rollout remains), then fsyncs the directory.
 
 use std::collections::{HashMap, HashSet};
@@ -51,33 +57,20 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use lru::LruCache;
-use serde::Serialize;
 use serde_json::{Map, Value};
 
-use crate::digest::payload_digest;
 use crate::error::{Error, IoContext};
-use crate::lineage::{Missing, Request, REASON_AMBIGUOUS, REASON_NO_MATCH};
 use crate::lock::{LockMode, RolloutLock};
 use crate::log::{append_line, complete_lines, complete_prefix_len};
-use crate::state::is_hex_digest;
 use crate::store::{
     remove_if_exists, rollout_cache, validate_rollout_id, validate_rollout_ids, Removal,
     RolloutPaths, RootDir,
 };
 
-/// The row and wire schema version.
-pub const LEDGER_SCHEMA_VERSION: u64 = 2;
+/// The fingerprint version whose rows can resolve (`tokencapture.fingerprint`'s).
+pub const FINGERPRINT_VERSION: u64 = 2;
 /// Default number of rollouts whose index a [`Ledger`] keeps (one descriptor each).
 pub const DEFAULT_CACHED_ROLLOUTS: usize = 256;
-
-/// A committed row without a response id.
-pub const MISSING_RESPONSE_ID_REASON: &str = "missing_response_id";
-/// A committed row without its token digest or chain hash.
-pub const MISSING_CHAIN_DIGEST_REASON: &str = "missing_chain_digest";
-/// A committed row whose record is not a valid `CallRecord` for another reason.
-pub const INVALID_CALL_RECORD_REASON: &str = "invalid_call_record";
-/// A call id with two different committed rows.
-pub const CONFLICTING_CALL_RECORD_REASON: &str = "conflicting_call_record";
 
 /// What a ledger operation can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -91,7 +84,7 @@ pub enum LedgerError {
          its id)"
     )]
     Retired(String),
-    /// A commit row for a call id that already has a different one.
+    /// A commit row for a call id whose first row is a different one.
     #[error(
         "model_call_id {call_id:?} of rollout {rollout_id:?} is already recorded with a \
          different row; ledger rows are written once"
@@ -107,286 +100,175 @@ fn invalid<T>(message: impl Into<String>) -> Result<T> {
 
 // ---- rows ----------------------------------------------------------------------------------
 
-/// What resolution needs of a valid commit row.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CommitMeta {
-    pub fingerprint: String,
-    pub context_len: usize,
-    pub context_digest: String,
-    pub digest: String,
-    pub cum_len: u64,
-    pub prev_len: u64,
-    pub chain_hash: String,
-    pub staging_chain: Vec<String>,
+/// One complete, non-blank row: its file offset, its bytes (ASCII whitespace stripped, as
+/// NeMo Gym strips it) and its value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredRow {
+    pub offset: u64,
+    pub line: Vec<u8>,
+    pub value: Map<String, Value>,
 }
 
-/// One parsed row.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Row {
-    Commit {
-        call_id: String,
-        /// The record as compact JSON (what the manifest lists).
-        record: Vec<u8>,
-        /// The resolution metadata, or the failure reason of a poison row.
-        meta: std::result::Result<CommitMeta, &'static str>,
-    },
-    Failure {
-        call_id: String,
-        reason: String,
-    },
-}
+impl StoredRow {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.value.get(key)
+    }
 
-impl Row {
-    pub fn call_id(&self) -> &str {
-        match self {
-            Row::Commit { call_id, .. } | Row::Failure { call_id, .. } => call_id,
-        }
+    /// Not absent and not `null` (NeMo Gym's `row.get(key) is not None`).
+    fn has(&self, key: &str) -> bool {
+        !matches!(self.get(key), None | Some(Value::Null))
+    }
+
+    /// Whether NeMo Gym's manifest lists this row (as a failure or a committed record).
+    pub fn in_manifest(&self) -> bool {
+        self.has("failure_reason") || self.has("staging_key")
     }
 }
 
-/// Every field of a `CallRecord` (`extra="forbid"`).
-const RECORD_KEYS: [&str; 16] = [
-    "schema_version",
-    "digest_version",
-    "extras_digest_version",
-    "model_call_id",
-    "response_id",
-    "parent_call_id",
-    "mode",
-    "prev_len",
-    "delta_len",
-    "cum_len",
-    "digest",
-    "chain_hash",
-    "extras_digest",
-    "continuation_fingerprint",
-    "continuation_context_len",
-    "continuation_context_digest",
-];
-
-const ROW_KEYS: [&str; 5] = [
-    "kind",
-    "record",
-    "rollout_id",
-    "schema_version",
-    "staging_chain",
-];
-
-fn non_empty_str(value: Option<&Value>) -> Option<&str> {
-    value.and_then(Value::as_str).filter(|s| !s.is_empty())
+/// Python's `bytes.strip()`: ASCII whitespace, including vertical tab and form feed.
+pub fn strip_ascii_whitespace(line: &[u8]) -> &[u8] {
+    let space = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c);
+    let start = line.iter().position(|b| !space(b)).unwrap_or(line.len());
+    let end = line
+        .iter()
+        .rposition(|b| !space(b))
+        .map_or(start, |i| i + 1);
+    &line[start..end]
 }
 
-/// Classify a record by the rules of `CallRecord` (at least as strict as its validation, so a
-/// row resolution accepts always validates). `Err` is the failure reason.
-fn classify(
-    record: &Map<String, Value>,
-    staging_chain: Option<&Value>,
-    extra_row_keys: bool,
-) -> std::result::Result<CommitMeta, &'static str> {
-    let absent = |key: &str| match record.get(key) {
-        None | Some(Value::Null) => true,
-        Some(Value::String(s)) => s.is_empty(),
-        Some(_) => false,
-    };
-    if absent("response_id") {
-        return Err(MISSING_RESPONSE_ID_REASON);
-    }
-    if absent("digest") || absent("chain_hash") {
-        return Err(MISSING_CHAIN_DIGEST_REASON);
-    }
-    let bad = INVALID_CALL_RECORD_REASON;
-    if extra_row_keys
-        || record
-            .keys()
-            .any(|key| !RECORD_KEYS.contains(&key.as_str()))
-    {
-        return Err(bad);
-    }
-    for (key, version) in [
-        ("schema_version", 2),
-        ("digest_version", 2),
-        ("extras_digest_version", 1),
-    ] {
-        if record.get(key).is_some_and(|v| v.as_u64() != Some(version)) {
-            return Err(bad);
-        }
-    }
-    let call_id = non_empty_str(record.get("model_call_id")).ok_or(bad)?;
-    non_empty_str(record.get("response_id")).ok_or(bad)?;
-    let parent = match record.get("parent_call_id") {
-        None | Some(Value::Null) => None,
-        Some(value) => Some(non_empty_str(Some(value)).ok_or(bad)?),
-    };
-    let mode = record.get("mode").and_then(Value::as_str).ok_or(bad)?;
-    let count = |key: &str| record.get(key).and_then(Value::as_u64).ok_or(bad);
-    let (prev_len, delta_len, cum_len) =
-        (count("prev_len")?, count("delta_len")?, count("cum_len")?);
-    let hex = |key: &str| {
-        record
-            .get(key)
-            .and_then(Value::as_str)
-            .filter(|s| is_hex_digest(s))
-            .map(str::to_owned)
-            .ok_or(bad)
-    };
-    let digest = hex("digest")?;
-    let chain_hash = hex("chain_hash")?;
-    let context_digest = hex("continuation_context_digest")?;
-    match record.get("extras_digest") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) if is_hex_digest(s) => {}
-        Some(_) => return Err(bad),
-    }
-    let fingerprint = record
-        .get("continuation_fingerprint")
-        .and_then(Value::as_str)
-        .filter(|s| s.is_empty() || is_hex_digest(s))
-        .ok_or(bad)?
-        .to_owned();
-    let context_len = usize::try_from(count("continuation_context_len")?).map_err(|_| bad)?;
-    if delta_len == 0 || prev_len.checked_add(delta_len) != Some(cum_len) {
-        return Err(bad);
-    }
-    let parent_ok = match parent {
-        None => prev_len == 0 && mode == "text",
-        Some(parent) => prev_len > 0 && mode == "token_in" && parent != call_id,
-    };
-    if !parent_ok {
-        return Err(bad);
-    }
-    let staging_chain = match staging_chain {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|item| non_empty_str(Some(item)).map(str::to_owned))
-            .collect::<Option<Vec<_>>>()
-            .ok_or(bad)?,
-        Some(_) => return Err(bad),
-    };
-    Ok(CommitMeta {
-        fingerprint,
-        context_len,
-        context_digest,
-        digest,
-        cum_len,
-        prev_len,
-        chain_hash,
-        staging_chain,
-    })
-}
-
-/// Parse one row of `rollout_id`'s ledger. The error is a plain description: the caller adds
-/// the file and offset (a corrupt line) or refuses the write (invalid input).
-pub fn parse_row(line: &[u8], rollout_id: &str) -> std::result::Result<Row, String> {
+/// Parse one stripped, non-empty line into a row value. The error is a plain description: the
+/// caller adds the file and offset (a corrupt line) or refuses the write (invalid input).
+pub fn parse_row(line: &[u8]) -> std::result::Result<Map<String, Value>, String> {
     let value: Value =
         serde_json::from_slice(line).map_err(|err| format!("not a JSON ledger row: {err}"))?;
     let Value::Object(row) = value else {
         return Err("a ledger row must be a JSON object".into());
     };
-    if let Some(version) = row.get("schema_version") {
-        match version.as_u64() {
-            Some(1..=LEDGER_SCHEMA_VERSION) => {}
-            Some(newer) if newer > LEDGER_SCHEMA_VERSION => {
-                return Err(format!(
-                    "row has schema_version {newer}, newer than this reader's \
-                     {LEDGER_SCHEMA_VERSION}; refusing to guess at it"
-                ))
+    if row.contains_key("kind") {
+        return Err(
+            "a row with a \"kind\" key is in tokencapture's pre-0.7-compatible ledger \
+                    format, which is no longer read (delete the rollout, or rewrite its rows)"
+                .into(),
+        );
+    }
+    if !row.contains_key("model_call_id") {
+        return Err("a ledger row must have a model_call_id".into());
+    }
+    Ok(row)
+}
+
+/// A JSON number or bool as Python compares it: ints exactly, floats as floats.
+#[derive(Debug, Clone, Copy)]
+enum PyNum {
+    Int(i128),
+    Float(f64),
+}
+
+fn py_num(value: &Value) -> Option<PyNum> {
+    match value {
+        Value::Bool(b) => Some(PyNum::Int(i128::from(*b))),
+        Value::Number(n) => Some(if let Some(u) = n.as_u64() {
+            PyNum::Int(i128::from(u))
+        } else if let Some(i) = n.as_i64() {
+            PyNum::Int(i128::from(i))
+        } else {
+            PyNum::Float(n.as_f64().unwrap_or(f64::NAN))
+        }),
+        _ => None,
+    }
+}
+
+/// An integral double at or beyond 2^53, which may stand for several integers.
+fn beyond_exact(f: f64) -> bool {
+    f.fract() == 0.0 && f.abs() >= 9_007_199_254_740_992.0
+}
+
+fn int_eq_float(i: i128, f: f64) -> bool {
+    // i128 -> f64 may round, so compare through the float only when it is integral and in
+    // range, then exactly.
+    f.is_finite() && f.fract() == 0.0 && f.abs() < 1.7e38 && (f as i128) == i
+}
+
+/// Python's `==` on two values parsed by `json.loads` (`1 == 1.0 == True`, dicts by keys).
+///
+/// One deliberate exception: two integral numbers at or beyond 2^53 both parsed as doubles are
+/// unequal (they may be different integers); the caller compares the rows' bytes first.
+pub fn py_eq(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Null, Value::Null) => true,
+        (Value::String(x), Value::String(y)) => x == y,
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| py_eq(x, y))
+        }
+        (Value::Object(x), Value::Object(y)) => py_eq_map(x, y),
+        _ => match (py_num(a), py_num(b)) {
+            (Some(PyNum::Int(x)), Some(PyNum::Int(y))) => x == y,
+            // Without arbitrary precision, an integer beyond 64 bits parses as a double: two
+            // such numbers may be different ints, so only identical bytes make them equal.
+            (Some(PyNum::Float(x)), Some(PyNum::Float(y))) => x == y && !beyond_exact(x),
+            (Some(PyNum::Int(i)), Some(PyNum::Float(f)))
+            | (Some(PyNum::Float(f)), Some(PyNum::Int(i))) => int_eq_float(i, f),
+            _ => false,
+        },
+    }
+}
+
+fn py_eq_map(x: &Map<String, Value>, y: &Map<String, Value>) -> bool {
+    x.len() == y.len()
+        && x.iter()
+            .all(|(key, value)| y.get(key).is_some_and(|other| py_eq(value, other)))
+}
+
+/// Append `text` as a JSON string the way Python's `json.dumps` (with `ensure_ascii`) writes it.
+pub fn push_py_json_str(out: &mut Vec<u8>, text: &str) {
+    out.push(b'"');
+    for ch in text.chars() {
+        match ch {
+            '"' => out.extend_from_slice(b"\\\""),
+            '\\' => out.extend_from_slice(b"\\\\"),
+            '\n' => out.extend_from_slice(b"\\n"),
+            '\r' => out.extend_from_slice(b"\\r"),
+            '\t' => out.extend_from_slice(b"\\t"),
+            '\u{8}' => out.extend_from_slice(b"\\b"),
+            '\u{c}' => out.extend_from_slice(b"\\f"),
+            ' '..='~' => out.push(ch as u8),
+            _ => {
+                let mut units = [0u16; 2];
+                for unit in ch.encode_utf16(&mut units) {
+                    out.extend_from_slice(format!("\\u{unit:04x}").as_bytes());
+                }
             }
-            _ => return Err(format!("row has an invalid schema_version {version}")),
         }
     }
-    match row.get("rollout_id") {
-        None => {}
-        Some(Value::String(id)) if id == rollout_id => {}
-        Some(other) => {
-            return Err(format!(
-                "row belongs to rollout {other} but sits in {rollout_id:?}'s ledger"
-            ))
-        }
-    }
-    match row.get("kind").and_then(Value::as_str) {
-        Some("commit") => {
-            let Some(Value::Object(record)) = row.get("record") else {
-                return Err("commit row has no record object".into());
-            };
-            let call_id = non_empty_str(record.get("model_call_id"))
-                .ok_or("commit row's record has no model_call_id string")?
-                .to_owned();
-            let extra = row.keys().any(|key| !ROW_KEYS.contains(&key.as_str()));
-            let meta = classify(record, row.get("staging_chain"), extra);
-            let record = serde_json::to_vec(record).map_err(|err| err.to_string())?;
-            Ok(Row::Commit {
-                call_id,
-                record,
-                meta,
-            })
-        }
-        Some("failure") => {
-            let call_id = non_empty_str(row.get("model_call_id"))
-                .ok_or("failure row has no model_call_id string")?;
-            let reason =
-                non_empty_str(row.get("reason")).ok_or("failure row has no reason string")?;
-            Ok(Row::Failure {
-                call_id: call_id.to_owned(),
-                reason: reason.to_owned(),
-            })
-        }
-        Some(other) => Err(format!("unknown row kind {other:?}")),
-        None => Err("row has no kind".into()),
-    }
+    out.push(b'"');
 }
 
-#[derive(Serialize)]
-struct FailureRow<'a> {
-    // Declared in sorted order: the compact output has sorted keys.
-    kind: &'static str,
-    model_call_id: &'a str,
-    reason: &'a str,
-    rollout_id: &'a str,
-    schema_version: u64,
-}
-
-/// The canonical failure row.
-pub fn failure_row(rollout_id: &str, call_id: &str, reason: &str) -> Vec<u8> {
-    serde_json::to_vec(&FailureRow {
-        kind: "failure",
-        model_call_id: call_id,
-        reason,
-        rollout_id,
-        schema_version: LEDGER_SCHEMA_VERSION,
-    })
-    .expect("a failure row serializes")
+/// NeMo Gym's failure row, byte for byte: `{"failure_reason":T,"model_call_id":C}`.
+pub fn failure_row(call_id: &str, reason: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(40 + call_id.len() + reason.len());
+    out.extend_from_slice(b"{\"failure_reason\":");
+    push_py_json_str(&mut out, reason);
+    out.extend_from_slice(b",\"model_call_id\":");
+    push_py_json_str(&mut out, call_id);
+    out.push(b'}');
+    out
 }
 
 // ---- the per-rollout index -----------------------------------------------------------------
 
-#[derive(Debug)]
-struct CommitSlot {
-    call_id: String,
-    row_digest: String,
-    record: Vec<u8>,
-    meta: std::result::Result<CommitMeta, &'static str>,
-    conflicted: bool,
-}
-
-#[derive(Debug, Clone)]
-enum Listed {
-    Commit(usize),
-    Failure { call_id: String, reason: String },
-}
-
 /// One rollout's rows, folded in file order.
 #[derive(Debug, Default)]
 struct LedgerIndex {
-    listed: Vec<Listed>,
-    commits: Vec<CommitSlot>,
-    by_call: HashMap<String, usize>,
-    failures: HashSet<(String, String)>,
-    failed_calls: HashSet<String>,
+    rows: Vec<StoredRow>,
+    /// The first row of each string `model_call_id`.
+    first_by_call: HashMap<String, usize>,
+    /// Rows that are exactly `{"failure_reason": str, "model_call_id": str}`.
+    failure_pairs: HashSet<(String, String)>,
+    /// Rows with a string `fingerprint` and `fingerprint_version == 2`.
     by_fingerprint: HashMap<String, Vec<usize>>,
 }
 
-/// What adding a row does.
+/// What a new row would do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fold {
     New,
@@ -394,188 +276,74 @@ enum Fold {
     Conflict,
 }
 
+fn failure_pair(row: &Map<String, Value>) -> Option<(String, String)> {
+    if row.len() != 2 {
+        return None;
+    }
+    match (row.get("model_call_id"), row.get("failure_reason")) {
+        (Some(Value::String(call)), Some(Value::String(reason))) => {
+            Some((call.clone(), reason.clone()))
+        }
+        _ => None,
+    }
+}
+
 impl LedgerIndex {
-    /// What `row` would do, without changing anything.
-    fn check(&self, row: &Row, row_digest: &str) -> Fold {
-        match row {
-            Row::Commit { call_id, .. } => match self.by_call.get(call_id) {
-                None => Fold::New,
-                Some(&slot) if self.commits[slot].row_digest == row_digest => Fold::Duplicate,
-                Some(_) => Fold::Conflict,
-            },
-            Row::Failure { call_id, reason } => {
-                if self.failures.contains(&(call_id.clone(), reason.clone())) {
-                    Fold::Duplicate
-                } else {
-                    Fold::New
-                }
+    fn add(&mut self, row: StoredRow) {
+        let at = self.rows.len();
+        if let Some(Value::String(call_id)) = row.get("model_call_id") {
+            self.first_by_call.entry(call_id.clone()).or_insert(at);
+        }
+        if let Some(pair) = failure_pair(&row.value) {
+            self.failure_pairs.insert(pair);
+        }
+        let version_ok = row
+            .get("fingerprint_version")
+            .and_then(py_num)
+            .is_some_and(|n| match n {
+                PyNum::Int(i) => i == i128::from(FINGERPRINT_VERSION),
+                PyNum::Float(f) => f == FINGERPRINT_VERSION as f64,
+            });
+        if let (Some(Value::String(fingerprint)), true) = (row.get("fingerprint"), version_ok) {
+            self.by_fingerprint
+                .entry(fingerprint.clone())
+                .or_default()
+                .push(at);
+        }
+        self.rows.push(row);
+    }
+
+    /// What appending a commit row (`failure` false) or failure row would do.
+    fn check(&self, call_id: &str, line: &[u8], value: &Map<String, Value>, failure: bool) -> Fold {
+        if failure {
+            return match failure_pair(value) {
+                Some(pair) if self.failure_pairs.contains(&pair) => Fold::Duplicate,
+                _ => Fold::New,
+            };
+        }
+        match self.first_by_call.get(call_id) {
+            None => Fold::New,
+            Some(&at) if self.rows[at].line == line || py_eq_map(&self.rows[at].value, value) => {
+                Fold::Duplicate
             }
+            Some(_) => Fold::Conflict,
         }
     }
 
-    /// Fold an acknowledged row in; a conflicting commit marks its call conflicted.
-    fn fold(&mut self, row: Row, row_digest: String) -> Fold {
-        let outcome = self.check(&row, &row_digest);
-        match (outcome, row) {
-            (Fold::Duplicate, _) => {}
-            (Fold::Conflict, row) => {
-                let slot = self.by_call[row.call_id()];
-                self.commits[slot].conflicted = true;
-            }
-            (
-                Fold::New,
-                Row::Commit {
-                    call_id,
-                    record,
-                    meta,
-                },
-            ) => {
-                let slot = self.commits.len();
-                if let Ok(meta) = &meta {
-                    if !meta.fingerprint.is_empty() {
-                        self.by_fingerprint
-                            .entry(meta.fingerprint.clone())
-                            .or_default()
-                            .push(slot);
-                    }
-                }
-                self.by_call.insert(call_id.clone(), slot);
-                self.commits.push(CommitSlot {
-                    call_id,
-                    row_digest,
-                    record,
-                    meta,
-                    conflicted: false,
-                });
-                self.listed.push(Listed::Commit(slot));
-            }
-            (Fold::New, Row::Failure { call_id, reason }) => {
-                self.failed_calls.insert(call_id.clone());
-                self.failures.insert((call_id.clone(), reason.clone()));
-                self.listed.push(Listed::Failure { call_id, reason });
-            }
+    fn candidate(&self, fingerprint: &str) -> Option<&StoredRow> {
+        match self.by_fingerprint.get(fingerprint).map(Vec::as_slice) {
+            Some([only]) => Some(&self.rows[*only]),
+            _ => None,
         }
-        outcome
-    }
-
-    fn manifest(&self) -> Manifest {
-        let mut manifest = Manifest::default();
-        for listed in &self.listed {
-            match listed {
-                Listed::Commit(slot) => {
-                    let commit = &self.commits[*slot];
-                    let reason = if commit.conflicted {
-                        Err(CONFLICTING_CALL_RECORD_REASON)
-                    } else {
-                        commit.meta.as_ref().map(|_| ()).map_err(|reason| *reason)
-                    };
-                    match reason {
-                        Ok(()) => manifest
-                            .records
-                            .push((commit.call_id.clone(), commit.record.clone())),
-                        Err(reason) => manifest
-                            .failures
-                            .push((commit.call_id.clone(), reason.to_owned())),
-                    }
-                }
-                Listed::Failure { call_id, reason } => {
-                    manifest.failures.push((call_id.clone(), reason.clone()))
-                }
-            }
-        }
-        manifest
-    }
-
-    /// The candidate rules of SPEC section 5 over valid, unconflicted, unfailed commit rows.
-    fn decide(
-        &self,
-        fingerprint: &str,
-        request: &mut dyn Request,
-    ) -> std::result::Result<Resolution, Missing> {
-        let no_match = Ok(Resolution::Unresolved(REASON_NO_MATCH));
-        let Some(slots) = self.by_fingerprint.get(fingerprint) else {
-            return no_match;
-        };
-        let n = request.len();
-        let fits: Vec<(&CommitSlot, &CommitMeta)> = slots
-            .iter()
-            .map(|&slot| &self.commits[slot])
-            .filter(|commit| !commit.conflicted && !self.failed_calls.contains(&commit.call_id))
-            .filter_map(|commit| commit.meta.as_ref().ok().map(|meta| (commit, meta)))
-            .filter(|(_, meta)| !meta.context_digest.is_empty() && meta.context_len <= n)
-            .collect();
-        if fits.is_empty() {
-            return no_match;
-        }
-        let mut lens: Vec<usize> = fits.iter().map(|(_, meta)| meta.context_len).collect();
-        lens.sort_unstable();
-        lens.dedup();
-        let digests = request.context_digests(&lens)?;
-        let candidates: Vec<(&CommitSlot, &CommitMeta)> = fits
-            .into_iter()
-            .filter(|(_, meta)| {
-                lens.binary_search(&meta.context_len)
-                    .is_ok_and(|at| digests[at] == meta.context_digest)
-            })
-            .collect();
-        let Some((_, first)) = candidates.first() else {
-            return no_match;
-        };
-        let shared = candidates
-            .iter()
-            .all(|(_, meta)| meta.digest == first.digest && meta.cum_len == first.cum_len);
-        if !shared {
-            return Ok(Resolution::Unresolved(REASON_AMBIGUOUS));
-        }
-        let Some((winner, meta)) = candidates
-            .iter()
-            .min_by(|a, b| a.0.call_id.cmp(&b.0.call_id))
-            .copied()
-        else {
-            return no_match;
-        };
-        Ok(Resolution::Resolved(LedgerMatch {
-            model_call_id: winner.call_id.clone(),
-            digest: meta.digest.clone(),
-            staging_chain: meta.staging_chain.clone(),
-            prev_len: meta.cum_len,
-            chain_hash: meta.chain_hash.clone(),
-        }))
     }
 }
 
-/// A rollout's token-free ledger: valid committed records `(call id, record JSON)` and
-/// failures `(call id, reason)`, both in file order.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Manifest {
-    pub records: Vec<(String, Vec<u8>)>,
-    pub failures: Vec<(String, String)>,
-}
-
-/// A verified parent, without tokens (`LineageMatch` with empty `cumulative_token_ids`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LedgerMatch {
-    pub model_call_id: String,
-    pub digest: String,
-    pub staging_chain: Vec<String>,
-    /// The parent's `cum_len`: the child's `prev_len`.
-    pub prev_len: u64,
-    pub chain_hash: String,
-}
-
-/// A request-time decision.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Resolution {
-    Root,
-    Resolved(LedgerMatch),
-    Unresolved(&'static str),
-}
-
-/// A decision, or the hashes the caller must supply first.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LedgerStep {
-    Done(Resolution),
-    Missing(Missing),
+/// A row about to be appended.
+#[derive(Debug)]
+struct NewRow {
+    call_id: String,
+    value: Map<String, Value>,
+    failure: bool,
 }
 
 /// What `record` did.
@@ -703,12 +471,7 @@ impl Ledger {
     }
 
     /// Bring `state` up to date with the disk. Call under the rollout's flock.
-    fn refresh(
-        &self,
-        state: &mut RolloutState,
-        paths: &LedgerPaths,
-        rollout_id: &str,
-    ) -> crate::Result<()> {
+    fn refresh(&self, state: &mut RolloutState, paths: &LedgerPaths) -> crate::Result<()> {
         state.fenced = exists(&paths.fence)?;
         if state.fenced {
             state.reset_log();
@@ -756,9 +519,17 @@ impl Ledger {
             .read_exact_at(&mut tail, start)
             .ctx("read ledger", &paths.log)?;
         for (offset, line) in complete_lines(&tail, start) {
-            let row = parse_row(line, rollout_id)
-                .map_err(|detail| Error::corrupt(&paths.log, offset, detail))?;
-            state.index.fold(row, payload_digest(line));
+            let line = strip_ascii_whitespace(line);
+            if line.is_empty() {
+                continue;
+            }
+            let value =
+                parse_row(line).map_err(|detail| Error::corrupt(&paths.log, offset, detail))?;
+            state.index.add(StoredRow {
+                offset,
+                line: line.to_vec(),
+                value,
+            });
         }
         state.cursor = start + complete_prefix_len(&tail) as u64;
         Ok(())
@@ -779,7 +550,7 @@ impl Ledger {
             }
             if guard.is_none() {
                 *state = RolloutState::default();
-            } else if let Err(err) = self.refresh(&mut state, &paths, rollout_id) {
+            } else if let Err(err) = self.refresh(&mut state, &paths) {
                 *state = RolloutState::default();
                 return Err(err);
             }
@@ -787,31 +558,45 @@ impl Ledger {
         Ok(op(&state))
     }
 
-    /// Durably append one row (a commit or failure row of `rollout_id`, as one line).
+    /// Durably append one commit row of `rollout_id` (one line, built by the caller as NeMo
+    /// Gym writes it: see the module docs).
     pub fn record(&self, rollout_id: &str, line: &[u8]) -> Result<RecordOutcome> {
+        self.write(rollout_id, line, false)
+    }
+
+    fn write(&self, rollout_id: &str, line: &[u8], failure: bool) -> Result<RecordOutcome> {
         validate_rollout_id(rollout_id)?;
         if memchr::memchr2(b'\n', b'\r', line).is_some() {
             return invalid("a ledger row must be a single line");
         }
-        let row = match parse_row(line, rollout_id) {
-            Ok(row) => row,
+        if strip_ascii_whitespace(line).len() != line.len() {
+            return invalid("a ledger row must not start or end with whitespace");
+        }
+        let value = match parse_row(line) {
+            Ok(value) => value,
             Err(detail) => return invalid(format!("not a ledger row: {detail}")),
         };
-        if let Row::Commit {
-            meta: Err(reason), ..
-        } = &row
-        {
-            return invalid(format!(
-                "refusing to record a commit row that reads back as a failure ({reason}): its \
-                 record is not a valid CallRecord"
-            ));
+        let call_id = match value.get("model_call_id") {
+            Some(Value::String(id)) if !id.is_empty() => id.clone(),
+            _ => return invalid("a ledger row's model_call_id must be a non-empty string"),
+        };
+        if failure != failure_pair(&value).is_some() {
+            return invalid(if failure {
+                "a failure row is exactly {\"failure_reason\": str, \"model_call_id\": str}"
+            } else {
+                "a commit row must not have the shape of a failure row"
+            });
         }
-        let row_digest = payload_digest(line);
         let paths = self.paths(rollout_id);
         let rollout = self.rollout(rollout_id);
         let mut state = lock(&rollout);
         let _guard = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
-        let result = self.append(&mut state, &paths, rollout_id, row, row_digest, line);
+        let new = NewRow {
+            call_id,
+            value,
+            failure,
+        };
+        let result = self.append(&mut state, &paths, rollout_id, new, line);
         if matches!(result, Err(LedgerError::Store(_))) {
             *state = RolloutState::default();
         }
@@ -823,20 +608,22 @@ impl Ledger {
         state: &mut RolloutState,
         paths: &LedgerPaths,
         rollout_id: &str,
-        row: Row,
-        row_digest: String,
+        row: NewRow,
         line: &[u8],
     ) -> Result<RecordOutcome> {
-        self.refresh(state, paths, rollout_id)?;
+        self.refresh(state, paths)?;
         if state.fenced {
             return Ok(RecordOutcome::Discarded);
         }
-        match state.index.check(&row, &row_digest) {
+        match state
+            .index
+            .check(&row.call_id, line, &row.value, row.failure)
+        {
             Fold::Duplicate => return Ok(RecordOutcome::Duplicate),
             Fold::Conflict => {
                 return Err(LedgerError::Conflict {
                     rollout_id: rollout_id.to_owned(),
-                    call_id: row.call_id().to_owned(),
+                    call_id: row.call_id,
                 })
             }
             Fold::New => {}
@@ -904,11 +691,15 @@ impl Ledger {
         }
         state.cursor = before + line.len() as u64 + 1;
         state.len = state.cursor;
-        state.index.fold(row, row_digest);
+        state.index.add(StoredRow {
+            offset: before,
+            line: line.to_vec(),
+            value: row.value,
+        });
         Ok(RecordOutcome::Appended)
     }
 
-    /// Durably record that a call did not commit.
+    /// Durably record that a call did not commit (NeMo Gym's failure row).
     pub fn record_failure(
         &self,
         rollout_id: &str,
@@ -922,13 +713,13 @@ impl Ledger {
         if reason.is_empty() {
             return invalid("reason must not be empty");
         }
-        self.record(rollout_id, &failure_row(rollout_id, call_id, reason))
+        self.write(rollout_id, &failure_row(call_id, reason), true)
     }
 
-    /// Whether any row (committed or failed) exists; a retired rollout is an error.
+    /// Whether any row exists; a retired rollout is an error.
     pub fn has_rows(&self, rollout_id: &str) -> Result<bool> {
         let (fenced, any) = self.read(rollout_id, |state| {
-            (state.fenced, !state.index.listed.is_empty())
+            (state.fenced, !state.index.rows.is_empty())
         })?;
         if fenced {
             return Err(LedgerError::Retired(rollout_id.to_owned()));
@@ -936,31 +727,36 @@ impl Ledger {
         Ok(any)
     }
 
-    /// The rollout's token-free ledger; a retired rollout is an error.
-    pub fn manifest(&self, rollout_id: &str) -> Result<Manifest> {
-        let (fenced, manifest) =
-            self.read(rollout_id, |state| (state.fenced, state.index.manifest()))?;
+    /// The rows NeMo Gym's manifest lists (a non-null `failure_reason` or `staging_key`), in
+    /// file order, as `(offset, bytes)`; a retired rollout is an error.
+    pub fn manifest_rows(&self, rollout_id: &str) -> Result<Vec<(u64, Vec<u8>)>> {
+        let (fenced, rows) = self.read(rollout_id, |state| {
+            let rows = state
+                .index
+                .rows
+                .iter()
+                .filter(|row| row.in_manifest())
+                .map(|row| (row.offset, row.line.clone()))
+                .collect();
+            (state.fenced, rows)
+        })?;
         if fenced {
             return Err(LedgerError::Retired(rollout_id.to_owned()));
         }
-        Ok(manifest)
+        Ok(rows)
     }
 
-    /// Resolve a request against the rollout's committed rows. A retired rollout has none.
-    pub fn resolve(&self, rollout_id: &str, request: &mut dyn Request) -> Result<LedgerStep> {
-        validate_rollout_id(rollout_id)?;
-        let fingerprint = match request.fingerprint() {
-            Ok(fp) if fp.is_empty() => return Ok(LedgerStep::Done(Resolution::Root)),
-            Ok(fp) => fp,
-            Err(missing) => return Ok(LedgerStep::Missing(missing)),
-        };
-        let step = self.read(rollout_id, |state| {
-            match state.index.decide(&fingerprint, request) {
-                Ok(resolution) => LedgerStep::Done(resolution),
-                Err(missing) => LedgerStep::Missing(missing),
-            }
+    /// The only row that can resolve a request of this (non-empty) fingerprint, as
+    /// `(offset, bytes)`: None when no row or several rows carry it, or the rollout is retired.
+    /// The caller verifies the row's context and builds the match.
+    pub fn candidate(&self, rollout_id: &str, fingerprint: &str) -> Result<Option<(u64, Vec<u8>)>> {
+        let found = self.read(rollout_id, |state| {
+            state
+                .index
+                .candidate(fingerprint)
+                .map(|row| (row.offset, row.line.clone()))
         })?;
-        Ok(step)
+        Ok(found)
     }
 
     /// Fence every rollout, then remove its rows (two phases, each ending in a directory
@@ -1040,157 +836,167 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lineage::HashedRequest;
 
     const D1: &str = "1111111111111111111111111111111111111111111111111111111111111111";
-    const D2: &str = "2222222222222222222222222222222222222222222222222222222222222222";
     const FP: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
-    const CTX: &str = "cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc";
 
-    fn record(call: &str, digest: &str, cum_len: u64) -> Value {
-        serde_json::json!({
-            "schema_version": 2, "digest_version": 2, "extras_digest_version": 1,
-            "model_call_id": call, "response_id": format!("resp-{call}"),
-            "parent_call_id": null, "mode": "text",
-            "prev_len": 0, "delta_len": cum_len, "cum_len": cum_len,
-            "digest": digest, "chain_hash": D2, "extras_digest": null,
-            "continuation_fingerprint": FP, "continuation_context_len": 1,
-            "continuation_context_digest": CTX,
-        })
-    }
-
-    fn commit_line(rollout: &str, record: Value) -> Vec<u8> {
-        serde_json::to_vec(&serde_json::json!({
-            "kind": "commit", "record": record, "rollout_id": rollout,
-            "schema_version": 2, "staging_chain": ["seg-a", "seg-b"],
-        }))
-        .unwrap()
-    }
-
-    fn request(digest: &str) -> HashedRequest {
-        HashedRequest {
-            fingerprint: FP.into(),
-            len: 3,
-            digests: HashMap::from([(1, digest.to_owned())]),
-        }
+    /// A commit row as NeMo Gym's `json.dumps(sort_keys=True, separators=(",", ":"))` writes it.
+    fn commit_line(call: &str, fingerprint: &str, admitted_at: &str) -> Vec<u8> {
+        format!(
+            "{{\"admitted_at\":{admitted_at},\"chain_hash\":\"{D1}\",\"context_digest\":\"{D1}\",\
+             \"context_len\":1,\"continuation_fingerprint\":null,\"cum_len\":5,\"cumulative_hash\":\
+             \"{D1}\",\"delta_len\":5,\"digest\":\"{D1}\",\"extras_digest\":\"{D1}\",\
+             \"fingerprint\":\"{fingerprint}\",\"fingerprint_version\":2,\"mode\":\"text\",\
+             \"model_call_id\":\"{call}\",\"output_fingerprint\":null,\"parent_call_id\":null,\
+             \"prev_len\":0,\"response_id\":\"resp-{call}\",\"staging_chain\":[\"seg\"],\
+             \"staging_digest\":\"{D1}\",\"staging_key\":\"r/{call}\",\"weight_version\":0}}"
+        )
+        .into_bytes()
     }
 
     #[test]
-    fn records_are_written_once_and_resolve_without_tokens() {
+    fn python_json_strings_and_equality() {
+        let mut out = Vec::new();
+        push_py_json_str(&mut out, "a\"\\\n\u{7f}é\u{1F600}\u{1}");
+        assert_eq!(out, br#""a\"\\\n\u007f\u00e9\ud83d\ude00\u0001""#.to_vec());
+        assert_eq!(
+            failure_row("c", "why"),
+            br#"{"failure_reason":"why","model_call_id":"c"}"#.to_vec()
+        );
+        let v = |s: &str| serde_json::from_str::<Value>(s).unwrap();
+        assert!(py_eq(
+            &v("[1, true, 2.0, {\"a\": null}]"),
+            &v("[1.0, 1, 2, {\"a\": null}]")
+        ));
+        assert!(!py_eq(&v("[1]"), &v("[1.5]")));
+        assert!(!py_eq(&v("{\"a\": 1}"), &v("{\"a\": 1, \"b\": 1}")));
+        assert!(!py_eq(&v("\"1\""), &v("1")));
+        assert!(!py_eq(&v("null"), &v("0")));
+        // Integers beyond 64 bits parse as doubles: never equal unless the bytes are.
+        assert!(!py_eq(
+            &v("1180591620717411303424"),
+            &v("1180591620717411303425")
+        ));
+        assert!(py_eq(&v("4.5e15"), &v("4500000000000000")));
+        assert_eq!(strip_ascii_whitespace(b" \x0b{}\x0c\r"), b"{}");
+    }
+
+    #[test]
+    fn write_once_against_the_first_row_of_a_call() {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Ledger::open(dir.path(), 4).unwrap();
-        let line = commit_line("r", record("c1", D1, 5));
+        let line = commit_line("c1", FP, "1.5");
         assert_eq!(ledger.record("r", &line).unwrap(), RecordOutcome::Appended);
         assert_eq!(ledger.record("r", &line).unwrap(), RecordOutcome::Duplicate);
-        let other = commit_line("r", record("c1", D2, 5));
+        // Equal by Python's `==` although the bytes differ: a no-op.
+        let ints = commit_line("c1", FP, "1.50");
+        assert_eq!(ledger.record("r", &ints).unwrap(), RecordOutcome::Duplicate);
+        let other = commit_line("c1", FP, "2.5");
         assert!(matches!(
             ledger.record("r", &other),
             Err(LedgerError::Conflict { .. })
         ));
+        // A failure row after a commit is appended; a commit after a failure row conflicts.
+        assert_eq!(
+            ledger.record_failure("r", "c1", "late").unwrap(),
+            RecordOutcome::Appended
+        );
+        assert_eq!(
+            ledger.record_failure("r", "c1", "late").unwrap(),
+            RecordOutcome::Duplicate
+        );
+        ledger.record_failure("r", "c2", "boom").unwrap();
+        assert!(matches!(
+            ledger.record("r", &commit_line("c2", FP, "1.0")),
+            Err(LedgerError::Conflict { .. })
+        ));
         let bytes = std::fs::read(dir.path().join("r.lineage.jsonl")).unwrap();
-        assert_eq!(bytes, [&line[..], b"\n"].concat());
-
-        // A second ledger (another process, in effect) sees it.
+        let expected = [
+            &line[..],
+            b"\n",
+            &failure_row("c1", "late"),
+            b"\n",
+            &failure_row("c2", "boom"),
+            b"\n",
+        ]
+        .concat();
+        assert_eq!(bytes, expected);
+        // Another instance (another process, in effect) reads the same rows.
         let reader = Ledger::open(dir.path(), 4).unwrap();
-        let step = reader.resolve("r", &mut request(CTX)).unwrap();
-        let LedgerStep::Done(Resolution::Resolved(found)) = step else {
-            panic!("{step:?}");
-        };
-        assert_eq!(found.model_call_id, "c1");
-        assert_eq!(found.prev_len, 5);
-        assert_eq!(found.chain_hash, D2);
-        assert_eq!(found.staging_chain, ["seg-a", "seg-b"]);
-        let wrong = reader.resolve("r", &mut request(D1)).unwrap();
-        assert_eq!(wrong, LedgerStep::Done(Resolution::Unresolved("no_match")));
-        let need = HashedRequest {
-            fingerprint: FP.into(),
-            len: 3,
-            digests: HashMap::new(),
-        };
-        let step = reader.resolve("r", &mut { need }).unwrap();
-        assert_eq!(step, LedgerStep::Missing(Missing::Need(vec![1])));
+        let rows = reader.manifest_rows("r").unwrap();
+        assert_eq!(rows.len(), 3);
+        assert_eq!(rows[0], (0, line.clone()));
+        assert_eq!(reader.candidate("r", FP).unwrap(), Some((0, line)));
+        assert_eq!(reader.candidate("r", D1).unwrap(), None);
+        assert!(reader.has_rows("r").unwrap());
     }
 
     #[test]
-    fn candidates_collapse_or_are_ambiguous() {
+    fn a_shared_fingerprint_is_no_candidate() {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Ledger::open(dir.path(), 4).unwrap();
-        for call in ["c2", "c1"] {
-            ledger
-                .record("r", &commit_line("r", record(call, D1, 5)))
-                .unwrap();
-        }
-        let step = ledger.resolve("r", &mut request(CTX)).unwrap();
-        assert!(
-            matches!(step, LedgerStep::Done(Resolution::Resolved(ref m)) if m.model_call_id == "c1")
-        );
-        ledger
-            .record("r", &commit_line("r", record("c3", D2, 5)))
-            .unwrap();
-        let step = ledger.resolve("r", &mut request(CTX)).unwrap();
-        assert_eq!(step, LedgerStep::Done(Resolution::Unresolved("ambiguous")));
-        // A failure row takes its call out of resolution.
-        ledger.record_failure("r", "c3", "boom").unwrap();
-        let step = ledger.resolve("r", &mut request(CTX)).unwrap();
-        assert!(matches!(step, LedgerStep::Done(Resolution::Resolved(_))));
+        ledger.record("r", &commit_line("c1", FP, "1.0")).unwrap();
+        ledger.record("r", &commit_line("c2", FP, "1.0")).unwrap();
+        assert_eq!(ledger.candidate("r", FP).unwrap(), None);
+        // A row of another fingerprint version is not counted.
+        let path = dir.path().join("s.lineage.jsonl");
+        let old = String::from_utf8(commit_line("c1", FP, "1.0"))
+            .unwrap()
+            .replace("\"fingerprint_version\":2", "\"fingerprint_version\":1");
+        let new = commit_line("c2", FP, "1.0");
+        std::fs::write(&path, [old.as_bytes(), b"\n", &new, b"\n"].concat()).unwrap();
+        let found = ledger.candidate("s", FP).unwrap().unwrap();
+        assert_eq!(found.0, old.len() as u64 + 1);
     }
 
     #[test]
-    fn poison_rows_are_failures_and_torn_lines_are_ignored() {
+    fn blank_torn_and_corrupt_lines() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("r.lineage.jsonl");
-        let mut no_response = record("c1", D1, 5);
-        no_response.as_object_mut().unwrap().remove("response_id");
-        let mut no_chain = record("c2", D1, 5);
-        no_chain["chain_hash"] = Value::Null;
-        let mut bad_len = record("c3", D1, 5);
-        bad_len["cum_len"] = 9.into();
-        let mut bytes = Vec::new();
-        for rec in [no_response, no_chain, bad_len, record("c4", D1, 5)] {
-            bytes.extend(commit_line("r", rec));
-            bytes.push(b'\n');
-        }
-        bytes.extend(b"{\"kind\":\"fail");
+        let line = commit_line("c1", FP, "1.0");
+        let mut bytes = b"  \n".to_vec();
+        bytes.extend_from_slice(&line);
+        bytes.extend_from_slice(b"\n{\"model_call_id\":\"lineage-only\"}\n{\"failure_re");
         std::fs::write(&path, &bytes).unwrap();
         let ledger = Ledger::open(dir.path(), 4).unwrap();
-        let manifest = ledger.manifest("r").unwrap();
-        assert_eq!(manifest.records.len(), 1);
-        assert_eq!(
-            manifest.failures,
-            [
-                ("c1".into(), MISSING_RESPONSE_ID_REASON.into()),
-                ("c2".into(), MISSING_CHAIN_DIGEST_REASON.into()),
-                ("c3".into(), INVALID_CALL_RECORD_REASON.into()),
-            ]
-        );
+        let rows = ledger.manifest_rows("r").unwrap();
+        assert_eq!(rows, [(3, line.clone())]);
         // A write truncates the torn tail before appending.
         ledger.record_failure("r", "c5", "why").unwrap();
         let after = std::fs::read(&path).unwrap();
-        assert!(after.ends_with(b"\"schema_version\":2}\n"));
         assert_eq!(
-            after.len(),
-            bytes.len() - 13 + failure_row("r", "c5", "why").len() + 1
+            after,
+            [&bytes[..bytes.len() - 12], &failure_row("c5", "why"), b"\n"].concat()
         );
-
-        std::fs::write(&path, b"not json\n").unwrap();
-        let fresh = Ledger::open(dir.path(), 4).unwrap();
-        assert!(matches!(
-            fresh.manifest("r"),
-            Err(LedgerError::Store(Error::Corrupt { offset: 0, .. }))
-        ));
+        for (junk, offset) in [
+            (&b"not json\n"[..], 0),
+            (b"{}\n[1]\n", 0),
+            (b"\n{\"kind\":\"commit\",\"model_call_id\":\"c\"}\n", 1),
+        ] {
+            std::fs::write(&path, junk).unwrap();
+            let fresh = Ledger::open(dir.path(), 4).unwrap();
+            let err = fresh.manifest_rows("r").unwrap_err();
+            assert!(
+                matches!(err, LedgerError::Store(Error::Corrupt { offset: o, .. }) if o == offset),
+                "{err}"
+            );
+        }
     }
 
     #[test]
     fn retire_fences_and_delete_clears() {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Ledger::open(dir.path(), 4).unwrap();
-        ledger
-            .record("r", &commit_line("r", record("c1", D1, 5)))
-            .unwrap();
+        ledger.record("r", &commit_line("c1", FP, "1.0")).unwrap();
         let removal = ledger.retire(&["r", "unused"]).unwrap();
         assert_eq!(removal.removed, ["r"]);
         assert_eq!(removal.absent, ["unused"]);
         assert!(matches!(ledger.has_rows("r"), Err(LedgerError::Retired(_))));
+        assert!(matches!(
+            ledger.manifest_rows("r"),
+            Err(LedgerError::Retired(_))
+        ));
+        assert_eq!(ledger.candidate("r", FP).unwrap(), None);
         assert_eq!(
             ledger.record_failure("r", "c2", "late").unwrap(),
             RecordOutcome::Discarded
@@ -1207,16 +1013,27 @@ mod tests {
     fn bad_input_touches_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Ledger::open(dir.path(), 4).unwrap();
+        let good = commit_line("c", FP, "1.0");
         for (rollout, line) in [
-            ("bad/id", commit_line("bad/id", record("c", D1, 5))),
-            ("r", commit_line("other", record("c", D1, 5))),
-            ("r", b"{\"kind\":\"commit\"}".to_vec()),
-            ("r", commit_line("r", record("c", "", 5))),
+            ("bad/id", good.clone()),
+            (
+                "r",
+                b"{\"kind\":\"commit\",\"model_call_id\":\"c\"}".to_vec(),
+            ),
+            ("r", b"{\"model_call_id\":5}".to_vec()),
+            ("r", b"{\"model_call_id\":\"\"}".to_vec()),
+            (
+                "r",
+                b"{\"failure_reason\":\"x\",\"model_call_id\":\"c\"}".to_vec(),
+            ),
             ("r", b"{}\n{}".to_vec()),
+            ("r", [b" ", &good[..]].concat()),
+            ("r", b"[]".to_vec()),
         ] {
             assert!(ledger.record(rollout, &line).is_err());
         }
         assert!(ledger.record_failure("r", "", "x").is_err());
+        assert!(ledger.record_failure("r", "c", "").is_err());
         assert!(ledger.retire(&["ok", "bad id"]).is_err());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }

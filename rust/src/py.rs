@@ -1800,28 +1800,25 @@ mod lineage_py {
 // ---- ledger -----------------------------------------------------------------------------------
 //
 // The file-backed capture ledger (`rust/src/ledger.rs`), wrapped by
-// `tokencapture.ledger.FileCaptureLedger`. Row parsing, payload digests, locks, file I/O and
-// candidate filtering run detached. Reads of a retired rollout raise
-// `tokencapture.protocols.RolloutRetiredError`; a conflicting commit raises
-// `tokencapture.ledger.CaptureLedgerConflictError` (a `ValueError`). The async record jobs
-// report through the shared `Completions` queue, whose outcomes carry only core errors: there a
-// conflict travels as `Error::Conflict` and the Python wrapper re-raises it as the ledger's own
-// exception.
+// `tokencapture.ledger.FileCaptureLedger`, which builds commit rows (with Python's own
+// `json.dumps`, so the bytes are NeMo Gym's) and interprets the rows handed back (manifest and
+// resolution follow NeMo Gym's Python rules). Row parsing, locks and file I/O run detached.
+// Reads of a retired rollout raise `tokencapture.protocols.RolloutRetiredError`; a conflicting
+// commit raises `tokencapture.ledger.CaptureLedgerConflictError` (a `ValueError`). The async
+// record jobs report through the shared `Completions` queue, whose outcomes carry only core
+// errors: there a conflict travels as `Error::Conflict` and the Python wrapper re-raises it as
+// the ledger's own exception.
 mod ledger_py {
-    use std::collections::HashMap;
     use std::path::PathBuf;
     use std::sync::Arc;
 
     use pyo3::prelude::*;
     use pyo3::sync::PyOnceLock;
-    use pyo3::types::{PyList, PyString, PyTuple, PyType};
+    use pyo3::types::{PyBytes, PyString, PyType};
 
     use super::{batch_removal, spawn_job, text, to_pyerr, Completions, ExceptionClass, Outcome};
     use crate::error::Error;
-    use crate::ledger::{
-        self, Ledger, LedgerError, LedgerStep, RecordOutcome, Resolution, DEFAULT_CACHED_ROLLOUTS,
-    };
-    use crate::lineage::{HashedRequest, Missing};
+    use crate::ledger::{self, Ledger, LedgerError, RecordOutcome, DEFAULT_CACHED_ROLLOUTS};
 
     static ROLLOUT_RETIRED: ExceptionClass = ExceptionClass::new("RolloutRetiredError");
     static LEDGER_CONFLICT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -1869,40 +1866,8 @@ mod ledger_py {
         }
     }
 
-    /// `(status, model_call_id, digest, staging_chain, prev_len, chain_hash, reason)`, or the
-    /// list of prefix lengths whose conversation digests are needed first.
-    fn step_to_py(py: Python<'_>, step: LedgerStep) -> PyResult<Py<PyAny>> {
-        let none: Option<String> = None;
-        let empty = PyTuple::empty(py);
-        Ok(match step {
-            LedgerStep::Missing(Missing::Need(lens)) => PyList::new(py, lens)?.into_any().unbind(),
-            LedgerStep::Missing(Missing::Fallback) => PyList::empty(py).into_any().unbind(),
-            LedgerStep::Done(Resolution::Root) => ("root", none, "", empty, 0u64, "", "")
-                .into_pyobject(py)?
-                .into_any()
-                .unbind(),
-            LedgerStep::Done(Resolution::Unresolved(reason)) => {
-                ("unresolved", none, "", empty, 0u64, "", reason)
-                    .into_pyobject(py)?
-                    .into_any()
-                    .unbind()
-            }
-            LedgerStep::Done(Resolution::Resolved(found)) => {
-                let chain = PyTuple::new(py, found.staging_chain)?;
-                (
-                    "resolved",
-                    Some(found.model_call_id),
-                    found.digest,
-                    chain,
-                    found.prev_len,
-                    found.chain_hash,
-                    "",
-                )
-                    .into_pyobject(py)?
-                    .into_any()
-                    .unbind()
-            }
-        })
+    fn row_to_py(py: Python<'_>, (offset, line): (u64, Vec<u8>)) -> (u64, Bound<'_, PyBytes>) {
+        (offset, PyBytes::new(py, &line))
     }
 
     /// The native ledger (`tokencapture.ledger.FileCaptureLedger`).
@@ -1924,7 +1889,7 @@ mod ledger_py {
             })
         }
 
-        /// Append one row (a canonical commit line); see `stored` for the result.
+        /// Append one commit row (built as NeMo Gym writes it); see `stored` for the result.
         fn record(
             &self,
             py: Python<'_>,
@@ -1991,48 +1956,32 @@ mod ledger_py {
                 .map_err(|e| ledger_err(py, e))
         }
 
-        /// `([(model_call_id, record_json)], [(model_call_id, reason)])`.
-        #[allow(clippy::type_complexity)]
-        fn manifest<'py>(
+        /// `[(offset, row_bytes)]` of the rows a manifest lists, in file order.
+        fn manifest_rows<'py>(
             &self,
             py: Python<'py>,
             rollout_id: &Bound<'py, PyString>,
-        ) -> PyResult<(
-            Vec<(String, Bound<'py, pyo3::types::PyBytes>)>,
-            Vec<(String, String)>,
-        )> {
+        ) -> PyResult<Vec<(u64, Bound<'py, PyBytes>)>> {
             let rollout_id = text(rollout_id, "rollout_id")?;
-            let manifest = py
-                .detach(|| self.inner.manifest(rollout_id))
+            let rows = py
+                .detach(|| self.inner.manifest_rows(rollout_id))
                 .map_err(|e| ledger_err(py, e))?;
-            let records = manifest
-                .records
-                .into_iter()
-                .map(|(call_id, record)| (call_id, pyo3::types::PyBytes::new(py, &record)))
-                .collect();
-            Ok((records, manifest.failures))
+            Ok(rows.into_iter().map(|row| row_to_py(py, row)).collect())
         }
 
-        /// Resolve with hashes computed by the caller (`tokencapture.ledger` hashes natively
-        /// through `continuation_hashes` where it can).
-        fn resolve_hashed(
+        /// `(offset, row_bytes)` of the only row with this fingerprint, or None.
+        fn candidate<'py>(
             &self,
-            py: Python<'_>,
-            rollout_id: &Bound<'_, PyString>,
-            fingerprint: String,
-            n_items: usize,
-            digests: HashMap<usize, String>,
-        ) -> PyResult<Py<PyAny>> {
+            py: Python<'py>,
+            rollout_id: &Bound<'py, PyString>,
+            fingerprint: &Bound<'py, PyString>,
+        ) -> PyResult<Option<(u64, Bound<'py, PyBytes>)>> {
             let rollout_id = text(rollout_id, "rollout_id")?;
-            let mut request = HashedRequest {
-                fingerprint,
-                len: n_items,
-                digests,
-            };
-            let step = py
-                .detach(|| self.inner.resolve(rollout_id, &mut request))
+            let fingerprint = text(fingerprint, "fingerprint")?;
+            let found = py
+                .detach(|| self.inner.candidate(rollout_id, fingerprint))
                 .map_err(|e| ledger_err(py, e))?;
-            step_to_py(py, step)
+            Ok(found.map(|row| row_to_py(py, row)))
         }
 
         /// Fence, then remove the rows; returns `(removed, absent)`.

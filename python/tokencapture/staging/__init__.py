@@ -1,35 +1,72 @@
-"""Wire models of the capture ledger: staged calls, their manifest and removal results.
+"""Wire models of framework-owned token staging and of the capture ledger.
 
-The ledger stores token-free metadata for calls whose token arrays were staged by a training
-framework; see `tokencapture.staging.records`.
+They are NeMo Gym 0.7.0's `staging.records` models, field for field (see
+`tokencapture.staging.records`), plus `RolloutRemoval`, what a ledger's ``retire`` and
+``delete`` report.
 """
 
 from tokencapture.staging.records import (
     CALL_RECORD_DIGEST_VERSION,
     CALL_RECORD_EXTRAS_DIGEST_VERSION,
+    EMPTY_EXTRAS_DIGEST,
+    EXTRAS_DIGEST_VERSION,
+    LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
+    LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
     LEDGER_SCHEMA_VERSION,
     MISSING_CHAIN_DIGEST_REASON,
     MISSING_RESPONSE_ID_REASON,
+    STAGING_DIGEST_VERSION,
+    STAGING_SCHEMA_VERSION,
     UNCOMMITTED_CALL_REASON,
     UNRESOLVED_PARENT_REASON,
     CallRecord,
+    CaptureAdmission,
+    CaptureDisposition,
     CaptureLedgerCommit,
+    CaptureMode,
+    CommitCoords,
     ManifestFailure,
     RolloutManifest,
+    RolloutReceipt,
     RolloutRemoval,
+    StagedCallBaseSnapshot,
+    StagedCallRecord,
+    StagedCallSnapshot,
+    StageResult,
+    compute_extras_digest,
+    compute_staging_digest,
+    staging_key,
 )
 
 __all__ = [
     "CALL_RECORD_DIGEST_VERSION",
     "CALL_RECORD_EXTRAS_DIGEST_VERSION",
+    "EMPTY_EXTRAS_DIGEST",
+    "EXTRAS_DIGEST_VERSION",
+    "LEDGER_ROW_MISSING_CHAIN_HASH_REASON",
+    "LEDGER_ROW_MISSING_RESPONSE_ID_REASON",
     "LEDGER_SCHEMA_VERSION",
     "MISSING_CHAIN_DIGEST_REASON",
     "MISSING_RESPONSE_ID_REASON",
+    "STAGING_DIGEST_VERSION",
+    "STAGING_SCHEMA_VERSION",
     "UNCOMMITTED_CALL_REASON",
     "UNRESOLVED_PARENT_REASON",
     "CallRecord",
+    "CaptureAdmission",
+    "CaptureDisposition",
     "CaptureLedgerCommit",
+    "CaptureMode",
+    "CommitCoords",
     "ManifestFailure",
     "RolloutManifest",
+    "RolloutReceipt",
     "RolloutRemoval",
+    "StageResult",
+    "StagedCallBaseSnapshot",
+    "StagedCallRecord",
+    "StagedCallSnapshot",
+    "compute_extras_digest",
+    "compute_staging_digest",
+    "staging_key",
 ]
