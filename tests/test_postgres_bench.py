@@ -54,6 +54,7 @@ def test_compare_quick_with_a_postgres_column(pg_server: PgServer, tmp_path: Pat
         assert "server_cpu_us_per_put" not in medians[workload]["tokencapture"]
     assert medians["W3"]["postgres"]["server_cpu_ms_per_freeze"] >= 0
     assert medians["W4"]["postgres"]["us_per_resolve"] > 0
+    assert medians["W4"]["postgres"]["server_cpu_us_per_resolve_and_put"] >= 0
     names = {target["target"] for target in report["targets"]}
     assert {"PG W1 puts/s >= 0.7x files", "PG W3 freeze <= 1.5x files"} <= names
     assert "server CPU us/put" in proc.stdout

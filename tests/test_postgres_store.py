@@ -499,6 +499,27 @@ with open(log, "a") as out:
                 continue  # a retried put is idempotent
             note(event="ack", rollout=rollout, call=entry.model_call_id, at=time.time())
             break
+        if mode == "puts" and n % 10 == 9:
+            # A mark is not idempotent: not retried; attempts and acks are both logged.
+            note(event="mark-try", rollout=rollout)
+            try:
+                store._mark_incomplete(rollout, f"lost-{{n}}")
+                note(event="mark-ack", rollout=rollout)
+            except OSError:
+                note(event="mark-error", rollout=rollout)
+    if mode == "puts":
+        fence = f"w{{index}}-fence"
+        while True:  # a fence: retried until acknowledged (retire is idempotent)
+            try:
+                store.append(make_entry(fence, call="only"))
+                store.retire_now([fence])
+                note(event="fence-ack", rollout=fence)
+                break
+            except TokenCaptureRetiredError:
+                note(event="fence-ack", rollout=fence)  # an earlier attempt committed
+                break
+            except OSError:
+                time.sleep(0.05)
     if mode == "race":
         # Keep trying until the fence is seen.
         n = count
@@ -564,12 +585,23 @@ def test_sigkill_of_the_server_loses_no_acknowledged_put(
     assert len(acked) == 3 * 150  # every put was eventually acknowledged (retries included)
     store = PostgresTokenCaptureStore(own_server.dsn)
     try:
+        fences = {e["rollout"] for e in events if e["event"] == "fence-ack"}
+        assert len(fences) == 3
+        for fence in fences:  # every acknowledged fence holds
+            with pytest.raises(TokenCaptureRetiredError):
+                store.append(make_entry(fence, call="late"))
+            assert store.read_entries(fence) == []
         for rollout in {rollout for rollout, _ in acked}:
             snapshot = store.freeze_now(rollout)
             stored = [entry.model_call_id for entry in snapshot.entries]
             assert sorted(stored) == sorted(call for r, call in acked if r == rollout)
-            # One version per entry plus the freeze: a retried put after an error landed once.
-            assert snapshot.version == len(stored) + 1
+            # One version per entry, one per mark that landed, one for the freeze: a retried
+            # put after an error landed once; every acknowledged mark is there.
+            marks = snapshot.version - len(stored) - 1
+            tried = sum(1 for e in events if e["event"] == "mark-try" and e["rollout"] == rollout)
+            done = sum(1 for e in events if e["event"] == "mark-ack" and e["rollout"] == rollout)
+            assert done <= marks <= tried
+            assert snapshot.incomplete == (marks > 0)
             for entry in snapshot.entries:
                 n = int(entry.model_call_id.split("-c")[1])
                 assert entry.prompt_token_ids == list(range(n, n + 40))  # whole, not torn
@@ -797,3 +829,45 @@ async def test_puts_sharing_a_batch_keep_their_own_outcomes(
         assert lines_of(expected) == sorted(lines_of(got), key=lines_of(expected).index)
         assert (expected.incomplete, expected.version) == (got.incomplete, got.version)
     await store.close()  # on the loop whose pool it closes
+
+
+def test_an_older_schema_is_refused_then_upgraded_on_first_use(pg_dsn: str) -> None:
+    import asyncpg
+
+    from tokencapture.postgres._schema import migrations
+
+    async def install_first(count: int) -> None:
+        connection = await asyncpg.connect(pg_dsn)
+        await connection.execute(
+            "CREATE SCHEMA tokencapture; CREATE TABLE tokencapture.schema_migrations ("
+            "version integer PRIMARY KEY, name text NOT NULL, "
+            "applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        for version, name, sql in migrations()[:count]:
+            await connection.execute(sql)
+            await connection.execute(
+                "INSERT INTO tokencapture.schema_migrations (version, name) VALUES ($1, $2)",
+                version,
+                name,
+            )
+        await connection.close()
+
+    asyncio.run(install_first(3))
+    old = PostgresTokenCaptureStore(pg_dsn)
+    with pytest.raises(RuntimeError, match="schema version 3, this client needs 5"):
+        old.append(make_entry())
+    old.close_sync()
+    upgrading = PostgresTokenCaptureStore(pg_dsn, install_schema=True)
+    upgrading.append(make_entry())  # 004 and 005 applied first
+    assert upgrading.freeze_now("r1").version == 2
+    upgrading.close_sync()
+    assert install_schema_sync(pg_dsn) == []
+
+
+async def test_concurrent_first_use_of_many_stores_installs_once(pg_dsn: str) -> None:
+    stores = [PostgresTokenCaptureStore(pg_dsn, install_schema=True) for _ in range(4)]
+    await asyncio.gather(*(s.put(make_entry(call=i)) for i, s in enumerate(stores)))
+    snapshot = await stores[0].freeze("r1")
+    assert len(snapshot.entries) == 4 and snapshot.version == 5
+    for s in stores:
+        await s.close()
