@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from tests.pg_server import PgServer, PgServerUnavailable
 
-__all__ = ["pg_dsn", "pg_server", "require_postgres"]
+__all__ = ["pg_dsn", "pg_server", "require_postgres", "unavailable"]
 
 
 def require_postgres() -> bool:
@@ -25,7 +25,20 @@ def require_postgres() -> bool:
     )
 
 
-def _unavailable(reason: str) -> None:
+try:
+    import asyncpg  # noqa: F401
+except ImportError:
+    # The modules that import these fixtures import the backend too: skip them whole here
+    # (in CI the missing driver fails them at import instead).
+    if not require_postgres():
+        pytest.skip(
+            "the asyncpg driver is not installed (pip install tokencapture[postgres])",
+            allow_module_level=True,
+        )
+
+
+def unavailable(reason: str) -> None:
+    """Fail (CI) or skip (elsewhere) a test that needs a server it cannot have."""
     if require_postgres():
         pytest.fail(f"PostgreSQL is required here but unavailable: {reason}")
     pytest.skip(f"PostgreSQL unavailable: {reason}")
@@ -35,19 +48,15 @@ def _unavailable(reason: str) -> None:
 def pg_server() -> Iterator[PgServer]:
     """A throwaway server for the whole session (stopped and removed at the end)."""
     try:
-        import asyncpg  # noqa: F401
-    except ImportError:
-        _unavailable("the asyncpg driver is not installed (pip install tokencapture[postgres])")
-    try:
         server = PgServer()
     except (PgServerUnavailable, OSError) as exc:
-        _unavailable(str(exc))
+        unavailable(str(exc))
         raise  # unreachable: _unavailable raises
     try:
         server.start()
     except (PgServerUnavailable, OSError) as exc:
         server.cleanup()
-        _unavailable(str(exc))
+        unavailable(str(exc))
     try:
         yield server
     finally:

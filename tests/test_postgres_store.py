@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tests.conftest import make_entry
-from tests.pg_server import PgServer
-from tests.postgres_fixture import pg_dsn, pg_server
+from tests.pg_server import PgServer, PgServerUnavailable
+from tests.postgres_fixture import pg_dsn, pg_server, unavailable
 from tests.test_conformance import STORE_CHECKS
 
 from tokencapture.conformance import run_conformance
@@ -433,8 +433,11 @@ def test_file_and_postgres_stores_agree(pg_dsn: str) -> None:
 @pytest.fixture
 def own_server(tmp_path: Path) -> Iterator[PgServer]:
     """A server of this test's own (the fault tests kill and restart it)."""
-    pytest.importorskip("asyncpg")
-    server = PgServer()
+    try:
+        server = PgServer()
+    except (PgServerUnavailable, OSError) as exc:
+        unavailable(str(exc))
+        raise
     try:
         server.start()
         install_schema_sync(server.dsn)
