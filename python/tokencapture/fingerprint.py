@@ -48,19 +48,19 @@ __all__ = [
     "conversation_digest",
 ]
 
-FINGERPRINT_VERSION: Final = 2
+FINGERPRINT_VERSION: Final[int] = 2
 
-_FINGERPRINT_DOMAIN: Final = b"nemo-gym-lineage"
-_CONTEXT_DOMAIN: Final = b"nemo-gym-lineage-context"
+_FINGERPRINT_DOMAIN: Final[bytes] = b"nemo-gym-lineage"
+_CONTEXT_DOMAIN: Final[bytes] = b"nemo-gym-lineage-context"
 
 # One header per field: the tag byte, then the UTF-8 byte length as a big-endian u64.
-_pack_header: Final = struct.Struct(">BQ").pack
+_pack_header: Final[Callable[..., bytes]] = struct.Struct(">BQ").pack
 
 # Block types whose string ``text`` is plain text; "" also covers a block with no (or a falsy)
 # ``type``.
-_TEXT_BLOCK_TYPES: Final = frozenset({"", "text", "input_text", "output_text"})
+_TEXT_BLOCK_TYPES: Final[frozenset[str]] = frozenset({"", "text", "input_text", "output_text"})
 # Blocks that carry tool traffic: hashed as tool calls / results, never as content parts.
-_TOOL_BLOCK_TYPES: Final = frozenset({"tool_use", "tool_result"})
+_TOOL_BLOCK_TYPES: Final[frozenset[str]] = frozenset({"tool_use", "tool_result"})
 
 _Part = tuple[str, str]  # (kind, payload)
 _Call = tuple[str, str, str]  # (call id, tool name, canonical arguments)
