@@ -4,7 +4,8 @@ A fingerprint is a key shared across processes: ours must equal NeMo Gym's where
 returns one, and raise `ValueError`/`TypeError` wherever it raises. Every implementation we have
 is compared: the Python module (`tokencapture.fingerprint`, the definition), the native port
 (`_core.continuation_hashes`, which must return NeMo Gym's pair or defer with None) and the
-lineage stores' `resolve` (native hashes with a Python fallback). Expected values are NeMo Gym's
+lineage stores' `resolve` (native hashes with a Python fallback; the reference store's pure
+Python). Expected values are NeMo Gym's
 output, computed here by calling it.
 
 `TOKENCAPTURE_FINGERPRINT_EXAMPLES` sets the differential's example count (default 300; run
@@ -33,6 +34,7 @@ from tokencapture.fingerprint import (
 )
 from tokencapture.lineage import FileLineageStore, InMemoryLineageStore
 from tokencapture.records import ParentResolutionStatus
+from tokencapture.reference.lineage import FileLineageStore as ReferenceLineageStore
 from tokencapture.store import TokenCaptureStore
 
 nemo = import_nemo("fingerprint")
@@ -174,8 +176,15 @@ argument_strings = (
 
 
 def _dumps_or_repr(value: object) -> str:
+    """JSON text of `value` in varied layouts: indented objects, raw non-ASCII in arrays (a lone
+    surrogate then sits raw inside a JSON string), escaped elsewhere."""
     try:
-        return json.dumps(value, allow_nan=True, indent=None if value else 1)
+        return json.dumps(
+            value,
+            allow_nan=True,
+            indent=1 if isinstance(value, dict) else None,
+            ensure_ascii=not isinstance(value, list),
+        )
     except (TypeError, ValueError):
         return repr(value)
 
@@ -323,7 +332,7 @@ def test_resolve_uses_nemo_gym_fingerprints(messages: list[Any]) -> None:
 
 
 def check_resolve(
-    store: InMemoryLineageStore | FileLineageStore,
+    store: InMemoryLineageStore | FileLineageStore | ReferenceLineageStore,
     messages: list[Any],
     put: Callable[[Any, Any], object],
 ) -> None:
@@ -500,10 +509,27 @@ def test_null_function_name_hashes_as_none() -> None:
     assert assistant_fingerprint(messages) != assistant_fingerprint(chat({"id": "c"}))
 
 
+@pytest.mark.parametrize("resolver", ["native", "reference"])
 @pytest.mark.parametrize(
     "name",
-    ["function name null", "tool call id int", "tool call null", "arguments '1e400'", "role int"],
+    [
+        "function name null",
+        "tool call id int",
+        "tool call null",
+        "arguments '1e400'",
+        "role int",
+        "tool message with output type",
+        "tool_calls string",
+    ],
 )
-def test_file_store_resolves_with_nemo_gym_fingerprints(tmp_path: Path, name: str) -> None:
+async def test_file_stores_resolve_with_nemo_gym_fingerprints(
+    tmp_path: Path, name: str, resolver: str
+) -> None:
     store = TokenCaptureStore(tmp_path)
-    check_resolve(FileLineageStore(tmp_path), TABLE[name], lambda _, entry: store.append(entry))
+    lineage = (
+        FileLineageStore(tmp_path) if resolver == "native" else ReferenceLineageStore(tmp_path)
+    )
+    try:
+        check_resolve(lineage, TABLE[name], lambda _, entry: store.append(entry))
+    finally:
+        await lineage.close()
