@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -104,7 +105,12 @@ def test_canonical_json_rejects_unserializable_with_value_error(value: object) -
     [
         ('  {"z": 1, "a": 2}\n', '{"a":2,"z":1}'),
         ("\tnot json at all \n", "not json at all"),
-        ("NaN", "NaN"),  # not JSON for orjson: compared as stripped text
+        # Python's json module parses NaN, Infinity and out-of-range numbers to floats that
+        # orjson writes as null (NeMo Gym's rule); "nan" is not JSON, so it stays text.
+        ("NaN", "null"),
+        ("[Infinity, -1e400]", "[null,null]"),
+        (" nan ", "nan"),
+        ("-0", "0"),
         ([{"b": 1, "a": 0}], '[{"a":0,"b":1}]'),
         (7, "7"),
         (False, "false"),
@@ -363,7 +369,6 @@ def test_accepts_any_iterable_of_items() -> None:
         ({"data": 1}, "without a type"),
         ({"type": "", "data": 1}, "without a type"),
         ({"type": None, "text": 5}, "without a type"),
-        ({"type": 3, "text": "x"}, "type must be a string"),
         ({"type": "image", "blob": {1, 2}}, "not JSON serializable"),
         (12.5, "block must be a string or a dict"),
         (None, "block must be a string or a dict"),
@@ -379,23 +384,80 @@ def test_invalid_content_block_is_a_value_error(block: object, message: str) -> 
 
 
 @pytest.mark.parametrize(
-    ("item", "message"),
+    ("item", "error", "message"),
     [
-        ({"role": "assistant", "content": {"type": "text", "text": "x"}}, "content must be"),
-        ({"role": "assistant", "content": "x", "tool_calls": {"id": "c"}}, "tool_calls must be"),
-        ({"role": "assistant", "tool_calls": ["c"]}, "tool call must be a dict"),
-        ({"role": "assistant", "tool_calls": [{"function": "f"}]}, "function must be a dict"),
-        ({"role": "assistant", "tool_calls": [{"id": 7}]}, "tool call id must be a string"),
-        ({"type": "function_call", "name": 5}, "name must be a string"),
-        ({"role": "assistant", "content": "lone \ud800 surrogate"}, "UTF-8"),
+        ({"role": "assistant", "content": {"type": "text", "text": "x"}}, ValueError, "content"),
+        ({"role": "assistant", "content": "x", "tool_calls": {"id": "c"}}, TypeError, "tool call"),
+        ({"role": "assistant", "tool_calls": ["c"]}, TypeError, "tool call must be a dict"),
+        ({"role": "assistant", "tool_calls": 3}, TypeError, "not iterable"),
+        ({"role": "assistant", "tool_calls": [{"function": "f"}]}, TypeError, "function must be"),
+        ({"role": "assistant", "content": "lone \ud800 surrogate"}, UnicodeEncodeError, "utf-8"),
+        ({"type": "function_call", "arguments": "1" * 60}, ValueError, "unsupported prompt"),
+        ({"type": "function_call", "arguments": '"\\udfff"'}, ValueError, "unsupported prompt"),
+        ({"type": "function_call", "arguments": "[" * 300 + "]" * 300}, ValueError, "unsupported"),
+        ({"type": "function_call", "arguments": "[" * 5000}, ValueError, "too deeply"),
     ],
-    ids=repr,
+    ids=lambda value: repr(value)[:40],
 )
-def test_invalid_authored_item_is_a_value_error(item: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_invalid_authored_item_raises(
+    item: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
         assistant_fingerprint([item])
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         conversation_digest([item])
+
+
+def test_non_string_identifiers_are_rendered_with_str() -> None:
+    # NeMo Gym renders ids, roles, types and names with str(): a null name is "None", a falsy id
+    # or role is "", a missing name is "".
+    messages = [
+        {"role": 7, "content": [{"type": 3, "text": "x"}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": 12, "function": {"name": None, "arguments": None}},
+                None,
+                {"id": 0, "function": {"name": False}},
+                {"id": ["a"], "function": {"name": 1.5}},
+            ],
+        },
+        {"type": "function_call", "call_id": True, "name": None, "namespace": 2},
+        {"role": 0, "type": "function_call_output", "call_id": 0, "id": 1e16, "output": 1},
+    ]
+    calls = [("12", "None", ""), ("", "", ""), ("", "False", ""), ("['a']", "1.5", "")]
+    calls += [("True", "2__None", "")]
+    assert assistant_fingerprint(messages) == expected_hash(
+        FP_DOMAIN, *[f for call in calls for f in zip((0x02, 0x03, 0x04), call, strict=True)]
+    )
+    assert conversation_digest(messages) == expected_hash(
+        CTX_DOMAIN,
+        (0x00, "7"),
+        (0x01, "3"),
+        (0x02, '{"text":"x","type":3}'),
+        (0x00, "assistant"),
+        *[f for call in calls[:4] for f in zip((0x03, 0x04, 0x05), call, strict=True)],
+        (0x00, "function_call"),
+        *zip((0x03, 0x04, 0x05), calls[4], strict=True),
+        (0x00, "function_call_output"),
+        (0x06, "1e+16"),
+        (0x07, "1"),
+    )
+
+
+def test_function_call_output_with_tool_role_is_one_result() -> None:
+    # A Responses output item takes precedence: its role "tool" adds no second result.
+    messages = [{"role": "tool", "type": "function_call_output", "call_id": "c", "output": "o"}]
+    assert conversation_digest(messages) == expected_hash(
+        CTX_DOMAIN, (0x00, "tool"), (0x06, "c"), (0x07, "o")
+    )
+
+
+def test_empty_or_none_messages() -> None:
+    empties: tuple[Iterable[object] | None, ...] = (None, [], (), {})
+    for messages in empties:
+        assert assistant_fingerprint(messages) == ""
+        assert conversation_digest(messages) == hashlib.sha256(CTX_DOMAIN).hexdigest()
 
 
 @pytest.mark.parametrize("item", ["text", None, 3, ["role", "assistant"]], ids=repr)

@@ -304,7 +304,7 @@ items = st.fixed_dictionaries(
 def python_hashes(request: list[Any], context_len: int) -> tuple[str, str] | str:
     try:
         return assistant_fingerprint(request), conversation_digest(request[:context_len])
-    except ValueError:
+    except (ValueError, TypeError):
         return "ValueError"
 
 

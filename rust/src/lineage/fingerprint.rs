@@ -2,20 +2,27 @@
 //!
 //! Both hashes are SHA-256 over tagged, length-delimited UTF-8 fields
 //! (`tag byte + u64 big-endian byte length + bytes`); SPEC section 4 and the Python module are
-//! the definition. This port covers well-formed request items made of plain JSON values and
-//! returns [`Unsupported`] for everything else, so the caller falls back to the Python
-//! implementation, which either computes the same hash or raises the documented `ValueError`.
-//! In particular it declines:
+//! the definition, and both reproduce NeMo Gym 0.7.0's values (docs/compat-fingerprints.md).
+//! This port covers request items made of plain JSON values and returns [`Unsupported`] for
+//! everything else, so the caller falls back to the Python implementation, which either
+//! computes the same hash or raises. It returns a value only where it is certain of Python's,
+//! and in particular it declines:
 //!
 //! * anything the Python code refuses (a non-dict item, an untyped block without text, a
-//!   non-string identifier, malformed `tool_calls`), so errors are always Python's;
-//! * a canonical JSON value that contains a float: orjson's float formatting (`1e+16`) is not
-//!   serde_json's, and matching it digit for digit is not worth the risk;
-//! * tool arguments that serde_json cannot parse (the Python rule then strips the string with
-//!   Python's notion of whitespace, and "parses" is orjson's judgement, not serde_json's).
+//!   truthy non-dict tool call), so errors are always Python's;
+//! * an identifier, role, type or name that Python renders with `str()` and that is not a
+//!   string, `null`, a boolean or an integer (a float, a list, an object);
+//! * a canonical JSON value that contains a float: orjson's float formatting (`1e+16`,
+//!   `0.00001`) is neither serde_json's nor Python's `repr`;
+//! * tool arguments that serde_json cannot parse or parses to a float. Python's `json` module
+//!   decides what parses there (it accepts `NaN`, `Infinity`, `1e400`, escaped lone surrogates
+//!   and integers of any size, which serde_json refuses or turns into floats), then orjson
+//!   writes it (or refuses it); a string neither accepts is stripped with Python's notion of
+//!   whitespace.
 //!
 //! Everything else, objects with sorted keys, strings, integers, booleans and null, serializes
-//! byte for byte as orjson's `OPT_SORT_KEYS` does (compact, UTF-8, the same escapes).
+//! byte for byte as orjson's `OPT_SORT_KEYS` does (compact, UTF-8, the same escapes), and
+//! serde_json accepts exactly the integer, string and structure syntax Python's `json` does.
 
 use std::borrow::Cow;
 
@@ -35,10 +42,11 @@ pub struct Unsupported;
 type Port<T> = Result<T, Unsupported>;
 
 type Part<'a> = (Cow<'a, str>, Cow<'a, str>);
-type Call<'a> = (&'a str, Cow<'a, str>, String);
-type ToolResult<'a> = (&'a str, Cow<'a, str>);
+type Call<'a> = (Cow<'a, str>, Cow<'a, str>, String);
+type ToolResult<'a> = (Cow<'a, str>, Cow<'a, str>);
 
 static NULL: Value = Value::Null;
+static EMPTY_MAP: std::sync::LazyLock<Map<String, Value>> = std::sync::LazyLock::new(Map::new);
 
 fn get<'a>(object: &'a Map<String, Value>, key: &str) -> &'a Value {
     object.get(key).unwrap_or(&NULL)
@@ -64,15 +72,35 @@ fn or<'a>(first: &'a Value, second: &'a Value) -> &'a Value {
     }
 }
 
-/// An identifier-like field: missing or falsy is "", a string is itself, anything else is
-/// Python's `ValueError`.
-fn text_of(value: &Value) -> Port<&str> {
-    if !truthy(value) {
-        return Ok("");
-    }
+/// Python's `str()` of a JSON scalar: a string is itself, `null` is "None", a boolean
+/// "True"/"False", an integer its decimal digits. A float (Python's `repr` rules) or a
+/// container (Python's `repr` of its items) is Python's to render.
+fn py_str(value: &Value) -> Port<Cow<'_, str>> {
     match value {
-        Value::String(text) => Ok(text),
+        Value::String(text) => Ok(Cow::Borrowed(text)),
+        Value::Null => Ok(Cow::Borrowed("None")),
+        Value::Bool(true) => Ok(Cow::Borrowed("True")),
+        Value::Bool(false) => Ok(Cow::Borrowed("False")),
+        Value::Number(number) if !number.is_f64() => Ok(Cow::Owned(number.to_string())),
         _ => Err(Unsupported),
+    }
+}
+
+/// An id, role or type (`str(x or "")`): missing or falsy is "", anything else `str()`.
+fn text_of(value: &Value) -> Port<Cow<'_, str>> {
+    if truthy(value) {
+        py_str(value)
+    } else {
+        Ok(Cow::Borrowed(""))
+    }
+}
+
+/// A tool name (`str(x.get("name", ""))`): missing is "", anything else `str()`, so a `null`
+/// name is "None" and `false` is "False".
+fn name_of(holder: &Map<String, Value>) -> Port<Cow<'_, str>> {
+    match holder.get("name") {
+        None => Ok(Cow::Borrowed("")),
+        Some(name) => py_str(name),
     }
 }
 
@@ -155,11 +183,9 @@ fn scan_content(content: &Value) -> Port<Content<'_>> {
             Value::Object(map) => map,
             _ => return Err(Unsupported),
         };
-        let block_type = match get(block_map, "type") {
-            Value::Null => "",
-            Value::String(kind) => kind.as_str(),
-            _ => return Err(Unsupported),
-        };
+        // `str(type or "")`; for JSON values it is "tool_use" exactly when the type is that
+        // string, so this also picks the blocks Python's tool scan picks.
+        let block_type = text_of(get(block_map, "type"))?;
         if block_type == "tool_use" {
             out.tool_uses.push(block_map);
             continue;
@@ -169,16 +195,14 @@ fn scan_content(content: &Value) -> Port<Content<'_>> {
             continue;
         }
         match get(block_map, "text") {
-            Value::String(text) if TEXT_BLOCK_TYPES.contains(&block_type) => {
+            Value::String(text) if TEXT_BLOCK_TYPES.contains(&block_type.as_ref()) => {
                 if !text.is_empty() {
                     out.parts.push((Cow::Borrowed("text"), Cow::Borrowed(text)));
                 }
             }
             _ if !block_type.is_empty() => {
-                out.parts.push((
-                    Cow::Borrowed(block_type),
-                    Cow::Owned(canonical_json(block)?),
-                ));
+                out.parts
+                    .push((block_type, Cow::Owned(canonical_json(block)?)));
             }
             _ => return Err(Unsupported),
         }
@@ -192,12 +216,12 @@ fn tool_calls<'a>(
 ) -> Port<Vec<Call<'a>>> {
     let mut calls = Vec::new();
     if get(message, "type").as_str() == Some("function_call") {
-        let name = text_of(get(message, "name"))?;
-        let namespace = text_of(get(message, "namespace"))?;
-        let name = if namespace.is_empty() {
-            Cow::Borrowed(name)
+        let name = name_of(message)?;
+        let namespace = get(message, "namespace");
+        let name = if truthy(namespace) {
+            Cow::Owned(format!("{}__{name}", py_str(namespace)?))
         } else {
-            Cow::Owned(format!("{namespace}__{name}"))
+            name
         };
         let call_id = text_of(or(get(message, "call_id"), get(message, "id")))?;
         calls.push((
@@ -209,29 +233,35 @@ fn tool_calls<'a>(
     for block in tool_uses {
         calls.push((
             text_of(get(block, "id"))?,
-            Cow::Borrowed(text_of(get(block, "name"))?),
+            name_of(block)?,
             canonical_arguments(get(block, "input"))?,
         ));
     }
+    // A falsy `tool_calls` (null, [], "", 0, false, {}) is no calls at all.
     let listed = match get(message, "tool_calls") {
-        Value::Null => return Ok(calls),
         Value::Array(listed) => listed,
+        other if !truthy(other) => return Ok(calls),
         _ => return Err(Unsupported),
     };
-    let empty = Map::new();
     for call in listed {
-        let Value::Object(call) = call else {
-            return Err(Unsupported);
-        };
-        let function = match get(call, "function") {
-            Value::Null => &empty,
-            Value::Object(function) => function,
+        // A falsy call or function reads as an empty one.
+        let (call_id, function) = match call {
+            Value::Object(call) => {
+                let function = match get(call, "function") {
+                    Value::Object(function) => function,
+                    other if !truthy(other) => &*EMPTY_MAP,
+                    _ => return Err(Unsupported),
+                };
+                (text_of(get(call, "id"))?, function)
+            }
+            other if !truthy(other) => (Cow::Borrowed(""), &*EMPTY_MAP),
             _ => return Err(Unsupported),
         };
-        let arguments = canonical_arguments(get(function, "arguments"))?;
-        // `empty` lives only in this frame: copy the (always empty) name out of it.
-        let name = Cow::Owned(text_of(get(function, "name"))?.to_owned());
-        calls.push((text_of(get(call, "id"))?, name, arguments));
+        calls.push((
+            call_id,
+            name_of(function)?,
+            canonical_arguments(get(function, "arguments"))?,
+        ));
     }
     Ok(calls)
 }
@@ -241,11 +271,11 @@ fn tool_results<'a>(
     blocks: &[&'a Map<String, Value>],
 ) -> Port<Vec<ToolResult<'a>>> {
     let mut results = Vec::new();
+    // A Responses output, or else a chat tool message: an item that is both counts once.
     if get(message, "type").as_str() == Some("function_call_output") {
         let call_id = text_of(or(get(message, "call_id"), get(message, "id")))?;
         results.push((call_id, output_text(get(message, "output"))?));
-    }
-    if get(message, "role").as_str() == Some("tool") {
+    } else if get(message, "role").as_str() == Some("tool") {
         let call_id = text_of(get(message, "tool_call_id"))?;
         results.push((call_id, output_text(get(message, "content"))?));
     }
@@ -285,7 +315,7 @@ pub fn assistant_fingerprint<'a>(items: impl IntoIterator<Item = &'a Value>) -> 
             feed(&mut hasher, 0x01, payload);
         }
         for (id, name, arguments) in tool_calls(message, &content.tool_uses)? {
-            feed(&mut hasher, 0x02, id);
+            feed(&mut hasher, 0x02, &id);
             feed(&mut hasher, 0x03, &name);
             feed(&mut hasher, 0x04, &arguments);
         }
@@ -303,7 +333,7 @@ fn digest_item(hasher: &mut Sha256, value: &Value) -> Port<()> {
     feed(
         hasher,
         0x00,
-        text_of(or(get(message, "role"), get(message, "type")))?,
+        &text_of(or(get(message, "role"), get(message, "type")))?,
     );
     let content = scan_content(get(message, "content"))?;
     for (kind, payload) in &content.parts {
@@ -311,12 +341,12 @@ fn digest_item(hasher: &mut Sha256, value: &Value) -> Port<()> {
         feed(hasher, 0x02, payload);
     }
     for (id, name, arguments) in tool_calls(message, &content.tool_uses)? {
-        feed(hasher, 0x03, id);
+        feed(hasher, 0x03, &id);
         feed(hasher, 0x04, &name);
         feed(hasher, 0x05, &arguments);
     }
     for (id, output) in tool_results(message, &content.tool_results)? {
-        feed(hasher, 0x06, id);
+        feed(hasher, 0x06, &id);
         feed(hasher, 0x07, &output);
     }
     Ok(())
@@ -447,6 +477,120 @@ mod tests {
                 prefix.digest_of(&items, k).unwrap(),
                 conversation_digest(&items[..k]).unwrap()
             );
+        }
+    }
+
+    /// SHA-256 of `domain` then each `(tag, text)` as tag + u64 BE length + UTF-8 bytes.
+    fn expected(domain: &[u8], fields: &[(u8, &str)]) -> String {
+        let mut hasher = Sha256::new();
+        hasher.update(domain);
+        for (tag, text) in fields {
+            hasher.update([*tag]);
+            hasher.update((text.len() as u64).to_be_bytes());
+            hasher.update(text.as_bytes());
+        }
+        hex::encode(hasher.finalize())
+    }
+
+    #[test]
+    fn scalar_identifiers_are_rendered_as_python_str_renders_them() {
+        // NeMo Gym 0.7.0: names are `str(x.get("name", ""))` (null is "None"), ids, roles and
+        // types `str(x or "")`; a falsy call or function reads as an empty one.
+        let items = serde_json::json!([
+            {"role": 7, "content": [{"type": true, "text": "x"}]},
+            {"role": "assistant", "tool_calls": [
+                {"id": 12, "function": {"name": null, "arguments": null}},
+                null,
+                {"id": 0, "function": {"name": false}},
+                {"id": "c", "function": []},
+                {"id": "d", "function": {"name": -3}},
+            ]},
+            {"type": "function_call", "call_id": true, "name": null, "namespace": 2},
+            {"role": 0, "type": "function_call_output", "call_id": 0, "id": false, "output": 1},
+        ]);
+        let items = items.as_array().unwrap();
+        let calls = [
+            ("12", "None"),
+            ("", ""),
+            ("", "False"),
+            ("c", ""),
+            ("d", "-3"),
+            ("True", "2__None"),
+        ];
+        let mut fp = Vec::new();
+        for (id, name) in calls {
+            fp.extend([(0x02, id), (0x03, name), (0x04, "")]);
+        }
+        assert_eq!(
+            assistant_fingerprint(items).unwrap(),
+            expected(FINGERPRINT_DOMAIN, &fp)
+        );
+        let mut ctx = vec![
+            (0x00, "7"),
+            (0x01, "True"),
+            (0x02, "{\"text\":\"x\",\"type\":true}"),
+            (0x00, "assistant"),
+        ];
+        for (id, name) in &calls[..5] {
+            ctx.extend([(0x03, *id), (0x04, *name), (0x05, "")]);
+        }
+        ctx.extend([(0x00, "function_call"), (0x03, "True"), (0x04, "2__None")]);
+        ctx.extend([
+            (0x05, ""),
+            (0x00, "function_call_output"),
+            (0x06, ""),
+            (0x07, "1"),
+        ]);
+        assert_eq!(
+            conversation_digest(items).unwrap(),
+            expected(CONTEXT_DOMAIN, &ctx)
+        );
+    }
+
+    #[test]
+    fn an_output_item_with_the_tool_role_is_one_result() {
+        let items = serde_json::json!([
+            {"role": "tool", "type": "function_call_output", "call_id": "c", "output": "o",
+             "content": "x"}
+        ]);
+        let ctx = [
+            (0x00, "tool"),
+            (0x01, "text"),
+            (0x02, "x"),
+            (0x06, "c"),
+            (0x07, "o"),
+        ];
+        assert_eq!(
+            conversation_digest(items.as_array().unwrap()).unwrap(),
+            expected(CONTEXT_DOMAIN, &ctx)
+        );
+    }
+
+    #[test]
+    fn what_python_renders_or_parses_differently_defers() {
+        for item in [
+            serde_json::json!({"role": 1.5}),
+            serde_json::json!({"role": ["assistant"]}),
+            serde_json::json!({"type": "function_call", "name": 2.0}),
+            serde_json::json!({"type": "function_call", "name": {"a": 1}}),
+            serde_json::json!({"role": "assistant", "tool_calls": "ab"}),
+            serde_json::json!({"role": "assistant", "tool_calls": [{"function": "f"}]}),
+            serde_json::json!({"role": "assistant", "tool_calls": [3]}),
+            // Python's json module parses these; serde_json refuses them or reads a float.
+            serde_json::json!({"type": "function_call", "arguments": "1e400"}),
+            serde_json::json!({"type": "function_call", "arguments": "NaN"}),
+            serde_json::json!({"type": "function_call", "arguments": "[-Infinity]"}),
+            serde_json::json!({"type": "function_call", "arguments": "1".repeat(60)}),
+            serde_json::json!({"type": "function_call", "arguments": "\"\\ud800\""}),
+            serde_json::json!({"type": "function_call", "arguments": " \u{1c}[1] "}),
+        ] {
+            let items = [item];
+            assert_eq!(conversation_digest(&items), Err(Unsupported), "{items:?}");
+            // A user item's role is not part of the fingerprint, so it is answered there.
+            let authored = items[0].get("role").is_none() || items[0]["role"] == "assistant";
+            if authored {
+                assert_eq!(assistant_fingerprint(&items), Err(Unsupported), "{items:?}");
+            }
         }
     }
 
