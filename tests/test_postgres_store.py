@@ -74,6 +74,9 @@ def test_put_freeze_round_trip_stores_the_canonical_line(store: PostgresTokenCap
     assert snapshot.entries[0].model_extra == {"extra_field": {"kept": [1, 2]}}
     assert len(snapshot.snapshot_id) == 32 and snapshot.version == 2
     assert store.freeze_now("r1") == snapshot  # idempotent
+    stats = store.stats()
+    assert stats["put"]["count"] == 2 and stats["put"]["failures"] == 0
+    assert stats["freeze"]["count"] == 2
 
 
 def test_conflict_marks_incomplete_durably_then_raises(store: PostgresTokenCaptureStore) -> None:

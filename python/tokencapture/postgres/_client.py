@@ -292,7 +292,8 @@ class Client:
             if owner is loop:
                 await pool.close()
             elif thread is not None and owner is thread.loop:
-                asyncio.run_coroutine_threadsafe(pool.close(), thread.loop).result()
+                closing = asyncio.run_coroutine_threadsafe(pool.close(), thread.loop)
+                await asyncio.wrap_future(closing)  # without blocking this loop
             else:
                 _terminate(owner, pool)
         self._pools = weakref.WeakKeyDictionary()
