@@ -257,23 +257,7 @@ def test_every_public_annotation_resolves_at_run_time() -> None:
     assert not failures, "\n".join(failures)
 
 
-# Bare `Final` module constants (`X: Final = 1`) make `typing.get_type_hints(module)` raise on
-# Python 3.11; these modules still have some (reported to their owners, issue 15 item 4).
-BARE_FINAL = {"tokencapture.ledger", "tokencapture.staging.records", "tokencapture.fingerprint"}
-
-
-@pytest.mark.parametrize(
-    "module_name",
-    [
-        pytest.param(
-            name,
-            marks=[pytest.mark.xfail(reason="bare Final module constants", strict=False)]
-            if name in BARE_FINAL
-            else [],
-        )
-        for name in PUBLIC_MODULES
-    ],
-)
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
 def test_module_annotations_resolve_at_run_time(module_name: str) -> None:
     import importlib
     import typing
