@@ -159,3 +159,25 @@ def test_bad_arguments_are_refused_when_called(dsn: str) -> None:
     with pytest.raises(ValueError):
         PostgresLineageStore(dsn, max_cached_rollouts=0)
     lineage.close_sync()
+
+
+def test_nemo_gym_style_loading_gives_endpoints_of_its_protocols(dsn: str) -> None:
+    """NeMo Gym 0.7.0 loads `module:Class` with its kwargs and checks the endpoint against its
+    own protocols (its loader needs Python 3.12, so its steps are replayed here)."""
+    import importlib
+    import typing
+
+    from tests.nemo_oracle import import_nemo
+
+    protocols = import_nemo("protocols")
+    for target, protocol in (
+        ("tokencapture:PostgresTokenCaptureStore", protocols.TokenSink),
+        ("tokencapture:PostgresTokenCaptureStore", protocols.TokenSource),
+        ("tokencapture:PostgresLineageStore", protocols.LineageResolver),
+    ):
+        module_path, _, class_name = target.partition(":")
+        endpoint = getattr(importlib.import_module(module_path), class_name)(**{"dsn": dsn})
+        attrs = typing._get_protocol_attrs(protocol)  # type: ignore[attr-defined]
+        assert attrs and all(callable(getattr(endpoint, name, None)) for name in attrs)
+        assert isinstance(endpoint, protocol)
+        endpoint.close_sync()
