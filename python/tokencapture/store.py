@@ -245,8 +245,12 @@ def _as_token_entry(entry: object) -> TokenEntry:
         return entry
     if isinstance(entry, BaseModel):
         # A foreign model with the same fields (NeMo Gym's own TokenEntry): revalidate its
-        # Python-mode values so nothing (NaN included) is converted before our checks.
-        return TokenEntry.model_validate(entry.model_dump())
+        # Python-mode values so nothing (NaN included) is converted before our checks. Its
+        # serializer is not asked to judge the values (`warnings=False`): NeMo Gym's
+        # `commit_entry` stamps a resolver's status onto its entry unvalidated, so with our
+        # resolver its enum field holds our `ParentResolutionStatus`, which its dump would warn
+        # about; the validation below checks every value anyway.
+        return TokenEntry.model_validate(entry.model_dump(warnings=False))
     if isinstance(entry, Mapping):
         return TokenEntry.model_validate(dict(entry))
     raise TypeError(
