@@ -46,6 +46,7 @@ SCHEMA_FILES = [
     "003_tools.sql",
     "004_put_batch.sql",
     "005_log_reads.sql",
+    "006_ledger.sql",
 ]  # the fixtures, imported for pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -860,7 +861,7 @@ def test_an_older_schema_is_refused_then_upgraded_on_first_use(pg_dsn: str) -> N
 
     asyncio.run(install_first(3))
     old = PostgresTokenCaptureStore(pg_dsn)
-    with pytest.raises(RuntimeError, match="schema version 3, this client needs 5"):
+    with pytest.raises(RuntimeError, match="schema version 3, this client needs 6"):
         old.append(make_entry())
     old.close_sync()
     upgrading = PostgresTokenCaptureStore(pg_dsn, install_schema=True)

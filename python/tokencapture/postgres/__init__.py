@@ -1,4 +1,4 @@
-"""The PostgreSQL backend: the token capture store (and its lineage resolver) on one server.
+"""The PostgreSQL backend: the token capture store, its lineage resolver and the capture ledger.
 
 Install the driver with `pip install tokencapture[postgres]` (asyncpg). Every operation is one
 call of a server-side function in the `tokencapture` schema (python/tokencapture/postgres/sql),
@@ -17,11 +17,13 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 
 from tokencapture.postgres._client import PostgresUnavailableError
 from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, install_schema_sync
+from tokencapture.postgres.ledger import PostgresCaptureLedger
 from tokencapture.postgres.lineage import PostgresLineageStore
 from tokencapture.postgres.store import PostgresTokenCaptureStore
 
 __all__ = [
     "SCHEMA_VERSION",
+    "PostgresCaptureLedger",
     "PostgresLineageStore",
     "PostgresTokenCaptureStore",
     "PostgresUnavailableError",
