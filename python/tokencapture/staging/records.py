@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import ItemsView, KeysView, Mapping, Sequence
 from typing import Annotated, Any, Final, Literal, Self
 
 from pydantic import (
@@ -327,6 +327,34 @@ class _WireModel(BaseModel):
         ):
             return data.model_dump()
         return data
+
+    # A read-only mapping view of the fields, so NeMo Gym's models take ours: pydantic validates
+    # a model-typed field from an instance of that very class, a dict or any
+    # `collections.abc.Mapping` (read with ``get`` and ``items``), so NeMo Gym's
+    # ``CaptureLedgerCommit(record=<our CallRecord>)`` or ``RolloutReceipt(manifest=[...])``
+    # revalidates our values by its own rules. Iteration is left as pydantic's (``(name, value)``
+    # pairs); ``dict(model)`` goes through ``keys`` and gives the same dict as before.
+
+    def keys(self) -> KeysView[str]:
+        """The field names."""
+        return self.__dict__.keys()
+
+    def items(self) -> ItemsView[str, Any]:
+        """``(name, value)`` for every field, values as they are held (not dumped)."""
+        return self.__dict__.items()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A field's value, or ``default`` when no field has that name."""
+        return self.__dict__.get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self.__dict__[key]
+        except KeyError:
+            raise KeyError(key) from None
+
+
+Mapping.register(_WireModel)
 
 
 class _DigestWireModel(_WireModel):
