@@ -90,7 +90,10 @@ class PgServer:
             )
         self.bindir = found
         self._owns_base = base is None
-        self.base = Path(base or tempfile.mkdtemp(prefix="tokencapture-pg-"))
+        # As root the server runs as `postgres`, which must traverse every parent directory:
+        # /tmp, whatever TMPDIR says (a TMPDIR under /root would not do).
+        parent = "/tmp" if os.geteuid() == 0 and os.path.isdir("/tmp") else None
+        self.base = Path(base or tempfile.mkdtemp(prefix="tokencapture-pg-", dir=parent))
         self.data = self.base / "data"
         self.socket_dir = self.base / "socket"
         self.log = self.base / "server.log"
