@@ -30,6 +30,12 @@ _staging: tuple[int, str, _core.Store] | None = None
 _names = itertools.count()
 
 
+def _remove(pid: int, directory: str) -> None:
+    """At exit, remove this process's staging directory (a forked child leaves its parent's)."""
+    if os.getpid() == pid:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _stage() -> tuple[str, _core.Store]:
     global _staging
     pid = os.getpid()
@@ -38,7 +44,7 @@ def _stage() -> tuple[str, _core.Store]:
             if _staging is None or _staging[0] != pid:
                 base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
                 directory = tempfile.mkdtemp(prefix="tokencapture-decode-", dir=base)
-                atexit.register(shutil.rmtree, directory, True)
+                atexit.register(_remove, pid, directory)
                 # One cached rollout: the staged files are removed after each decode.
                 _staging = (pid, directory, _core.Store(directory, 1))
     return _staging[1], _staging[2]
