@@ -231,3 +231,44 @@ def test_demo_runs_against_a_dsn(pg_dsn: str, capsys: pytest.CaptureFixture[str]
 def test_db_init_refuses_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["db", "init", str(tmp_path)]) == 2
     assert "not a postgresql:// connection string" in capsys.readouterr().err
+
+
+def test_copy_between_two_databases(
+    pg_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+    import uuid
+
+    import asyncpg
+
+    from tokencapture.postgres._client import Client
+    from tokencapture.postgres.transfer import export_from_postgres
+
+    async def create(name: str) -> None:
+        connection = await asyncpg.connect(pg_server.dsn)
+        await connection.execute(f"CREATE DATABASE {name}")
+        await connection.close()
+
+    names = [f"c_{uuid.uuid4().hex[:10]}" for _ in range(2)]
+    for name in names:
+        asyncio.run(create(name))
+    source, target = (pg_server.dsn_for(name) for name in names)
+    install_schema_sync(source)
+    install_schema_sync(target)
+    files = TokenCaptureStore(tmp_path / "files")
+    _varied(files)
+    assert run(capsys, "copy", str(files.root), source)[0] == 0
+    code, copied = run(capsys, "copy", source, target)
+    assert code == 0 and len(copied["copied"]) == 8
+
+    async def images(dsn: str) -> list[Any]:
+        client = Client(dsn)
+        try:
+            return [
+                await export_from_postgres(client, summary["rollout_id"])
+                for summary in copied["copied"]
+            ]
+        finally:
+            await client.close()
+
+    assert asyncio.run(images(source)) == asyncio.run(images(target))
