@@ -29,6 +29,7 @@
 //! `python` feature.
 
 pub mod digest;
+pub mod columnar;
 pub mod doorbell;
 pub mod error;
 pub mod json;
