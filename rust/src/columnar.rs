@@ -1156,3 +1156,239 @@ pub fn cumulative_tokens(
     }
     Ok(ListColumn { values, offsets })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::json::tape::{tape_channel, tape_lines};
+    use serde_json::{json, Value};
+
+    fn ranges_of(buf: &[u8]) -> Vec<Range<usize>> {
+        let mut ranges = Vec::new();
+        let mut start = 0;
+        for (at, &byte) in buf.iter().enumerate() {
+            if byte == b'\n' {
+                ranges.push(start..at);
+                start = at + 1;
+            }
+        }
+        ranges
+    }
+
+    /// The lines decoded in one walk and by replaying tapes (as a large log is).
+    fn decode_both(buf: &[u8], ranges: &[Range<usize>]) -> (Decoded, Decoded) {
+        let whole = decode_columns(LinesToDecode::Whole { buf, lines: ranges });
+        let (sink, feed) = tape_channel(ranges.len() + 1);
+        tape_lines(buf, ranges, |line| sink.send(line));
+        drop(sink);
+        (whole, decode_columns(LinesToDecode::Taped(feed)))
+    }
+
+    fn entry(call: usize, prompt: &[u64], generation: &[u64], extra: Value) -> Value {
+        let mut value = json!({
+            "rollout_id": "r",
+            "model_call_id": format!("c{call}"),
+            "prompt_token_ids": prompt,
+            "generation_token_ids": generation,
+            "generation_log_probs": generation.iter().map(|&id| -(id as f64) / 7.0).collect::<Vec<_>>(),
+            "created_at": 1.5,
+        });
+        if let (Value::Object(fields), Value::Object(more)) = (&mut value, extra) {
+            fields.extend(more);
+        }
+        value
+    }
+
+    /// Lines like an agentic rollout's (each prompt repeats the last prompt and answer), with
+    /// arrays under token keys in nested objects, a duplicate and a refused line among them.
+    fn rollout_lines() -> (Vec<u8>, Vec<Value>) {
+        let mut values = Vec::new();
+        let mut prompt: Vec<u64> = (0..300).map(|i| i * 7 % 1000).collect();
+        for call in 0..6 {
+            let generation: Vec<u64> = (0..80).map(|i| (i + call as u64) * 13 % 997).collect();
+            let extra = match call {
+                2 => json!({"a_note": {"prompt_token_ids": (0..90).collect::<Vec<u64>>()},
+                            "routed_experts": {"generation_token_ids": [1, "x"]}}),
+                3 => json!({"output_items": [{"generation_log_probs": [0.5, 1]}],
+                            "token_item_index": 0}),
+                _ => json!({}),
+            };
+            values.push(entry(call, &prompt, &generation, extra));
+            prompt.extend(&generation);
+            prompt.extend((0..40).map(|i| i + 5000 + call as u64));
+        }
+        let mut buf = Vec::new();
+        for value in &values {
+            buf.extend(serde_json::to_vec(value).unwrap());
+            buf.push(b'\n');
+        }
+        let duplicate = serde_json::to_vec(&values[1]).unwrap();
+        buf.extend(&duplicate);
+        buf.push(b'\n');
+        (buf, values)
+    }
+
+    fn ids(value: &Value) -> Vec<i64> {
+        value
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_i64().unwrap())
+            .collect()
+    }
+
+    fn floats(value: &Value) -> Vec<f64> {
+        value
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect()
+    }
+
+    fn part<T: Copy>(column: &ListColumn<T>, at: usize) -> Vec<T> {
+        column.values[column.offsets[at] as usize..column.offsets[at + 1] as usize].to_vec()
+    }
+
+    #[test]
+    fn a_replayed_decode_builds_what_a_walk_builds() {
+        let (buf, _) = rollout_lines();
+        let ranges = ranges_of(&buf);
+        let (whole, taped) = decode_both(&buf, &ranges);
+        assert_eq!(whole.rows, taped.rows);
+        assert_eq!(whole.builder.ids, taped.builder.ids);
+        assert_eq!(whole.builder.probs, taped.builder.probs);
+        assert!(whole.rows.iter().all(Result::is_ok));
+    }
+
+    #[test]
+    fn records_become_columns_equal_to_their_json() {
+        let (buf, values) = rollout_lines();
+        let ranges = ranges_of(&buf);
+        // The records: every line but the duplicate (the last line), as a store selects them.
+        let records = Records {
+            buf: Vec::new(),
+            lines: ranges[..values.len()].to_vec(),
+        };
+        for decoded in [decode_both(&buf, &ranges).0, decode_both(&buf, &ranges).1] {
+            let log = std::path::Path::new("r.tokens.jsonl");
+            let entries = assemble(log, &ranges, decoded, &records).unwrap();
+            assert_eq!(entries.rows.len(), values.len());
+            for (at, value) in values.iter().enumerate() {
+                assert_eq!(
+                    part(&entries.prompt_token_ids, at),
+                    ids(&value["prompt_token_ids"])
+                );
+                assert_eq!(
+                    part(&entries.generation_token_ids, at),
+                    ids(&value["generation_token_ids"])
+                );
+                assert_eq!(
+                    part(&entries.generation_log_probs, at),
+                    floats(&value["generation_log_probs"])
+                );
+                let row = &entries.rows[at];
+                assert_eq!(row.model_call_id, format!("c{at}"));
+                let output_items: Value = serde_json::from_str(&row.output_items).unwrap();
+                assert_eq!(
+                    output_items,
+                    *value.get("output_items").unwrap_or(&json!([]))
+                );
+                let routed: Value = row
+                    .routed_experts
+                    .as_deref()
+                    .map_or(Value::Null, |t| serde_json::from_str(t).unwrap());
+                assert_eq!(routed, *value.get("routed_experts").unwrap_or(&Value::Null));
+                let extras: Value = row
+                    .extras
+                    .as_deref()
+                    .map_or(json!({}), |t| serde_json::from_str(t).unwrap());
+                let expected = value
+                    .get("a_note")
+                    .map_or(json!({}), |n| json!({"a_note": n}));
+                assert_eq!(extras, expected);
+            }
+        }
+    }
+
+    #[test]
+    fn lines_that_are_not_entries_are_refused_with_their_reason() {
+        let good = entry(0, &[1, 2], &[3], json!({}));
+        let cases: [(Value, &str); 8] = [
+            (json!([1, 2]), "expected a JSON object"),
+            (
+                json!({"model_call_id": "x"}),
+                "missing field(s) rollout_id, prompt_token_ids",
+            ),
+            (
+                entry(1, &[1], &[2], json!({"prompt_token_ids": [1, "a"]})),
+                "must be a list of ints",
+            ),
+            (
+                entry(1, &[1], &[2], json!({"generation_log_probs": []})),
+                "has 0 values for 1",
+            ),
+            (
+                entry(1, &[1], &[], json!({"schema_version": 2})),
+                "schema_version 2",
+            ),
+            (
+                entry(1, &[1], &[], json!({"parent_resolution": "maybe"})),
+                "not one of",
+            ),
+            (
+                entry(1, &[1], &[], json!({"prompt_is_delta": true})),
+                "requires a resolved parent",
+            ),
+            (
+                entry(1, &[1], &[], json!({"prompt_token_ids": [u64::MAX]})),
+                "does not fit in an int64",
+            ),
+        ];
+        for (value, reason) in cases {
+            let mut buf = serde_json::to_vec(&good).unwrap();
+            buf.push(b'\n');
+            buf.extend(serde_json::to_vec(&value).unwrap());
+            buf.push(b'\n');
+            let ranges = ranges_of(&buf);
+            let (whole, taped) = decode_both(&buf, &ranges);
+            assert_eq!(whole.rows, taped.rows);
+            assert!(whole.rows[0].is_ok());
+            let refused = whole.rows[1].as_ref().unwrap_err();
+            assert!(refused.contains(reason), "{refused:?} lacks {reason:?}");
+        }
+    }
+
+    #[test]
+    fn cumulative_tokens_follow_delta_chains() {
+        let link = |call_id, parent_call_id, prompt_is_delta| Link {
+            call_id,
+            parent_call_id,
+            prompt_is_delta,
+        };
+        let links = [
+            link("a", None, false),
+            link("b", Some("a"), true),
+            link("c", Some("b"), true),
+            link("d", Some("a"), false),
+        ];
+        let prompt = ([1, 2, 4, 7, 9].as_slice(), [0, 2, 3, 4, 5].as_slice());
+        let generation = ([3, 5, 6, 8].as_slice(), [0, 1, 3, 3, 4].as_slice());
+        let cumulative = cumulative_tokens(&links, prompt, generation).unwrap();
+        assert_eq!(
+            cumulative.values,
+            [1, 2, 3, 1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 7, 9, 8]
+        );
+        assert_eq!(cumulative.offsets, [0, 3, 9, 16, 18]);
+        let cycle = [link("a", Some("b"), true), link("b", Some("a"), true)];
+        let two = ([1, 2].as_slice(), [0, 1, 2].as_slice());
+        let none = ([].as_slice(), [0, 0, 0].as_slice());
+        assert!(cumulative_tokens(&cycle, two, none)
+            .unwrap_err()
+            .contains("cycle"));
+        let orphan = [link("a", Some("gone"), true)];
+        let one = ([1].as_slice(), [0, 1].as_slice());
+        let err = cumulative_tokens(&orphan, one, ([].as_slice(), [0, 0].as_slice()));
+        assert!(err.unwrap_err().contains("missing parent \"gone\""));
+    }
+}
