@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.conftest import GOLDEN, is_storable_call_id, make_entry
 
-from tokencapture.columnar import COLUMNS, ColumnarSnapshot
+from tokencapture.columnar import COLUMNS, ColumnarSnapshot, columns_of_lines
 from tokencapture.protocols import TokenCaptureRetiredError
 from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokencapture.store import TokenCaptureStore, canonical_line
@@ -558,3 +558,19 @@ def test_canonical_lines_are_what_the_columns_were_decoded_from(tmp_path: Path) 
     assert row["output_items"].encode() in line
     assert row["routed_experts"].encode() in line
     assert row["extras"] == '{"note":{"z":null}}'
+
+
+def test_lines_stored_apart_decode_like_the_file_store(tmp_path: Path) -> None:
+    """`columns_of_lines` (for a backend that keeps each canonical line apart, as PostgreSQL
+    does) gives what the file store's columns give for the same lines."""
+    store = TokenCaptureStore(tmp_path)
+    entries = lineage_rollout("apart", calls=5, prompt=200, turn=70, seed=3)
+    for entry in entries:
+        store.append(entry)
+    lines = store.path_for("apart").read_bytes().splitlines()
+    assert_rows_equal(pa.table(columns_of_lines(lines)), entries)
+    assert len(columns_of_lines([])) == 0
+    bad = orjson.loads(lines[0])
+    del bad["generation_token_ids"]
+    with pytest.raises(ValueError, match="line 2 is not a valid entry: missing field"):
+        columns_of_lines([lines[0], lines[1], orjson.dumps(bad)])

@@ -15,6 +15,7 @@ __all__ = [
     "LineageJob",
     "MemoryLineage",
     "Store",
+    "columns_of_lines",
     "compute_digest",
     "continuation_hashes",
     "freeze_columns",
@@ -103,6 +104,7 @@ class ColumnarArray:
 
 def freeze_columns(store: Store, rollout_id: str) -> tuple[ColumnarEntries, bool, str, int]: ...
 def read_columns(store: Store, rollout_id: str) -> ColumnarEntries: ...
+def columns_of_lines(lines: Sequence[bytes]) -> ColumnarEntries: ...
 
 # ---- lineage ----
 # A resolve answers `(status, model_call_id, cumulative_token_ids, digest, reason)`; the native

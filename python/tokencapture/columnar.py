@@ -24,13 +24,14 @@ from tokencapture import _core
 from tokencapture.protocols import TokenCaptureCorruptionError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
 __all__ = [
     "COLUMNS",
     "ColumnarArray",
     "ColumnarEntries",
     "ColumnarSnapshot",
+    "columns_of_lines",
 ]
 
 ColumnarEntries = _core.ColumnarEntries
@@ -105,6 +106,17 @@ class ColumnarSnapshot:
         with offsets; `pyarrow.array(...)` imports it). `ValueError` if a delta entry's chain
         breaks (a parent missing from the snapshot, or a cycle)."""
         return self.entries.cumulative_tokens()
+
+
+def columns_of_lines(lines: Sequence[bytes]) -> _core.ColumnarEntries:
+    """Canonical lines that are all records, already checked against their payload digests (a
+    backend that stores each entry's line apart, such as PostgreSQL), as columns. A line that
+    is not a valid entry raises `ValueError` naming its index."""
+    try:
+        return _core.columns_of_lines(lines)
+    except _core.ColumnarRecordError as exc:
+        index, message = exc.args
+        raise ValueError(f"line {index} is not a valid entry: {message}") from None
 
 
 def refusal(

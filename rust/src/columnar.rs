@@ -1088,6 +1088,40 @@ pub fn read_columns(store: &Store, rollout_id: &str) -> Result<Entries, ColumnsE
     entries
 }
 
+/// Lines that are all records (a backend that stores each entry's canonical line apart, such
+/// as PostgreSQL, having checked their digests) as columns. A refused line's error carries its
+/// index among `lines` as the offset.
+pub fn columns_of_lines(lines: &[&[u8]]) -> Result<Entries, RecordError> {
+    let mut buf = Vec::with_capacity(lines.iter().map(|line| line.len() + 1).sum());
+    let mut ranges = Vec::with_capacity(lines.len());
+    for line in lines {
+        let start = buf.len();
+        buf.extend_from_slice(line);
+        ranges.push(start..buf.len());
+        buf.push(b'\n');
+    }
+    let decoded = decode_columns(LinesToDecode::Whole {
+        buf: &buf,
+        lines: &ranges,
+    });
+    let records = Records {
+        buf: Vec::new(),
+        lines: ranges.clone(),
+    };
+    let index_of = |offset: u64| ranges.iter().position(|r| r.start as u64 == offset);
+    match assemble(std::path::Path::new(""), &ranges, decoded, &records) {
+        Ok(entries) => Ok(entries),
+        Err(ColumnsError::Record(err)) => Err(RecordError {
+            offset: index_of(err.offset).unwrap_or(0) as u64,
+            message: err.message,
+        }),
+        Err(ColumnsError::Store(err)) => Err(RecordError {
+            offset: 0,
+            message: err.to_string(),
+        }),
+    }
+}
+
 // ---- cumulative tokens ---------------------------------------------------------------------
 
 /// What the delta chain of an entry needs to know of it.

@@ -361,6 +361,21 @@ fn read_columns(
     entries_of(entries)
 }
 
+/// Stored lines that are all records (see `columnar::columns_of_lines`) as columns; a refused
+/// line raises `ColumnarRecordError((index, message))`.
+#[pyfunction]
+fn columns_of_lines(
+    py: Python<'_>,
+    lines: Vec<pyo3::pybacked::PyBackedBytes>,
+) -> PyResult<ColumnarEntries> {
+    let entries = py.detach(|| {
+        let lines: Vec<&[u8]> = lines.iter().map(|line| &**line).collect();
+        columnar::columns_of_lines(&lines)
+    });
+    let entries = entries.map_err(|err| ColumnarRecordError::new_err((err.offset, err.message)))?;
+    entries_of(entries)
+}
+
 pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = module.py();
     module.add_class::<ColumnarEntries>()?;
@@ -368,5 +383,6 @@ pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("ColumnarRecordError", py.get_type::<ColumnarRecordError>())?;
     module.add_function(wrap_pyfunction!(freeze_columns, module)?)?;
     module.add_function(wrap_pyfunction!(read_columns, module)?)?;
+    module.add_function(wrap_pyfunction!(columns_of_lines, module)?)?;
     Ok(())
 }
