@@ -28,8 +28,8 @@
 //! This crate has no Python dependency; the PyO3 bindings live in `py.rs` behind the
 //! `python` feature.
 
-pub mod digest;
 pub mod columnar;
+pub mod digest;
 pub mod doorbell;
 pub mod error;
 pub mod json;
