@@ -567,7 +567,7 @@ class TokenCaptureStore:
                     self._native, rollout_id
                 )
             except _core.ColumnarRecordError as exc:
-                raise _columnar.refusal(
+                raise _columnar._refusal(
                     exc,
                     self.path_for(rollout_id),
                     lambda: self._entries(rollout_id, *self._native.freeze(rollout_id)[0]),
@@ -584,7 +584,7 @@ class TokenCaptureStore:
         try:
             return _core.read_columns(self._native, rollout_id)
         except _core.ColumnarRecordError as exc:
-            raise _columnar.refusal(
+            raise _columnar._refusal(
                 exc, self.path_for(rollout_id), lambda: self.read_entries(rollout_id)
             ) from None
 
