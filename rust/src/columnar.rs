@@ -188,15 +188,18 @@ impl ColumnBuilder {
         items.target = Target::Values;
     }
 
-    /// The first `count` items of `earlier` (an array of unsigned integers) as values.
-    fn values_of<'a>(&self, earlier: &Col<'a>, count: usize) -> Vec<Col<'a>> {
-        match earlier {
-            Col::Ids(field, start, _) => self.ids[*field as usize][*start..*start + count]
-                .iter()
-                .map(|&id| Col::UInt(id as u64))
-                .collect(),
-            Col::Array(items) => items[..count].to_vec(),
-            _ => Vec::new(),
+    /// The first `count` items of `earlier` (an array of unsigned integers) as values; None
+    /// if it has fewer (the walk never asks for more than it remembered).
+    fn values_of<'a>(&self, earlier: &Col<'a>, count: usize) -> Option<Vec<Col<'a>>> {
+        match *earlier {
+            Col::Ids(field, start, len) if count <= len => Some(
+                self.ids[field as usize][start..start + count]
+                    .iter()
+                    .map(|&id| Col::UInt(id as u64))
+                    .collect(),
+            ),
+            Col::Array(ref items) => items.get(..count).map(<[Col<'a>]>::to_vec),
+            _ => None,
         }
     }
 
@@ -333,10 +336,9 @@ impl<'a> Builder<'a> for ColumnBuilder {
             }
         }
         self.to_values(items);
-        let mut run = self.values_of(earlier, count);
-        if run.len() != count {
+        let Some(mut run) = self.values_of(earlier, count) else {
             return Err(LineError("a repeated array was not built".to_owned()));
-        }
+        };
         items.values.append(&mut run);
         Ok(())
     }
