@@ -574,3 +574,32 @@ def test_lines_stored_apart_decode_like_the_file_store(tmp_path: Path) -> None:
     del bad["generation_token_ids"]
     with pytest.raises(ValueError, match="line 2 is not a valid entry: missing field"):
         columns_of_lines([lines[0], lines[1], orjson.dumps(bad)])
+
+
+def test_the_columnar_benchmark_runs(tmp_path: Path) -> None:
+    """`benches/bench_columnar.py --quick` (one tiny run) completes and checks its tokens."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "columnar.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benches" / "bench_columnar.py"),
+            "--quick",
+            "--runs",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        cwd=root,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["values_checked"] == 2 * 4 * (200 + 32 + 32) + 2 * (0 + 1 + 2 + 3) * (32 + 50)
+    assert report["memory_ratio"]["median"] > 0
