@@ -5,6 +5,9 @@ from typing import Any, final
 
 __all__ = [
     "MAX_ROLLOUT_ID_LEN",
+    "ColumnarArray",
+    "ColumnarEntries",
+    "ColumnarRecordError",
     "Completions",
     "EntryFields",
     "FileLineage",
@@ -12,9 +15,12 @@ __all__ = [
     "LineageJob",
     "MemoryLineage",
     "Store",
+    "columns_of_lines",
     "compute_digest",
     "continuation_hashes",
+    "freeze_columns",
     "payload_digest",
+    "read_columns",
     "tokens_extend",
     "validate_rollout_id",
 ]
@@ -70,6 +76,35 @@ class Store:
     def is_incomplete(self, rollout_id: str) -> bool: ...
     def read_lines(self, rollout_id: str) -> tuple[list[dict[str, Any]], list[int]]: ...
     def inspect(self, rollout_id: str) -> tuple[bytes, int] | None: ...
+
+# ---- columnar snapshots ----
+class ColumnarRecordError(ValueError): ...
+
+@final
+class ColumnarEntries:
+    @property
+    def num_rows(self) -> int: ...
+    @property
+    def column_names(self) -> list[str]: ...
+    def __len__(self) -> int: ...
+    def __arrow_c_stream__(self, requested_schema: object | None = None) -> object: ...
+    def __arrow_c_array__(
+        self, requested_schema: object | None = None
+    ) -> tuple[object, object]: ...
+    def __arrow_c_schema__(self) -> object: ...
+    def cumulative_tokens(self) -> ColumnarArray: ...
+
+@final
+class ColumnarArray:
+    def __len__(self) -> int: ...
+    def __arrow_c_array__(
+        self, requested_schema: object | None = None
+    ) -> tuple[object, object]: ...
+    def __arrow_c_schema__(self) -> object: ...
+
+def freeze_columns(store: Store, rollout_id: str) -> tuple[ColumnarEntries, bool, str, int]: ...
+def read_columns(store: Store, rollout_id: str) -> ColumnarEntries: ...
+def columns_of_lines(lines: Sequence[bytes]) -> ColumnarEntries: ...
 
 # ---- lineage ----
 # A resolve answers `(status, model_call_id, cumulative_token_ids, digest, reason)`; the native

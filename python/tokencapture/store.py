@@ -30,6 +30,7 @@ import orjson
 from pydantic import BaseModel
 
 from tokencapture import _core
+from tokencapture import columnar as _columnar
 from tokencapture.metrics import Metrics, Timed
 from tokencapture.protocols import (
     RolloutRemovalPayload,
@@ -559,6 +560,37 @@ class TokenCaptureStore:
 
     def is_incomplete(self, rollout_id: str) -> bool:
         return self._native.is_incomplete(rollout_id)
+
+    # Columnar reads (tokencapture.columnar) -----------------------------------------------
+
+    def freeze_columns_now(self, rollout_id: str) -> _columnar.ColumnarSnapshot:
+        """`freeze_now`, with the entries as Arrow columns instead of `TokenEntry` objects."""
+        with self._operation("freeze_columns", rollout_id):
+            try:
+                entries, incomplete, snapshot_id, version = _core.freeze_columns(
+                    self._native, rollout_id
+                )
+            except _core.ColumnarRecordError as exc:
+                raise _columnar._refusal(
+                    exc,
+                    self.path_for(rollout_id),
+                    lambda: self._entries(rollout_id, *self._native.freeze(rollout_id)[0]),
+                ) from None
+            return _columnar.ColumnarSnapshot(rollout_id, entries, incomplete, snapshot_id, version)
+
+    def freeze_columns(self, rollout_id: str) -> Coroutine[Any, Any, _columnar.ColumnarSnapshot]:
+        """`freeze`, with the entries as Arrow columns (validates `rollout_id` when called)."""
+        validate_rollout_id(rollout_id)
+        return _off_loop(self.freeze_columns_now, rollout_id)
+
+    def read_columns(self, rollout_id: str) -> _columnar.ColumnarEntries:
+        """`read_entries` as Arrow columns (a torn tail is ignored; nothing changes)."""
+        try:
+            return _core.read_columns(self._native, rollout_id)
+        except _core.ColumnarRecordError as exc:
+            raise _columnar._refusal(
+                exc, self.path_for(rollout_id), lambda: self.read_entries(rollout_id)
+            ) from None
 
     def _drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Synchronous `drop` (the reference's name)."""

@@ -28,6 +28,7 @@
 //! This crate has no Python dependency; the PyO3 bindings live in `py.rs` behind the
 //! `python` feature.
 
+pub mod columnar;
 pub mod digest;
 pub mod doorbell;
 pub mod error;

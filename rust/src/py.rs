@@ -2018,6 +2018,10 @@ mod ledger_py {
 }
 // ---- end ledger -------------------------------------------------------------------------------
 
+// Columnar snapshots through the Arrow PyCapsule interface.
+#[path = "py_columnar.rs"]
+mod columnar;
+
 #[pymodule]
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PyStore>()?;
@@ -2029,5 +2033,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("MAX_ROLLOUT_ID_LEN", store::MAX_ROLLOUT_ID_LEN)?;
     lineage_py::register(module)?;
     ledger_py::register(module)?;
+    columnar::register(module)?;
     Ok(())
 }

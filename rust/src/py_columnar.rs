@@ -1,0 +1,388 @@
+//! The Python binding of columnar snapshots (`crate::columnar`): Arrow arrays over the
+//! decoder's buffers, handed to Python through the Arrow PyCapsule interface
+//! (`__arrow_c_stream__`, `__arrow_c_array__`, `__arrow_c_schema__`), so pyarrow, polars or
+//! DuckDB import them without a copy and this package depends on none of them.
+//!
+//! A capsule holds arrow-rs's C structures (`FFI_ArrowArrayStream`, `FFI_ArrowArray`,
+//! `FFI_ArrowSchema`) by value, first in PyO3's capsule contents, so the capsule's pointer is
+//! the structure's address as the interface requires. A consumer moves the structure out
+//! (copying it and marking the original released); if none does, dropping the capsule drops
+//! the structure, whose `Drop` calls its release callback. No `unsafe` is needed here.
+
+use std::ffi::CString;
+use std::sync::Arc;
+
+use arrow_array::cast::AsArray;
+use arrow_array::ffi::{FFI_ArrowArray, FFI_ArrowSchema};
+use arrow_array::ffi_stream::FFI_ArrowArrayStream;
+use arrow_array::types::Int64Type;
+use arrow_array::{
+    Array, ArrayRef, BooleanArray, Float64Array, Int64Array, ListArray, RecordBatch,
+    RecordBatchIterator, StringArray, StructArray,
+};
+use arrow_buffer::{OffsetBuffer, ScalarBuffer};
+use arrow_schema::{ArrowError, DataType, Field, FieldRef, Schema, SchemaRef};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyString, PyTuple};
+
+use super::{text, to_pyerr, PyStore};
+use crate::columnar::{self, ColumnsError, Entries, ListColumn, Row};
+
+pyo3::create_exception!(
+    tokencapture._core,
+    ColumnarRecordError,
+    PyValueError,
+    "A record the columnar decoder refused: args are (byte offset, message)."
+);
+
+fn arrow_err(err: ArrowError) -> PyErr {
+    PyRuntimeError::new_err(format!("building Arrow arrays failed: {err}"))
+}
+
+fn columns_err(py: Python<'_>, err: ColumnsError) -> PyErr {
+    match err {
+        ColumnsError::Store(err) => to_pyerr(py, err),
+        ColumnsError::Record(err) => ColumnarRecordError::new_err((err.offset, err.message)),
+    }
+}
+
+fn list_type(item: DataType) -> DataType {
+    DataType::List(Arc::new(Field::new("item", item, false)))
+}
+
+/// The schema of every columnar snapshot: `TokenEntry`'s fields in its order, then `extras`.
+fn schema() -> SchemaRef {
+    use DataType::{Boolean, Float64, Int64, Utf8};
+    let field =
+        |name: &str, data_type: DataType, nullable: bool| Field::new(name, data_type, nullable);
+    Arc::new(Schema::new(vec![
+        field("schema_version", Int64, false),
+        field("rollout_id", Utf8, false),
+        field("model_call_id", Utf8, false),
+        field("model", Utf8, false),
+        field("prompt_token_ids", list_type(Int64), false),
+        field("generation_token_ids", list_type(Int64), false),
+        field("generation_log_probs", list_type(Float64), false),
+        field("routed_experts", Utf8, true),
+        field("output_items", Utf8, false),
+        field("token_item_index", Int64, true),
+        field("response_id", Utf8, true),
+        field("created_at", Float64, false),
+        field("parent_call_id", Utf8, true),
+        field("cum_len", Int64, true),
+        field("digest", Utf8, true),
+        field("parent_resolution", Utf8, true),
+        field("continuation_fingerprint", Utf8, false),
+        field("continuation_context_len", Int64, false),
+        field("continuation_context_digest", Utf8, false),
+        field("parent_resolution_reason", Utf8, false),
+        field("fingerprint_version", Int64, true),
+        field("prompt_is_delta", Boolean, false),
+        field("prefix_requested", Boolean, false),
+        field("prefix_supplied", Boolean, false),
+        field("extras", Utf8, true),
+    ]))
+}
+
+/// A list column over `column`'s buffers (moved, not copied).
+fn list_array<T: arrow_buffer::ArrowNativeType>(
+    column: ListColumn<T>,
+    values: impl FnOnce(ScalarBuffer<T>) -> ArrayRef,
+    item: DataType,
+) -> Result<ArrayRef, ArrowError> {
+    let offsets = OffsetBuffer::new(ScalarBuffer::from(column.offsets));
+    let values = values(ScalarBuffer::from(column.values));
+    let field = Arc::new(Field::new("item", item, false));
+    Ok(Arc::new(ListArray::try_new(field, offsets, values, None)?))
+}
+
+fn batch_of(entries: Entries) -> Result<RecordBatch, ArrowError> {
+    let Entries {
+        rows,
+        prompt_token_ids,
+        generation_token_ids,
+        generation_log_probs,
+    } = entries;
+    let text = |get: fn(&Row) -> &str| -> ArrayRef {
+        Arc::new(StringArray::from_iter_values(rows.iter().map(get)))
+    };
+    let optional_text = |get: fn(&Row) -> Option<&str>| -> ArrayRef {
+        Arc::new(rows.iter().map(get).collect::<StringArray>())
+    };
+    let int = |get: fn(&Row) -> Option<i64>| -> ArrayRef {
+        Arc::new(rows.iter().map(get).collect::<Int64Array>())
+    };
+    let flag = |get: fn(&Row) -> bool| -> ArrayRef {
+        Arc::new(BooleanArray::from(rows.iter().map(get).collect::<Vec<_>>()))
+    };
+    let ids = |values: ScalarBuffer<i64>| -> ArrayRef { Arc::new(Int64Array::new(values, None)) };
+    let columns: Vec<ArrayRef> = vec![
+        int(|row| Some(row.schema_version)),
+        text(|row| &row.rollout_id),
+        text(|row| &row.model_call_id),
+        text(|row| &row.model),
+        list_array(prompt_token_ids, ids, DataType::Int64)?,
+        list_array(generation_token_ids, ids, DataType::Int64)?,
+        list_array(
+            generation_log_probs,
+            |values| Arc::new(Float64Array::new(values, None)),
+            DataType::Float64,
+        )?,
+        optional_text(|row| row.routed_experts.as_deref()),
+        text(|row| &row.output_items),
+        int(|row| row.token_item_index),
+        optional_text(|row| row.response_id.as_deref()),
+        Arc::new(Float64Array::from_iter_values(
+            rows.iter().map(|row| row.created_at),
+        )),
+        optional_text(|row| row.parent_call_id.as_deref()),
+        int(|row| row.cum_len),
+        optional_text(|row| row.digest.as_deref()),
+        optional_text(|row| row.parent_resolution.as_deref()),
+        text(|row| &row.continuation_fingerprint),
+        int(|row| Some(row.continuation_context_len)),
+        text(|row| &row.continuation_context_digest),
+        text(|row| &row.parent_resolution_reason),
+        int(|row| row.fingerprint_version),
+        flag(|row| row.prompt_is_delta),
+        flag(|row| row.prefix_requested),
+        flag(|row| row.prefix_supplied),
+        optional_text(|row| row.extras.as_deref()),
+    ];
+    RecordBatch::try_new(schema(), columns)
+}
+
+fn capsule<'py, T: 'static + Send>(
+    py: Python<'py>,
+    value: T,
+    name: &std::ffi::CStr,
+) -> PyResult<Bound<'py, PyCapsule>> {
+    PyCapsule::new(py, value, Some(CString::from(name)))
+}
+
+fn schema_capsule<'py>(py: Python<'py>, schema: &Schema) -> PyResult<Bound<'py, PyCapsule>> {
+    let schema = FFI_ArrowSchema::try_from(schema).map_err(arrow_err)?;
+    capsule(py, schema, c"arrow_schema")
+}
+
+/// The entries of a columnar snapshot: one Arrow record batch, one row per entry in commit
+/// order. `requested_schema` is accepted and ignored, as the interface allows: the schema is
+/// fixed.
+#[pyclass(frozen, name = "ColumnarEntries", module = "tokencapture._core")]
+pub(super) struct ColumnarEntries {
+    batch: RecordBatch,
+}
+
+#[pymethods]
+impl ColumnarEntries {
+    #[getter]
+    fn num_rows(&self) -> usize {
+        self.batch.num_rows()
+    }
+
+    fn __len__(&self) -> usize {
+        self.batch.num_rows()
+    }
+
+    /// The column names, in order.
+    #[getter]
+    fn column_names(&self) -> Vec<String> {
+        let schema = self.batch.schema();
+        schema.fields().iter().map(|f| f.name().clone()).collect()
+    }
+
+    #[pyo3(signature = (requested_schema = None))]
+    fn __arrow_c_stream__<'py>(
+        &self,
+        py: Python<'py>,
+        requested_schema: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        let _ = requested_schema;
+        let batches = vec![Ok(self.batch.clone())]; // shares the buffers
+        let reader = RecordBatchIterator::new(batches, self.batch.schema());
+        capsule(
+            py,
+            FFI_ArrowArrayStream::new(Box::new(reader)),
+            c"arrow_array_stream",
+        )
+    }
+
+    #[pyo3(signature = (requested_schema = None))]
+    fn __arrow_c_array__<'py>(
+        &self,
+        py: Python<'py>,
+        requested_schema: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let _ = requested_schema;
+        let schema = schema_capsule(py, &self.batch.schema())?;
+        let data = StructArray::from(self.batch.clone()).into_data();
+        let array = capsule(py, FFI_ArrowArray::new(&data), c"arrow_array")?;
+        PyTuple::new(py, [schema.into_any(), array.into_any()])
+    }
+
+    fn __arrow_c_schema__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        schema_capsule(py, &self.batch.schema())
+    }
+
+    /// Per entry, prompt then generation, a delta entry's prompt preceded by its parent's
+    /// sequence (through the chain within this snapshot): a `list<int64>` array.
+    fn cumulative_tokens(&self, py: Python<'_>) -> PyResult<ColumnarArray> {
+        let batch = &self.batch;
+        let list = |name: &str| {
+            batch
+                .column_by_name(name)
+                .map(|column| column.as_list::<i32>())
+                .expect("fixed schema")
+        };
+        let strings = |name: &str| {
+            batch
+                .column_by_name(name)
+                .map(|column| column.as_string::<i32>())
+                .expect("fixed schema")
+        };
+        let prompt = list("prompt_token_ids");
+        let generation = list("generation_token_ids");
+        let call_ids = strings("model_call_id");
+        let parents = strings("parent_call_id");
+        let delta = batch
+            .column_by_name("prompt_is_delta")
+            .map(|column| column.as_boolean())
+            .expect("fixed schema");
+        let links: Vec<columnar::Link<'_>> = (0..batch.num_rows())
+            .map(|at| columnar::Link {
+                call_id: call_ids.value(at),
+                parent_call_id: parents.is_valid(at).then(|| parents.value(at)),
+                prompt_is_delta: delta.value(at),
+            })
+            .collect();
+        fn part(list: &ListArray) -> columnar::ListParts<'_, i64> {
+            let values = list.values().as_primitive::<Int64Type>().values();
+            (&values[..], list.offsets().inner().as_ref())
+        }
+        let (prompt, generation) = (part(prompt), part(generation));
+        let cumulative = py
+            .detach(|| columnar::cumulative_tokens(&links, prompt, generation))
+            .map_err(PyValueError::new_err)?;
+        let ids =
+            |values: ScalarBuffer<i64>| -> ArrayRef { Arc::new(Int64Array::new(values, None)) };
+        let array = list_array(cumulative, ids, DataType::Int64).map_err(arrow_err)?;
+        let field = Arc::new(Field::new(
+            "cumulative_token_ids",
+            list_type(DataType::Int64),
+            false,
+        ));
+        Ok(ColumnarArray { field, array })
+    }
+}
+
+/// One Arrow array with the `__arrow_c_array__` interface.
+#[pyclass(frozen, name = "ColumnarArray", module = "tokencapture._core")]
+pub(super) struct ColumnarArray {
+    field: FieldRef,
+    array: ArrayRef,
+}
+
+#[pymethods]
+impl ColumnarArray {
+    fn __len__(&self) -> usize {
+        self.array.len()
+    }
+
+    #[pyo3(signature = (requested_schema = None))]
+    fn __arrow_c_array__<'py>(
+        &self,
+        py: Python<'py>,
+        requested_schema: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let _ = requested_schema;
+        let schema = FFI_ArrowSchema::try_from(self.field.as_ref()).map_err(arrow_err)?;
+        let schema = capsule(py, schema, c"arrow_schema")?;
+        let array = capsule(
+            py,
+            FFI_ArrowArray::new(&self.array.to_data()),
+            c"arrow_array",
+        )?;
+        PyTuple::new(py, [schema.into_any(), array.into_any()])
+    }
+
+    fn __arrow_c_schema__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        let schema = FFI_ArrowSchema::try_from(self.field.as_ref()).map_err(arrow_err)?;
+        capsule(py, schema, c"arrow_schema")
+    }
+}
+
+fn entries_of(entries: Entries) -> PyResult<ColumnarEntries> {
+    let batch = batch_of(entries).map_err(arrow_err)?;
+    Ok(ColumnarEntries { batch })
+}
+
+/// Freeze a rollout as `Store.freeze` does and return `(entries, incomplete, snapshot_id,
+/// version)`, the entries as columns. A record freeze would refuse (or one the columns cannot
+/// hold) raises `ColumnarRecordError` after the freeze is durable, as freeze raises then.
+#[pyfunction]
+fn freeze_columns(
+    py: Python<'_>,
+    store: &Bound<'_, PyStore>,
+    rollout_id: &Bound<'_, PyString>,
+) -> PyResult<(ColumnarEntries, bool, String, u64)> {
+    let rollout_id = text(rollout_id, "rollout_id")?;
+    let store = &store.get().inner;
+    let frozen = py.detach(|| {
+        columnar::freeze_columns(store, rollout_id).map(|snapshot| {
+            let batch = batch_of(snapshot.entries);
+            (
+                batch,
+                snapshot.incomplete,
+                snapshot.snapshot_id,
+                snapshot.version,
+            )
+        })
+    });
+    let (batch, incomplete, snapshot_id, version) = frozen.map_err(|e| columns_err(py, e))?;
+    let entries = ColumnarEntries {
+        batch: batch.map_err(arrow_err)?,
+    };
+    Ok((entries, incomplete, snapshot_id, version))
+}
+
+/// The stored entries of a rollout as columns, as `Store.read_lines` reads them.
+#[pyfunction]
+fn read_columns(
+    py: Python<'_>,
+    store: &Bound<'_, PyStore>,
+    rollout_id: &Bound<'_, PyString>,
+) -> PyResult<ColumnarEntries> {
+    let rollout_id = text(rollout_id, "rollout_id")?;
+    let store = &store.get().inner;
+    let entries = py
+        .detach(|| columnar::read_columns(store, rollout_id))
+        .map_err(|e| columns_err(py, e))?;
+    entries_of(entries)
+}
+
+/// Stored lines that are all records (see `columnar::columns_of_lines`) as columns; a refused
+/// line raises `ColumnarRecordError((index, message))`.
+#[pyfunction]
+fn columns_of_lines(
+    py: Python<'_>,
+    lines: Vec<pyo3::pybacked::PyBackedBytes>,
+) -> PyResult<ColumnarEntries> {
+    let entries = py.detach(|| {
+        let lines: Vec<&[u8]> = lines.iter().map(|line| &**line).collect();
+        columnar::columns_of_lines(&lines)
+    });
+    let entries = entries.map_err(|err| ColumnarRecordError::new_err((err.offset, err.message)))?;
+    entries_of(entries)
+}
+
+pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = module.py();
+    module.add_class::<ColumnarEntries>()?;
+    module.add_class::<ColumnarArray>()?;
+    module.add("ColumnarRecordError", py.get_type::<ColumnarRecordError>())?;
+    module.add_function(wrap_pyfunction!(freeze_columns, module)?)?;
+    module.add_function(wrap_pyfunction!(read_columns, module)?)?;
+    module.add_function(wrap_pyfunction!(columns_of_lines, module)?)?;
+    Ok(())
+}
