@@ -91,6 +91,15 @@ class TokenEntry(BaseModel):
         check_entry_invariants(self)
         return self
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Assignment is not validated, and NeMo Gym's `stamp_lineage` (so its `commit_entry`)
+        # assigns the status it is given: its own enum's member, or a plain string. A status
+        # value is held as our member, so dumps do not warn and comparisons by identity hold;
+        # anything else is left as it is, for `put` to refuse.
+        if name == "parent_resolution" and isinstance(value, str):
+            value = ParentResolutionStatus._value2member_map_.get(value, value)
+        super().__setattr__(name, value)
+
 
 # TokenEntry's scalar fields grouped by the JSON type they must hold.
 TEXT_FIELDS = (
