@@ -8,8 +8,8 @@ Gym's code returns with its own classes; the test compares what it returns with 
 the bytes of the files written, manifests and resolutions.
 
 NeMo Gym's modules that cannot be imported without its server stack are not driven here:
-`control_routes` (FastAPI) and `delivery` (imports `nemo_gym.rollout_correlation`, which is not
-part of the token-capture package; it is replayed below with a stand-in for that one helper).
+`control_routes` (FastAPI). `delivery` imports `nemo_gym.rollout_correlation`, which pulls in
+NeMo Gym's configuration stack: it runs here with a stand-in for that one helper.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
+import sys
 import types
 import typing
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -964,3 +967,66 @@ def test_nemo_gyms_config_builds_our_sink_and_resolver(
     bad.token_id_capture.sink_kwargs = {}
     with pytest.raises(ValueError, match="does not satisfy TokenSink: mark_incomplete"):
         bad.build_sink()
+
+
+# ---- delivery.py: finalize and retire a rollout through a TokenSource -----------------------
+
+
+@pytest.fixture
+def nemo_delivery(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """NeMo Gym's `delivery` module. It imports `nemo_gym.rollout_correlation`, which pulls in
+    NeMo Gym's configuration stack; a stand-in with its explicit-id rule (`_ng_rollout_id`)
+    takes its place, the same for both runs."""
+    stand_in = types.ModuleType("nemo_gym.rollout_correlation")
+
+    def maybe_rollout_id_from_run_body(body: Any) -> str | None:
+        return body.get("_ng_rollout_id") if isinstance(body, dict) else None
+
+    stand_in.maybe_rollout_id_from_run_body = maybe_rollout_id_from_run_body  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nemo_gym.rollout_correlation", stand_in)
+    name = "nemo_gym.token_id_capture.delivery"
+    sys.modules.pop(name, None)
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.modules.pop(name, None)
+
+
+async def delivery_scenario(side: Side, root: Path, delivery: Any) -> dict[str, Any]:
+    await local_capture_scenario(side, root)  # c0, its child c1 and an unresolved c2
+    store = side.store(root)
+    outcomes = []
+    try:
+        for terminal in ("resp-1", "resp-0"):
+            response = served(
+                "Sunny." if terminal == "resp-1" else "Let me check.", [], [], terminal
+            )
+            for item in response["output"]:  # as the agent got it: no token fields
+                for field in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+                    item.pop(field)
+            result: dict[str, Any] = {
+                "_ng_rollout_id": "r1",
+                "reward": 1.0,
+                "response": response,
+                "terminal_response_id": terminal,
+            }
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                built = await delivery.finalize_rollout_token_capture(result, store)
+            outcomes.append((without_snapshot_id(built), result, [str(w.message) for w in caught]))
+        # Retire the last build's snapshot, as NeMo Gym does after a durable handoff.
+        retired = await delivery.retire_rollout_token_capture("r1", store, built)
+        names = sorted(path.name for path in root.iterdir() if path.name.startswith("r1."))
+    finally:
+        await store.close()
+    return {"outcomes": outcomes, "retired": retired, "names": names}
+
+
+async def test_delivery_finalizes_and_retires_through_our_store(
+    tmp_path: Path, nemo_delivery: Any
+) -> None:
+    expected = await delivery_scenario(NEMO, tmp_path / "nemo", nemo_delivery)
+    got = await delivery_scenario(OURS, tmp_path / "ours", nemo_delivery)
+    assert got["outcomes"] == expected["outcomes"]
+    assert got["retired"] == expected["retired"]
+    assert got["names"] == expected["names"]
