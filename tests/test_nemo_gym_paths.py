@@ -207,6 +207,10 @@ async def local_capture_scenario(side: Side, root: Path) -> dict[str, Any]:
         built = await nemo_consumer.trajectories_from_source(
             "r1", store, verified_response=verified
         )
+        # NeMo Gym's file-store path reads the directory (and the freeze) this side left.
+        built_from_files = nemo_consumer.trajectories_for_rollout(
+            "r1", [root], verified_response=verified
+        )
     finally:
         await lineage.close()
         await store.close()
@@ -215,6 +219,10 @@ async def local_capture_scenario(side: Side, root: Path) -> dict[str, Any]:
         "file": data,
         "names": sorted(path.name for path in root.iterdir()),
         "built": without_snapshot_id(built),
+        "built_from_files": without_snapshot_id(built_from_files),
+        "snapshot_ids": {
+            b["_capture_snapshot"]["snapshot_id"] for b in (built, built_from_files) if b
+        },
     }
 
 
@@ -226,6 +234,10 @@ async def test_sink_capture_and_consumer_build_alike(tmp_path: Path) -> None:
     assert got["file"] == expected["file"]
     assert got["names"] == expected["names"]
     assert got["built"] == expected["built"]
+    assert expected["built_from_files"] == expected["built"]
+    assert got["built_from_files"] == expected["built_from_files"]
+    # An idempotent freeze: NeMo Gym's store returns the snapshot this side's store froze.
+    assert len(got["snapshot_ids"]) == len(expected["snapshot_ids"]) == 1
 
 
 # ---- sink.py + external_capture.py + staging/capture.py: external staging ------------------
@@ -1030,3 +1042,85 @@ async def test_delivery_finalizes_and_retires_through_our_store(
     assert got["outcomes"] == expected["outcomes"]
     assert got["retired"] == expected["retired"]
     assert got["names"] == expected["names"]
+
+
+# ---- sink.py failure paths: the rollout is marked incomplete through our store ---------------
+
+
+async def sink_failure_scenario(side: Side, root: Path) -> dict[str, Any]:
+    store = side.store(root)
+    conflict = served("Other.", [1, 2, 3], [9], "r-x")
+    cases = [
+        ("c0", served("Let me check.", [1, 2, 3], [4, 5], "r-0")),  # committed
+        ("c0", conflict),  # the same call id with another payload: put fails
+        ("c1", {"id": "r-1", "output": OUTPUT_0}),  # no token ids: a hole
+        ("c2", "not a response"),  # neither a model nor a dict
+    ]
+    committed = []
+    try:
+        for call_id, response in cases:
+            context = nemo_sink.CaptureContext(
+                rollout_id="r1", model_call_id=call_id, token_sink=store, model="m"
+            )
+            token = nemo_sink.set_token_sink(context)
+            try:
+                await nemo_sink.capture_tokens(response, REQUEST_0)
+            finally:
+                nemo_sink.reset_token_sink(token)
+            committed.append(context.committed)
+        # An entry for another call than the context's: refused and marked.
+        entry = side.entry(
+            rollout_id="r1",
+            model_call_id="c9",
+            prompt_token_ids=[1],
+            generation_token_ids=[2],
+            generation_log_probs=[-0.5],
+        )
+        context = nemo_sink.CaptureContext(rollout_id="r1", model_call_id="c3", token_sink=store)
+        token = nemo_sink.set_token_sink(context)
+        try:
+            await nemo_sink.commit_entry(entry)
+        finally:
+            nemo_sink.reset_token_sink(token)
+        committed.append(context.committed)
+        snapshot = await store.freeze("r1")
+    finally:
+        await store.close()
+    return {
+        "committed": committed,
+        "incomplete": snapshot.incomplete,
+        "entries": [e.model_dump(mode="json") for e in snapshot.entries],
+        "tokens": store.path_for("r1").read_bytes(),
+        "marks": store.incomplete_path_for("r1").read_bytes(),
+    }
+
+
+async def test_sink_failure_paths_mark_our_store_as_nemo_gyms(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    expected = await sink_failure_scenario(NEMO, tmp_path / "nemo")
+    got = await sink_failure_scenario(OURS, tmp_path / "ours")
+    assert expected["committed"] == [True, False, False, False, False]
+    assert expected["incomplete"]
+    assert got == expected
+
+
+def test_nemo_gyms_installers_take_our_endpoints(tmp_path: Path) -> None:
+    """NeMo Gym's `install_token_sink` checks the methods it needs; its config check then sees
+    our installed resolver."""
+    store, resolver = TokenCaptureStore(tmp_path), FileLineageStore(tmp_path)
+    try:
+        nemo_protocols.install_token_sink(store)
+        nemo_protocols.install_token_source(store)
+        nemo_protocols.install_lineage_store(resolver)
+        assert isinstance(store, nemo_protocols.TokenSink)
+        assert isinstance(store, nemo_protocols.TokenSource)
+        assert isinstance(resolver, nemo_protocols.LineageResolver)
+        config = nemo_config.TokenIdCaptureConfig.model_validate(
+            {"token_id_capture": {"enabled": True, "rebuild_response": False}}
+        )
+        assert config.enabled and nemo_protocols.installed_token_sink() is store
+    finally:
+        nemo_protocols.install_token_sink(None)
+        nemo_protocols.install_token_source(None)
+        nemo_protocols.install_lineage_store(None)
