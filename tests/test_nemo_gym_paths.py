@@ -281,9 +281,14 @@ async def external_call(
     request: list[Any],
     tokens: tuple[list[int], list[int]],
     served_payload: dict[str, Any],
+    *,
+    backend: str = "vllm_worker",
+    failure: str = "",
 ) -> tuple[Any, Any]:
     """One externally staged call: NeMo Gym's gate resolves and admits it, its worker capture
-    stages the tokens, its vLLM handler commits the ledger row. Returns (resolution, context)."""
+    stages the tokens (or fails: ``failure="worker"``; or its answer loses the coordinates:
+    ``failure="no_coords"``), its backend handler commits the ledger row. Returns
+    (resolution, context)."""
     context = nemo_sink.CaptureContext(
         rollout_id="r1",
         model_call_id=call_id,
@@ -295,23 +300,28 @@ async def external_call(
     token = nemo_sink.set_token_sink(context)
     try:
         await nemo_sink.resolve_parent(request)
-        handler = nemo_external.make_external_capture_handler("vllm_worker")
+        handler = nemo_external.make_external_capture_handler(backend)
         engine_request = handler.prepare_request({"messages": request})
+        carrier = engine_request.get("offload_params", engine_request)
         response = dict(served_payload)
-        if nemo_sink.NG_CAPTURE_FIELD in engine_request:
+        if nemo_sink.NG_CAPTURE_FIELD in carrier:
             admission = nemo_staging.CaptureAdmission.model_validate(
-                engine_request[nemo_sink.NG_CAPTURE_FIELD]
+                carrier[nemo_sink.NG_CAPTURE_FIELD]
             )
             prefix = sink.prefix(admission.staging_chain) if admission.mode == "token_in" else None
             call = worker.begin_call(admission, prefix_token_ids=prefix)
             prompt, generated = tokens
-            coords = worker.complete_call(
-                call,
-                prompt_token_ids=[*(prefix or []), *prompt],
-                generated_token_ids=generated,
-                generated_logprobs=[-0.5] * len(generated),
-            )
-            response[nemo_sink.NG_COMMIT_COORDS_FIELD] = coords.model_dump(mode="json")
+            if failure == "worker":
+                coords = worker.fail_call(call, reason="engine error")
+            else:
+                coords = worker.complete_call(
+                    call,
+                    prompt_token_ids=[*(prefix or []), *prompt],
+                    generated_token_ids=generated,
+                    generated_logprobs=[-0.5] * len(generated),
+                )
+            if failure != "no_coords":
+                response[nemo_sink.NG_COMMIT_COORDS_FIELD] = coords.model_dump(mode="json")
             handler.prepare_response(response)
         await handler.finalize_response(served_payload)
     finally:
@@ -326,65 +336,85 @@ EXTERNAL_REQUEST_1 = [
 ]
 
 
-async def external_staging_scenario(side: Side, root: Path) -> dict[str, Any]:
+async def external_staging_scenario(side: Side, root: Path, backend: str) -> dict[str, Any]:
     ledger = side.ledger(root)
     sink = MemoryStagingSink()
     worker = nemo_capture.RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 3)
-    try:
-        first, c0 = await external_call(
-            ledger,
-            worker,
-            sink,
-            "c0",
-            REQUEST_0,
-            ([1, 2, 3], [4, 5]),
-            served_output("Let me check.", "resp-0"),
-        )
-        second, c1 = await external_call(
-            ledger,
-            worker,
-            sink,
-            "c1",
-            EXTERNAL_REQUEST_1,
-            ([6, 7], [8]),
-            served_output("Sunny.", "resp-1"),
-        )
+    rewritten = [
+        {"role": "user", "content": "REWRITTEN"},
+        *served_output("Let me check.", "x")["output"],
+    ]
+    calls: list[tuple[Any, ...]] = [
+        ("c0", REQUEST_0, ([1, 2, 3], [4, 5]), served_output("Let me check.", "resp-0"), ""),
+        ("c1", EXTERNAL_REQUEST_1, ([6, 7], [8]), served_output("Sunny.", "resp-1"), ""),
         # A rewritten history with ledger rows present is poisoned, never a new root.
-        third, c2 = await external_call(
-            ledger,
-            worker,
-            sink,
-            "c2",
-            [
-                {"role": "user", "content": "REWRITTEN"},
-                *served_output("Let me check.", "x")["output"],
-            ],
-            ([9], [10]),
-            served_output("Hm.", "resp-2"),
-        )
+        ("c2", rewritten, ([9], [10]), served_output("Hm.", "resp-2"), ""),
+        # Roots whose worker fails, or whose answer comes back without coordinates.
+        (
+            "c3",
+            [{"role": "user", "content": "Hi"}],
+            ([11], [12]),
+            served_output("Yo.", "r3"),
+            "worker",
+        ),
+        (
+            "c4",
+            [{"role": "user", "content": "Ho"}],
+            ([13], [14]),
+            served_output("Ya.", "r4"),
+            "no_coords",
+        ),
+    ]
+    resolutions, contexts = [], []
+    try:
+        for call_id, request, tokens, payload, failure in calls:
+            resolution, context = await external_call(
+                ledger,
+                worker,
+                sink,
+                call_id,
+                request,
+                tokens,
+                payload,
+                backend=backend,
+                failure=failure,
+            )
+            resolutions.append(resolution)
+            contexts.append(context)
         manifest = await ledger.manifest("r1")
         has_rows = (await ledger.has_rows("r1"), await ledger.has_rows("other"))
     finally:
         await ledger.close()
     return {
-        "resolutions": [resolution_view(r) for r in (first, second, third)],
-        "committed": [c.committed for c in (c0, c1, c2)],
+        "resolutions": [resolution_view(r) for r in resolutions],
+        "committed": [c.committed for c in contexts],
         "admissions": [
             None if c.capture_admission is None else c.capture_admission.model_dump(mode="json")
-            for c in (c0, c1, c2)
+            for c in contexts
         ],
         "file": (root / "r1.lineage.jsonl").read_bytes(),
         "manifest": manifest,
         "has_rows": has_rows,
-        "staged": sink.staged,
     }
 
 
-async def test_external_staging_gate_worker_and_ledger_alike(tmp_path: Path) -> None:
-    expected = await external_staging_scenario(NEMO, tmp_path / "nemo")
-    got = await external_staging_scenario(OURS, tmp_path / "ours")
-    assert expected["committed"] == [True, True, False]
-    assert [r[0] for r in expected["resolutions"]] == ["root", "resolved", "unresolved"]
+@pytest.mark.parametrize("backend", ["vllm_worker", "megatron_worker"])
+async def test_external_staging_gate_worker_and_ledger_alike(tmp_path: Path, backend: str) -> None:
+    expected = await external_staging_scenario(NEMO, tmp_path / "nemo", backend)
+    got = await external_staging_scenario(OURS, tmp_path / "ours", backend)
+    assert expected["committed"] == [True, True, False, False, False]
+    assert [r[0] for r in expected["resolutions"]] == [
+        "root",
+        "resolved",
+        "unresolved",
+        "root",
+        "root",
+    ]
+    assert [f["reason"] for f in expected["manifest"]["failures"]] == [
+        nemo_records.UNRESOLVED_PARENT_REASON,
+        nemo_staging.WORKER_CAPTURE_FAILED_REASON,
+        nemo_staging.WORKER_MISSING_COMMIT_COORDS_REASON,
+    ]
     assert got["resolutions"] == expected["resolutions"]
     assert got["committed"] == expected["committed"]
     assert got["admissions"] == expected["admissions"]
