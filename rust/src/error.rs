@@ -1,4 +1,4 @@
-//! Errors of the core. Each variant maps to one specific Python exception in `py.rs`.
+//! Errors of the core. Each variant maps to one specific Python exception in `py/errors.rs`.
 
 use std::io;
 use std::path::{Path, PathBuf};

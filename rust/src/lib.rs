@@ -25,8 +25,8 @@
 //! * Lifecycle transitions (freeze, mark incomplete, drop, retire, delete) fsync the directory
 //!   before returning; retire writes every fence durably before it removes any record.
 //!
-//! This crate has no Python dependency; the PyO3 bindings live in `py.rs` behind the
-//! `python` feature.
+//! This crate has no Python dependency; the PyO3 bindings live in `py/` (one file per domain)
+//! behind the `python` feature.
 
 pub mod columnar;
 pub mod digest;

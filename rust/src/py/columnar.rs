@@ -26,7 +26,8 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyString, PyTuple};
 
-use super::{text, to_pyerr, PyStore};
+use super::errors::{text, to_pyerr};
+use super::store::PyStore;
 use crate::columnar::{self, ColumnsError, Entries, ListColumn, Row};
 
 pyo3::create_exception!(

@@ -1,0 +1,141 @@
+//! Async puts run on a native worker pool and report to a `Completions` queue that the event loop
+//! watches (its doorbell is registered with `loop.add_reader`). Workers never take the GIL; the
+//! first completion after a drain rings the doorbell, so a burst of completions costs the loop
+//! one wake-up and one `drain` call.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use pyo3::prelude::*;
+
+use super::errors::to_pyerr;
+use crate::doorbell::Doorbell;
+use crate::error::Error;
+use crate::pool::WorkerPool;
+
+/// Workers of the process-wide pool: enough concurrent fsyncs to keep the disk busy.
+const POOL_WORKERS: usize = 64;
+
+static POOL: Mutex<Option<Arc<WorkerPool>>> = Mutex::new(None);
+
+/// The process-wide worker pool, restarted in a forked child (which inherits no threads).
+fn worker_pool() -> PyResult<Arc<WorkerPool>> {
+    let mut slot = POOL.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(pool) = slot
+        .as_ref()
+        .filter(|pool| pool.pid() == std::process::id())
+    {
+        return Ok(Arc::clone(pool));
+    }
+    let pool = Arc::new(WorkerPool::new(POOL_WORKERS, "tokencapture-io")?);
+    *slot = Some(Arc::clone(&pool));
+    Ok(pool)
+}
+
+/// What a finished job hands back to the loop.
+pub(super) enum Outcome {
+    Unit,
+    Bool(bool),
+    Failed(Error),
+    Panicked,
+}
+
+impl From<crate::Result<()>> for Outcome {
+    fn from(result: crate::Result<()>) -> Self {
+        result.map_or_else(Outcome::Failed, |()| Outcome::Unit)
+    }
+}
+
+impl From<crate::Result<bool>> for Outcome {
+    fn from(result: crate::Result<bool>) -> Self {
+        result.map_or_else(Outcome::Failed, Outcome::Bool)
+    }
+}
+
+/// A completion queue for one event loop.
+#[pyclass(frozen, module = "tokencapture._core")]
+pub(super) struct Completions {
+    done: Mutex<Vec<(u64, Outcome)>>,
+    doorbell: Doorbell,
+}
+
+impl Completions {
+    fn complete(&self, token: u64, outcome: Outcome) {
+        let first = {
+            let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
+            done.push((token, outcome));
+            done.len() == 1
+        };
+        if first {
+            self.doorbell.ring();
+        }
+    }
+}
+
+#[pymethods]
+impl Completions {
+    #[new]
+    fn new() -> PyResult<Self> {
+        Ok(Completions {
+            done: Mutex::new(Vec::new()),
+            doorbell: Doorbell::new()?,
+        })
+    }
+
+    /// The descriptor to watch for readability.
+    fn fileno(&self) -> i32 {
+        self.doorbell.fd()
+    }
+
+    /// Take every finished job: `[(token, value, failed)]`, `value` being the result or the
+    /// exception to raise.
+    fn drain<'py>(&self, py: Python<'py>) -> Vec<(u64, Bound<'py, PyAny>, bool)> {
+        // Clear the doorbell before taking the queue, so a completion racing this drain either
+        // lands in this batch or rings for the next one.
+        self.doorbell.clear();
+        let done = std::mem::take(&mut *self.done.lock().unwrap_or_else(PoisonError::into_inner));
+        done.into_iter()
+            .map(|(token, outcome)| {
+                let (value, failed) = match outcome {
+                    Outcome::Unit => (py.None().into_bound(py), false),
+                    Outcome::Bool(flag) => (
+                        pyo3::types::PyBool::new(py, flag).to_owned().into_any(),
+                        false,
+                    ),
+                    Outcome::Failed(err) => (
+                        to_pyerr(py, err).into_value(py).into_bound(py).into_any(),
+                        true,
+                    ),
+                    Outcome::Panicked => (
+                        pyo3::exceptions::PyRuntimeError::new_err(
+                            "tokencapture worker panicked; the operation did not complete",
+                        )
+                        .into_value(py)
+                        .into_bound(py)
+                        .into_any(),
+                        true,
+                    ),
+                };
+                (token, value, failed)
+            })
+            .collect()
+    }
+}
+
+/// Run `op` on the worker pool and report its outcome to `completions` under `token`.
+pub(super) fn spawn_job<T>(
+    completions: &Bound<'_, Completions>,
+    token: u64,
+    op: impl FnOnce() -> T + Send + 'static,
+) -> PyResult<()>
+where
+    T: Into<Outcome>,
+{
+    let completions: Py<Completions> = completions.clone().unbind();
+    worker_pool()?
+        .submit(move || {
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(op))
+                .map_or(Outcome::Panicked, Into::into);
+            completions.get().complete(token, outcome);
+        })
+        .map_err(|closed| pyo3::exceptions::PyRuntimeError::new_err(closed.to_string()))
+}

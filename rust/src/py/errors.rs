@@ -1,0 +1,68 @@
+//! Exception classes and the mapping of the core's errors to Python exceptions.
+
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyString, PyType};
+
+use crate::error::Error;
+
+/// Exception classes defined in `tokencapture.protocols`, looked up once.
+pub(super) struct ExceptionClass {
+    cell: PyOnceLock<Py<PyType>>,
+    name: &'static str,
+}
+
+impl ExceptionClass {
+    pub(super) const fn new(name: &'static str) -> Self {
+        ExceptionClass {
+            cell: PyOnceLock::new(),
+            name,
+        }
+    }
+
+    pub(super) fn err(&self, py: Python<'_>, message: String) -> PyErr {
+        let class = self.cell.get_or_try_init(py, || {
+            py.import("tokencapture.protocols")?
+                .getattr(self.name)?
+                .cast_into::<PyType>()
+                .map(Bound::unbind)
+                .map_err(PyErr::from)
+        });
+        match class {
+            Ok(class) => PyErr::from_type(class.bind(py).clone(), message),
+            Err(import_error) => import_error,
+        }
+    }
+}
+
+static FROZEN: ExceptionClass = ExceptionClass::new("TokenCaptureFrozenError");
+static RETIRED: ExceptionClass = ExceptionClass::new("TokenCaptureRetiredError");
+static CONFLICT: ExceptionClass = ExceptionClass::new("TokenCaptureConflictError");
+static CORRUPT: ExceptionClass = ExceptionClass::new("TokenCaptureCorruptionError");
+
+pub(super) fn to_pyerr(py: Python<'_>, err: Error) -> PyErr {
+    let message = err.to_string();
+    match err {
+        Error::Io { op, path, source } => match source.raw_os_error() {
+            // OSError(errno, strerror, filename) picks the matching subclass
+            // (FileNotFoundError, PermissionError, ...) and keeps `errno` for callers.
+            Some(errno) => PyOSError::new_err((errno, format!("{op} failed: {source}"), path)),
+            None => PyOSError::new_err(message),
+        },
+        Error::Frozen(_) => FROZEN.err(py, message),
+        Error::Retired(_) => RETIRED.err(py, message),
+        Error::Conflict { .. } => CONFLICT.err(py, message),
+        Error::Corrupt { .. } => CORRUPT.err(py, message),
+        Error::InvalidInput(_) => PyValueError::new_err(message),
+    }
+}
+
+/// Borrow a Python str as UTF-8, refusing lone surrogates with a plain `ValueError`.
+pub(super) fn text<'a>(value: &'a Bound<'_, PyString>, what: &str) -> PyResult<&'a str> {
+    value.to_str().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be valid Unicode text (no lone surrogates)"
+        ))
+    })
+}

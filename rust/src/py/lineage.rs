@@ -1,0 +1,565 @@
+//! Request-time lineage (`rust/src/lineage.rs`). Request items are copied into JSON values with
+//! the GIL held; anything but plain JSON types (exact dict/list/str/int/float/bool/None) yields
+//! None so that Python's `tokencapture.fingerprint` decides. Hashing, file reads, locks and
+//! materialization run detached (or, for `FileLineage.submit`, on the worker pool). Answers carry
+//! the cumulative tokens as a tuple built from interned ints, or from the rollout's previous
+//! answer plus the new ids. Integrity failures raise `tokencapture.lineage.LineageIntegrityError`
+//! (a `ValueError`); store errors map as in `errors`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use lru::LruCache;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
+use serde_json::Value;
+
+use super::bridge::{spawn_job, Completions};
+use super::decode::untrack_atomic;
+use super::errors::{text, to_pyerr};
+use super::records::token_ids;
+use crate::lineage::{
+    self, FileLineage, HashedRequest, ItemsRequest, LineageError, MemoryLineage, Missing, Outcome,
+    Step, Tokens,
+};
+
+static INTEGRITY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn lineage_err(py: Python<'_>, err: LineageError) -> PyErr {
+    match err {
+        LineageError::Store(err) => to_pyerr(py, err),
+        LineageError::Integrity(message) => {
+            let class = INTEGRITY.get_or_try_init(py, || {
+                py.import("tokencapture.lineage")?
+                    .getattr("LineageIntegrityError")?
+                    .cast_into::<PyType>()
+                    .map(Bound::unbind)
+                    .map_err(PyErr::from)
+            });
+            match class {
+                Ok(class) => PyErr::from_type(class.bind(py).clone(), message),
+                Err(import_error) => import_error,
+            }
+        }
+    }
+}
+
+/// Nesting deeper than this defers to Python (orjson refuses far deeper values itself).
+const MAX_DEPTH: usize = 128;
+
+/// A plain-JSON Python value as a JSON value; None for anything else.
+fn json_value(value: &Bound<'_, PyAny>, depth: usize) -> Option<Value> {
+    if depth > MAX_DEPTH {
+        return None;
+    }
+    if let Ok(text) = value.cast_exact::<PyString>() {
+        return text.to_str().ok().map(|s| Value::String(s.to_owned()));
+    }
+    if let Ok(dict) = value.cast_exact::<PyDict>() {
+        let mut map = serde_json::Map::new();
+        for (key, item) in dict.iter() {
+            let key = key.cast_exact::<PyString>().ok()?.to_str().ok()?;
+            map.insert(key.to_owned(), json_value(&item, depth + 1)?);
+        }
+        return Some(Value::Object(map));
+    }
+    if let Ok(list) = value.cast_exact::<PyList>() {
+        return list
+            .iter()
+            .map(|item| json_value(&item, depth + 1))
+            .collect::<Option<Vec<_>>>()
+            .map(Value::Array);
+    }
+    if value.is_none() {
+        return Some(Value::Null);
+    }
+    if let Ok(flag) = value.cast_exact::<PyBool>() {
+        return Some(Value::Bool(flag.is_true()));
+    }
+    if value.is_exact_instance_of::<PyInt>() {
+        if let Ok(int) = value.extract::<i64>() {
+            return Some(Value::from(int));
+        }
+        return value.extract::<u64>().ok().map(Value::from);
+    }
+    if let Ok(float) = value.cast_exact::<PyFloat>() {
+        return serde_json::Number::from_f64(float.value()).map(Value::Number);
+    }
+    None
+}
+
+/// Request items (an exact list of plain-JSON values), or None to defer to Python.
+fn request_values(items: &Bound<'_, PyAny>) -> Option<Vec<Value>> {
+    let list = items.cast_exact::<PyList>().ok()?;
+    list.iter().map(|item| json_value(&item, 1)).collect()
+}
+
+/// `None` (defer to Python), a list of prefix lengths whose digests are needed, or
+/// `(status, model_call_id, cumulative_token_ids, digest, reason)`.
+fn step_to_py(
+    py: Python<'_>,
+    step: Step,
+    memo: &TupleMemo,
+    rollout_id: &str,
+) -> PyResult<Py<PyAny>> {
+    Ok(match step {
+        Step::Missing(Missing::Fallback) => py.None(),
+        Step::Missing(Missing::Need(lens)) => PyList::new(py, lens)?.into_any().unbind(),
+        Step::Done(Outcome::Root) => ("root", py.None(), py.None(), "", "")
+            .into_pyobject(py)?
+            .into_any()
+            .unbind(),
+        Step::Done(Outcome::Unresolved { reason }) => {
+            ("unresolved", py.None(), py.None(), "", reason)
+                .into_pyobject(py)?
+                .into_any()
+                .unbind()
+        }
+        Step::Done(Outcome::Resolved {
+            call_id,
+            tokens,
+            digest,
+        }) => {
+            let tokens = memo.tuple(py, rollout_id, &tokens)?;
+            ("resolved", call_id, tokens, digest, "")
+                .into_pyobject(py)?
+                .into_any()
+                .unbind()
+        }
+    })
+}
+
+/// The last answer's tuple per rollout, bounded by tokens. The next answer of a rollout
+/// usually extends the last one (its parent's cumulative tokens plus the new turn), so its
+/// tuple is the memoized one concatenated with the new ids: copied references instead of a
+/// lookup per id. A repeated answer returns the same (immutable) tuple.
+struct TupleMemo {
+    inner: Mutex<MemoInner>,
+    budget: usize,
+}
+
+struct MemoInner {
+    lru: LruCache<String, (Tokens, Py<PyTuple>)>,
+    tokens: usize,
+}
+
+impl TupleMemo {
+    fn new(budget: usize) -> Self {
+        TupleMemo {
+            inner: Mutex::new(MemoInner {
+                lru: LruCache::unbounded(),
+                tokens: 0,
+            }),
+            budget,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemoInner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn clear(&self) {
+        let mut inner = self.lock();
+        inner.lru.clear();
+        inner.tokens = 0;
+    }
+
+    fn tuple<'py>(
+        &self,
+        py: Python<'py>,
+        rollout_id: &str,
+        tokens: &Tokens,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        // The entry is taken out while the tuple is built: building allocates, which may
+        // run the garbage collector and other threads, so no lock is held across it.
+        let previous = {
+            let mut inner = self.lock();
+            let taken = inner.lru.pop(rollout_id);
+            if let Some((old, _)) = &taken {
+                inner.tokens -= old.len();
+            }
+            taken
+        };
+        let built = match previous {
+            Some((old, tuple)) if Arc::ptr_eq(&old, tokens) => tuple.into_bound(py),
+            Some((old, tuple)) if lineage::extends(&old, tokens) => {
+                let suffix = token_tuple(py, &tokens[old.len()..])?;
+                let joined = tuple
+                    .bind(py)
+                    .as_sequence()
+                    .concat(suffix.as_sequence())?
+                    .into_any()
+                    .cast_into::<PyTuple>()?;
+                untrack_atomic(joined.as_any());
+                joined
+            }
+            _ => token_tuple(py, tokens)?,
+        };
+        if tokens.len() <= self.budget {
+            let mut inner = self.lock();
+            inner.tokens += tokens.len();
+            if let Some((_, (old, _))) = inner.lru.push(
+                rollout_id.to_owned(),
+                (tokens.clone(), built.clone().unbind()),
+            ) {
+                inner.tokens -= old.len();
+            }
+            while inner.tokens > self.budget {
+                match inner.lru.pop_lru() {
+                    Some((_, (old, _))) => inner.tokens -= old.len(),
+                    None => break,
+                }
+            }
+        }
+        Ok(built)
+    }
+}
+
+/// Token ids below this share one interned Python int each (every vocabulary in use fits).
+const INTERNED_IDS: usize = 1 << 18;
+
+/// One Python int per small token id, created on first use. Building a 30k-token tuple
+/// then costs a reference count per id instead of an allocation (and its later free).
+/// Bounded: at most `INTERNED_IDS` ints (about 10 MB) per process.
+static INTERNED: Mutex<Vec<Option<Py<PyAny>>>> = Mutex::new(Vec::new());
+
+/// The interned ints, unless another thread holds them. Never waits: creating an int may
+/// run the cycle collector, whose finalizers may let another thread take the interpreter
+/// while this one holds the table; that thread, waiting for the table while attached,
+/// would deadlock both. The caller makes fresh ints instead.
+fn interned_ints() -> Option<std::sync::MutexGuard<'static, Vec<Option<Py<PyAny>>>>> {
+    let mut table = match INTERNED.try_lock() {
+        Ok(table) => table,
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return None,
+    };
+    if table.is_empty() {
+        table.resize_with(INTERNED_IDS, || None);
+    }
+    Some(table)
+}
+
+fn token_tuple<'py>(py: Python<'py>, tokens: &[u64]) -> PyResult<Bound<'py, PyTuple>> {
+    let mut table = interned_ints();
+    let mut items = Vec::with_capacity(tokens.len());
+    for &id in tokens {
+        let slot = table
+            .as_mut()
+            .and_then(|table| usize::try_from(id).ok().and_then(|i| table.get_mut(i)));
+        let Some(slot) = slot else {
+            items.push(id.into_pyobject(py)?.into_any().unbind());
+            continue;
+        };
+        let int = match slot {
+            Some(int) => int.clone_ref(py),
+            None => slot
+                .insert(id.into_pyobject(py)?.into_any().unbind())
+                .clone_ref(py),
+        };
+        items.push(int);
+    }
+    drop(table);
+    let tuple = PyTuple::new(py, items)?;
+    untrack_atomic(tuple.as_any());
+    Ok(tuple)
+}
+
+fn hashed(fingerprint: String, n_items: usize, digests: HashMap<usize, String>) -> HashedRequest {
+    HashedRequest {
+        fingerprint,
+        len: n_items,
+        digests,
+    }
+}
+
+/// The two native resolvers, behind one signature for the bindings below.
+trait Resolve: Sync {
+    fn resolve_request(
+        &self,
+        rollout_id: &str,
+        request: &mut dyn lineage::Request,
+    ) -> lineage::Result<Step>;
+}
+
+impl Resolve for FileLineage {
+    fn resolve_request(
+        &self,
+        rollout_id: &str,
+        request: &mut dyn lineage::Request,
+    ) -> lineage::Result<Step> {
+        self.resolve(rollout_id, request)
+    }
+}
+
+impl Resolve for MemoryLineage {
+    fn resolve_request(
+        &self,
+        rollout_id: &str,
+        request: &mut dyn lineage::Request,
+    ) -> lineage::Result<Step> {
+        self.resolve(rollout_id, request)
+    }
+}
+
+/// Resolve request items with the native hashes; None when they need Python's.
+fn resolve_items(
+    py: Python<'_>,
+    resolver: &dyn Resolve,
+    memo: &TupleMemo,
+    rollout_id: &Bound<'_, PyString>,
+    items: &Bound<'_, PyAny>,
+) -> PyResult<Py<PyAny>> {
+    let Some(values) = request_values(items) else {
+        return Ok(py.None());
+    };
+    resolve_request(py, resolver, memo, rollout_id, ItemsRequest::new(values))
+}
+
+/// Run one resolve detached from the interpreter and convert its step.
+fn resolve_request<R: lineage::Request + Send>(
+    py: Python<'_>,
+    resolver: &dyn Resolve,
+    memo: &TupleMemo,
+    rollout_id: &Bound<'_, PyString>,
+    mut request: R,
+) -> PyResult<Py<PyAny>> {
+    let rollout_id = text(rollout_id, "rollout_id")?;
+    let step = py
+        .detach(|| resolver.resolve_request(rollout_id, &mut request))
+        .map_err(|e| lineage_err(py, e))?;
+    step_to_py(py, step, memo, rollout_id)
+}
+
+/// The lineage resolver over a store directory (`tokencapture.lineage.FileLineageStore`).
+#[pyclass(frozen, name = "FileLineage", module = "tokencapture._core")]
+struct PyFileLineage {
+    inner: Arc<FileLineage>,
+    memo: TupleMemo,
+}
+
+/// A resolve submitted to the worker pool (`FileLineage.prepare` / `submit` / `finish`):
+/// the request goes in, the decision comes back here.
+#[pyclass(frozen, name = "LineageJob", module = "tokencapture._core")]
+struct PyLineageJob {
+    rollout_id: String,
+    request: Mutex<Option<ItemsRequest>>,
+    result: Arc<Mutex<Option<lineage::Result<Step>>>>,
+}
+
+#[pymethods]
+impl PyFileLineage {
+    #[new]
+    #[pyo3(signature = (
+        root,
+        max_cached_rollouts = lineage::DEFAULT_CACHED_ROLLOUTS,
+        max_cached_tokens = lineage::DEFAULT_CACHED_TOKENS,
+    ))]
+    fn new(root: PathBuf, max_cached_rollouts: usize, max_cached_tokens: usize) -> Self {
+        PyFileLineage {
+            inner: Arc::new(FileLineage::new(
+                root,
+                max_cached_rollouts,
+                max_cached_tokens,
+            )),
+            memo: TupleMemo::new(max_cached_tokens),
+        }
+    }
+
+    /// Resolve with the native hashes; None when the items need Python's.
+    fn resolve(
+        &self,
+        py: Python<'_>,
+        rollout_id: &Bound<'_, PyString>,
+        items: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        resolve_items(py, &*self.inner, &self.memo, rollout_id, items)
+    }
+
+    /// Resolve with hashes computed by the caller; a list of prefix lengths means
+    /// "call again with their digests added".
+    fn resolve_hashed(
+        &self,
+        py: Python<'_>,
+        rollout_id: &Bound<'_, PyString>,
+        fingerprint: String,
+        n_items: usize,
+        digests: HashMap<usize, String>,
+    ) -> PyResult<Py<PyAny>> {
+        let request = hashed(fingerprint, n_items, digests);
+        resolve_request(py, &*self.inner, &self.memo, rollout_id, request)
+    }
+
+    /// A job for `submit`, with the request items copied (None when they need Python's
+    /// hashes). The event loop then waits for the worker pool instead of a thread hop.
+    fn prepare(
+        &self,
+        rollout_id: &Bound<'_, PyString>,
+        items: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<PyLineageJob>> {
+        let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+        Ok(request_values(items).map(|values| PyLineageJob {
+            rollout_id,
+            request: Mutex::new(Some(ItemsRequest::new(values))),
+            result: Arc::new(Mutex::new(None)),
+        }))
+    }
+
+    /// Run a prepared job on the worker pool; its completion is reported to `completions`.
+    fn submit(
+        &self,
+        completions: &Bound<'_, Completions>,
+        token: u64,
+        job: &Bound<'_, PyLineageJob>,
+    ) -> PyResult<()> {
+        let job = job.get();
+        let mut request = job
+            .request
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("this lineage job was already submitted"))?;
+        let rollout_id = job.rollout_id.clone();
+        let slot = Arc::clone(&job.result);
+        let lineage = Arc::clone(&self.inner);
+        spawn_job(completions, token, move || {
+            let step = lineage.resolve(&rollout_id, &mut request);
+            *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
+            Ok::<(), crate::error::Error>(())
+        })
+    }
+
+    /// The decision of a completed job, shaped like `resolve`'s.
+    fn finish(&self, py: Python<'_>, job: &Bound<'_, PyLineageJob>) -> PyResult<Py<PyAny>> {
+        let job = job.get();
+        let result = job
+            .result
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("this lineage job has not completed"))?;
+        let step = result.map_err(|e| lineage_err(py, e))?;
+        step_to_py(py, step, &self.memo, &job.rollout_id)
+    }
+
+    fn clear(&self, py: Python<'_>) {
+        self.memo.clear();
+        py.detach(|| self.inner.clear());
+    }
+
+    fn cached_tokens(&self) -> usize {
+        self.inner.cached_tokens()
+    }
+
+    fn cached_rollouts(&self) -> usize {
+        self.inner.cached_rollouts()
+    }
+}
+
+/// The bounded in-process resolver (`tokencapture.lineage.InMemoryLineageStore`).
+#[pyclass(frozen, name = "MemoryLineage", module = "tokencapture._core")]
+struct PyMemoryLineage {
+    inner: MemoryLineage,
+    memo: TupleMemo,
+}
+
+#[pymethods]
+impl PyMemoryLineage {
+    #[new]
+    fn new(max_rollouts: usize, max_tokens: u64, max_cached_tokens: usize) -> Self {
+        PyMemoryLineage {
+            inner: MemoryLineage::new(max_rollouts, max_tokens, max_cached_tokens),
+            memo: TupleMemo::new(max_cached_tokens),
+        }
+    }
+
+    /// Index one canonical entry line; False when the same bytes were already there.
+    fn put(&self, py: Python<'_>, rollout_id: &Bound<'_, PyString>, line: &[u8]) -> PyResult<bool> {
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        py.detach(|| self.inner.put(rollout_id, line))
+            .map_err(|e| lineage_err(py, e))
+    }
+
+    fn resolve(
+        &self,
+        py: Python<'_>,
+        rollout_id: &Bound<'_, PyString>,
+        items: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        resolve_items(py, &self.inner, &self.memo, rollout_id, items)
+    }
+
+    fn resolve_hashed(
+        &self,
+        py: Python<'_>,
+        rollout_id: &Bound<'_, PyString>,
+        fingerprint: String,
+        n_items: usize,
+        digests: HashMap<usize, String>,
+    ) -> PyResult<Py<PyAny>> {
+        let request = hashed(fingerprint, n_items, digests);
+        resolve_request(py, &self.inner, &self.memo, rollout_id, request)
+    }
+
+    /// Forget rollouts; returns `(removed, absent)`.
+    fn delete(
+        &self,
+        py: Python<'_>,
+        rollout_ids: Vec<String>,
+    ) -> PyResult<(Vec<String>, Vec<String>)> {
+        py.detach(|| self.inner.delete(&rollout_ids))
+            .map_err(|e| lineage_err(py, e))
+    }
+
+    fn clear(&self) {
+        self.memo.clear();
+        self.inner.clear();
+    }
+
+    fn stored_tokens(&self) -> u64 {
+        self.inner.stored_tokens()
+    }
+
+    fn rollout_count(&self) -> usize {
+        self.inner.rollout_count()
+    }
+
+    fn cached_tokens(&self) -> usize {
+        self.inner.cached_tokens()
+    }
+}
+
+/// `(assistant_fingerprint(items), conversation_digest(items[:context_len]))` by the
+/// native port, or None when the items need Python's implementation.
+#[pyfunction]
+fn continuation_hashes(
+    py: Python<'_>,
+    items: &Bound<'_, PyAny>,
+    context_len: usize,
+) -> Option<(String, String)> {
+    let values = request_values(items)?;
+    py.detach(|| lineage::continuation_hashes(&values, context_len).ok())
+}
+
+/// Whether the token ids `ids` start with `prefix` (both lists, tuples or buffers).
+#[pyfunction]
+fn tokens_extend(
+    py: Python<'_>,
+    prefix: &Bound<'_, PyAny>,
+    ids: &Bound<'_, PyAny>,
+) -> PyResult<bool> {
+    let prefix = token_ids(prefix)?;
+    let ids = token_ids(ids)?;
+    Ok(py.detach(|| lineage::extends(&prefix, &ids)))
+}
+
+pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<PyFileLineage>()?;
+    module.add_class::<PyMemoryLineage>()?;
+    module.add_class::<PyLineageJob>()?;
+    module.add_function(wrap_pyfunction!(continuation_hashes, module)?)?;
+    module.add_function(wrap_pyfunction!(tokens_extend, module)?)?;
+    Ok(())
+}

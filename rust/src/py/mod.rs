@@ -1,0 +1,35 @@
+//! The PyO3 bindings (`tokencapture._core`): argument conversion, GIL release and error
+//! mapping, one file per domain: `errors` (exception classes, error mapping), `decode`
+//! (stored lines into Python objects), `bridge` (the async bridge: worker pool and
+//! completions), `store` (the `Store` class), `records` (digests, entry field checks,
+//! rollout-id validation), `lineage`, `ledger` and `columnar` (Arrow snapshots). This module
+//! only registers them.
+//!
+//! Every call that touches a file, waits for a lock or hashes runs detached from the
+//! interpreter (`Python::detach`), so other Python threads and the event loop keep running.
+
+use pyo3::prelude::*;
+
+mod bridge;
+mod columnar;
+mod decode;
+mod errors;
+mod ledger;
+mod lineage;
+mod records;
+mod store;
+
+#[pymodule]
+fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<store::PyStore>()?;
+    module.add_class::<bridge::Completions>()?;
+    module.add_function(wrap_pyfunction!(records::compute_digest, module)?)?;
+    module.add_function(wrap_pyfunction!(records::payload_digest, module)?)?;
+    module.add_function(wrap_pyfunction!(records::validate_rollout_id, module)?)?;
+    module.add_class::<records::EntryFields>()?;
+    module.add("MAX_ROLLOUT_ID_LEN", crate::store::MAX_ROLLOUT_ID_LEN)?;
+    lineage::register(module)?;
+    ledger::register(module)?;
+    columnar::register(module)?;
+    Ok(())
+}

@@ -1,0 +1,225 @@
+//! The `Store` class: the file store's operations, blocking (detached from the interpreter)
+//! or submitted to the worker pool.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyString};
+
+use super::bridge::{spawn_job, Completions};
+use super::decode::{decode_in_python, select_records, DecodedRecords};
+use super::errors::{text, to_pyerr};
+use crate::store::{self, Store, DEFAULT_CACHED_ROLLOUTS};
+
+/// Run a batch retire or delete detached from the interpreter; `(removed, absent)`.
+pub(super) fn batch_removal(
+    py: Python<'_>,
+    op: impl FnOnce() -> crate::Result<store::Removal> + Send,
+) -> PyResult<(Vec<String>, Vec<String>)> {
+    py.detach(op)
+        .map(|removal| (removal.removed, removal.absent))
+        .map_err(|e| to_pyerr(py, e))
+}
+
+/// The native store. The Python class `tokencapture.store.TokenCaptureStore` wraps it.
+#[pyclass(frozen, name = "Store", module = "tokencapture._core")]
+pub(super) struct PyStore {
+    pub(super) inner: Arc<Store>,
+}
+
+#[pymethods]
+impl PyStore {
+    #[new]
+    #[pyo3(signature = (root, cached_rollouts = DEFAULT_CACHED_ROLLOUTS))]
+    fn new(py: Python<'_>, root: PathBuf, cached_rollouts: usize) -> PyResult<Self> {
+        let inner = py
+            .detach(|| Store::open(root, cached_rollouts))
+            .map_err(|e| to_pyerr(py, e))?;
+        Ok(PyStore {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// Store one canonical line; True if appended, False if the same payload was already there.
+    fn put(
+        &self,
+        py: Python<'_>,
+        rollout_id: &Bound<'_, PyString>,
+        model_call_id: &Bound<'_, PyString>,
+        line: &[u8],
+    ) -> PyResult<bool> {
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        let call_id = text(model_call_id, "model_call_id")?;
+        py.detach(|| self.inner.put(rollout_id, call_id, line))
+            .map(|outcome| outcome == store::PutOutcome::Appended)
+            .map_err(|e| to_pyerr(py, e))
+    }
+
+    /// `put` on the worker pool; the outcome (True/False or the error) goes to `completions`.
+    fn submit_put(
+        &self,
+        completions: &Bound<'_, Completions>,
+        token: u64,
+        rollout_id: &Bound<'_, PyString>,
+        model_call_id: &Bound<'_, PyString>,
+        line: &[u8],
+    ) -> PyResult<()> {
+        let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+        let call_id = text(model_call_id, "model_call_id")?.to_owned();
+        let line = line.to_vec();
+        let store = Arc::clone(&self.inner);
+        spawn_job(completions, token, move || {
+            store
+                .put(&rollout_id, &call_id, &line)
+                .map(|outcome| outcome == store::PutOutcome::Appended)
+        })
+    }
+
+    /// `begin_call` on the worker pool.
+    fn submit_begin_call(
+        &self,
+        completions: &Bound<'_, Completions>,
+        token: u64,
+        rollout_id: &Bound<'_, PyString>,
+        model_call_id: &Bound<'_, PyString>,
+    ) -> PyResult<()> {
+        let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+        let call_id = text(model_call_id, "model_call_id")?.to_owned();
+        let store = Arc::clone(&self.inner);
+        spawn_job(completions, token, move || {
+            store.begin_call(&rollout_id, &call_id)
+        })
+    }
+
+    /// `mark_incomplete` on the worker pool.
+    fn submit_mark_incomplete(
+        &self,
+        completions: &Bound<'_, Completions>,
+        token: u64,
+        rollout_id: &Bound<'_, PyString>,
+        line: &[u8],
+    ) -> PyResult<()> {
+        let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+        let line = line.to_vec();
+        let store = Arc::clone(&self.inner);
+        spawn_job(completions, token, move || {
+            store.mark_incomplete(&rollout_id, &line)
+        })
+    }
+
+    fn begin_call(
+        &self,
+        py: Python<'_>,
+        rollout_id: &Bound<'_, PyString>,
+        model_call_id: &Bound<'_, PyString>,
+    ) -> PyResult<()> {
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        let call_id = text(model_call_id, "model_call_id")?;
+        py.detach(|| self.inner.begin_call(rollout_id, call_id))
+            .map_err(|e| to_pyerr(py, e))
+    }
+
+    fn mark_incomplete(
+        &self,
+        py: Python<'_>,
+        rollout_id: &Bound<'_, PyString>,
+        line: &[u8],
+    ) -> PyResult<()> {
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        py.detach(|| self.inner.mark_incomplete(rollout_id, line))
+            .map_err(|e| to_pyerr(py, e))
+    }
+
+    /// Freeze and return `((records, offsets), incomplete, snapshot_id, version)`: each record
+    /// is the decoded JSON object of a verified line, each offset where its line starts.
+    fn freeze<'py>(
+        &self,
+        py: Python<'py>,
+        rollout_id: &Bound<'py, PyString>,
+    ) -> PyResult<(DecodedRecords<'py>, bool, String, u64)> {
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        // The lines are decoded (attached) while another thread verifies them and makes the
+        // freeze durable (detached); for a large log that thread also parses each line into a
+        // tape, and this one only builds (and then helps hash): see `Store::freeze_decoding`.
+        let (snapshot, ranges, decoded) = py
+            .detach(|| self.inner.freeze_decoding(rollout_id, decode_in_python))
+            .map_err(|e| to_pyerr(py, e))?;
+        let log = self.inner.paths(rollout_id).log;
+        let selected = select_records(py, &log, &ranges, decoded, &snapshot.records);
+        self.inner.recycle_buffer(snapshot.records.buf);
+        Ok((
+            selected?,
+            snapshot.incomplete,
+            snapshot.snapshot_id,
+            snapshot.version,
+        ))
+    }
+
+    fn drop_snapshot(
+        &self,
+        py: Python<'_>,
+        rollout_id: &Bound<'_, PyString>,
+        snapshot_id: &Bound<'_, PyString>,
+        version: u64,
+    ) -> PyResult<bool> {
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        let snapshot_id = text(snapshot_id, "snapshot_id")?;
+        py.detach(|| self.inner.drop_snapshot(rollout_id, snapshot_id, version))
+            .map_err(|e| to_pyerr(py, e))
+    }
+
+    /// Retire a batch; returns `(removed, absent)`.
+    fn retire(
+        &self,
+        py: Python<'_>,
+        rollout_ids: Vec<String>,
+    ) -> PyResult<(Vec<String>, Vec<String>)> {
+        batch_removal(py, || self.inner.retire(&rollout_ids))
+    }
+
+    /// Delete a batch; returns `(removed, absent)`.
+    fn delete(
+        &self,
+        py: Python<'_>,
+        rollout_ids: Vec<String>,
+    ) -> PyResult<(Vec<String>, Vec<String>)> {
+        batch_removal(py, || self.inner.delete(&rollout_ids))
+    }
+
+    fn is_incomplete(&self, py: Python<'_>, rollout_id: &Bound<'_, PyString>) -> PyResult<bool> {
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        py.detach(|| self.inner.is_incomplete(rollout_id))
+            .map_err(|e| to_pyerr(py, e))
+    }
+
+    /// The unique stored records of a rollout, decoded (torn tail ignored, nothing created).
+    fn read_lines<'py>(
+        &self,
+        py: Python<'py>,
+        rollout_id: &Bound<'py, PyString>,
+    ) -> PyResult<DecodedRecords<'py>> {
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        let (records, ranges, decoded) = py
+            .detach(|| self.inner.read_decoding(rollout_id, decode_in_python))
+            .map_err(|e| to_pyerr(py, e))?;
+        let log = self.inner.paths(rollout_id).log;
+        let selected = select_records(py, &log, &ranges, decoded, &records);
+        self.inner.recycle_buffer(records.buf);
+        selected
+    }
+
+    /// The verified state as readers see it (tail folded, nothing changed) as JSON, and the
+    /// number of unique records; None if the rollout has no files.
+    fn inspect<'py>(
+        &self,
+        py: Python<'py>,
+        rollout_id: &Bound<'py, PyString>,
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, usize)>> {
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        let found = py
+            .detach(|| self.inner.inspect(rollout_id))
+            .map_err(|e| to_pyerr(py, e))?;
+        Ok(found.map(|(state, records)| (PyBytes::new(py, &state.to_json()), records)))
+    }
+}
