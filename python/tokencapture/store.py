@@ -460,6 +460,10 @@ class TokenCaptureStore:
         except BaseException as exc:
             self._put_failed(entry, exc, started)
             raise
+        if type(self).append is not TokenCaptureStore.append:
+            # A subclass that overrides `append` (NeMo Gym's store awaits `append` in a thread
+            # from `put`, and subclasses rely on that) gets its own `append` here too.
+            return _off_loop(self.append, token_entry)
         return self._put_line(token_entry, line, started)
 
     async def _put_line(self, entry: TokenEntry, line: bytes, started: float) -> None:
