@@ -109,9 +109,11 @@ class CaptureLedgerConflictError(ValueError):
 
 
 def _conflict(rollout_id: str, model_call_id: str) -> CaptureLedgerConflictError:
+    # NeMo Gym's words first ("conflicting lineage record for model call ..."), then ours.
     return CaptureLedgerConflictError(
-        f"model_call_id {model_call_id!r} of rollout {rollout_id!r} is already recorded with a "
-        "different row; ledger rows are written once"
+        f"conflicting lineage record for model call {model_call_id}: model_call_id "
+        f"{model_call_id!r} of rollout {rollout_id!r} is already recorded with a different "
+        "row; ledger rows are written once"
     )
 
 
@@ -166,6 +168,13 @@ def commit_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
         "digest": commit.record.cumulative_hash,
         **_custody_columns(commit.record, commit.staging_chain),
     }
+
+
+def commit_row_of(commit: object) -> tuple[str, dict[str, Any]]:
+    """Validate a commit (ours, NeMo Gym's or a dict) and build its row: `(rollout_id, row)`.
+    Raises `TypeError` / `ValueError` as `FileCaptureLedger.record` does when called."""
+    checked = _as_commit(commit)
+    return validate_rollout_id(checked.rollout_id), commit_row(checked)
 
 
 def _row_bytes(row: Mapping[str, Any]) -> bytes:
