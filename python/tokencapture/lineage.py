@@ -15,6 +15,11 @@ Resolvers (`tokencapture.protocols.LineageResolver`):
   budget for materialized sequences).
 * `InMemoryLineageStore` is the bounded single-process variant, fed by its own `put`.
 
+Like NeMo Gym 0.7.0's, both are also capture ledgers (`record`, `record_failure`, `manifest`,
+`has_rows`): `FileLineageStore` over the directory's `R.lineage.jsonl` (a `FileCaptureLedger`),
+`InMemoryLineageStore` in memory; committed ledger rows resolve continuations the token
+entries leave unresolved.
+
 Both run the same native matcher (`tokencapture._core`): candidate rules, never a guess, and a
 digest check of every answer. The request hashes run natively for plain JSON items and fall back
 to `tokencapture.fingerprint` for anything else, which is the definition of both hashes.
@@ -23,10 +28,13 @@ to `tokencapture.fingerprint` for anything else, which is the definition of both
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
-from typing import Any, Final
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
 
 from tokencapture import _core
 from tokencapture.fingerprint import (
@@ -37,6 +45,7 @@ from tokencapture.fingerprint import (
 from tokencapture.metrics import instrumented
 from tokencapture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload
 from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
+from tokencapture.staging.records import CaptureLedgerCommit
 from tokencapture.store import (
     _as_token_entry,
     _native_job,
@@ -45,6 +54,9 @@ from tokencapture.store import (
     validate_rollout_id,
     validate_rollout_ids,
 )
+
+if TYPE_CHECKING:
+    from tokencapture.ledger import FileCaptureLedger
 
 __all__ = [
     "AMBIGUOUS_REASON",
@@ -191,6 +203,8 @@ class FileLineageStore:
             raise ValueError("max_cached_tokens must not be negative")
         self._root = os.fspath(root)
         self._native = _core.FileLineage(self._root, max_cached_rollouts, max_cached_tokens)
+        self._ledger: FileCaptureLedger | None = None
+        self._ledger_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"FileLineageStore({self._root!r})"
@@ -203,7 +217,10 @@ class FileLineageStore:
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
         """Synchronous `resolve` (blocks on the rollout's shared lock and file reads)."""
-        return _resolve(self._native, rollout_id, request_items)
+        resolution = _resolve(self._native, rollout_id, request_items)
+        if self._ledger_may_answer(rollout_id, resolution):
+            return self._from_ledger(rollout_id, request_list(request_items), resolution)
+        return resolution
 
     def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
@@ -219,16 +236,65 @@ class FileLineageStore:
         return self._resolve_job(rollout_id, request_list(request_items))
 
     async def _resolve_job(self, rollout_id: str, items: list[Any]) -> LineageResolution:
+        resolution: LineageResolution | None = None
         job = self._native.prepare(rollout_id, items)
         if job is not None:
             await _native_job(self._native.submit, job)
             raw = self._native.finish(job)
             if raw is not None:
-                return _resolution(raw)
-        return await _off_loop(_resolve_in_python, self._native, rollout_id, items)
+                resolution = _resolution(raw)
+        if resolution is None:
+            resolution = await _off_loop(_resolve_in_python, self._native, rollout_id, items)
+        if self._ledger_may_answer(rollout_id, resolution):
+            return await _off_loop(self._from_ledger, rollout_id, items, resolution)
+        return resolution
 
     def is_process_shared(self) -> bool:
         return True
+
+    # The capture-ledger surface. NeMo Gym 0.7.0's `FileLineageStore` is a `CaptureLedger` too:
+    # its ledger rows (`R.lineage.jsonl`, beside the token files) are our `FileCaptureLedger`'s,
+    # byte for byte, so these delegate to one over the same directory (made on first use; a
+    # resolver that never meets a ledger creates nothing). A continuation the token entries
+    # leave UNRESOLVED is then looked up among the ledger's committed rows, as NeMo Gym does.
+
+    def _capture_ledger(self) -> FileCaptureLedger:
+        with self._ledger_lock:
+            if self._ledger is None:
+                from tokencapture.ledger import FileCaptureLedger
+
+                self._ledger = FileCaptureLedger(self._root)
+            return self._ledger
+
+    def _ledger_may_answer(self, rollout_id: str, resolution: LineageResolution) -> bool:
+        return resolution.status is ParentResolutionStatus.UNRESOLVED and os.path.exists(
+            os.path.join(self._root, f"{rollout_id}.lineage.jsonl")
+        )
+
+    def _from_ledger(
+        self, rollout_id: str, items: list[Any], resolution: LineageResolution
+    ) -> LineageResolution:
+        found = self._capture_ledger().resolve_now(rollout_id, items)
+        return found if found.status is ParentResolutionStatus.RESOLVED else resolution
+
+    def record(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> Coroutine[Any, Any, None]:
+        """`FileCaptureLedger.record` over this directory (checked when called)."""
+        return self._capture_ledger().record(commit)
+
+    def record_failure(
+        self, rollout_id: str, model_call_id: str, reason: str
+    ) -> Coroutine[Any, Any, None]:
+        """`FileCaptureLedger.record_failure` over this directory (checked when called)."""
+        return self._capture_ledger().record_failure(rollout_id, model_call_id, reason)
+
+    def manifest(self, rollout_id: str) -> Coroutine[Any, Any, dict[str, Any]]:
+        """`FileCaptureLedger.manifest` over this directory."""
+        return self._capture_ledger().manifest(rollout_id)
+
+    def has_rows(self, rollout_id: str) -> Coroutine[Any, Any, bool]:
+        """`FileCaptureLedger.has_rows` over this directory (ledger rows, not token entries,
+        as NeMo Gym's `FileLineageStore` counts them)."""
+        return self._capture_ledger().has_rows(rollout_id)
 
     def cached_tokens(self) -> int:
         """Tokens held by the materialized-sequence cache."""
@@ -240,6 +306,10 @@ class FileLineageStore:
     async def close(self) -> None:
         """Drop the caches and their descriptors. Idempotent; the store stays usable."""
         self._native.clear()
+        with self._ledger_lock:
+            ledger, self._ledger = self._ledger, None
+        if ledger is not None:
+            await ledger.close()
 
 
 def _with_parent_length(resolution: LineageResolution) -> LineageResolution:
@@ -297,6 +367,9 @@ class InMemoryLineageStore:
         # and resolve, so it holds at least every rollout the native index still holds.
         self._seen: OrderedDict[str, set[str]] = OrderedDict()
         self._seen_rollouts = 4 * max_rollouts
+        # Capture-ledger rows per rollout (NeMo Gym's in-memory store has this surface for
+        # tests and single-process development): unbounded, outside the LRU, as NeMo Gym's.
+        self._ledgers: dict[str, list[dict[str, Any]]] = {}
 
     def _check_put(self, entry: object) -> tuple[TokenEntry, bytes]:
         """Check an entry for `put`: its type, fields, canonical line and delta parent."""
@@ -352,7 +425,7 @@ class InMemoryLineageStore:
     ) -> LineageResolution:
         resolution = _with_parent_length(_resolve(self._native, rollout_id, request_items))
         self._touch(rollout_id)
-        return resolution
+        return self._or_ledger(rollout_id, request_list(request_items), resolution)
 
     def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
@@ -364,13 +437,98 @@ class InMemoryLineageStore:
     async def _resolve_job(self, rollout_id: str, items: list[Any]) -> LineageResolution:
         resolution = _with_parent_length(_resolve(self._native, rollout_id, items))
         self._touch(rollout_id)
-        return resolution
+        return self._or_ledger(rollout_id, items, resolution)
+
+    # The capture-ledger surface, as NeMo Gym 0.7.0's `InMemoryLineageStore` has it: rows as
+    # `FileCaptureLedger` writes them (write-once per call, identical failure rows once), a
+    # manifest by the same rules, and committed rows resolving continuations the entries leave
+    # UNRESOLVED (token-free matches: the row's cumulative hash as `digest`, its `cum_len` as
+    # `prev_len`, its `staging_chain` and `chain_hash`).
+
+    def _or_ledger(
+        self, rollout_id: str, items: list[Any], resolution: LineageResolution
+    ) -> LineageResolution:
+        rows = self._ledgers.get(rollout_id)
+        if not rows or resolution.status is not ParentResolutionStatus.UNRESOLVED:
+            return resolution
+        from tokencapture.ledger import _match_of
+
+        fingerprint = assistant_fingerprint(items)
+        matches = [
+            match
+            for row in rows
+            if row.get("fingerprint") == fingerprint
+            and row.get("fingerprint_version") == FINGERPRINT_VERSION
+            and (match := _match_of(row, items)) is not None
+        ]
+        if len({(match.digest, match.prev_len) for match in matches}) > 1 or not matches:
+            return resolution
+        chosen = min(matches, key=lambda match: match.model_call_id)
+        return LineageResolution(ParentResolutionStatus.RESOLVED, match=chosen)
+
+    def record(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> Coroutine[Any, Any, None]:
+        """Keep a committed call's ledger row. Validated when called; the same row again is a
+        no-op, another row for the same call raises `CaptureLedgerConflictError`."""
+        from tokencapture.ledger import commit_row_of
+
+        rollout_id, row = commit_row_of(commit)
+        return self._record_job(rollout_id, row)
+
+    async def _record_job(self, rollout_id: str, row: dict[str, Any]) -> None:
+        from tokencapture.ledger import _conflict
+
+        rows = self._ledgers.setdefault(rollout_id, [])
+        call_id = row["model_call_id"]
+        for existing in rows:
+            if existing.get("model_call_id") == call_id and "failure_reason" not in existing:
+                if existing != row:
+                    raise _conflict(rollout_id, call_id)
+                return
+        rows.append(row)
+
+    def record_failure(
+        self, rollout_id: str, model_call_id: str, reason: str
+    ) -> Coroutine[Any, Any, None]:
+        """Keep a failure row (once per identical row); the arguments are checked when called."""
+        from tokencapture.ledger import _check_failure
+
+        _check_failure(rollout_id, model_call_id, reason)
+        return self._record_failure_job(rollout_id, model_call_id, reason)
+
+    async def _record_failure_job(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        row = {"model_call_id": model_call_id, "failure_reason": reason}
+        rows = self._ledgers.setdefault(rollout_id, [])
+        if row not in rows:
+            rows.append(row)
+
+    def manifest(self, rollout_id: str) -> Coroutine[Any, Any, dict[str, Any]]:
+        """The rollout's ledger as `RolloutManifest` wire data (records and failures)."""
+        validate_rollout_id(rollout_id)
+        return self._manifest_job(rollout_id)
+
+    async def _manifest_job(self, rollout_id: str) -> dict[str, Any]:
+        from tokencapture.ledger import manifest_from_rows
+
+        rows = [
+            (index, json.dumps(row).encode())
+            for index, row in enumerate(self._ledgers.get(rollout_id, ()))
+        ]
+        return manifest_from_rows(rollout_id, rows, Path(f"<memory>/{rollout_id}.lineage"))
+
+    def has_rows(self, rollout_id: str) -> Coroutine[Any, Any, bool]:
+        """Whether the rollout has ledger rows or indexed entries (NeMo Gym's rule)."""
+        validate_rollout_id(rollout_id)
+        return self._has_rows_job(rollout_id)
+
+    async def _has_rows_job(self, rollout_id: str) -> bool:
+        return bool(self._ledgers.get(rollout_id)) or bool(self._seen.get(rollout_id))
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Forget rollouts, so a reused id starts empty."""
         removed, absent = self._native.delete(validate_rollout_ids(rollout_ids))
         for rollout_id in (*removed, *absent):
             self._seen.pop(rollout_id, None)
+            self._ledgers.pop(rollout_id, None)
         return {"removed": removed, "absent": absent}
 
     def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
@@ -396,6 +554,7 @@ class InMemoryLineageStore:
         """Forget everything. Idempotent."""
         self._native.clear()
         self._seen.clear()
+        self._ledgers.clear()
 
 
 def encode_delta(entry: TokenEntry, parent: LineageResolution | LineageMatch) -> TokenEntry:
