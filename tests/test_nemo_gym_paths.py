@@ -18,6 +18,8 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import os
+import subprocess
 import sys
 import types
 import typing
@@ -28,7 +30,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from tests.nemo_oracle import import_nemo
+from tests.nemo_oracle import ORACLE_DIR, import_nemo
 
 nemo_records = import_nemo("records")
 nemo_protocols = import_nemo("protocols")
@@ -55,6 +57,8 @@ from tokencapture.staging import records as our_staging  # noqa: E402
 from tokencapture.store import TokenCaptureStore  # noqa: E402
 
 NOW = 1700000000.0
+# NeMo Gym's unpacked sdist (its unit tests), beside the importable shim.
+ORACLE_SDIST = ORACLE_DIR.parent / "sdist" / "nemo_gym-0.7.0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,8 +340,10 @@ EXTERNAL_REQUEST_1 = [
 ]
 
 
-async def external_staging_scenario(side: Side, root: Path, backend: str) -> dict[str, Any]:
-    ledger = side.ledger(root)
+async def external_staging_scenario(
+    side: Side, root: Path, backend: str, ledger_factory: Callable[[Path], Any] | None = None
+) -> dict[str, Any]:
+    ledger = (ledger_factory or side.ledger)(root)
     sink = MemoryStagingSink()
     worker = nemo_capture.RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 3)
     rewritten = [
@@ -392,16 +398,33 @@ async def external_staging_scenario(side: Side, root: Path, backend: str) -> dic
             None if c.capture_admission is None else c.capture_admission.model_dump(mode="json")
             for c in contexts
         ],
-        "file": (root / "r1.lineage.jsonl").read_bytes(),
+        "file": (root / "r1.lineage.jsonl").read_bytes() if root.exists() else None,
         "manifest": manifest,
         "has_rows": has_rows,
     }
 
 
+# Each of our ledgers against NeMo Gym's of the same kind: its FileLineageStore is a resolver
+# and a ledger in one (ours: FileCaptureLedger, and FileLineageStore with the same surface), and
+# its InMemoryLineageStore has the ledger surface for tests (so has ours).
+LEDGER_PAIRS: dict[str, tuple[Callable[[Path], Any], Callable[[Path], Any]]] = {
+    "file-ledger": (nemo_lineage.FileLineageStore, FileCaptureLedger),
+    "file-lineage": (nemo_lineage.FileLineageStore, FileLineageStore),
+    "memory": (
+        lambda root: nemo_lineage.InMemoryLineageStore(),
+        lambda root: InMemoryLineageStore(),
+    ),
+}
+
+
+@pytest.mark.parametrize("ledgers", sorted(LEDGER_PAIRS))
 @pytest.mark.parametrize("backend", ["vllm_worker", "megatron_worker"])
-async def test_external_staging_gate_worker_and_ledger_alike(tmp_path: Path, backend: str) -> None:
-    expected = await external_staging_scenario(NEMO, tmp_path / "nemo", backend)
-    got = await external_staging_scenario(OURS, tmp_path / "ours", backend)
+async def test_external_staging_gate_worker_and_ledger_alike(
+    tmp_path: Path, backend: str, ledgers: str
+) -> None:
+    theirs, ours = LEDGER_PAIRS[ledgers]
+    expected = await external_staging_scenario(NEMO, tmp_path / "nemo", backend, theirs)
+    got = await external_staging_scenario(OURS, tmp_path / "ours", backend, ours)
     assert expected["committed"] == [True, True, False, False, False]
     assert [r[0] for r in expected["resolutions"]] == [
         "root",
@@ -947,31 +970,46 @@ async def test_nemo_gyms_worker_and_verifier_check_their_own_classes(tmp_path: P
     assert row.model_call_ids == ["c0", "c1"]
 
 
-async def test_nemo_gyms_gate_needs_a_capture_ledger_for_external_staging(
-    tmp_path: Path,
-) -> None:
-    """With external staging NeMo Gym's gate needs a CaptureLedger: our FileCaptureLedger is
-    one (by NeMo Gym's runtime protocol), our FileLineageStore and InMemoryLineageStore are
-    resolvers only (NeMo Gym's FileLineageStore and InMemoryLineageStore are both)."""
-    follow_up = EXTERNAL_REQUEST_1
-    assert isinstance(FileCaptureLedger(tmp_path), nemo_protocols.CaptureLedger)
-    for resolver in (FileLineageStore(tmp_path), InMemoryLineageStore()):
-        assert isinstance(resolver, nemo_protocols.LineageResolver)
-        assert not isinstance(resolver, nemo_protocols.CaptureLedger)
-        context = nemo_sink.CaptureContext(
-            rollout_id="r1",
-            model_call_id="c1",
-            token_sink=None,
-            lineage_store=resolver,
-            external_staging=True,
+def test_our_resolvers_are_capture_ledgers_by_nemo_gyms_protocol(tmp_path: Path) -> None:
+    """NeMo Gym's gate refuses external staging over a resolver without the ledger surface;
+    each of ours has it, as NeMo Gym's FileLineageStore and InMemoryLineageStore have."""
+    for endpoint in (
+        FileCaptureLedger(tmp_path),
+        FileLineageStore(tmp_path),
+        InMemoryLineageStore(),
+    ):
+        assert isinstance(endpoint, nemo_protocols.CaptureLedger), endpoint
+        assert isinstance(endpoint, nemo_protocols.LineageResolver), endpoint
+
+
+async def test_ledger_conflicts_speak_nemo_gyms_words(tmp_path: Path) -> None:
+    """Recording another row for a committed call: NeMo Gym's ValueError text is contained in
+    ours (ours adds detail)."""
+    manifest, _ = await staged_rollout(tmp_path / "source")
+    record = manifest["records"][0]
+
+    def commit(side: str, response_id: str) -> Any:
+        model = (nemo_staging if side == "nemo" else our_staging).CaptureLedgerCommit
+        return model.model_validate(
+            {
+                "rollout_id": "r2",
+                "record": {**record, "response_id": response_id},
+                "request_items": REQUEST_0,
+                "response_items": OUTPUT_0,
+            }
         )
-        token = nemo_sink.set_token_sink(context)
-        try:
-            with pytest.raises(RuntimeError, match="requires a CaptureLedger"):
-                await nemo_sink.resolve_parent(follow_up)
-        finally:
-            nemo_sink.reset_token_sink(token)
-            await resolver.close()
+
+    messages = {}
+    for name, (theirs, ours) in LEDGER_PAIRS.items():
+        for side, factory in (("nemo", theirs), ("ours", ours)):
+            ledger = factory(tmp_path / f"{name}-{side}")
+            await ledger.record(commit(side, "first"))
+            await ledger.record(commit(side, "first"))  # the same row: a no-op
+            with pytest.raises(ValueError) as error:
+                await ledger.record(commit(side, "second"))
+            messages[(name, side)] = str(error.value)
+            await ledger.close()
+        assert messages[(name, "nemo")] in messages[(name, "ours")]
 
 
 # ---- config.py: NeMo Gym's loader builds our endpoints ---------------------------------------
@@ -1154,3 +1192,87 @@ def test_nemo_gyms_installers_take_our_endpoints(tmp_path: Path) -> None:
         nemo_protocols.install_token_sink(None)
         nemo_protocols.install_token_source(None)
         nemo_protocols.install_lineage_store(None)
+
+
+async def test_nemo_gyms_kit_rejects_a_store_whose_append_drops_writes(tmp_path: Path) -> None:
+    """NeMo Gym's store awaits `append` from `put`, and a subclass that overrides `append`
+    changes what `put` does (NeMo Gym's own kit test relies on it). So does ours."""
+    outcomes = {}
+    for side in (NEMO, OURS):
+
+        class Amnesiac(side.store):  # type: ignore[name-defined,misc]
+            def append(self, entry: Any) -> None:  # acknowledges, stores nothing
+                return None
+
+        root = tmp_path / side.name
+        try:
+            await nemo_conformance.run_conformance(
+                lambda root=root, cls=Amnesiac: cls(root), lambda root=root, s=side: s.store(root)
+            )
+            outcomes[side.name] = "passed"
+        except nemo_conformance.ConformanceError as error:
+            outcomes[side.name] = error.check_name
+    assert outcomes["nemo"] == "put_then_freeze_visibility"
+    assert outcomes["ours"] == outcomes["nemo"]
+
+
+NEMO_SUBSTITUTION_PLUGIN = """
+import sys
+
+import tokencapture
+from tokencapture.staging import records as our_staging
+
+import nemo_gym.token_id_capture  # noqa: F401  (every NeMo Gym module below is imported)
+import nemo_gym.token_id_capture.external_capture  # noqa: F401
+import nemo_gym.token_id_capture.staging  # noqa: F401
+
+OURS = {
+    name: getattr(tokencapture, name)
+    for name in (
+        "TokenCaptureStore", "FileLineageStore", "InMemoryLineageStore", "TokenEntry",
+        "ParentResolutionStatus", "LineageMatch", "LineageResolution", "TokenCaptureSnapshot",
+    )
+}
+OURS.update(
+    (name, getattr(our_staging, name))
+    for name in (
+        "CallRecord", "CaptureAdmission", "CaptureLedgerCommit", "CommitCoords",
+        "ManifestFailure", "RolloutManifest", "RolloutReceipt", "StagedCallBaseSnapshot",
+        "StagedCallRecord", "StagedCallSnapshot", "StageResult",
+    )
+)
+for module_name, module in list(sys.modules.items()):
+    if module_name.startswith("nemo_gym.token_id_capture"):
+        for name, ours in OURS.items():
+            theirs = getattr(module, name, None)
+            if getattr(theirs, "__module__", "").startswith("nemo_gym."):
+                setattr(module, name, ours)
+"""
+
+
+def test_nemo_gyms_own_unit_tests_pass_with_our_classes(tmp_path: Path) -> None:
+    """NeMo Gym 0.7.0's own token-capture unit tests (from its sdist, where unpacked), run with
+    our classes in place of its own in every NeMo Gym module (so its code and its tests both
+    get ours): stores, resolvers, TokenEntry, protocol types and staging models. The test that
+    needs FastAPI is left out."""
+    sdist_tests = ORACLE_SDIST / "tests" / "unit_tests"
+    chosen = sorted(sdist_tests.glob("test_token_capture_*.py"))
+    chosen.append(sdist_tests / "test_external_capture_handlers.py")
+    if not all(path.is_file() for path in chosen) or len(chosen) < 2:
+        pytest.skip(f"NeMo Gym's unit tests are not unpacked under {sdist_tests}")
+    for path in chosen:
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    (tmp_path / "conftest.py").write_text(NEMO_SUBSTITUTION_PLUGIN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ORACLE_DIR), str(tmp_path)])}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in summary and "failed" not in summary, summary
