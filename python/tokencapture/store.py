@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from time import perf_counter
+from time import time as wall_time
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -644,6 +645,33 @@ class TokenCaptureStore:
         """
         ids = validate_rollout_ids(rollout_ids)
         return _off_loop(self.delete_now, ids)
+
+    def sweep_retired(self, older_than_seconds: float) -> int:
+        """NeMo Gym 0.7.0's `sweep_retired`: remove the fences (state, lock, intents and
+        incomplete files) of rollouts retired at least `older_than_seconds` ago (by the state
+        file's modification time), and return how many were removed. Synchronous, as NeMo
+        Gym's is. Rollouts that are not retired are never touched."""
+        if isinstance(older_than_seconds, bool) or not isinstance(older_than_seconds, int | float):
+            raise TypeError(
+                f"older_than_seconds must be a number, not {type(older_than_seconds).__name__}"
+            )
+        cutoff = wall_time() - older_than_seconds
+        suffix = ".tokens.state.json"
+        retired = []
+        for state_path in self.root.glob(f"*{suffix}"):
+            rollout_id = state_path.name[: -len(suffix)]
+            try:
+                _core.validate_rollout_id(rollout_id)
+                if state_path.stat().st_mtime > cutoff:
+                    continue
+                state = orjson.loads(state_path.read_bytes() or b"{}")
+            except (OSError, ValueError):
+                continue  # not a rollout's state, or gone meanwhile
+            if isinstance(state, dict) and state.get("retired") is True:
+                retired.append(rollout_id)
+        if not retired:
+            return 0
+        return len(self.delete_now(retired)["removed"])
 
     def inspect(self, rollout_id: str) -> dict[str, Any] | None:
         """The rollout's state as a reader sees it, or None when it has no files.
