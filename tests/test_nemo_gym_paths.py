@@ -1263,7 +1263,12 @@ def test_nemo_gyms_own_unit_tests_pass_with_our_classes(tmp_path: Path) -> None:
     for path in chosen:
         (tmp_path / path.name).write_bytes(path.read_bytes())
     (tmp_path / "conftest.py").write_text(NEMO_SUBSTITUTION_PLUGIN)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ORACLE_DIR), str(tmp_path)])}
+    # The same tokencapture as this process imports, whatever the environment's install says.
+    ours = Path(our_records.__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ours), str(ORACLE_DIR), str(tmp_path)]),
+    }
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(tmp_path)],
         cwd=tmp_path,
@@ -1276,3 +1281,42 @@ def test_nemo_gyms_own_unit_tests_pass_with_our_classes(tmp_path: Path) -> None:
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in summary and "failed" not in summary, summary
+
+
+# ---- store.py: NeMo Gym's synchronous store surface -------------------------------------------
+
+
+async def test_sweep_retired_removes_old_fences_as_nemo_gyms_does(tmp_path: Path) -> None:
+    """`sweep_retired(older_than_seconds)`: NeMo Gym's store method, on ours too. Old retired
+    fences go; recent ones and live rollouts stay; the same files are left."""
+    outcomes = {}
+    for side in (NEMO, OURS):
+        root = tmp_path / side.name
+        store = side.store(root)
+        for rollout_id in ("old", "recent", "live"):
+            entry = side.entry(
+                rollout_id=rollout_id,
+                model_call_id="c1",
+                prompt_token_ids=[1],
+                generation_token_ids=[2],
+                generation_log_probs=[-0.5],
+            )
+            nemo_records.stamp_lineage(
+                entry, None, parent_resolution=nemo_records.ParentResolutionStatus.ROOT
+            )
+            store.append(entry)
+        for rollout_id in ("old", "recent"):
+            snapshot = store.freeze_now(rollout_id)
+            assert await store.drop(
+                rollout_id, snapshot_id=snapshot.snapshot_id, version=snapshot.version
+            )
+        old = NOW - 3600.0
+        os.utime(store.state_path_for("old"), (old, old))
+        os.utime(store.state_path_for("recent"), None)
+        swept = (store.sweep_retired(older_than_seconds=600), store.sweep_retired(600.0))
+        outcomes[side.name] = (swept, sorted(path.name for path in root.iterdir()))
+        await store.close()
+    assert outcomes["nemo"][0] == (1, 0)
+    assert outcomes["ours"] == outcomes["nemo"]
+    with pytest.raises(TypeError):
+        TokenCaptureStore(tmp_path / "ours").sweep_retired("600")  # type: ignore[arg-type]
