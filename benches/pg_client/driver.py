@@ -1,27 +1,32 @@
 """Paired measurement: asyncpg (the product's PostgreSQL store) against the `postgres` Rust
 client driven from a fixed pool of native threads (this directory's `pg_client_bench`).
 
-`python driver.py --module-dir DIR [--repeats 6] [--rollouts 512]` starts a throwaway server
-(tests/pg_server.py), and for each repeat runs the clients below in a rotating order (reversed
-every other repeat), each in a fresh process against a fresh database whose schema
-`tokencapture db init` installed. All run the same W1-like puts (about 2 KB canonical lines,
-32 in flight, many rollouts of 16 calls) through the same Python path:
+`python driver.py --module-dir DIR [--repeats 6] [--rollouts 512] [--batch 64 [11 ...]]
+[--clients rust ...]` starts a throwaway server (tests/pg_server.py), and for each repeat
+runs the clients below in a rotating order (reversed every other repeat), each in a fresh
+process against a fresh database whose schema `tokencapture db init` installed. All run the
+same W1-like puts (about 2 KB canonical lines, 32 in flight, many rollouts of 16 calls)
+through the same Python path:
 `PostgresTokenCaptureStore.put` validates the entry and builds the canonical line and its
 digest; only the transport differs:
 
 - asyncpg: the store as shipped (pool of 10 connections, puts waiting for a connection share
   one `put_batch` call of at most 64);
 - rust: the same store object whose `_put` hands the arguments to `pg_client_bench.PutPool`
-  (10 native threads, one connection each, every queued put up to 64 in one `put_batch` call)
+  (10 native threads, one connection each, every queued put up to 64 in one `put_batch` call,
+  the most recently idle thread first)
   and awaits a future completed from a descriptor the event loop watches, as the file store's
   native bridge does. The puts of one event-loop iteration are handed over together
   (`submit_many`), the asyncpg batcher's rule;
 - rust-eager: the same, but each put is queued the moment it is made (`submit`), as the file
-  store's native jobs are: an idle worker takes it at once, so batches are smaller.
-
+  store's native jobs are: an idle worker takes it at once, so batches are smaller;
 - no-transport: the same store object whose `_put` completes each put on the next event-loop
   iteration without sending anything: the floor (validation, canonical line, digest, the
   future, the semaphore) that both clients pay; client CPU minus this is the transport's.
+
+`--batch` sets the most puts in one call for every client (the store's `put_batch_size`);
+several values make one column per client and value. `--clients` picks the columns beside
+asyncpg, which always runs: the ratios are against the first column.
 
 Each database has `track_functions = 'pl'`, so the parent reads how many `put_batch` calls
 the run made (pg_stat_user_functions) and reports puts per call.
@@ -53,7 +58,7 @@ CLIENTS = ("asyncpg", "rust", "rust-eager", "no-transport")
 PROMPT_TOKENS, GENERATED_TOKENS = 128, 24  # canonical lines of about 2.0 KB
 IN_FLIGHT = 32
 POOL = 10  # connections: the asyncpg store's default pool_size, and the Rust worker threads
-MAX_BATCH = 64  # the asyncpg store's default put_batch_size
+MAX_BATCH = 64  # the asyncpg store's default put_batch_size (--batch changes both clients')
 
 
 def server_cpu(pid: int) -> float:
@@ -228,7 +233,7 @@ def child(client: str, dsn: str, pid: int, rollouts_count: int) -> dict[str, Any
     line_bytes = statistics.mean(len(canonical_line(entry)) for entry in rollouts[0])
     store: Any
     if client == "asyncpg":
-        store = PostgresTokenCaptureStore(dsn)
+        store = PostgresTokenCaptureStore(dsn, put_batch_size=MAX_BATCH)
     elif client == "no-transport":
         store = _no_transport_store(dsn)
     else:
@@ -260,6 +265,11 @@ def _ratio(values: list[float]) -> str:
 
 
 def parent(args: argparse.Namespace) -> None:
+    names = ("asyncpg", *(c for c in args.clients if c != "asyncpg"))
+    # A column is a client and a batch limit; the ratios are against the first column.
+    specs = [(name, batch) for batch in args.batch for name in names]
+    labels = {spec: spec[0] if len(args.batch) == 1 else f"{spec[0]}@{spec[1]}" for spec in specs}
+    clients = [labels[spec] for spec in specs]
     sys.path.insert(0, str(ROOT / "tests"))
     from pg_server import PgServer  # type: ignore[import-not-found, unused-ignore]
 
@@ -284,12 +294,12 @@ def parent(args: argparse.Namespace) -> None:
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         for repeat in range(args.repeats):
             # Rotate which client goes first, second and third.
-            turn = repeat % len(CLIENTS)
-            order = CLIENTS[turn:] + CLIENTS[:turn]
+            turn = repeat % len(specs)
+            order = specs[turn:] + specs[:turn]
             if repeat % 2:
                 order = order[::-1]
-            for client in order:
-                database = f"run{repeat}_{client.replace('-', '_')}"
+            for client, batch in order:
+                database = f"run{repeat}_{client.replace('-', '_')}_{batch}"
                 psql(server.dsn, f"CREATE DATABASE {database}")
                 dsn = server.dsn_for(database)
                 psql(dsn, f"ALTER DATABASE {database} SET track_functions = 'pl'")
@@ -311,6 +321,8 @@ def parent(args: argparse.Namespace) -> None:
                         str(server.pid),
                         "--rollouts",
                         str(args.rollouts),
+                        "--batch",
+                        str(batch),
                     ],
                     check=False,
                     capture_output=True,
@@ -331,23 +343,28 @@ def parent(args: argparse.Namespace) -> None:
                     raise RuntimeError(f"{client}: {stored} entries stored, {expected} expected")
                 # The warm-up's calls are in the count too (see puts_per_call).
                 result.update(
-                    repeat=repeat, load_before=load, put_batch_calls=int(calls or 0), stored=stored
+                    repeat=repeat,
+                    load_before=load,
+                    put_batch_calls=int(calls or 0),
+                    stored=stored,
+                    batch=batch,
+                    label=labels[client, batch],
                 )
                 runs.append(result)
                 print(json.dumps(result), flush=True)
     finally:
         server.cleanup()
-    by = {client: [run for run in runs if run["client"] == client] for client in CLIENTS}
+    by = {client: [run for run in runs if run["label"] == client] for client in clients}
     print(
-        f"\n{args.repeats} paired repeats, {runs[0]['puts']} puts each, "
-        f"{runs[0]['line_bytes']:.0f}-byte lines, {IN_FLIGHT} in flight; started {started}"
+        f"\n{args.repeats} paired repeats, {runs[0]['puts']} puts each, at most {args.batch} a "
+        f"call, {runs[0]['line_bytes']:.0f}-byte lines, {IN_FLIGHT} in flight; started {started}"
     )
     for run in runs:
         # Not counting the POOL one-put calls that warmed each connection.
         calls = run["put_batch_calls"] - POOL
         run["puts_per_call"] = (run["puts"] + IN_FLIGHT) / calls if calls > 0 else 0.0
-    header = f"{'metric':22}" + "".join(f"{client:>24}" for client in CLIENTS)
-    print(header + "".join(f"{client + '/asyncpg':>24}" for client in CLIENTS[1:]))
+    header = f"{'metric':22}" + "".join(f"{client:>24}" for client in clients)
+    print(header + "".join(f"{client + '/' + clients[0]:>24}" for client in clients[1:]))
     for key, label in (
         ("puts_per_s", "puts/s"),
         ("client_cpu_us_per_put", "client CPU us/put"),
@@ -355,12 +372,12 @@ def parent(args: argparse.Namespace) -> None:
         ("puts_per_call", "puts per put_batch"),
     ):
         line = f"{label:22}" + "".join(
-            f"{_summary([run[key] for run in by[client]]):>24}" for client in CLIENTS
+            f"{_summary([run[key] for run in by[client]]):>24}" for client in clients
         )
-        for client in CLIENTS[1:]:
+        for client in clients[1:]:
             ratios = [
                 other[key] / base[key]
-                for base, other in zip(by["asyncpg"], by[client], strict=True)
+                for base, other in zip(by[clients[0]], by[client], strict=True)
             ]
             line += f"{_ratio(ratios):>24}"
         print(line)
@@ -369,15 +386,23 @@ def parent(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    global MAX_BATCH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--module-dir", type=Path, help="where pg_client_bench's .so is")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--rollouts", type=int, default=512, help="rollouts of 16 puts per run")
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=[MAX_BATCH], help="most puts in one call"
+    )
+    parser.add_argument(
+        "--clients", nargs="+", choices=CLIENTS, default=CLIENTS, help="asyncpg always runs"
+    )
     parser.add_argument("--json", help="write every run here")
     parser.add_argument("--child", choices=CLIENTS, help=argparse.SUPPRESS)
     parser.add_argument("--dsn", help=argparse.SUPPRESS)
     parser.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    MAX_BATCH = args.batch[0]
     if args.child:
         print(json.dumps(child(args.child, args.dsn, args.server_pid, args.rollouts)))
     else:

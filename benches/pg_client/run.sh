@@ -2,7 +2,8 @@
 # Paired measurement of the PostgreSQL client: asyncpg against the `postgres` Rust crate driven
 # from a fixed pool of native threads (docs/postgres.md, "Client choice").
 #
-#   benches/pg_client/run.sh [--repeats 6] [--rollouts 512] [--json FILE]
+#   benches/pg_client/run.sh [--repeats 6] [--rollouts 512] [--batch 64 [11]] [--clients ...]
+#                            [--json FILE]
 #
 # Builds this standalone crate (not part of the main build) into a temporary target directory
 # at low priority, puts the module where the driver imports it, and runs driver.py, which
