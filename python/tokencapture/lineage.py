@@ -130,11 +130,18 @@ def _resolution(raw: tuple[str, str | None, tuple[int, ...] | None, str, str]) -
 def request_list(request_items: Iterable[Any]) -> list[Any]:
     """The request items as a list (a list is used as is, any other iterable copied).
 
-    A `str`, `bytes` or mapping is refused with `TypeError`: each is iterable, but iterating
-    it yields characters or keys, never request items.
+    A falsy value (``None``, ``""``, ``{}``, ``0``, ...) is no items, as NeMo Gym 0.7.0's
+    resolvers read it (``messages or []``): such a request is a root. A non-empty `str`,
+    `bytes` or mapping is refused with `TypeError`: each is iterable, but iterating it yields
+    characters or keys, never request items.
     """
     if isinstance(request_items, list):
         return request_items
+    if request_items is None or (
+        isinstance(request_items, str | bytes | bytearray | Mapping | int | float)
+        and not request_items
+    ):
+        return []
     if isinstance(request_items, str | bytes | bytearray | Mapping) or not isinstance(
         request_items, Iterable
     ):

@@ -1,0 +1,286 @@
+"""An adversarial second differential of the capture ledger against NeMo Gym 0.7.0.
+
+Written apart from `tests/test_nemo_gym_ledger.py`, with its own scenario generator: a seeded
+`random.Random` draws sequences of `record` / `record_failure` calls (commit after failure,
+failure after commit, the same commit again, a different commit under a used call id, optional
+record fields `None` or set, empty and 40-segment staging chains, fingerprint versions 0 to 3,
+lengths past 2^40, weight versions past 2^64, non-ASCII and astral text in ids and response
+ids, Responses / Chat items with floats in tool arguments) and runs each sequence three times:
+with NeMo Gym's `FileLineageStore` as the only writer, with ours only, and with the writer
+drawn per call. The outcomes (stored / conflict / error type), the bytes of the file and what
+both implementations read back (manifest, `has_rows`, `resolve` over probes that continue each
+recorded call, and over falsy request items) must be the same. Rows NeMo Gym's writer makes
+from odd `record_failure` arguments are read back as NeMo Gym reads them, and our retire /
+delete is checked from NeMo Gym's side (a deleted or retired rollout reads as empty there, a
+reused id starts over).
+
+`TOKENCAPTURE_ADVERSARIAL_EXAMPLES` scales the scenario count (default 1500 gives 60 scenarios;
+run 20000 or more locally).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.nemo_oracle import import_nemo
+
+from tokencapture.ledger import FileCaptureLedger
+from tokencapture.lineage import FileLineageStore, InMemoryLineageStore
+from tokencapture.reference.lineage import FileLineageStore as ReferenceLineageStore
+from tokencapture.staging import records as ours
+
+theirs = import_nemo("staging.records")
+nemo_lineage = import_nemo("lineage")
+
+EXAMPLES = int(os.environ.get("TOKENCAPTURE_ADVERSARIAL_EXAMPLES", "1500"))
+SCENARIOS = max(EXAMPLES // 25, 4)
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+REQUESTS: list[list[dict[str, Any]]] = [
+    [],
+    [{"role": "user", "content": "q"}],
+    [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "é\U0001f600 e\u0301"},
+    ],
+    [
+        {"role": "system", "content": [{"type": "input_text", "text": "s"}]},
+        {
+            "type": "function_call",
+            "call_id": "t",
+            "name": "f",
+            "arguments": '{"b":1,"a":[1.5,1e16,-0.0],"b":2}',
+        },
+        {"type": "function_call_output", "call_id": "t", "output": {"v": 1e-7}},
+    ],
+]
+RESPONSES: list[list[dict[str, Any]]] = [
+    [],
+    [{"role": "assistant", "content": "a"}],
+    [{"role": "assistant", "content": [{"type": "output_text", "text": "x\u2028\x00"}]}],
+    [{"type": "function_call", "call_id": "t2", "name": "g", "arguments": " {} "}],
+    [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c", "function": {"name": None, "arguments": "NaN"}}],
+        }
+    ],
+]
+CALL_IDS = ["c1", "c2", "c3", "é", "c/x", "\U0001f600"]
+
+
+def _record_fields(rng: random.Random) -> dict[str, Any]:
+    call = rng.choice(CALL_IDS)
+    parent = rng.choice([None, None, "c1", "p\u00e9"])
+    prev = 0 if parent is None else rng.choice([1, 7, 2**40])
+    delta = rng.choice([1, 3])
+    return {
+        "model_call_id": call,
+        "parent_call_id": parent,
+        "prev_len": prev,
+        "delta_len": delta,
+        "cum_len": prev + delta,
+        "weight_version": rng.choice([0, 1, 2**70]),
+        "digest": sha("d" + call),
+        "extras_digest": sha("e"),
+        "staging_key": rng.choice([f"r/{call}", "k\u00e9"]),
+        "mode": "text" if parent is None else "token_in",
+        "chain_hash": sha("ch" + call),
+        "cumulative_hash": sha("cu" + call + str(rng.randint(0, 1))),
+        "response_id": rng.choice(["resp", "r\u00e9\U0001f600", "x\x00y"]),
+        "admitted_at": rng.choice([None, 1.5, 1e-7, 1e16, 5.0, 1 / 3, -0.0, 1.7e9 + 0.123]),
+        "output_fingerprint": rng.choice([None, sha("o")]),
+        "continuation_fingerprint": rng.choice([None, sha("c")]),
+        "fingerprint_version": rng.choice([0, 1, 2, 2, 2, 3]),
+    }
+
+
+def _commit_fields(rng: random.Random) -> dict[str, Any]:
+    chain_len = rng.choice([0, 1, 2, 40])
+    return {
+        "rollout_id": "r",
+        "record": _record_fields(rng),
+        "staging_chain": tuple(f"seg{i}" for i in range(chain_len)),
+        "request_items": rng.choice(REQUESTS),
+        "response_items": rng.choice(RESPONSES),
+    }
+
+
+Op = tuple[Any, ...]
+
+
+def scenario(rng: random.Random) -> list[Op]:
+    ops: list[Op] = []
+    for _ in range(rng.randint(1, 10)):
+        if rng.random() < 0.6:
+            ops.append(("commit", _commit_fields(rng)))
+        else:
+            reason = rng.choice(["boom", "é", "worker_capture_failed", "x" * 300])
+            ops.append(("failure", rng.choice([*CALL_IDS, "c9"]), reason))
+        if rng.random() < 0.3:
+            ops.append(ops[-1])  # a replay
+    return ops
+
+
+def _commit(module: Any, fields: dict[str, Any]) -> Any:
+    record = module.CallRecord(**fields["record"])
+    return module.CaptureLedgerCommit(**{**fields, "record": record})
+
+
+async def apply(writer: Any, op: Op, nemo: bool) -> str:
+    try:
+        if op[0] == "failure":
+            await writer.record_failure("r", op[1], op[2])
+        else:
+            await writer.record(_commit(theirs if nemo else ours, op[1]))
+    except ValueError as error:
+        text = str(error)
+        if "conflicting lineage record" in text or "written once" in text:
+            return "conflict"
+        return f"ValueError: {text}"
+    return "ok"
+
+
+def _probes() -> list[Any]:
+    probes: list[Any] = [[], None, "", {}, ()]
+    for request in REQUESTS:
+        for response in RESPONSES:
+            probes.append([*request, *response, {"role": "user", "content": "next"}])
+            probes.append(tuple([*request, *response]))
+    probes.extend(RESPONSES)
+    return probes
+
+
+async def _attempt(method: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """Await ``method(*args)``; an error (raised when called or when awaited) is its type."""
+    try:
+        return await method(*args)
+    except Exception as error:  # any error: its type is the answer
+        return type(error).__name__
+
+
+def answer(resolution: Any) -> Any:
+    if isinstance(resolution, str):
+        return resolution
+    match = resolution.match
+    fields = None
+    if match is not None:
+        fields = (
+            match.model_call_id,
+            tuple(match.cumulative_token_ids),
+            match.digest,
+            tuple(match.staging_chain),
+            match.prev_len,
+            match.chain_hash,
+        )
+    return (str(resolution.status.value), resolution.reason, fields)
+
+
+async def readings(root: Path, rollout_id: str = "r") -> list[Any]:
+    """What each implementation reads back (ours first, then NeMo Gym's)."""
+    out = []
+    for reader in (FileCaptureLedger(root), nemo_lineage.FileLineageStore(root)):
+        answers = [answer(await _attempt(reader.resolve, rollout_id, probe)) for probe in _probes()]
+        manifest = await _attempt(reader.manifest, rollout_id)
+        has_rows = await _attempt(reader.has_rows, rollout_id)
+        out.append((manifest, has_rows, answers))
+    return out
+
+
+async def run(ops: list[Op], root: Path, writers: str, rng: random.Random) -> list[str]:
+    mine, reference = FileCaptureLedger(root), nemo_lineage.FileLineageStore(root)
+    outcomes = []
+    for op in ops:
+        nemo = writers == "nemo" or (writers == "mixed" and rng.random() < 0.5)
+        outcomes.append(await apply(reference if nemo else mine, op, nemo))
+    return outcomes
+
+
+def _file(root: Path) -> bytes | None:
+    path = root / "r.lineage.jsonl"
+    return path.read_bytes() if path.exists() else None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_generated_scenarios_write_and_read_as_nemo_gym(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    for number in range(max(SCENARIOS // 4, 1)):
+        ops = scenario(rng)
+        roots = {name: tmp_path / f"{number}-{name}" for name in ("ours", "nemo", "mixed")}
+        outcomes = {
+            name: asyncio.run(run(ops, root, name, random.Random(number)))
+            for name, root in roots.items()
+        }
+        assert outcomes["ours"] == outcomes["nemo"] == outcomes["mixed"], ops
+        files = {name: _file(root) for name, root in roots.items()}
+        assert files["ours"] == files["nemo"] == files["mixed"], ops
+        for root in roots.values():
+            mine, reference = asyncio.run(readings(root))
+            assert mine == reference, ops
+
+
+FALSY_ITEMS: list[Any] = [None, "", b"", {}, 0, False, 0.0, ()]
+TRUTHY_NON_LISTS: list[Any] = ["ab", {"role": "assistant"}, 5, b"x"]
+
+
+def _resolvers(root: Path) -> dict[str, Any]:
+    return {
+        "FileCaptureLedger": FileCaptureLedger(root),
+        "FileLineageStore": FileLineageStore(root),
+        "InMemoryLineageStore": InMemoryLineageStore(),
+        "reference.FileLineageStore": ReferenceLineageStore(root),
+    }
+
+
+@pytest.mark.parametrize("items", FALSY_ITEMS, ids=repr)
+def test_falsy_request_items_are_a_root_as_in_nemo_gym(tmp_path: Path, items: Any) -> None:
+    """NeMo Gym's resolvers read request items as ``items or []``: a falsy value is a request
+    without history, a root (its `FileLineageStore` and `InMemoryLineageStore` alike)."""
+
+    async def go() -> None:
+        await nemo_lineage.FileLineageStore(tmp_path).record(
+            _commit(theirs, _commit_fields(random.Random(1)))
+        )
+        for reference in (
+            nemo_lineage.FileLineageStore(tmp_path),
+            nemo_lineage.InMemoryLineageStore(),
+        ):
+            assert answer(await reference.resolve("r", items)) == ("root", "", None)
+        for name, resolver in _resolvers(tmp_path).items():
+            assert answer(await resolver.resolve("r", items)) == ("root", "", None), name
+            if hasattr(resolver, "resolve_now"):
+                assert answer(resolver.resolve_now("r", items)) == ("root", "", None), name
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("items", TRUTHY_NON_LISTS, ids=repr)
+def test_truthy_non_list_items_are_refused_where_nemo_gym_raises(
+    tmp_path: Path, items: Any
+) -> None:
+    async def go() -> None:
+        for reference in (
+            nemo_lineage.FileLineageStore(tmp_path),
+            nemo_lineage.InMemoryLineageStore(),
+        ):
+            with pytest.raises((TypeError, ValueError)):
+                await reference.resolve("r", items)
+        for name, resolver in _resolvers(tmp_path).items():
+            with pytest.raises(TypeError):
+                resolver.resolve("r", items)  # refused when called, before any await
+            del name
+
+    asyncio.run(go())
