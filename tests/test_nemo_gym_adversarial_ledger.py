@@ -33,6 +33,7 @@ from tests.nemo_oracle import import_nemo
 
 from tokencapture.ledger import FileCaptureLedger
 from tokencapture.lineage import FileLineageStore, InMemoryLineageStore
+from tokencapture.protocols import RolloutRetiredError
 from tokencapture.reference.lineage import FileLineageStore as ReferenceLineageStore
 from tokencapture.staging import records as ours
 
@@ -341,3 +342,122 @@ def test_failure_rows_nemo_gym_writes_for_odd_arguments_read_and_extend_alike(
     assert (tmp_path / "ours" / "r.lineage.jsonl").read_bytes() == (
         tmp_path / "nemo" / "r.lineage.jsonl"
     ).read_bytes()
+
+
+def _mixed(ops: list[Op], root: Path, seed: int) -> list[str]:
+    return asyncio.run(run(ops, root, "mixed", random.Random(seed)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_deleted_rollout_id_starts_over_for_both(tmp_path: Path, seed: int) -> None:
+    """After our `delete`, the id is unused on both sides: what follows writes and reads as in
+    a fresh directory, whoever writes."""
+    rng = random.Random(100 + seed)
+    before, after = scenario(rng), scenario(rng)
+    reused, fresh = tmp_path / "reused", tmp_path / "fresh"
+    _mixed(before, reused, seed)
+    removal = asyncio.run(FileCaptureLedger(reused).delete(["r", "unused"]))
+    assert removal == {"removed": ["r"], "absent": ["unused"]}
+    assert asyncio.run(nemo_lineage.FileLineageStore(reused).has_rows("r")) is False
+    assert _mixed(after, reused, seed) == _mixed(after, fresh, seed)
+    assert _file(reused) == _file(fresh)
+    assert asyncio.run(readings(reused)) == asyncio.run(readings(fresh))
+
+
+def test_a_retired_rollout_reads_as_empty_to_nemo_gym_and_stays_fenced_for_us(
+    tmp_path: Path,
+) -> None:
+    ops: list[Op] = [("commit", _commit_fields(random.Random(seed))) for seed in range(3)]
+    ops.append(("failure", "c1", "boom"))
+    _mixed(ops, tmp_path, 0)
+
+    async def go() -> None:
+        mine, reference = FileCaptureLedger(tmp_path), nemo_lineage.FileLineageStore(tmp_path)
+        assert await mine.retire(["r"]) == {"removed": ["r"], "absent": []}
+        assert await mine.retire(["r"]) == {"removed": [], "absent": ["r"]}
+        # NeMo Gym knows no fence: the rows are gone, so the rollout reads as unused.
+        assert await reference.has_rows("r") is False
+        assert (await reference.manifest("r"))["records"] == []
+        # Ours refuses to read it as empty and discards late writes.
+        with pytest.raises(RolloutRetiredError):
+            await mine.has_rows("r")
+        with pytest.raises(RolloutRetiredError):
+            await mine.manifest("r")
+        await mine.record_failure("r", "late", "x")
+        await mine.record(_commit(ours, ops[0][1]))
+        assert not (tmp_path / "r.lineage.jsonl").exists()
+        # A late NeMo Gym writer starts a new file; our fence still holds until delete.
+        await reference.record_failure("r", "late", "x")
+        assert await reference.has_rows("r") is True
+        with pytest.raises(RolloutRetiredError):
+            await mine.has_rows("r")
+        probe = [*REQUESTS[1], *RESPONSES[1]]
+        assert answer(await mine.resolve("r", probe)) == ("unresolved", "no_match", None)
+        assert await mine.delete(["r"]) == {"removed": ["r"], "absent": []}
+        assert await mine.has_rows("r") is False
+        assert await reference.has_rows("r") is False
+
+    asyncio.run(go())
+
+
+def test_a_long_ledger_of_both_writers_reads_alike(tmp_path: Path) -> None:
+    """Hundreds of rows, interleaved writers, commits under 60 call ids (replays, conflicts,
+    failures before and after their commits)."""
+    rng = random.Random(7)
+    ops: list[Op] = []
+    for number in range(240):
+        if rng.random() < 0.7:
+            fields = _commit_fields(rng)
+            fields["record"]["model_call_id"] = f"call-{rng.randrange(60)}"
+            fields["record"]["fingerprint_version"] = 2
+            fields["response_items"] = [{"role": "assistant", "content": f"answer {number}"}]
+            ops.append(("commit", fields))
+        else:
+            ops.append(("failure", f"call-{rng.randrange(60)}", rng.choice(["a", "b"])))
+        if rng.random() < 0.2:
+            ops.append(ops[-1])
+    outcomes_mixed = _mixed(ops, tmp_path / "mixed", 7)
+    outcomes_nemo = asyncio.run(run(ops, tmp_path / "nemo", "nemo", random.Random(0)))
+    assert outcomes_mixed == outcomes_nemo
+    assert {"ok", "conflict"} <= set(outcomes_nemo)
+    assert _file(tmp_path / "mixed") == _file(tmp_path / "nemo")
+    mine, reference = asyncio.run(readings(tmp_path / "mixed"))
+    assert mine == reference
+    assert len(mine[0]["records"]) > 30
+
+
+def test_resolve_with_zero_one_and_two_candidate_rows(tmp_path: Path) -> None:
+    """One fingerprint-2 row resolves; a second row with the same fingerprint makes both no
+    candidates (`no_match`, never `ambiguous`); rows of versions 0, 1 and 3 never count."""
+    base = _commit_fields(random.Random(11))
+    base["request_items"] = REQUESTS[2]
+    base["response_items"] = RESPONSES[3]
+    probe = [*REQUESTS[2], *RESPONSES[3], {"type": "function_call_output", "call_id": "t2"}]
+
+    def commit(call_id: str, version: int) -> Op:
+        fields = {**base, "record": {**base["record"], "model_call_id": call_id}}
+        fields["record"]["fingerprint_version"] = version
+        fields["record"]["staging_key"] = f"r/{call_id}"
+        return ("commit", fields)
+
+    steps: list[tuple[Op, Any]] = [
+        (commit("v0", 0), ("unresolved", "no_match")),
+        (commit("v1", 1), ("unresolved", "no_match")),
+        (commit("v3", 3), ("unresolved", "no_match")),
+        (commit("one", 2), ("resolved", "")),
+        (commit("one", 2), ("resolved", "")),  # a replay adds no row
+        (("failure", "one", "boom"), ("resolved", "")),  # poisons the manifest only
+        (("failure", "x", "boom"), ("resolved", "")),
+        (commit("x", 2), ("resolved", "")),  # a commit after its failure row conflicts
+        (commit("two", 2), ("unresolved", "no_match")),
+    ]
+    for index, (op, expected) in enumerate(steps):
+        root = tmp_path / str(index)
+        ops = [step for step, _ in steps[: index + 1]]
+        outcomes = asyncio.run(run(ops, root, "ours", random.Random(0)))
+        assert outcomes == asyncio.run(run(ops, tmp_path / f"n{index}", "nemo", random.Random(0)))
+        assert outcomes[-1] == ("conflict" if index == 7 else "ok")
+        for reader in (FileCaptureLedger(root), nemo_lineage.FileLineageStore(root)):
+            got = answer(asyncio.run(reader.resolve("r", probe)))
+            assert got[:2] == expected, (index, type(reader).__name__)
+        del op
