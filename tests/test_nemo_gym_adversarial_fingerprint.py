@@ -204,7 +204,11 @@ class Generator:
         if self.rng.random() >= odds:
             return usual
         return self.rng.choice(
-            [None, self.value(), self.scalar(), [], {}, [self.scalar()], {"a": self.scalar()}]
+            [
+                *(None, self.value(), self.scalar(), [], {}, [self.scalar()]),
+                *({"a": self.scalar()}, (self.scalar(), "t"), b"bytes", {1: "int key"}),
+                *({True: 1}, {"s": {1, 2}}),
+            ]
         )
 
     def arguments(self) -> Any:

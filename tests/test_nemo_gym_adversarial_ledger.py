@@ -461,3 +461,27 @@ def test_resolve_with_zero_one_and_two_candidate_rows(tmp_path: Path) -> None:
             got = answer(asyncio.run(reader.resolve("r", probe)))
             assert got[:2] == expected, (index, type(reader).__name__)
         del op
+
+
+HAND_LAID: dict[str, bytes] = {
+    "empty": b"",
+    "blank lines": b"\n\n",
+    "whitespace lines": b"  \n\t\n\x0b\x0c\n",
+    "crlf": b'{"failure_reason":"x","model_call_id":"c"}\r\n',
+    "duplicate keys": b'{"failure_reason":"x","model_call_id":"a","model_call_id":"b"}\n',
+    "raw utf-8": '{"failure_reason":"é\U0001f600","model_call_id":"c"}\n'.encode(),
+    "null reason": b'{"failure_reason":null,"model_call_id":"c"}\n',
+    "NaN inside": b'{"failure_reason":"x","model_call_id":"c","z":[NaN,-Infinity]}\n',
+    "surrogate pair": b'{"failure_reason":"\\ud83d\\ude00","model_call_id":"c"}\n',
+    "lone surrogate": b'{"failure_reason":"x","model_call_id":"c\\ud800"}\n',
+    "escaped quote before NaN": b'{"failure_reason":"\\"NaN","model_call_id":"c","v":NaN}\n',
+}
+
+
+@pytest.mark.parametrize("content", HAND_LAID.values(), ids=HAND_LAID.keys())
+def test_hand_laid_files_nemo_gyms_reader_accepts_read_alike(
+    tmp_path: Path, content: bytes
+) -> None:
+    (tmp_path / "r.lineage.jsonl").write_bytes(content)
+    mine, reference = loosely(asyncio.run(readings(tmp_path)))
+    assert mine == reference
