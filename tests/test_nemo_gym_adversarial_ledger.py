@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 from tests.nemo_oracle import import_nemo
 
-from tokencapture.ledger import FileCaptureLedger
+from tokencapture.ledger import CaptureLedgerConflictError, FileCaptureLedger
 from tokencapture.lineage import FileLineageStore, InMemoryLineageStore
 from tokencapture.protocols import RolloutRetiredError
 from tokencapture.reference.lineage import FileLineageStore as ReferenceLineageStore
@@ -148,10 +148,11 @@ async def apply(writer: Any, op: Op, nemo: bool) -> str:
         else:
             await writer.record(_commit(theirs if nemo else ours, op[1]))
     except ValueError as error:
-        text = str(error)
-        if "conflicting lineage record" in text or "written once" in text:
+        # Ours may add detail, but says what NeMo Gym says (callers match on its wording).
+        call_id = op[1] if op[0] == "failure" else op[1]["record"]["model_call_id"]
+        if str(error).startswith(f"conflicting lineage record for model call {call_id}"):
             return "conflict"
-        return f"ValueError: {text}"
+        return f"{type(error).__name__}: {error}"
     return "ok"
 
 
@@ -485,3 +486,27 @@ def test_hand_laid_files_nemo_gyms_reader_accepts_read_alike(
     (tmp_path / "r.lineage.jsonl").write_bytes(content)
     mine, reference = loosely(asyncio.run(readings(tmp_path)))
     assert mine == reference
+
+
+def test_a_conflict_says_what_nemo_gym_says(tmp_path: Path) -> None:
+    first = _commit_fields(random.Random(5))
+    second = {**first, "record": {**first["record"], "cumulative_hash": sha("another")}}
+    call_id = first["record"]["model_call_id"]
+    expected = f"conflicting lineage record for model call {call_id}"
+
+    async def go() -> None:
+        reference = nemo_lineage.FileLineageStore(tmp_path / "nemo")
+        await reference.record(_commit(theirs, first))
+        with pytest.raises(ValueError) as theirs_error:
+            await reference.record(_commit(theirs, second))
+        assert str(theirs_error.value) == expected
+        mine = FileCaptureLedger(tmp_path / "ours")
+        await mine.record(_commit(ours, first))
+        with pytest.raises(CaptureLedgerConflictError) as awaited:
+            await mine.record(_commit(ours, second))
+        with pytest.raises(CaptureLedgerConflictError) as synchronous:
+            mine.record_now(_commit(ours, second))
+        for error in (awaited.value, synchronous.value):
+            assert str(error).startswith(expected + ":"), error
+
+    asyncio.run(go())

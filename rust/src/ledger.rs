@@ -86,10 +86,12 @@ pub enum LedgerError {
          its id)"
     )]
     Retired(String),
-    /// A commit row for a call id whose first row is a different one.
+    /// A commit row for a call id whose first row is a different one (NeMo Gym's wording
+    /// first: callers match on it).
     #[error(
-        "model_call_id {call_id:?} of rollout {rollout_id:?} is already recorded with a \
-         different row; ledger rows are written once"
+        "conflicting lineage record for model call {call_id}: model_call_id {call_id:?} of \
+         rollout {rollout_id:?} is already recorded with a different row; ledger rows are \
+         written once"
     )]
     Conflict { rollout_id: String, call_id: String },
 }
