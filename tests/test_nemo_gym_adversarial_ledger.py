@@ -510,3 +510,51 @@ def test_a_conflict_says_what_nemo_gym_says(tmp_path: Path) -> None:
             assert str(error).startswith(expected + ":"), error
 
     asyncio.run(go())
+
+
+async def _store_readings(store: Any) -> tuple[Any, Any, list[Any]]:
+    answers = [answer(await _attempt(store.resolve, "r", probe)) for probe in _probes()]
+    return (
+        await _attempt(store.manifest, "r"),
+        await _attempt(store.has_rows, "r"),
+        answers,
+    )
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_in_memory_ledgers_answer_as_nemo_gyms(seed: int) -> None:
+    """NeMo Gym's `InMemoryLineageStore` is a capture ledger too, with rules of its own: its
+    rows are the custody columns only (write-once against the first row of the call id, a
+    failure row included), and a committed call resolves whatever its fingerprint version,
+    with several matching calls collapsed when they share (digest, cum_len) and "ambiguous"
+    otherwise. Ours must answer the same scenarios alike."""
+    rng = random.Random(200 + seed)
+    for _ in range(max(SCENARIOS // 2, 2)):
+        ops = scenario(rng)
+
+        async def go(store: Any, nemo: bool, ops: list[Op] = ops) -> Any:
+            outcomes = [await apply(store, op, nemo) for op in ops]
+            return outcomes, await _store_readings(store)
+
+        mine = asyncio.run(go(InMemoryLineageStore(), False))
+        reference = asyncio.run(go(nemo_lineage.InMemoryLineageStore(), True))
+        assert mine == reference, ops
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_our_file_lineage_store_is_nemo_gyms_ledger_too(tmp_path: Path, seed: int) -> None:
+    """NeMo Gym's `FileLineageStore` is its file capture ledger: ours, over the same
+    directory, writes the same bytes and reads the same answers."""
+    rng = random.Random(300 + seed)
+    for number in range(max(SCENARIOS // 4, 2)):
+        ops = scenario(rng)
+        roots = (tmp_path / f"{number}-ours", tmp_path / f"{number}-nemo")
+
+        async def go(store: Any, nemo: bool, ops: list[Op] = ops) -> Any:
+            outcomes = [await apply(store, op, nemo) for op in ops]
+            return outcomes, await _store_readings(store)
+
+        mine = asyncio.run(go(FileLineageStore(roots[0]), False))
+        reference = asyncio.run(go(nemo_lineage.FileLineageStore(roots[1]), True))
+        assert mine == reference, ops
+        assert _file(roots[0]) == _file(roots[1])

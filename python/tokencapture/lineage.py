@@ -319,6 +319,12 @@ class FileLineageStore:
             await ledger.close()
 
 
+# The columns of a ledger row that only resolution reads; NeMo Gym's in-memory rows omit them.
+_LOOKUP_COLUMNS: Final[frozenset[str]] = frozenset(
+    {"fingerprint", "context_len", "context_digest", "digest"}
+)
+
+
 def _with_parent_length(resolution: LineageResolution) -> LineageResolution:
     """NeMo Gym's in-memory resolver reports the parent's cumulative length as the match's
     `prev_len` (its file resolver leaves it 0, and so does ours): match it, as a drop-in."""
@@ -377,6 +383,8 @@ class InMemoryLineageStore:
         # Capture-ledger rows per rollout (NeMo Gym's in-memory store has this surface for
         # tests and single-process development): unbounded, outside the LRU, as NeMo Gym's.
         self._ledgers: dict[str, list[dict[str, Any]]] = {}
+        # The committed rows with a fingerprint, whole (lookup columns included), for resolve.
+        self._ledger_lookup: dict[str, list[dict[str, Any]]] = {}
 
     def _check_put(self, entry: object) -> tuple[TokenEntry, bytes]:
         """Check an entry for `put`: its type, fields, canonical line and delta parent."""
@@ -446,17 +454,21 @@ class InMemoryLineageStore:
         self._touch(rollout_id)
         return self._or_ledger(rollout_id, items, resolution)
 
-    # The capture-ledger surface, as NeMo Gym 0.7.0's `InMemoryLineageStore` has it: rows as
-    # `FileCaptureLedger` writes them (write-once per call, identical failure rows once), a
-    # manifest by the same rules, and committed rows resolving continuations the entries leave
-    # UNRESOLVED (token-free matches: the row's cumulative hash as `digest`, its `cum_len` as
-    # `prev_len`, its `staging_chain` and `chain_hash`).
+    # The capture-ledger surface, as NeMo Gym 0.7.0's `InMemoryLineageStore` has it. Its rows
+    # are the custody rows only (``model_call_id`` and the record's columns, no fingerprint or
+    # context), write-once against the first row of the call id, a failure row included; a
+    # committed call joins resolution whatever its record's `fingerprint_version`, by the
+    # in-memory rules: candidates whose recorded context the request extends, several that
+    # share one (digest, cum_len) collapse to the smallest call id, otherwise "ambiguous".
+    # A match is token-free: the cumulative hash as `digest`, `cum_len` as `prev_len`, the
+    # commit's `staging_chain` and the record's `chain_hash`. The ledger answers only where
+    # the entries leave the request UNRESOLVED for want of a match.
 
     def _or_ledger(
         self, rollout_id: str, items: list[Any], resolution: LineageResolution
     ) -> LineageResolution:
-        rows = self._ledgers.get(rollout_id)
-        if not rows or resolution.status is not ParentResolutionStatus.UNRESOLVED:
+        rows = self._ledger_lookup.get(rollout_id)
+        if not rows or resolution.reason != NO_MATCH_REASON:
             return resolution
         from tokencapture.ledger import _match_of
 
@@ -464,18 +476,20 @@ class InMemoryLineageStore:
         matches = [
             match
             for row in rows
-            if row.get("fingerprint") == fingerprint
-            and row.get("fingerprint_version") == FINGERPRINT_VERSION
-            and (match := _match_of(row, items)) is not None
+            if row["fingerprint"] == fingerprint and (match := _match_of(row, items)) is not None
         ]
-        if len({(match.digest, match.prev_len) for match in matches}) > 1 or not matches:
+        if len(matches) > 1 and len({(match.digest, match.prev_len) for match in matches}) == 1:
+            matches = [min(matches, key=lambda match: match.model_call_id)]
+        if not matches:
             return resolution
-        chosen = min(matches, key=lambda match: match.model_call_id)
-        return LineageResolution(ParentResolutionStatus.RESOLVED, match=chosen)
+        if len(matches) > 1:
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=AMBIGUOUS_REASON)
+        return LineageResolution(ParentResolutionStatus.RESOLVED, match=matches[0])
 
     def record(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> Coroutine[Any, Any, None]:
         """Keep a committed call's ledger row. Validated when called; the same row again is a
-        no-op, another row for the same call raises `CaptureLedgerConflictError`."""
+        no-op, another row for the same call (a failure row too) raises
+        `CaptureLedgerConflictError`."""
         from tokencapture.ledger import commit_row_of
 
         rollout_id, row = commit_row_of(commit)
@@ -484,14 +498,17 @@ class InMemoryLineageStore:
     async def _record_job(self, rollout_id: str, row: dict[str, Any]) -> None:
         from tokencapture.ledger import _conflict
 
+        custody = {key: value for key, value in row.items() if key not in _LOOKUP_COLUMNS}
         rows = self._ledgers.setdefault(rollout_id, [])
         call_id = row["model_call_id"]
-        for existing in rows:
-            if existing.get("model_call_id") == call_id and "failure_reason" not in existing:
-                if existing != row:
-                    raise _conflict(rollout_id, call_id)
-                return
-        rows.append(row)
+        existing = next((kept for kept in rows if kept.get("model_call_id") == call_id), None)
+        if existing is not None:
+            if existing != custody:
+                raise _conflict(rollout_id, call_id)
+            return
+        if row["fingerprint"]:
+            self._ledger_lookup.setdefault(rollout_id, []).append(row)
+        rows.append(custody)
 
     def record_failure(
         self, rollout_id: str, model_call_id: str, reason: str
@@ -536,6 +553,7 @@ class InMemoryLineageStore:
         for rollout_id in (*removed, *absent):
             self._seen.pop(rollout_id, None)
             self._ledgers.pop(rollout_id, None)
+            self._ledger_lookup.pop(rollout_id, None)
         return {"removed": removed, "absent": absent}
 
     def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
@@ -562,6 +580,7 @@ class InMemoryLineageStore:
         self._native.clear()
         self._seen.clear()
         self._ledgers.clear()
+        self._ledger_lookup.clear()
 
 
 def encode_delta(entry: TokenEntry, parent: LineageResolution | LineageMatch) -> TokenEntry:
