@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 from tests.nemo_oracle import import_nemo
 
+from tokencapture import records as ours_records
 from tokencapture.ledger import CaptureLedgerConflictError, FileCaptureLedger
 from tokencapture.lineage import FileLineageStore, InMemoryLineageStore
 from tokencapture.protocols import RolloutRetiredError
@@ -558,3 +559,68 @@ def test_our_file_lineage_store_is_nemo_gyms_ledger_too(tmp_path: Path, seed: in
         reference = asyncio.run(go(nemo_lineage.FileLineageStore(roots[1]), True))
         assert mine == reference, ops
         assert _file(roots[0]) == _file(roots[1])
+
+
+MIXED_STEPS: list[list[tuple[Any, ...]]] = [
+    [("put", "c1", True), ("record", "c1")],
+    [("record", "c1"), ("put", "c1", True)],
+    [("put", "c1", False)],
+    [("put", "c1", False), ("record", "c1")],
+    [("record", "c1"), ("put", "c1", False)],
+    [("put", "c1", True), ("record", "c2"), ("put", "c3", True)],
+    [("failure", "c1"), ("put", "c1", True)],
+]
+
+
+@pytest.mark.parametrize("steps", MIXED_STEPS, ids=repr)
+def test_in_memory_entries_and_ledger_rows_share_call_ids_as_in_nemo_gym(
+    steps: list[tuple[Any, ...]],
+) -> None:
+    """In NeMo Gym's in-memory store a call id is a put entry or a committed ledger row, not
+    both (the second raises its conflict), and `has_rows` counts only entries its index takes
+    (stamped with a fingerprint)."""
+    nemo_records = import_nemo("records")
+    nemo_fingerprint = import_nemo("fingerprint")
+    request = [{"role": "user", "content": "q"}]
+
+    def entry(call_id: str, stamped: bool, nemo: bool) -> Any:
+        fields: dict[str, Any] = {
+            "rollout_id": "r",
+            "model_call_id": call_id,
+            "model": "m",
+            "prompt_token_ids": [1, 2],
+            "generation_token_ids": [3],
+            "generation_log_probs": [-0.5],
+            "output_items": [{"role": "assistant", "content": f"answer {call_id}"}],
+        }
+        if stamped:
+            fields["continuation_fingerprint"] = nemo_fingerprint.assistant_fingerprint(
+                [*request, *fields["output_items"]]
+            )
+            fields["continuation_context_len"] = 1
+            fields["continuation_context_digest"] = nemo_fingerprint.conversation_digest(request)
+            fields["fingerprint_version"] = 2
+        return (nemo_records if nemo else ours_records).TokenEntry(**fields)
+
+    async def go(store: Any, nemo: bool) -> list[Any]:
+        out: list[Any] = []
+        for step in steps:
+            try:
+                if step[0] == "put":
+                    await store.put(entry(step[1], step[2], nemo))
+                elif step[0] == "failure":
+                    await store.record_failure("r", step[1], "boom")
+                else:
+                    fields = _commit_fields(random.Random(1))
+                    fields["record"]["model_call_id"] = step[1]
+                    await store.record(_commit(theirs if nemo else ours, fields))
+                out.append("ok")
+            except ValueError as error:
+                expected = f"conflicting lineage record for model call {step[1]}"
+                out.append("conflict" if str(error).startswith(expected) else repr(error))
+        out.append(await store.has_rows("r"))
+        return out
+
+    assert asyncio.run(go(InMemoryLineageStore(), False)) == asyncio.run(
+        go(nemo_lineage.InMemoryLineageStore(), True)
+    )

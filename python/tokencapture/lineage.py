@@ -325,6 +325,15 @@ _LOOKUP_COLUMNS: Final[frozenset[str]] = frozenset(
 )
 
 
+def _indexed_by_nemo(entry: TokenEntry) -> bool:
+    """Whether NeMo Gym's in-memory index takes this entry (a fingerprint of version 2 or
+    none); it ignores the others."""
+    return bool(entry.continuation_fingerprint) and entry.fingerprint_version in (
+        None,
+        FINGERPRINT_VERSION,
+    )
+
+
 def _with_parent_length(resolution: LineageResolution) -> LineageResolution:
     """NeMo Gym's in-memory resolver reports the parent's cumulative length as the match's
     `prev_len` (its file resolver leaves it 0, and so does ours): match it, as a drop-in."""
@@ -385,6 +394,10 @@ class InMemoryLineageStore:
         self._ledgers: dict[str, list[dict[str, Any]]] = {}
         # The committed rows with a fingerprint, whole (lookup columns included), for resolve.
         self._ledger_lookup: dict[str, list[dict[str, Any]]] = {}
+        # The call ids of put entries NeMo Gym's in-memory index would hold (stamped with a
+        # fingerprint of version 2 or none), per rollout in `_seen`: they count for `has_rows`,
+        # and a call id is either put or committed to the ledger, never both.
+        self._indexed: dict[str, set[str]] = {}
 
     def _check_put(self, entry: object) -> tuple[TokenEntry, bytes]:
         """Check an entry for `put`: its type, fields, canonical line and delta parent."""
@@ -400,7 +413,21 @@ class InMemoryLineageStore:
                 "deleted or evicted), so its tokens could never be rebuilt. Put the parent "
                 "first, or resolve over a FileLineageStore"
             )
+        if _indexed_by_nemo(token_entry) and token_entry.model_call_id in self._committed(
+            rollout_id
+        ):
+            from tokencapture.ledger import _conflict
+
+            raise _conflict(rollout_id, token_entry.model_call_id)
         return token_entry, line
+
+    def _committed(self, rollout_id: str) -> set[str]:
+        """The call ids of the rollout's committed ledger rows (failure rows excluded)."""
+        return {
+            row["model_call_id"]
+            for row in self._ledgers.get(rollout_id, ())
+            if "failure_reason" not in row
+        }
 
     def _index(self, entry: TokenEntry, line: bytes) -> bool:
         rollout_id = entry.rollout_id
@@ -409,10 +436,13 @@ class InMemoryLineageStore:
         if seen is None:
             seen = self._seen[rollout_id] = set()
             while len(self._seen) > self._seen_rollouts:
-                self._seen.popitem(last=False)
+                evicted, _ = self._seen.popitem(last=False)
+                self._indexed.pop(evicted, None)
         else:
             self._seen.move_to_end(rollout_id)
         seen.add(entry.model_call_id)
+        if _indexed_by_nemo(entry):
+            self._indexed.setdefault(rollout_id, set()).add(entry.model_call_id)
         return added
 
     def _touch(self, rollout_id: str) -> None:
@@ -506,6 +536,8 @@ class InMemoryLineageStore:
             if existing != custody:
                 raise _conflict(rollout_id, call_id)
             return
+        if call_id in self._indexed.get(rollout_id, ()):
+            raise _conflict(rollout_id, call_id)  # put as an entry already
         if row["fingerprint"]:
             self._ledger_lookup.setdefault(rollout_id, []).append(row)
         rows.append(custody)
@@ -545,7 +577,7 @@ class InMemoryLineageStore:
         return self._has_rows_job(rollout_id)
 
     async def _has_rows_job(self, rollout_id: str) -> bool:
-        return bool(self._ledgers.get(rollout_id)) or bool(self._seen.get(rollout_id))
+        return bool(self._ledgers.get(rollout_id)) or bool(self._indexed.get(rollout_id))
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Forget rollouts, so a reused id starts empty."""
@@ -554,6 +586,7 @@ class InMemoryLineageStore:
             self._seen.pop(rollout_id, None)
             self._ledgers.pop(rollout_id, None)
             self._ledger_lookup.pop(rollout_id, None)
+            self._indexed.pop(rollout_id, None)
         return {"removed": removed, "absent": absent}
 
     def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
@@ -581,6 +614,7 @@ class InMemoryLineageStore:
         self._seen.clear()
         self._ledgers.clear()
         self._ledger_lookup.clear()
+        self._indexed.clear()
 
 
 def encode_delta(entry: TokenEntry, parent: LineageResolution | LineageMatch) -> TokenEntry:
