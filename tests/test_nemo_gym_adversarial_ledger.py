@@ -562,13 +562,18 @@ def test_our_file_lineage_store_is_nemo_gyms_ledger_too(tmp_path: Path, seed: in
 
 
 MIXED_STEPS: list[list[tuple[Any, ...]]] = [
-    [("put", "c1", True), ("record", "c1")],
-    [("record", "c1"), ("put", "c1", True)],
+    [("put", "c1", True), ("record", "c1", "c1")],
+    [("record", "c1", "c1"), ("put", "c1", True)],
     [("put", "c1", False)],
-    [("put", "c1", False), ("record", "c1")],
-    [("record", "c1"), ("put", "c1", False)],
-    [("put", "c1", True), ("record", "c2"), ("put", "c3", True)],
+    [("put", "c1", False), ("record", "c1", "c1")],
+    [("record", "c1", "c1"), ("put", "c1", False)],
+    [("put", "c1", True), ("record", "c2", "c9"), ("put", "c3", True)],
     [("failure", "c1"), ("put", "c1", True)],
+    # One entry and one committed call answering alike: two candidates, "ambiguous".
+    [("put", "c1", True), ("record", "c2", "c1")],
+    [("record", "c2", "c1"), ("put", "c1", True)],
+    [("record", "c2", "c1"), ("record", "c3", "c1")],
+    [("record", "c2", "c1"), ("put", "c1", False)],
 ]
 
 
@@ -592,6 +597,9 @@ def test_in_memory_entries_and_ledger_rows_share_call_ids_as_in_nemo_gym(
             "generation_token_ids": [3],
             "generation_log_probs": [-0.5],
             "output_items": [{"role": "assistant", "content": f"answer {call_id}"}],
+            # With its digest: NeMo Gym reports an entry's recorded digest ("" when it has
+            # none) where ours reports the digest of the rebuilt tokens.
+            "digest": nemo_records.compute_digest([1, 2, 3]),
         }
         if stamped:
             fields["continuation_fingerprint"] = nemo_fingerprint.assistant_fingerprint(
@@ -613,12 +621,20 @@ def test_in_memory_entries_and_ledger_rows_share_call_ids_as_in_nemo_gym(
                 else:
                     fields = _commit_fields(random.Random(1))
                     fields["record"]["model_call_id"] = step[1]
+                    fields["record"]["cumulative_hash"] = sha(f"cumulative {step[1]}")
+                    fields["request_items"] = request
+                    fields["response_items"] = [
+                        {"role": "assistant", "content": f"answer {step[2]}"}
+                    ]
                     await store.record(_commit(theirs if nemo else ours, fields))
                 out.append("ok")
             except ValueError as error:
                 expected = f"conflicting lineage record for model call {step[1]}"
                 out.append("conflict" if str(error).startswith(expected) else repr(error))
         out.append(await store.has_rows("r"))
+        for answered in ("c1", "c9"):
+            probe = [*request, {"role": "assistant", "content": f"answer {answered}"}]
+            out.append(answer(await store.resolve("r", [*probe, {"role": "user", "content": "n"}])))
         return out
 
     assert asyncio.run(go(InMemoryLineageStore(), False)) == asyncio.run(

@@ -498,8 +498,10 @@ class InMemoryLineageStore:
         self, rollout_id: str, items: list[Any], resolution: LineageResolution
     ) -> LineageResolution:
         rows = self._ledger_lookup.get(rollout_id)
-        if not rows or resolution.reason != NO_MATCH_REASON:
+        if not rows or resolution.status is ParentResolutionStatus.ROOT:
             return resolution
+        if resolution.reason == AMBIGUOUS_REASON:
+            return resolution  # more candidates never make distinct ones agree
         from tokencapture.ledger import _match_of
 
         fingerprint = assistant_fingerprint(items)
@@ -508,10 +510,15 @@ class InMemoryLineageStore:
             for row in rows
             if row["fingerprint"] == fingerprint and (match := _match_of(row, items)) is not None
         ]
-        if len(matches) > 1 and len({(match.digest, match.prev_len) for match in matches}) == 1:
-            matches = [min(matches, key=lambda match: match.model_call_id)]
         if not matches:
             return resolution
+        # NeMo Gym keeps entries and committed calls in one index: a resolved entry is one
+        # more candidate.
+        if resolution.match is not None:
+            matches.append(resolution.match)
+        keys = {(match.digest, match.prev_len) for match in matches}
+        if len(matches) > 1 and len(keys) == 1 and matches[0].digest:
+            matches = [min(matches, key=lambda match: match.model_call_id)]
         if len(matches) > 1:
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=AMBIGUOUS_REASON)
         return LineageResolution(ParentResolutionStatus.RESOLVED, match=matches[0])
