@@ -357,7 +357,6 @@ async def test_torn_final_line_is_ignored_then_truncated_by_the_next_write(
         b"NaN",
         b'{"failure_reason":"no call id"}',
         b'{"kind":"failure","model_call_id":"c","reason":"x"}',  # our pre-compat format
-        b'{"model_call_id":"c\\ud800"}',  # a lone surrogate no UTF-8 reader takes
     ],
 )
 async def test_a_corrupt_complete_line_raises_and_blocks_writes(

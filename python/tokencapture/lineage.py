@@ -130,11 +130,18 @@ def _resolution(raw: tuple[str, str | None, tuple[int, ...] | None, str, str]) -
 def request_list(request_items: Iterable[Any]) -> list[Any]:
     """The request items as a list (a list is used as is, any other iterable copied).
 
-    A `str`, `bytes` or mapping is refused with `TypeError`: each is iterable, but iterating
-    it yields characters or keys, never request items.
+    A falsy value (``None``, ``""``, ``{}``, ``0``, ...) is no items, as NeMo Gym 0.7.0's
+    resolvers read it (``messages or []``): such a request is a root. A non-empty `str`,
+    `bytes` or mapping is refused with `TypeError`: each is iterable, but iterating it yields
+    characters or keys, never request items.
     """
     if isinstance(request_items, list):
         return request_items
+    if request_items is None or (
+        isinstance(request_items, str | bytes | bytearray | Mapping | int | float)
+        and not request_items
+    ):
+        return []
     if isinstance(request_items, str | bytes | bytearray | Mapping) or not isinstance(
         request_items, Iterable
     ):
@@ -312,6 +319,21 @@ class FileLineageStore:
             await ledger.close()
 
 
+# The columns of a ledger row that only resolution reads; NeMo Gym's in-memory rows omit them.
+_LOOKUP_COLUMNS: Final[frozenset[str]] = frozenset(
+    {"fingerprint", "context_len", "context_digest", "digest"}
+)
+
+
+def _indexed_by_nemo(entry: TokenEntry) -> bool:
+    """Whether NeMo Gym's in-memory index takes this entry (a fingerprint of version 2 or
+    none); it ignores the others."""
+    return bool(entry.continuation_fingerprint) and entry.fingerprint_version in (
+        None,
+        FINGERPRINT_VERSION,
+    )
+
+
 def _with_parent_length(resolution: LineageResolution) -> LineageResolution:
     """NeMo Gym's in-memory resolver reports the parent's cumulative length as the match's
     `prev_len` (its file resolver leaves it 0, and so does ours): match it, as a drop-in."""
@@ -370,6 +392,12 @@ class InMemoryLineageStore:
         # Capture-ledger rows per rollout (NeMo Gym's in-memory store has this surface for
         # tests and single-process development): unbounded, outside the LRU, as NeMo Gym's.
         self._ledgers: dict[str, list[dict[str, Any]]] = {}
+        # The committed rows with a fingerprint, whole (lookup columns included), for resolve.
+        self._ledger_lookup: dict[str, list[dict[str, Any]]] = {}
+        # The call ids of put entries NeMo Gym's in-memory index would hold (stamped with a
+        # fingerprint of version 2 or none), per rollout in `_seen`: they count for `has_rows`,
+        # and a call id is either put or committed to the ledger, never both.
+        self._indexed: dict[str, set[str]] = {}
 
     def _check_put(self, entry: object) -> tuple[TokenEntry, bytes]:
         """Check an entry for `put`: its type, fields, canonical line and delta parent."""
@@ -385,7 +413,21 @@ class InMemoryLineageStore:
                 "deleted or evicted), so its tokens could never be rebuilt. Put the parent "
                 "first, or resolve over a FileLineageStore"
             )
+        if _indexed_by_nemo(token_entry) and token_entry.model_call_id in self._committed(
+            rollout_id
+        ):
+            from tokencapture.ledger import _conflict
+
+            raise _conflict(rollout_id, token_entry.model_call_id)
         return token_entry, line
+
+    def _committed(self, rollout_id: str) -> set[str]:
+        """The call ids of the rollout's committed ledger rows (failure rows excluded)."""
+        return {
+            row["model_call_id"]
+            for row in self._ledgers.get(rollout_id, ())
+            if "failure_reason" not in row
+        }
 
     def _index(self, entry: TokenEntry, line: bytes) -> bool:
         rollout_id = entry.rollout_id
@@ -394,10 +436,13 @@ class InMemoryLineageStore:
         if seen is None:
             seen = self._seen[rollout_id] = set()
             while len(self._seen) > self._seen_rollouts:
-                self._seen.popitem(last=False)
+                evicted, _ = self._seen.popitem(last=False)
+                self._indexed.pop(evicted, None)
         else:
             self._seen.move_to_end(rollout_id)
         seen.add(entry.model_call_id)
+        if _indexed_by_nemo(entry):
+            self._indexed.setdefault(rollout_id, set()).add(entry.model_call_id)
         return added
 
     def _touch(self, rollout_id: str) -> None:
@@ -439,36 +484,49 @@ class InMemoryLineageStore:
         self._touch(rollout_id)
         return self._or_ledger(rollout_id, items, resolution)
 
-    # The capture-ledger surface, as NeMo Gym 0.7.0's `InMemoryLineageStore` has it: rows as
-    # `FileCaptureLedger` writes them (write-once per call, identical failure rows once), a
-    # manifest by the same rules, and committed rows resolving continuations the entries leave
-    # UNRESOLVED (token-free matches: the row's cumulative hash as `digest`, its `cum_len` as
-    # `prev_len`, its `staging_chain` and `chain_hash`).
+    # The capture-ledger surface, as NeMo Gym 0.7.0's `InMemoryLineageStore` has it. Its rows
+    # are the custody rows only (``model_call_id`` and the record's columns, no fingerprint or
+    # context), write-once against the first row of the call id, a failure row included; a
+    # committed call joins resolution whatever its record's `fingerprint_version`, by the
+    # in-memory rules: candidates whose recorded context the request extends, several that
+    # share one (digest, cum_len) collapse to the smallest call id, otherwise "ambiguous".
+    # A match is token-free: the cumulative hash as `digest`, `cum_len` as `prev_len`, the
+    # commit's `staging_chain` and the record's `chain_hash`. The ledger answers only where
+    # the entries leave the request UNRESOLVED for want of a match.
 
     def _or_ledger(
         self, rollout_id: str, items: list[Any], resolution: LineageResolution
     ) -> LineageResolution:
-        rows = self._ledgers.get(rollout_id)
-        if not rows or resolution.status is not ParentResolutionStatus.UNRESOLVED:
+        rows = self._ledger_lookup.get(rollout_id)
+        if not rows or resolution.status is ParentResolutionStatus.ROOT:
             return resolution
+        if resolution.reason == AMBIGUOUS_REASON:
+            return resolution  # more candidates never make distinct ones agree
         from tokencapture.ledger import _match_of
 
         fingerprint = assistant_fingerprint(items)
         matches = [
             match
             for row in rows
-            if row.get("fingerprint") == fingerprint
-            and row.get("fingerprint_version") == FINGERPRINT_VERSION
-            and (match := _match_of(row, items)) is not None
+            if row["fingerprint"] == fingerprint and (match := _match_of(row, items)) is not None
         ]
-        if len({(match.digest, match.prev_len) for match in matches}) > 1 or not matches:
+        if not matches:
             return resolution
-        chosen = min(matches, key=lambda match: match.model_call_id)
-        return LineageResolution(ParentResolutionStatus.RESOLVED, match=chosen)
+        # NeMo Gym keeps entries and committed calls in one index: a resolved entry is one
+        # more candidate.
+        if resolution.match is not None:
+            matches.append(resolution.match)
+        keys = {(match.digest, match.prev_len) for match in matches}
+        if len(matches) > 1 and len(keys) == 1 and matches[0].digest:
+            matches = [min(matches, key=lambda match: match.model_call_id)]
+        if len(matches) > 1:
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=AMBIGUOUS_REASON)
+        return LineageResolution(ParentResolutionStatus.RESOLVED, match=matches[0])
 
     def record(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> Coroutine[Any, Any, None]:
         """Keep a committed call's ledger row. Validated when called; the same row again is a
-        no-op, another row for the same call raises `CaptureLedgerConflictError`."""
+        no-op, another row for the same call (a failure row too) raises
+        `CaptureLedgerConflictError`."""
         from tokencapture.ledger import commit_row_of
 
         rollout_id, row = commit_row_of(commit)
@@ -477,14 +535,19 @@ class InMemoryLineageStore:
     async def _record_job(self, rollout_id: str, row: dict[str, Any]) -> None:
         from tokencapture.ledger import _conflict
 
+        custody = {key: value for key, value in row.items() if key not in _LOOKUP_COLUMNS}
         rows = self._ledgers.setdefault(rollout_id, [])
         call_id = row["model_call_id"]
-        for existing in rows:
-            if existing.get("model_call_id") == call_id and "failure_reason" not in existing:
-                if existing != row:
-                    raise _conflict(rollout_id, call_id)
-                return
-        rows.append(row)
+        existing = next((kept for kept in rows if kept.get("model_call_id") == call_id), None)
+        if existing is not None:
+            if existing != custody:
+                raise _conflict(rollout_id, call_id)
+            return
+        if call_id in self._indexed.get(rollout_id, ()):
+            raise _conflict(rollout_id, call_id)  # put as an entry already
+        if row["fingerprint"]:
+            self._ledger_lookup.setdefault(rollout_id, []).append(row)
+        rows.append(custody)
 
     def record_failure(
         self, rollout_id: str, model_call_id: str, reason: str
@@ -521,7 +584,7 @@ class InMemoryLineageStore:
         return self._has_rows_job(rollout_id)
 
     async def _has_rows_job(self, rollout_id: str) -> bool:
-        return bool(self._ledgers.get(rollout_id)) or bool(self._seen.get(rollout_id))
+        return bool(self._ledgers.get(rollout_id)) or bool(self._indexed.get(rollout_id))
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Forget rollouts, so a reused id starts empty."""
@@ -529,6 +592,8 @@ class InMemoryLineageStore:
         for rollout_id in (*removed, *absent):
             self._seen.pop(rollout_id, None)
             self._ledgers.pop(rollout_id, None)
+            self._ledger_lookup.pop(rollout_id, None)
+            self._indexed.pop(rollout_id, None)
         return {"removed": removed, "absent": absent}
 
     def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
@@ -555,6 +620,8 @@ class InMemoryLineageStore:
         self._native.clear()
         self._seen.clear()
         self._ledgers.clear()
+        self._ledger_lookup.clear()
+        self._indexed.clear()
 
 
 def encode_delta(entry: TokenEntry, parent: LineageResolution | LineageMatch) -> TokenEntry:

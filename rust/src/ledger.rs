@@ -38,7 +38,9 @@
 //!   readers ignore it and a writer truncates it before appending. Lines that are empty after
 //!   stripping ASCII whitespace are skipped (as NeMo Gym does). Any other complete line that is
 //!   not a JSON object with a `model_call_id` key, or that carries a `kind` key (the row format
-//!   of tokencapture before it adopted NeMo Gym's), is [`Error::Corrupt`] with its offset.
+//!   of tokencapture before it adopted NeMo Gym's), is [`Error::Corrupt`] with its offset. JSON
+//!   here is what Python's `json.loads` reads: `NaN`, `Infinity` and escaped lone surrogates,
+//!   which NeMo Gym's writer can emit, are read too ([`parse_stored_row`]).
 //! * **Resolution candidates** are the rows whose `fingerprint` is the request's and whose
 //!   `fingerprint_version` equals 2 (numerically): exactly one is a candidate, any other count
 //!   is no candidate (NeMo Gym's rule; it never collapses or reports "ambiguous" here).
@@ -84,10 +86,12 @@ pub enum LedgerError {
          its id)"
     )]
     Retired(String),
-    /// A commit row for a call id whose first row is a different one.
+    /// A commit row for a call id whose first row is a different one (NeMo Gym's wording
+    /// first: callers match on it).
     #[error(
-        "model_call_id {call_id:?} of rollout {rollout_id:?} is already recorded with a \
-         different row; ledger rows are written once"
+        "conflicting lineage record for model call {call_id}: model_call_id {call_id:?} of \
+         rollout {rollout_id:?} is already recorded with a different row; ledger rows are \
+         written once"
     )]
     Conflict { rollout_id: String, call_id: String },
 }
@@ -141,6 +145,97 @@ pub fn strip_ascii_whitespace(line: &[u8]) -> &[u8] {
 pub fn parse_row(line: &[u8]) -> std::result::Result<Map<String, Value>, String> {
     let value: Value =
         serde_json::from_slice(line).map_err(|err| format!("not a JSON ledger row: {err}"))?;
+    checked_row(value)
+}
+
+/// [`parse_row`] for a row read from the file: also what Python's `json.dumps` writes and
+/// `json.loads` reads but JSON does not have, which NeMo Gym 0.7.0's writer emits for odd
+/// `record_failure` arguments (a lone surrogate, `NaN`, `Infinity`, `-Infinity`). Such a token
+/// is indexed as a marked string (see [`python_json_tokens`]); the row's bytes are kept, and
+/// the binding reads those with Python's `json` module, as NeMo Gym does.
+pub fn parse_stored_row(line: &[u8]) -> std::result::Result<Map<String, Value>, String> {
+    match serde_json::from_slice::<Value>(line) {
+        Ok(value) => checked_row(value),
+        Err(err) => match python_json_tokens(line) {
+            Some(rewritten) => parse_row(&rewritten),
+            None => Err(format!("not a JSON ledger row: {err}")),
+        },
+    }
+}
+
+/// The marker that starts a rewritten token: NUL and U+FFFF (a noncharacter), as JSON escapes.
+const MARK: &[u8] = b"\\u0000\\uffff";
+
+fn hex_unit(line: &[u8], at: usize) -> Option<u32> {
+    let digits = line.get(at..at + 4)?;
+    let text = std::str::from_utf8(digits).ok()?;
+    u32::from_str_radix(text, 16).ok()
+}
+
+/// `line` with every escaped lone surrogate (`\ud800`) turned into the string text
+/// `MARK + "ud800"` and every `NaN`, `Infinity`, `-Infinity` outside a string into the string
+/// `MARK + token`; None when there is no such token. A row that needed this is never equal to
+/// a row we write (ours have none of these tokens), and its marked call id, which contains a
+/// noncharacter, does not occur as a real one.
+fn python_json_tokens(line: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(line.len() + 32);
+    let mut changed = false;
+    let mut in_string = false;
+    let mut i = 0;
+    'scan: while i < line.len() {
+        let byte = line[i];
+        if in_string {
+            if byte == b'"' {
+                in_string = false;
+            } else if byte == b'\\' {
+                if line.get(i + 1) == Some(&b'u') {
+                    if let Some(unit) = hex_unit(line, i + 2) {
+                        let paired = (0xD800..0xDC00).contains(&unit)
+                            && line.get(i + 6..i + 8) == Some(b"\\u")
+                            && hex_unit(line, i + 8)
+                                .is_some_and(|low| (0xDC00..0xE000).contains(&low));
+                        if paired {
+                            out.extend_from_slice(&line[i..i + 12]);
+                            i += 12;
+                            continue;
+                        }
+                        if (0xD800..0xE000).contains(&unit) {
+                            out.extend_from_slice(MARK);
+                            out.extend_from_slice(&line[i + 1..i + 6]);
+                            changed = true;
+                            i += 6;
+                            continue;
+                        }
+                    }
+                }
+                // Any other escape: the backslash and the byte it escapes.
+                let end = (i + 2).min(line.len());
+                out.extend_from_slice(&line[i..end]);
+                i = end;
+                continue;
+            }
+        } else if byte == b'"' {
+            in_string = true;
+        } else {
+            for token in [&b"NaN"[..], b"Infinity", b"-Infinity"] {
+                if line[i..].starts_with(token) {
+                    out.push(b'"');
+                    out.extend_from_slice(MARK);
+                    out.extend_from_slice(token);
+                    out.push(b'"');
+                    changed = true;
+                    i += token.len();
+                    continue 'scan;
+                }
+            }
+        }
+        out.push(byte);
+        i += 1;
+    }
+    changed.then_some(out)
+}
+
+fn checked_row(value: Value) -> std::result::Result<Map<String, Value>, String> {
     let Value::Object(row) = value else {
         return Err("a ledger row must be a JSON object".into());
     };
@@ -523,8 +618,8 @@ impl Ledger {
             if line.is_empty() {
                 continue;
             }
-            let value =
-                parse_row(line).map_err(|detail| Error::corrupt(&paths.log, offset, detail))?;
+            let value = parse_stored_row(line)
+                .map_err(|detail| Error::corrupt(&paths.log, offset, detail))?;
             state.index.add(StoredRow {
                 offset,
                 line: line.to_vec(),
@@ -836,6 +931,29 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_python_writes_beyond_json_are_read_with_marked_tokens() {
+        // What `json.dumps` writes for a lone surrogate and non-finite floats (NeMo Gym's
+        // `record_failure` with such arguments); a surrogate pair and escapes stay as they are.
+        let line = br#"{"failure_reason":[NaN,-Infinity,Infinity,"\ud83d\ude00\"NaN\\"],"model_call_id":"c\udc00\ud800"}"#;
+        assert!(parse_row(line).is_err());
+        let row = parse_stored_row(line).unwrap();
+        let mark = "\u{0}\u{ffff}";
+        assert_eq!(
+            row["failure_reason"],
+            serde_json::json!([
+                format!("{mark}NaN"),
+                format!("{mark}-Infinity"),
+                format!("{mark}Infinity"),
+                "\u{1f600}\"NaN\\"
+            ])
+        );
+        assert_eq!(row["model_call_id"], format!("c{mark}udc00{mark}ud800"));
+        // Nothing to rewrite: the JSON error stands.
+        assert!(parse_stored_row(br#"{"model_call_id":"c",}"#).is_err());
+        assert!(parse_stored_row(br#"{"model_call_id":"c","x":nan}"#).is_err());
+    }
 
     const D1: &str = "1111111111111111111111111111111111111111111111111111111111111111";
     const FP: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
