@@ -132,8 +132,9 @@ async def test_golden_entries_resolve(
             ),
         ),
         (third, ("resolved", "call-3", (7, 8, 9, 10), vectors[2]["entry"]["digest"], "")),
-        # call-4 carries no lineage stamp: its full prompt is its cumulative sequence.
-        (delta, ("resolved", "call-4", (203, 105, 204), compute_digest([203, 105, 204]), "")),
+        # call-4 carries no lineage stamp: its full prompt is its cumulative sequence, and the
+        # match carries the digest it records, none (as NeMo Gym's resolvers answer).
+        (delta, ("resolved", "call-4", (203, 105, 204), "", "")),
         (messages["chat_empty_assistant"], ("unresolved", "", (), "", NO_MATCH_REASON)),
     ]
     for resolver in resolvers:

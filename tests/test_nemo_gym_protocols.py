@@ -468,3 +468,40 @@ async def test_in_memory_resolve_answers_as_nemos_in_memory_resolver() -> None:
         cumulative = len(parent.prompt_token_ids) + len(parent.generation_token_ids)
         assert got.match.prev_len == expected.match.prev_len == cumulative
         assert dataclasses.asdict(got.match) == dataclasses.asdict(expected.match)
+
+
+@pytest.mark.parametrize("kind", ["file", "memory"])
+async def test_a_match_on_an_entry_without_a_digest_carries_none_as_nemos(
+    kind: str, tmp_path: Path
+) -> None:
+    """Entries stamped for continuation only (no `stamp_lineage`, so no digest), as the quick
+    start writes them: NeMo Gym's resolvers and ours resolve the follow-up to the same match,
+    whose digest is the entry's own, "" (not one computed from the rebuilt tokens)."""
+    from tokencapture.lineage import FileLineageStore
+    from tokencapture.store import TokenCaptureStore
+
+    request = [{"role": "user", "content": "go"}]
+    output = [{"type": "message", "role": "assistant", "content": "ok"}]
+    entry = stamp_continuation(
+        TokenEntry(**{**BASE, "model_call_id": "c0", "output_items": output}), request
+    )
+    assert entry.digest is None
+    follow_up = [*request, *output, {"role": "user", "content": "more"}]
+    if kind == "file":
+        nemo_dir, our_dir = tmp_path / "nemo", tmp_path / "ours"
+        await import_nemo("store").TokenCaptureStore(nemo_dir).put(
+            NemoEntry.model_validate(entry.model_dump())
+        )
+        await TokenCaptureStore(our_dir).put(entry)
+        expected = await nemo_lineage.FileLineageStore(nemo_dir).resolve("r", follow_up)
+        got = await FileLineageStore(our_dir).resolve("r", follow_up)
+    else:
+        nemo_memory = nemo_lineage.InMemoryLineageStore()
+        await nemo_memory.put(NemoEntry.model_validate(entry.model_dump()))
+        ours = InMemoryLineageStore()
+        await ours.put(entry)
+        expected = await nemo_memory.resolve("r", follow_up)
+        got = await ours.resolve("r", follow_up)
+    assert expected.match is not None and got.match is not None
+    assert expected.match.digest == ""
+    assert dataclasses.asdict(got.match) == dataclasses.asdict(expected.match)

@@ -1064,8 +1064,10 @@ fn materialize(
         }
     }
     let tokens: Tokens = Arc::new(tokens);
-    cache.insert(computed.clone(), tokens.clone());
-    Ok((tokens, computed))
+    cache.insert(computed, tokens.clone());
+    // The match carries the digest the entry records, "" when it records none (as NeMo Gym's
+    // resolvers answer); the computed one only keys the cache.
+    Ok((tokens, recorded.unwrap_or_default()))
 }
 
 /// Run the rules on an up-to-date index and materialize the winner.

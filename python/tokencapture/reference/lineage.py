@@ -282,7 +282,8 @@ class FileLineageStore:
         digest = token_digest(tokens)
         if winner.digest is not None and winner.digest != digest:
             raise LineageIntegrityError(f"{winner.call_id!r}: digest mismatch")
-        return tokens, digest
+        # The match carries the recorded digest, "" when none is recorded (as NeMo Gym's).
+        return tokens, winner.digest or ""
 
     def is_process_shared(self) -> bool:
         return True
