@@ -489,8 +489,10 @@ async def test_a_match_on_an_entry_without_a_digest_carries_none_as_nemos(
     follow_up = [*request, *output, {"role": "user", "content": "more"}]
     if kind == "file":
         nemo_dir, our_dir = tmp_path / "nemo", tmp_path / "ours"
-        await import_nemo("store").TokenCaptureStore(nemo_dir).put(
-            NemoEntry.model_validate(entry.model_dump())
+        await (
+            import_nemo("store")
+            .TokenCaptureStore(nemo_dir)
+            .put(NemoEntry.model_validate(entry.model_dump()))
         )
         await TokenCaptureStore(our_dir).put(entry)
         expected = await nemo_lineage.FileLineageStore(nemo_dir).resolve("r", follow_up)
