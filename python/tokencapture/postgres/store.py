@@ -20,11 +20,10 @@ from typing import Any
 from tokencapture import _core
 from tokencapture.metrics import Metrics
 from tokencapture.postgres._client import Client
-from tokencapture.postgres._decode import decode_log
+from tokencapture.postgres._decode import decode_entries
 from tokencapture.protocols import (
     RolloutRemovalPayload,
     TokenCaptureConflictError,
-    TokenCaptureCorruptionError,
     TokenCaptureFrozenError,
     TokenCaptureRetiredError,
     TokenCaptureSnapshot,
@@ -32,7 +31,6 @@ from tokencapture.protocols import (
 from tokencapture.records import TokenEntry
 from tokencapture.store import (
     _as_token_entry,
-    _entry_from_record,
     _log_failure,
     _marker_line,
     _Operation,
@@ -326,30 +324,12 @@ class PostgresTokenCaptureStore:
 
     # Reads and lifecycle -----------------------------------------------------------------
 
+    def _where(self, rollout_id: str) -> str:
+        return f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}"
+
     def _entries(self, rollout_id: str, log: bytes, digests: list[str]) -> tuple[TokenEntry, ...]:
-        """Entries from a fetched log: every line checked against its stored payload digest,
-        then decoded by the file store's native decoder; a bad line is corruption."""
-        where = f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}"
-        lines = log.split(b"\n")
-        if lines.pop() != b"" or len(lines) != len(digests):
-            raise TokenCaptureCorruptionError(f"{where}: the log does not split into its lines")
-        for line, digest in zip(lines, digests, strict=True):
-            if _core.payload_digest(line) != digest:
-                raise TokenCaptureCorruptionError(
-                    f"{where}: a stored line does not match its payload digest {digest}"
-                )
-        records = decode_log(log, where)
-        if len(records) != len(lines):
-            raise TokenCaptureCorruptionError(f"{where}: two stored lines share a call id")
-        entries = []
-        for index, record in enumerate(records):
-            try:
-                entries.append(_entry_from_record(record))
-            except ValueError as exc:
-                raise TokenCaptureCorruptionError(
-                    f"{where}: line {index} is not a valid entry: {exc}"
-                ) from exc
-        return tuple(entries)
+        """Entries from a fetched log (checked against the stored digests, decoded natively)."""
+        return decode_entries(log, digests, self._where(rollout_id))
 
     def freeze(self, rollout_id: str) -> Coroutine[Any, Any, TokenCaptureSnapshot]:
         """Freeze one rollout (the first freeze mints the snapshot id) and return its snapshot."""
