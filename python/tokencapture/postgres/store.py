@@ -18,9 +18,10 @@ from time import perf_counter
 from typing import Any
 
 from tokencapture import _core
+from tokencapture import columnar as _columnar
 from tokencapture.metrics import Metrics
 from tokencapture.postgres._client import Client
-from tokencapture.postgres._decode import decode_entries
+from tokencapture.postgres._decode import decode_columns, decode_entries
 from tokencapture.protocols import (
     RolloutRemovalPayload,
     TokenCaptureConflictError,
@@ -367,6 +368,38 @@ class PostgresTokenCaptureStore:
         """The stored flag: a call in flight is not a hole until freeze judges it."""
         validate_rollout_id(rollout_id)
         return self._client.run_sync(self.is_incomplete_async(rollout_id))
+
+    # Columnar reads (tokencapture.columnar) -----------------------------------------------
+
+    def freeze_columns(self, rollout_id: str) -> Coroutine[Any, Any, _columnar.ColumnarSnapshot]:
+        """`freeze`, with the entries as Arrow columns instead of `TokenEntry` objects (the same
+        round trip, fence, digest checks, incomplete rule, snapshot id and version)."""
+        return self._freeze_columns(validate_rollout_id(rollout_id))
+
+    async def _freeze_columns(self, rollout_id: str) -> _columnar.ColumnarSnapshot:
+        with self._operation("freeze_columns", rollout_id):
+            row = await self._client.fetch("row", _FREEZE, rollout_id, uuid.uuid4().hex)
+            if row["status"] != _DONE:
+                raise _refusal(row["status"], rollout_id)
+            entries = decode_columns(row["log"], row["digests"], self._where(rollout_id))
+            return _columnar.ColumnarSnapshot(
+                rollout_id, entries, row["incomplete"], row["snapshot_id"], row["version"]
+            )
+
+    def freeze_columns_now(self, rollout_id: str) -> _columnar.ColumnarSnapshot:
+        """Synchronous `freeze_columns`."""
+        validate_rollout_id(rollout_id)
+        return self._client.run_sync(self.freeze_columns(rollout_id))
+
+    async def read_columns_async(self, rollout_id: str) -> _columnar.ColumnarEntries:
+        rollout = validate_rollout_id(rollout_id)
+        row = await self._client.fetch("row", _READ, rollout)
+        return decode_columns(row["log"], row["digests"], self._where(rollout))
+
+    def read_columns(self, rollout_id: str) -> _columnar.ColumnarEntries:
+        """`read_entries` as Arrow columns (nothing is created or changed)."""
+        validate_rollout_id(rollout_id)
+        return self._client.run_sync(self.read_columns_async(rollout_id))
 
     def drop(self, rollout_id: str, snapshot_id: str, version: int) -> Coroutine[Any, Any, bool]:
         """Delete the consumed snapshot's records and keep its fence, if nothing changed.
