@@ -89,8 +89,9 @@ _PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
 _PUT_BATCH = "SELECT tokencapture.put_batch($1, $2, $3, $4)"
 _BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
 _MARK_INCOMPLETE = "SELECT tokencapture.mark_incomplete($1, $2)"
-_FREEZE = "SELECT * FROM tokencapture.freeze_log($1, $2)"
-_READ = "SELECT * FROM tokencapture.read_log($1)"
+# The lines come back as rows (see sql/007_line_rows.sql); a freeze's first row is its outcome.
+_FREEZE = "SELECT * FROM tokencapture.freeze_lines($1, $2)"
+_READ = "SELECT line, digest FROM tokencapture.read_lines($1)"
 _IS_INCOMPLETE = "SELECT tokencapture.is_incomplete($1)"
 _DROP = "SELECT tokencapture.drop_snapshot($1, $2, $3)"
 _RETIRE = "SELECT * FROM tokencapture.retire($1)"
@@ -98,6 +99,15 @@ _DELETE = "SELECT * FROM tokencapture.delete($1)"
 
 
 _PutArgs = tuple[str, bytes, str, bytes]  # rollout id, call id (UTF-8), digest, line
+
+
+def _log_of(rows: Sequence[Any]) -> tuple[bytes, list[str]]:
+    """The log buffer (every line and its newline, in commit order) and the stored digests of
+    fetched line rows."""
+    lines = [row["line"] for row in rows]
+    if lines:
+        lines.append(b"")  # one join, one copy: the last line gets its newline too
+    return b"\n".join(lines), [row["digest"] for row in rows]
 
 
 def _copy_error(exc: BaseException) -> BaseException:
@@ -338,10 +348,10 @@ class PostgresTokenCaptureStore:
 
     async def _freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         with self._operation("freeze", rollout_id):
-            row = await self._client.fetch("row", _FREEZE, rollout_id, uuid.uuid4().hex)
+            row, *lines = await self._client.fetch("rows", _FREEZE, rollout_id, uuid.uuid4().hex)
             if row["status"] != _DONE:
                 raise _refusal(row["status"], rollout_id)
-            entries = self._entries(rollout_id, row["log"], row["digests"])
+            entries = self._entries(rollout_id, *_log_of(lines))
             return TokenCaptureSnapshot(
                 rollout_id, entries, row["incomplete"], row["snapshot_id"], row["version"]
             )
@@ -352,8 +362,8 @@ class PostgresTokenCaptureStore:
 
     async def read_entries_async(self, rollout_id: str) -> list[TokenEntry]:
         rollout = validate_rollout_id(rollout_id)
-        row = await self._client.fetch("row", _READ, rollout)
-        return list(self._entries(rollout, row["log"], row["digests"]))
+        rows = await self._client.fetch("rows", _READ, rollout)
+        return list(self._entries(rollout, *_log_of(rows)))
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The stored entries (nothing is created or changed)."""
@@ -378,10 +388,10 @@ class PostgresTokenCaptureStore:
 
     async def _freeze_columns(self, rollout_id: str) -> _columnar.ColumnarSnapshot:
         with self._operation("freeze_columns", rollout_id):
-            row = await self._client.fetch("row", _FREEZE, rollout_id, uuid.uuid4().hex)
+            row, *lines = await self._client.fetch("rows", _FREEZE, rollout_id, uuid.uuid4().hex)
             if row["status"] != _DONE:
                 raise _refusal(row["status"], rollout_id)
-            entries = decode_columns(row["log"], row["digests"], self._where(rollout_id))
+            entries = decode_columns(*_log_of(lines), self._where(rollout_id))
             return _columnar.ColumnarSnapshot(
                 rollout_id, entries, row["incomplete"], row["snapshot_id"], row["version"]
             )
@@ -393,8 +403,8 @@ class PostgresTokenCaptureStore:
 
     async def read_columns_async(self, rollout_id: str) -> _columnar.ColumnarEntries:
         rollout = validate_rollout_id(rollout_id)
-        row = await self._client.fetch("row", _READ, rollout)
-        return decode_columns(row["log"], row["digests"], self._where(rollout))
+        rows = await self._client.fetch("rows", _READ, rollout)
+        return decode_columns(*_log_of(rows), self._where(rollout))
 
     def read_columns(self, rollout_id: str) -> _columnar.ColumnarEntries:
         """`read_entries` as Arrow columns (nothing is created or changed)."""
