@@ -27,6 +27,7 @@ SCHEMA_FILES = [
     "004_put_batch.sql",
     "005_log_reads.sql",
     "006_ledger.sql",
+    "007_line_rows.sql",
 ]
 
 
@@ -42,7 +43,7 @@ def test_db_init_installs_then_reports_current(
     code, first = run(capsys, "db", "init", pg_dsn)
     assert code == 0 and first["applied"] == SCHEMA_FILES
     code, second = run(capsys, "db", "init", pg_dsn)
-    assert code == 0 and second == {"applied": [], "schema_version": 6}
+    assert code == 0 and second == {"applied": [], "schema_version": 7}
 
 
 def _varied(store: TokenCaptureStore) -> None:

@@ -47,6 +47,7 @@ SCHEMA_FILES = [
     "004_put_batch.sql",
     "005_log_reads.sql",
     "006_ledger.sql",
+    "007_line_rows.sql",
 ]  # the fixtures, imported for pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -861,11 +862,11 @@ def test_an_older_schema_is_refused_then_upgraded_on_first_use(pg_dsn: str) -> N
 
     asyncio.run(install_first(3))
     old = PostgresTokenCaptureStore(pg_dsn)
-    with pytest.raises(RuntimeError, match="schema version 3, this client needs 6"):
+    with pytest.raises(RuntimeError, match="schema version 3, this client needs 7"):
         old.append(make_entry())
     old.close_sync()
     upgrading = PostgresTokenCaptureStore(pg_dsn, install_schema=True)
-    upgrading.append(make_entry())  # 004 and 005 applied first
+    upgrading.append(make_entry())  # 004 to 007 applied first
     assert upgrading.freeze_now("r1").version == 2
     upgrading.close_sync()
     assert install_schema_sync(pg_dsn) == []

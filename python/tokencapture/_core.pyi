@@ -16,8 +16,10 @@ __all__ = [
     "MemoryLineage",
     "Store",
     "columns_of_lines",
+    "columns_of_log",
     "compute_digest",
     "continuation_hashes",
+    "decode_lines",
     "freeze_columns",
     "payload_digest",
     "read_columns",
@@ -30,6 +32,9 @@ MAX_ROLLOUT_ID_LEN: int
 def compute_digest(token_ids_: Any) -> str: ...
 def payload_digest(line: bytes) -> str: ...
 def validate_rollout_id(rollout_id: str) -> None: ...
+def decode_lines(
+    log: bytes, digests: Sequence[str] | None = None, source: str = "<log>"
+) -> tuple[list[dict[str, Any]], list[int]]: ...
 
 @final
 class EntryFields:
@@ -105,6 +110,9 @@ class ColumnarArray:
 def freeze_columns(store: Store, rollout_id: str) -> tuple[ColumnarEntries, bool, str, int]: ...
 def read_columns(store: Store, rollout_id: str) -> ColumnarEntries: ...
 def columns_of_lines(lines: Sequence[bytes]) -> ColumnarEntries: ...
+def columns_of_log(
+    log: bytes, digests: Sequence[str] | None = None, source: str = "<log>"
+) -> ColumnarEntries: ...
 
 # ---- lineage ----
 # A resolve answers `(status, model_call_id, cumulative_token_ids, digest, reason)`; the native

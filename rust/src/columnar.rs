@@ -1090,6 +1090,19 @@ pub fn read_columns(store: &Store, rollout_id: &str) -> Result<Entries, ColumnsE
     entries
 }
 
+/// A log fetched whole from another backend (see [`crate::fetched`]: its lines checked against
+/// their stored digests, the first line of each call id a record) as columns; refusals name
+/// `source` and byte offsets in `buf`.
+pub fn columns_of_log(
+    buf: &[u8],
+    digests: Option<&[String]>,
+    source: &std::path::Path,
+) -> Result<Entries, ColumnsError> {
+    let (records, ranges, decoded) =
+        crate::fetched::decode_fetched(buf, digests, source, decode_columns)?;
+    assemble(source, &ranges, decoded, &records)
+}
+
 /// Lines that are all records (a backend that stores each entry's canonical line apart, such
 /// as PostgreSQL, having checked their digests) as columns. A refused line's error carries its
 /// index among `lines` as the offset.

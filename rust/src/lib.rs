@@ -32,6 +32,7 @@ pub mod columnar;
 pub mod digest;
 pub mod doorbell;
 pub mod error;
+pub mod fetched;
 pub mod json;
 pub mod ledger;
 pub mod lineage;

@@ -1265,7 +1265,7 @@ struct ScannedLine<'a> {
 }
 
 /// How many lines a streamed freeze or read may tape ahead of the decoder.
-const TAPES_AHEAD: usize = 8;
+pub(crate) const TAPES_AHEAD: usize = 8;
 
 /// Read `buf.len()` bytes of `file` into `buf` on this thread, tape each complete line as
 /// soon as it is read and send it through `sink`; while the channel is full, `when_full`
@@ -1317,7 +1317,7 @@ fn hash_next(lines: &[(u64, &[u8])], digests: &mut Vec<String>) -> bool {
 
 /// The ranges of the first line of each call id, in file order; the first line without a
 /// call id (as `call_ids` answers for each of `lines`) is corruption.
-fn first_records(
+pub(crate) fn first_records(
     log: &Path,
     lines: &[(u64, &[u8])],
     call_ids: impl IntoIterator<Item = std::result::Result<String, LineError>>,
@@ -1347,7 +1347,7 @@ fn no_records<D>(
 
 /// Logs at least this large are hashed and walked on two threads (and freezes and reads of
 /// them stream: see `stream_taped_lines`).
-const PARALLEL_SCAN_BYTES: usize = 256 << 10;
+pub(crate) const PARALLEL_SCAN_BYTES: usize = 256 << 10;
 
 fn scan_lines<'b>(log: &LogLines<'b>, indexed: u64, scan: Scan) -> Vec<ScannedLine<'b>> {
     let all = &log.lines;

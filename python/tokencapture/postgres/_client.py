@@ -235,8 +235,8 @@ class Client:
     # Calls -----------------------------------------------------------------------------------
 
     async def fetch(self, kind: str, sql: str, *args: Any, idempotent: bool = True) -> Any:
-        """Run one statement (`kind` is "val" or "row"); one retry of an idempotent call whose
-        connection failed (a pooled connection that died with a restarted server) or that
+        """Run one statement (`kind` is "val", "row" or "rows"); one retry of an idempotent call
+        whose connection failed (a pooled connection that died with a restarted server) or that
         lost a deadlock."""
         attempts = 2 if idempotent else 1
         for attempt in range(attempts):
@@ -246,6 +246,8 @@ class Client:
                 try:
                     if kind == "val":
                         return await connection.fetchval(sql, *args)
+                    if kind == "rows":
+                        return await connection.fetch(sql, *args)
                     return await connection.fetchrow(sql, *args)
                 except _BREAKS_CONNECTION:
                     # The connection's state is unknown (a cut mid-statement, a timeout, a

@@ -1,74 +1,55 @@
-"""Fetched lines to entries with the file store's own native decoder.
+"""Fetched logs to entries or columns, with the file store's own native decoder.
 
-The native core decodes a rollout's log only from a store directory (`_core.Store.read_lines`:
-the validating walk that builds dicts straight from the bytes, copies repeated runs of token
-ids from earlier lists and keeps its containers out of the garbage collector's way). Until it
-takes a buffer directly, the fetched log is staged as a file in a private directory in memory
-(/dev/shm when writable), decoded there, and removed. Measured on a 24-call, 2.5 MB agentic
-rollout: ~11 ms staged and decoded natively against ~60 ms for orjson over the same lines plus
-the entries' construction slowed by garbage collection passes over millions of ints.
+A freeze or read fetches a rollout's lines as one buffer (newline-terminated, in commit order)
+with each line's stored payload digest. `_core.decode_lines` checks every line against its
+digest, walks it for its call id and builds the records the file store's read path builds
+(the same walk that copies repeated runs of token ids from earlier lists and keeps its
+containers out of the garbage collector's way); `_core.columns_of_log` does the same into
+Arrow columns. Only building Python objects holds the interpreter: the hashing and, for a
+large log, the walk run on native threads meanwhile. Refusals are the file store's corruption
+errors, worded as it words them, with the rollout and server in place of the log's path.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import itertools
-import os
-import shutil
-import tempfile
-import threading
-from typing import Any
+from collections.abc import Sequence
 
 from tokencapture import _core
+from tokencapture import columnar as _columnar
 from tokencapture.protocols import TokenCaptureCorruptionError
+from tokencapture.records import TokenEntry
+from tokencapture.store import _entry_from_record
 
-__all__ = ["decode_log"]
-
-_lock = threading.Lock()
-_staging: tuple[int, str, _core.Store] | None = None
-_names = itertools.count()
+__all__ = ["decode_columns", "decode_entries"]
 
 
-def _remove(pid: int, directory: str) -> None:
-    """At exit, remove this process's staging directory (a forked child leaves its parent's)."""
-    if os.getpid() == pid:
-        shutil.rmtree(directory, ignore_errors=True)
+def _one_line_per_call(where: str, records: int, lines: int) -> None:
+    if records != lines:
+        raise TokenCaptureCorruptionError(f"{where}: two stored lines share a call id")
 
 
-def _stage() -> tuple[str, _core.Store]:
-    global _staging
-    pid = os.getpid()
-    if _staging is None or _staging[0] != pid:
-        with _lock:
-            if _staging is None or _staging[0] != pid:
-                base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-                directory = tempfile.mkdtemp(prefix="tokencapture-decode-", dir=base)
-                atexit.register(_remove, pid, directory)
-                # One cached rollout: the staged files are removed after each decode.
-                _staging = (pid, directory, _core.Store(directory, 1))
-    return _staging[1], _staging[2]
-
-
-def decode_log(log: bytes, where: str) -> list[dict[str, Any]]:
-    """The records of a log (complete lines, unique call ids), decoded natively."""
-    if not log:
-        return []
-    directory, store = _stage()
-    name = f"d{next(_names)}"
-    path = os.path.join(directory, f"{name}.tokens.jsonl")
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with open(descriptor, "wb", closefd=True) as staged:
-            staged.write(log)
+def decode_entries(log: bytes, digests: Sequence[str], where: str) -> tuple[TokenEntry, ...]:
+    """The entries of a fetched log: every line checked against its stored payload digest, then
+    decoded natively and built as the file store builds entries; a bad line is corruption."""
+    records, offsets = _core.decode_lines(log, digests, where)
+    _one_line_per_call(where, len(records), len(digests))
+    entries = []
+    for record, offset in zip(records, offsets, strict=True):
         try:
-            records, _ = store.read_lines(name)
+            entries.append(_entry_from_record(record))
         except ValueError as exc:
             raise TokenCaptureCorruptionError(
-                f"{where}: a stored line is not valid: {exc}"
+                f"{where}: the line is not a valid entry: {exc} (byte offset {offset})"
             ) from exc
-    finally:
-        for suffix in ("jsonl", "lock", "state.json"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, f"{name}.tokens.{suffix}"))
-    return records
+    return tuple(entries)
+
+
+def decode_columns(log: bytes, digests: Sequence[str], where: str) -> _core.ColumnarEntries:
+    """`decode_entries` as Arrow columns: the same checks, and a record the columns refuse is
+    refused with the words the object path uses for it (see `columnar._refusal`)."""
+    try:
+        entries = _core.columns_of_log(log, digests, where)
+    except _core.ColumnarRecordError as exc:
+        raise _columnar._refusal(exc, where, lambda: decode_entries(log, digests, where)) from None
+    _one_line_per_call(where, len(entries), len(digests))
+    return entries

@@ -18,13 +18,13 @@ from time import perf_counter
 from typing import Any
 
 from tokencapture import _core
+from tokencapture import columnar as _columnar
 from tokencapture.metrics import Metrics
 from tokencapture.postgres._client import Client
-from tokencapture.postgres._decode import decode_log
+from tokencapture.postgres._decode import decode_columns, decode_entries
 from tokencapture.protocols import (
     RolloutRemovalPayload,
     TokenCaptureConflictError,
-    TokenCaptureCorruptionError,
     TokenCaptureFrozenError,
     TokenCaptureRetiredError,
     TokenCaptureSnapshot,
@@ -32,7 +32,6 @@ from tokencapture.protocols import (
 from tokencapture.records import TokenEntry
 from tokencapture.store import (
     _as_token_entry,
-    _entry_from_record,
     _log_failure,
     _marker_line,
     _Operation,
@@ -90,8 +89,9 @@ _PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
 _PUT_BATCH = "SELECT tokencapture.put_batch($1, $2, $3, $4)"
 _BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
 _MARK_INCOMPLETE = "SELECT tokencapture.mark_incomplete($1, $2)"
-_FREEZE = "SELECT * FROM tokencapture.freeze_log($1, $2)"
-_READ = "SELECT * FROM tokencapture.read_log($1)"
+# The lines come back as rows (see sql/007_line_rows.sql); a freeze's first row is its outcome.
+_FREEZE = "SELECT * FROM tokencapture.freeze_lines($1, $2)"
+_READ = "SELECT line, digest FROM tokencapture.read_lines($1)"
 _IS_INCOMPLETE = "SELECT tokencapture.is_incomplete($1)"
 _DROP = "SELECT tokencapture.drop_snapshot($1, $2, $3)"
 _RETIRE = "SELECT * FROM tokencapture.retire($1)"
@@ -99,6 +99,15 @@ _DELETE = "SELECT * FROM tokencapture.delete($1)"
 
 
 _PutArgs = tuple[str, bytes, str, bytes]  # rollout id, call id (UTF-8), digest, line
+
+
+def _log_of(rows: Sequence[Any]) -> tuple[bytes, list[str]]:
+    """The log buffer (every line and its newline, in commit order) and the stored digests of
+    fetched line rows."""
+    lines = [row["line"] for row in rows]
+    if lines:
+        lines.append(b"")  # one join, one copy: the last line gets its newline too
+    return b"\n".join(lines), [row["digest"] for row in rows]
 
 
 def _copy_error(exc: BaseException) -> BaseException:
@@ -326,30 +335,12 @@ class PostgresTokenCaptureStore:
 
     # Reads and lifecycle -----------------------------------------------------------------
 
+    def _where(self, rollout_id: str) -> str:
+        return f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}"
+
     def _entries(self, rollout_id: str, log: bytes, digests: list[str]) -> tuple[TokenEntry, ...]:
-        """Entries from a fetched log: every line checked against its stored payload digest,
-        then decoded by the file store's native decoder; a bad line is corruption."""
-        where = f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}"
-        lines = log.split(b"\n")
-        if lines.pop() != b"" or len(lines) != len(digests):
-            raise TokenCaptureCorruptionError(f"{where}: the log does not split into its lines")
-        for line, digest in zip(lines, digests, strict=True):
-            if _core.payload_digest(line) != digest:
-                raise TokenCaptureCorruptionError(
-                    f"{where}: a stored line does not match its payload digest {digest}"
-                )
-        records = decode_log(log, where)
-        if len(records) != len(lines):
-            raise TokenCaptureCorruptionError(f"{where}: two stored lines share a call id")
-        entries = []
-        for index, record in enumerate(records):
-            try:
-                entries.append(_entry_from_record(record))
-            except ValueError as exc:
-                raise TokenCaptureCorruptionError(
-                    f"{where}: line {index} is not a valid entry: {exc}"
-                ) from exc
-        return tuple(entries)
+        """Entries from a fetched log (checked against the stored digests, decoded natively)."""
+        return decode_entries(log, digests, self._where(rollout_id))
 
     def freeze(self, rollout_id: str) -> Coroutine[Any, Any, TokenCaptureSnapshot]:
         """Freeze one rollout (the first freeze mints the snapshot id) and return its snapshot."""
@@ -357,10 +348,10 @@ class PostgresTokenCaptureStore:
 
     async def _freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         with self._operation("freeze", rollout_id):
-            row = await self._client.fetch("row", _FREEZE, rollout_id, uuid.uuid4().hex)
+            row, *lines = await self._client.fetch("rows", _FREEZE, rollout_id, uuid.uuid4().hex)
             if row["status"] != _DONE:
                 raise _refusal(row["status"], rollout_id)
-            entries = self._entries(rollout_id, row["log"], row["digests"])
+            entries = self._entries(rollout_id, *_log_of(lines))
             return TokenCaptureSnapshot(
                 rollout_id, entries, row["incomplete"], row["snapshot_id"], row["version"]
             )
@@ -371,8 +362,8 @@ class PostgresTokenCaptureStore:
 
     async def read_entries_async(self, rollout_id: str) -> list[TokenEntry]:
         rollout = validate_rollout_id(rollout_id)
-        row = await self._client.fetch("row", _READ, rollout)
-        return list(self._entries(rollout, row["log"], row["digests"]))
+        rows = await self._client.fetch("rows", _READ, rollout)
+        return list(self._entries(rollout, *_log_of(rows)))
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The stored entries (nothing is created or changed)."""
@@ -387,6 +378,38 @@ class PostgresTokenCaptureStore:
         """The stored flag: a call in flight is not a hole until freeze judges it."""
         validate_rollout_id(rollout_id)
         return self._client.run_sync(self.is_incomplete_async(rollout_id))
+
+    # Columnar reads (tokencapture.columnar) -----------------------------------------------
+
+    def freeze_columns(self, rollout_id: str) -> Coroutine[Any, Any, _columnar.ColumnarSnapshot]:
+        """`freeze`, with the entries as Arrow columns instead of `TokenEntry` objects (the same
+        round trip, fence, digest checks, incomplete rule, snapshot id and version)."""
+        return self._freeze_columns(validate_rollout_id(rollout_id))
+
+    async def _freeze_columns(self, rollout_id: str) -> _columnar.ColumnarSnapshot:
+        with self._operation("freeze_columns", rollout_id):
+            row, *lines = await self._client.fetch("rows", _FREEZE, rollout_id, uuid.uuid4().hex)
+            if row["status"] != _DONE:
+                raise _refusal(row["status"], rollout_id)
+            entries = decode_columns(*_log_of(lines), self._where(rollout_id))
+            return _columnar.ColumnarSnapshot(
+                rollout_id, entries, row["incomplete"], row["snapshot_id"], row["version"]
+            )
+
+    def freeze_columns_now(self, rollout_id: str) -> _columnar.ColumnarSnapshot:
+        """Synchronous `freeze_columns`."""
+        validate_rollout_id(rollout_id)
+        return self._client.run_sync(self.freeze_columns(rollout_id))
+
+    async def read_columns_async(self, rollout_id: str) -> _columnar.ColumnarEntries:
+        rollout = validate_rollout_id(rollout_id)
+        rows = await self._client.fetch("rows", _READ, rollout)
+        return decode_columns(*_log_of(rows), self._where(rollout))
+
+    def read_columns(self, rollout_id: str) -> _columnar.ColumnarEntries:
+        """`read_entries` as Arrow columns (nothing is created or changed)."""
+        validate_rollout_id(rollout_id)
+        return self._client.run_sync(self.read_columns_async(rollout_id))
 
     def drop(self, rollout_id: str, snapshot_id: str, version: int) -> Coroutine[Any, Any, bool]:
         """Delete the consumed snapshot's records and keep its fence, if nothing changed.

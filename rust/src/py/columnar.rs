@@ -377,6 +377,26 @@ fn columns_of_lines(
     entries_of(entries)
 }
 
+/// A log fetched whole from another backend (see `crate::fetched`) as columns, checked as
+/// `decode_lines` checks it (a refusal is the file store's corruption error naming `source`); a
+/// record that is not a valid entry raises `ColumnarRecordError((byte offset, message))`.
+#[pyfunction]
+#[pyo3(signature = (log, digests = None, source = "<log>"))]
+fn columns_of_log(
+    py: Python<'_>,
+    log: &[u8],
+    digests: Option<Vec<String>>,
+    source: &str,
+) -> PyResult<ColumnarEntries> {
+    let path = std::path::Path::new(source);
+    let batch = py
+        .detach(|| columnar::columns_of_log(log, digests.as_deref(), path).map(batch_of))
+        .map_err(|e| columns_err(py, e))?;
+    Ok(ColumnarEntries {
+        batch: batch.map_err(arrow_err)?,
+    })
+}
+
 pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = module.py();
     module.add_class::<ColumnarEntries>()?;
@@ -385,5 +405,6 @@ pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(freeze_columns, module)?)?;
     module.add_function(wrap_pyfunction!(read_columns, module)?)?;
     module.add_function(wrap_pyfunction!(columns_of_lines, module)?)?;
+    module.add_function(wrap_pyfunction!(columns_of_log, module)?)?;
     Ok(())
 }

@@ -315,3 +315,25 @@ pub(super) fn select_records<'py>(
     let offsets = records.lines.iter().map(|range| range.start).collect();
     Ok((PyList::new(py, values)?, offsets))
 }
+
+/// A log fetched whole from another backend (complete canonical lines; see `crate::fetched`),
+/// decoded as `Store.read_lines` decodes a log file: `(records, offsets)`, the first record of
+/// each call id with the byte offset of its line. With `digests` (one per line, as stored beside
+/// it) every line is checked against its digest first. A refusal is the file store's corruption
+/// error, worded as the file store words it with `source` in place of the log's path. Only the
+/// building of the Python objects holds the interpreter; a large log is walked into tapes and
+/// hashed on a second thread meanwhile.
+#[pyfunction]
+#[pyo3(name = "decode_lines", signature = (log, digests = None, source = "<log>"))]
+pub(super) fn decode_fetched_lines<'py>(
+    py: Python<'py>,
+    log: &[u8],
+    digests: Option<Vec<String>>,
+    source: &str,
+) -> PyResult<DecodedRecords<'py>> {
+    let path = Path::new(source);
+    let (records, ranges, decoded) = py
+        .detach(|| crate::fetched::decode_fetched(log, digests.as_deref(), path, decode_in_python))
+        .map_err(|e| to_pyerr(py, e))?;
+    select_records(py, path, &ranges, decoded, &records)
+}
