@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from tests.conftest import make_entry
 from tests.postgres_fixture import pg_dsn, pg_server
+from tests.test_postgres_store import SCHEMA_FILES
 
 from tokencapture.cli import main
 from tokencapture.postgres import PostgresTokenCaptureStore, install_schema_sync
@@ -19,16 +20,6 @@ from tokencapture.protocols import TokenCaptureRetiredError
 from tokencapture.store import TokenCaptureStore, canonical_line
 
 __all__ = ["pg_dsn", "pg_server"]
-
-SCHEMA_FILES = [
-    "001_store.sql",
-    "002_lineage.sql",
-    "003_tools.sql",
-    "004_put_batch.sql",
-    "005_log_reads.sql",
-    "006_ledger.sql",
-    "007_line_rows.sql",
-]
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any]:
@@ -43,7 +34,7 @@ def test_db_init_installs_then_reports_current(
     code, first = run(capsys, "db", "init", pg_dsn)
     assert code == 0 and first["applied"] == SCHEMA_FILES
     code, second = run(capsys, "db", "init", pg_dsn)
-    assert code == 0 and second == {"applied": [], "schema_version": 7}
+    assert code == 0 and second == {"applied": [], "schema_version": 3}
 
 
 def _varied(store: TokenCaptureStore) -> None:

@@ -38,17 +38,9 @@ from tokencapture.protocols import (
 )
 from tokencapture.store import TokenCaptureStore, canonical_line
 
-__all__ = ["pg_dsn", "pg_server"]
+__all__ = ["pg_dsn", "pg_server"]  # the fixtures, imported for pytest
 
-SCHEMA_FILES = [
-    "001_store.sql",
-    "002_lineage.sql",
-    "003_tools.sql",
-    "004_put_batch.sql",
-    "005_log_reads.sql",
-    "006_ledger.sql",
-    "007_line_rows.sql",
-]  # the fixtures, imported for pytest
+SCHEMA_FILES = ["001_store.sql", "002_lineage.sql", "003_ledger.sql"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -860,13 +852,13 @@ def test_an_older_schema_is_refused_then_upgraded_on_first_use(pg_dsn: str) -> N
             )
         await connection.close()
 
-    asyncio.run(install_first(3))
+    asyncio.run(install_first(2))
     old = PostgresTokenCaptureStore(pg_dsn)
-    with pytest.raises(RuntimeError, match="schema version 3, this client needs 7"):
+    with pytest.raises(RuntimeError, match="schema version 2, this client needs 3"):
         old.append(make_entry())
     old.close_sync()
     upgrading = PostgresTokenCaptureStore(pg_dsn, install_schema=True)
-    upgrading.append(make_entry())  # 004 to 007 applied first
+    upgrading.append(make_entry())  # 003 applied first
     assert upgrading.freeze_now("r1").version == 2
     upgrading.close_sync()
     assert install_schema_sync(pg_dsn) == []

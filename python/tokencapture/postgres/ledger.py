@@ -6,7 +6,7 @@ Each row is built by the file ledger's own code (`commit_row` and its JSON encod
 decides: write once (a commit row is compared with the first row of its call id; equal is a
 no-op, different is `CaptureLedgerConflictError` and nothing is written), identical failure
 rows are no-ops, a fenced rollout discards writes, and `manifest`/`has_rows` of a fenced
-rollout raise `RolloutRetiredError`. Every operation is one function call (schema version 6).
+rollout raise `RolloutRetiredError`. Every operation is one function call (sql/003_ledger.sql).
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ _PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
 _PUT_BATCH = "SELECT tokencapture.put_batch($1, $2, $3, $4)"
 _BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
 _MARK_INCOMPLETE = "SELECT tokencapture.mark_incomplete($1, $2)"
-# The lines come back as rows (see sql/007_line_rows.sql); a freeze's first row is its outcome.
+# The lines come back as rows (see freeze_lines in sql/001_store.sql); a freeze's first row
+# is its outcome.
 _FREEZE = "SELECT * FROM tokencapture.freeze_lines($1, $2)"
 _READ = "SELECT line, digest FROM tokencapture.read_lines($1)"
 _IS_INCOMPLETE = "SELECT tokencapture.is_incomplete($1)"

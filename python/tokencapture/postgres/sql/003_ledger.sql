@@ -1,4 +1,4 @@
--- tokencapture schema version 6: the capture ledger (PostgresCaptureLedger).
+-- tokencapture schema version 3: the capture ledger (PostgresCaptureLedger).
 --
 -- The rows are NeMo Gym 0.7.0's ledger rows, byte for byte as FileCaptureLedger writes them
 -- (built by the same client code); the client also extracts what the server decides on: the
