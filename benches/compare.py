@@ -37,8 +37,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 BENCHES = Path(__file__).resolve().parent
-if str(BENCHES) not in sys.path:
-    sys.path.insert(0, str(BENCHES))
+# bench_data, and tests.pg_server (the postgres column's throwaway server and its CPU reader).
+for _path in (BENCHES.parent, BENCHES):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from tests.pg_server import PgServer, server_cpu_seconds  # noqa: E402
 
 from bench_data import (  # noqa: E402
     AgenticShape,
@@ -265,23 +269,7 @@ def _pg_database(root: Path) -> str:
 def pg_server_cpu() -> float | None:
     """CPU seconds of the benchmark's PostgreSQL server (postmaster, children, reaped children)."""
     pid = os.environ.get(PG_PID_ENV)
-    if not pid:
-        return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if entry == pid:
-            total += sum(int(v) for v in fields[11:15])  # with reaped backends (cutime, cstime)
-        elif fields[1] == pid:
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+    return server_cpu_seconds(int(pid)) if pid else None
 
 
 class PostgresColumn(StoreColumn):
@@ -916,9 +904,6 @@ def start_pg_server() -> Any:
     """A throwaway PostgreSQL server for the postgres column (None if one is configured)."""
     if os.environ.get(PG_DSN_ENV):
         return None
-    sys.path.insert(0, os.fspath(BENCHES.parent))
-    from tests.pg_server import PgServer
-
     server = PgServer()
     server.start()
     os.environ[PG_DSN_ENV] = server.dsn

@@ -21,10 +21,11 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PgServer", "PgServerUnavailable", "find_bindir"]
+__all__ = ["PgServer", "PgServerUnavailable", "find_bindir", "server_cpu_seconds"]
 
 
 class PgServerUnavailable(RuntimeError):
@@ -49,9 +50,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (read from /proc)."""
-    found = []
+def _processes() -> Iterator[tuple[int, list[str]]]:
+    """Every live process: its pid and its stat(5) fields from the state on (field 3 is [0])."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -60,22 +60,25 @@ def _children(pid: int) -> list[int]:
         except OSError:
             continue
         # The command name is in parentheses and may contain spaces: split after the last ')'.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
+        yield int(entry), stat[stat.rindex(")") + 2 :].split()
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process (0.0 if it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    # utime, stime, cutime, cstime: fields 14-17 of stat(5) (11-14 after the name and state).
-    return sum(int(value) for value in fields[11:15]) / ticks
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (read from /proc)."""
+    return [child for child, fields in _processes() if int(fields[1]) == pid]
+
+
+def server_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of the postmaster `pid` and its reaped children (backends that
+    exited), plus its live children's own: one pass over /proc. The benchmarks' server CPU."""
+    total = 0
+    for process, fields in _processes():
+        # utime, stime, cutime, cstime: fields 14-17 of stat(5) (11-14 here).
+        if process == pid:
+            total += sum(int(value) for value in fields[11:15])
+        elif int(fields[1]) == pid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class PgServer:
@@ -224,15 +227,9 @@ class PgServer:
         assert self.process is not None
         return self.process.pid
 
-    def server_pids(self) -> list[int]:
-        """The postmaster and its children (backends and auxiliary processes)."""
-        if not self.running:
-            return []
-        return [self.pid, *_children(self.pid)]
-
     def cpu_seconds(self) -> float:
         """CPU seconds of the postmaster and its live children, plus reaped children's."""
-        return sum(process_cpu_seconds(pid) for pid in self.server_pids())
+        return server_cpu_seconds(self.pid) if self.running else 0.0
 
     def stop(self, timeout: float = 30.0) -> None:
         """Fast shutdown (SIGINT); a SIGKILL if it does not finish in time."""

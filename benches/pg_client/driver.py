@@ -60,24 +60,9 @@ IN_FLIGHT = 32
 POOL = 10  # connections: the asyncpg store's default pool_size, and the Rust worker threads
 MAX_BATCH = 64  # the asyncpg store's default put_batch_size (--batch changes both clients')
 
-
-def server_cpu(pid: int) -> float:
-    """CPU seconds of the postmaster `pid`, its live children and its reaped children."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(entry) == pid:
-            total += sum(int(value) for value in fields[11:15])
-        elif int(fields[1]) == pid:
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+sys.path.insert(0, str(ROOT / "tests"))
+# The throwaway server, and its CPU (postmaster and children) read from /proc.
+from pg_server import PgServer, server_cpu_seconds  # type: ignore[import-not-found, unused-ignore]  # noqa: E402
 
 
 def _process_cpu() -> float:
@@ -202,10 +187,10 @@ async def _timed(store: Any, client: str, rollouts: list[list[Any]], pid: int) -
             async with semaphore:
                 await store.put(entry)
 
-    cpu0, server0, begin = _process_cpu(), server_cpu(pid), perf_counter()
+    cpu0, server0, begin = _process_cpu(), server_cpu_seconds(pid), perf_counter()
     await asyncio.gather(*(one(calls) for calls in rollouts))
     wall = perf_counter() - begin
-    cpu1, server1 = _process_cpu(), server_cpu(pid)
+    cpu1, server1 = _process_cpu(), server_cpu_seconds(pid)
     puts = sum(len(calls) for calls in rollouts)
     return {
         "client": client,
@@ -270,9 +255,6 @@ def parent(args: argparse.Namespace) -> None:
     specs = [(name, batch) for batch in args.batch for name in names]
     labels = {spec: spec[0] if len(args.batch) == 1 else f"{spec[0]}@{spec[1]}" for spec in specs}
     clients = [labels[spec] for spec in specs]
-    sys.path.insert(0, str(ROOT / "tests"))
-    from pg_server import PgServer  # type: ignore[import-not-found, unused-ignore]
-
     server = PgServer()
 
     def psql(dsn: str, sql: str) -> str:
