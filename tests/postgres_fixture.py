@@ -1,20 +1,26 @@
 """The session's PostgreSQL server for the PostgreSQL backend's tests.
 
-Import the fixtures into a test module (`from tests.postgres_fixture import pg_server, pg_dsn`).
+Import the fixtures into a test module (`from tests.postgres_fixture import pg_server, pg_dsn`;
+`dsn` and `store` need those two imported beside them).
 In CI (`CI=true`) or with `TOKENCAPTURE_REQUIRE_POSTGRES=1` (set by scripts/test.sh) a server that
 cannot start fails the tests; elsewhere they are skipped with the reason.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 from tests.pg_server import PgServer, PgServerUnavailable
 
-__all__ = ["pg_dsn", "pg_server", "require_postgres", "unavailable"]
+if TYPE_CHECKING:
+    from tokencapture.postgres import PostgresTokenCaptureStore
+
+__all__ = ["dsn", "execute", "pg_dsn", "pg_server", "require_postgres", "store", "unavailable"]
 
 
 def require_postgres() -> bool:
@@ -69,6 +75,40 @@ def pg_dsn(pg_server: PgServer) -> str:
     name = f"t_{uuid.uuid4().hex[:12]}"
     _psql(pg_server, f"CREATE DATABASE {name}")
     return pg_server.dsn_for(name)
+
+
+@pytest.fixture
+def dsn(pg_dsn: str) -> str:
+    """`pg_dsn` with the schema installed (`tokencapture db init`)."""
+    from tokencapture.postgres import install_schema_sync
+
+    install_schema_sync(pg_dsn)
+    return pg_dsn
+
+
+@pytest.fixture
+def store(pg_dsn: str) -> Iterator[PostgresTokenCaptureStore]:
+    """A store on a fresh database that installs the schema on first use."""
+    from tokencapture.postgres import PostgresTokenCaptureStore
+
+    pg = PostgresTokenCaptureStore(pg_dsn, install_schema=True)
+    yield pg
+    pg.close_sync()
+
+
+def execute(dsn: str, sql: str, *args: object) -> None:
+    """Run one statement on a connection of its own, behind the stores' back (to damage what
+    they stored)."""
+    import asyncpg
+
+    async def run() -> None:
+        connection = await asyncpg.connect(dsn)
+        try:
+            await connection.execute(sql, *args)
+        finally:
+            await connection.close()
+
+    asyncio.run(run())
 
 
 def _psql(server: PgServer, sql: str) -> None:

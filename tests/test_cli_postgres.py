@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from tests.conftest import make_entry
-from tests.postgres_fixture import pg_dsn, pg_server
+from tests.postgres_fixture import execute, pg_dsn, pg_server
 from tests.test_postgres_store import SCHEMA_FILES
 
 from tokencapture.cli import main
@@ -189,24 +189,15 @@ def test_directory_commands_take_a_dsn(
 
 
 def test_verify_reports_a_damaged_line(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
-    import asyncio
-
-    import asyncpg
-
     install_schema_sync(pg_dsn)
     pg = PostgresTokenCaptureStore(pg_dsn)
     pg.append(make_entry("a", call=1))
     pg.close_sync()
-
-    async def damage() -> None:
-        connection = await asyncpg.connect(pg_dsn)
-        await connection.execute(
-            "UPDATE tokencapture.entries"
-            " SET line = convert_to(replace(convert_from(line, 'UTF8'), '506', '507'), 'UTF8')"
-        )
-        await connection.close()
-
-    asyncio.run(damage())
+    execute(
+        pg_dsn,
+        "UPDATE tokencapture.entries"
+        " SET line = convert_to(replace(convert_from(line, 'UTF8'), '506', '507'), 'UTF8')",
+    )
     code, verified = run(capsys, "verify", pg_dsn)
     assert code == 1 and "does not match its payload digest" in verified["problems"]["a"][0]
 
@@ -231,19 +222,12 @@ def test_copy_between_two_databases(
     import asyncio
     import uuid
 
-    import asyncpg
-
     from tokencapture.postgres._client import Client
     from tokencapture.postgres.transfer import export_from_postgres
 
-    async def create(name: str) -> None:
-        connection = await asyncpg.connect(pg_server.dsn)
-        await connection.execute(f"CREATE DATABASE {name}")
-        await connection.close()
-
     names = [f"c_{uuid.uuid4().hex[:10]}" for _ in range(2)]
     for name in names:
-        asyncio.run(create(name))
+        execute(pg_server.dsn, f"CREATE DATABASE {name}")
     source, target = (pg_server.dsn_for(name) for name in names)
     install_schema_sync(source)
     install_schema_sync(target)

@@ -5,16 +5,14 @@ field (on golden rollouts, generated and agentic ones, and damaged lines)."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa  # type: ignore[import-untyped]
 import pytest
 from hypothesis import HealthCheck, given, settings
 from tests.conftest import make_entry
-from tests.postgres_fixture import pg_dsn, pg_server
+from tests.postgres_fixture import execute, pg_dsn, pg_server, store
 from tests.test_columnar import GOLDEN_ROLLOUTS, assert_rows_equal, entries_of, lineage_rollout
 
 from tokencapture import _core
@@ -28,14 +26,7 @@ from tokencapture.protocols import (
 from tokencapture.records import TokenEntry
 from tokencapture.store import TokenCaptureStore
 
-__all__ = ["pg_dsn", "pg_server"]  # the fixtures, imported for pytest
-
-
-@pytest.fixture
-def store(pg_dsn: str) -> Iterator[PostgresTokenCaptureStore]:
-    pg = PostgresTokenCaptureStore(pg_dsn, install_schema=True)
-    yield pg
-    pg.close_sync()
+__all__ = ["pg_dsn", "pg_server", "store"]  # the fixtures, imported for pytest
 
 
 def load_golden(golden_store: Path, pg: PostgresTokenCaptureStore) -> TokenCaptureStore:
@@ -156,20 +147,13 @@ def test_an_agentic_rollout_streams_into_columns(store: PostgresTokenCaptureStor
 def test_a_damaged_line_is_refused_as_freeze_refuses_it(
     store: PostgresTokenCaptureStore, pg_dsn: str, stored: bytes
 ) -> None:
-    import asyncpg
-
     store.append(make_entry())
-
-    async def damage() -> None:
-        connection = await asyncpg.connect(pg_dsn)
-        await connection.execute(
-            "UPDATE tokencapture.entries SET line = $1, digest = $2",
-            stored,
-            _core.payload_digest(stored),
-        )
-        await connection.close()
-
-    asyncio.run(damage())
+    execute(
+        pg_dsn,
+        "UPDATE tokencapture.entries SET line = $1, digest = $2",
+        stored,
+        _core.payload_digest(stored),
+    )
     for objects, columns in (
         (lambda: store.read_entries("r1"), lambda: store.read_columns("r1")),
         (lambda: store.freeze_now("r1"), lambda: store.freeze_columns_now("r1")),

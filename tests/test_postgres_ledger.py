@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.postgres_fixture import pg_dsn, pg_server
+from tests.postgres_fixture import dsn, pg_dsn, pg_server
 from tests.test_conformance import LEDGER_CHECKS, STORE_CHECKS
 
 from tokencapture.conformance import _commit, _continuation_of, run_conformance
@@ -17,17 +17,10 @@ from tokencapture.ledger import CaptureLedgerConflictError, FileCaptureLedger
 from tokencapture.postgres import (
     PostgresCaptureLedger,
     PostgresTokenCaptureStore,
-    install_schema_sync,
 )
 from tokencapture.protocols import RolloutRetiredError
 
-__all__ = ["pg_dsn", "pg_server"]
-
-
-@pytest.fixture
-def dsn(pg_dsn: str) -> str:
-    install_schema_sync(pg_dsn)
-    return pg_dsn
+__all__ = ["dsn", "pg_dsn", "pg_server"]
 
 
 def test_ledger_conformance(dsn: str) -> None:

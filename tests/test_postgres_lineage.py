@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.postgres_fixture import pg_dsn, pg_server
+from tests.postgres_fixture import dsn, pg_dsn, pg_server
 from tests.test_conformance import LINEAGE_CHECKS, STORE_CHECKS
 
 from tokencapture.conformance import run_conformance
@@ -17,24 +17,17 @@ from tokencapture.lineage import FileLineageStore, encode_delta, stamp_continuat
 from tokencapture.postgres import (
     PostgresLineageStore,
     PostgresTokenCaptureStore,
-    install_schema_sync,
 )
 from tokencapture.protocols import LineageResolution, ParentResolutionStatus
 from tokencapture.store import TokenCaptureStore
 
-__all__ = ["pg_dsn", "pg_server"]
+__all__ = ["dsn", "pg_dsn", "pg_server"]
 
 BENCHES = Path(__file__).resolve().parents[1] / "benches"
 if str(BENCHES) not in sys.path:
     sys.path.insert(0, str(BENCHES))
 
 from bench_data import AgenticShape, conversation_rollouts  # noqa: E402
-
-
-@pytest.fixture
-def dsn(pg_dsn: str) -> str:
-    install_schema_sync(pg_dsn)
-    return pg_dsn
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tests.conftest import make_entry
 from tests.pg_server import PgServer, PgServerUnavailable
-from tests.postgres_fixture import pg_dsn, pg_server, unavailable
+from tests.postgres_fixture import execute, pg_dsn, pg_server, store, unavailable
 from tests.test_conformance import STORE_CHECKS
 
 from tokencapture.conformance import run_conformance
@@ -38,18 +38,11 @@ from tokencapture.protocols import (
 )
 from tokencapture.store import TokenCaptureStore, canonical_line
 
-__all__ = ["pg_dsn", "pg_server"]  # the fixtures, imported for pytest
+__all__ = ["pg_dsn", "pg_server", "store"]  # the fixtures, imported for pytest
 
 SCHEMA_FILES = ["001_store.sql", "002_lineage.sql", "003_ledger.sql"]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def store(pg_dsn: str) -> Iterator[PostgresTokenCaptureStore]:
-    pg = PostgresTokenCaptureStore(pg_dsn, install_schema=True)
-    yield pg
-    pg.close_sync()
 
 
 def lines_of(snapshot: TokenCaptureSnapshot) -> list[bytes]:
@@ -323,9 +316,9 @@ class StoresAgree(RuleBasedStateMachine):
         """The protocol's API on both stores (a returned coroutine is awaited)."""
         assert _Shared.loop is not None
         outcomes = []
-        for store in (self.files, self.pg):
+        for backend in (self.files, self.pg):
             try:
-                result = call(store)
+                result = call(backend)
                 if asyncio.iscoroutine(result):
                     result = _Shared.loop.run_until_complete(result)
                 outcomes.append(("ok", result))
@@ -379,8 +372,8 @@ class StoresAgree(RuleBasedStateMachine):
             file_id = pg_id = "f" * 32
         assert _Shared.loop is not None
         outcomes = []
-        for store, snapshot_id in ((self.files, file_id), (self.pg, pg_id)):
-            drop = store.drop(rollout, snapshot_id, version + stale)
+        for backend, snapshot_id in ((self.files, file_id), (self.pg, pg_id)):
+            drop = backend.drop(rollout, snapshot_id, version + stale)
             outcomes.append(_Shared.loop.run_until_complete(drop))
         assert outcomes[0] == outcomes[1]
 
@@ -780,23 +773,16 @@ def test_connections_cut_mid_operation_lose_or_tear_nothing(own_server: PgServer
 def test_a_damaged_line_with_a_matching_digest_is_corruption_not_an_entry(
     store: PostgresTokenCaptureStore, pg_dsn: str, stored: bytes
 ) -> None:
-    import asyncpg
-
     from tokencapture import _core
     from tokencapture.protocols import TokenCaptureCorruptionError
 
     store.append(make_entry())
-
-    async def damage() -> None:
-        connection = await asyncpg.connect(pg_dsn)
-        await connection.execute(
-            "UPDATE tokencapture.entries SET line = $1, digest = $2",
-            stored,
-            _core.payload_digest(stored),
-        )
-        await connection.close()
-
-    asyncio.run(damage())
+    execute(
+        pg_dsn,
+        "UPDATE tokencapture.entries SET line = $1, digest = $2",
+        stored,
+        _core.payload_digest(stored),
+    )
     with pytest.raises(TokenCaptureCorruptionError, match="in PostgreSQL"):
         store.read_entries("r1")
     with pytest.raises(TokenCaptureCorruptionError, match="in PostgreSQL"):
