@@ -20,20 +20,34 @@ from typing import Any
 
 import pytest
 from tests.conftest import make_entry
+from tests.postgres_fixture import pg_dsn, pg_server  # noqa: F401 - fixtures
 
 from tokencapture.ledger import FileCaptureLedger
 from tokencapture.lineage import FileLineageStore, InMemoryLineageStore
+from tokencapture.postgres import (
+    PostgresCaptureLedger,
+    PostgresLineageStore,
+    PostgresTokenCaptureStore,
+)
 from tokencapture.reference.lineage import FileLineageStore as ReferenceLineageStore
 from tokencapture.reference.store import TokenCaptureStore as ReferenceStore
 from tokencapture.store import TokenCaptureStore
 
-FACTORIES: dict[str, Callable[[Path], Any]] = {
-    "TokenCaptureStore": lambda root: TokenCaptureStore(root / "store"),
-    "reference.TokenCaptureStore": lambda root: ReferenceStore(root / "reference"),
-    "FileLineageStore": lambda root: FileLineageStore(root / "store"),
-    "reference.FileLineageStore": lambda root: ReferenceLineageStore(root / "store"),
-    "InMemoryLineageStore": lambda root: InMemoryLineageStore(),
-    "FileCaptureLedger": lambda root: FileCaptureLedger(root / "ledger"),
+# Each factory takes the test's temporary directory and a callable that gives the DSN of a
+# fresh database (a PostgreSQL class asks for it, and installs the schema on first use; the
+# others never do, so they need no server).
+FACTORIES: dict[str, Callable[[Path, Callable[[], str]], Any]] = {
+    "TokenCaptureStore": lambda root, dsn: TokenCaptureStore(root / "store"),
+    "reference.TokenCaptureStore": lambda root, dsn: ReferenceStore(root / "reference"),
+    "FileLineageStore": lambda root, dsn: FileLineageStore(root / "store"),
+    "reference.FileLineageStore": lambda root, dsn: ReferenceLineageStore(root / "store"),
+    "InMemoryLineageStore": lambda root, dsn: InMemoryLineageStore(),
+    "FileCaptureLedger": lambda root, dsn: FileCaptureLedger(root / "ledger"),
+    "PostgresTokenCaptureStore": lambda root, dsn: PostgresTokenCaptureStore(
+        dsn(), install_schema=True
+    ),
+    "PostgresLineageStore": lambda root, dsn: PostgresLineageStore(dsn(), install_schema=True),
+    "PostgresCaptureLedger": lambda root, dsn: PostgresCaptureLedger(dsn(), install_schema=True),
 }
 CLASSES: dict[str, type] = {
     "TokenCaptureStore": TokenCaptureStore,
@@ -42,6 +56,9 @@ CLASSES: dict[str, type] = {
     "reference.FileLineageStore": ReferenceLineageStore,
     "InMemoryLineageStore": InMemoryLineageStore,
     "FileCaptureLedger": FileCaptureLedger,
+    "PostgresTokenCaptureStore": PostgresTokenCaptureStore,
+    "PostgresLineageStore": PostgresLineageStore,
+    "PostgresCaptureLedger": PostgresCaptureLedger,
 }
 
 
@@ -157,6 +174,10 @@ EXPECTED = {
     "reference.FileLineageStore": "resolve close",
     "InMemoryLineageStore": "put resolve delete close",
     "FileCaptureLedger": "record record_failure manifest has_rows resolve retire delete close",
+    "PostgresTokenCaptureStore": "put begin_call mark_incomplete freeze drop retire delete close"
+    " freeze_columns read_entries_async is_incomplete_async read_columns_async",
+    "PostgresLineageStore": "resolve close",
+    "PostgresCaptureLedger": "record record_failure manifest has_rows resolve retire delete close",
 }
 
 
@@ -183,6 +204,7 @@ def call_args(cls: type, method: str, **override: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("cls_name", "method", "param", "bad", "error"), CASES)
 async def test_bad_arguments_raise_when_called(
+    request: pytest.FixtureRequest,
     tmp_path: Path,
     cls_name: str,
     method: str,
@@ -190,7 +212,7 @@ async def test_bad_arguments_raise_when_called(
     bad: Callable[[], Any],
     error: type[Exception],
 ) -> None:
-    obj = FACTORIES[cls_name](tmp_path)
+    obj = FACTORIES[cls_name](tmp_path, lambda: str(request.getfixturevalue("pg_dsn")))
     cls = CLASSES[cls_name]
     # The same call with valid arguments is accepted and works when awaited, so the refusal
     # below is the bad argument's.

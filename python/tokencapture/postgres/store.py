@@ -361,19 +361,25 @@ class PostgresTokenCaptureStore:
         """Synchronous `freeze`."""
         return self._client.run_sync(self.freeze(rollout_id))
 
-    async def read_entries_async(self, rollout_id: str) -> list[TokenEntry]:
-        rollout = validate_rollout_id(rollout_id)
-        rows = await self._client.fetch("rows", _READ, rollout)
-        return list(self._entries(rollout, *_log_of(rows)))
+    def read_entries_async(self, rollout_id: str) -> Coroutine[Any, Any, list[TokenEntry]]:
+        """`read_entries` for the event loop; the id is checked when this is called."""
+        return self._read_entries(validate_rollout_id(rollout_id))
+
+    async def _read_entries(self, rollout_id: str) -> list[TokenEntry]:
+        rows = await self._client.fetch("rows", _READ, rollout_id)
+        return list(self._entries(rollout_id, *_log_of(rows)))
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The stored entries (nothing is created or changed)."""
         validate_rollout_id(rollout_id)
         return self._client.run_sync(self.read_entries_async(rollout_id))
 
-    async def is_incomplete_async(self, rollout_id: str) -> bool:
-        rollout = validate_rollout_id(rollout_id)
-        return bool(await self._client.fetch("val", _IS_INCOMPLETE, rollout))
+    def is_incomplete_async(self, rollout_id: str) -> Coroutine[Any, Any, bool]:
+        """`is_incomplete` for the event loop; the id is checked when this is called."""
+        return self._is_incomplete(validate_rollout_id(rollout_id))
+
+    async def _is_incomplete(self, rollout_id: str) -> bool:
+        return bool(await self._client.fetch("val", _IS_INCOMPLETE, rollout_id))
 
     def is_incomplete(self, rollout_id: str) -> bool:
         """The stored flag: a call in flight is not a hole until freeze judges it."""
@@ -402,10 +408,13 @@ class PostgresTokenCaptureStore:
         validate_rollout_id(rollout_id)
         return self._client.run_sync(self.freeze_columns(rollout_id))
 
-    async def read_columns_async(self, rollout_id: str) -> _columnar.ColumnarEntries:
-        rollout = validate_rollout_id(rollout_id)
-        rows = await self._client.fetch("rows", _READ, rollout)
-        return decode_columns(*_log_of(rows), self._where(rollout))
+    def read_columns_async(self, rollout_id: str) -> Coroutine[Any, Any, _columnar.ColumnarEntries]:
+        """`read_columns` for the event loop; the id is checked when this is called."""
+        return self._read_columns(validate_rollout_id(rollout_id))
+
+    async def _read_columns(self, rollout_id: str) -> _columnar.ColumnarEntries:
+        rows = await self._client.fetch("rows", _READ, rollout_id)
+        return decode_columns(*_log_of(rows), self._where(rollout_id))
 
     def read_columns(self, rollout_id: str) -> _columnar.ColumnarEntries:
         """`read_entries` as Arrow columns (nothing is created or changed)."""
