@@ -158,9 +158,8 @@ def check_resolve_args(rollout_id: str, request_items: Iterable[Any]) -> list[An
     return request_list(request_items)
 
 
-def _resolve(native: _Native, rollout_id: str, request_items: Iterable[Any]) -> LineageResolution:
-    validate_rollout_id(rollout_id)
-    items = request_list(request_items)
+def _resolve(native: _Native, rollout_id: str, items: list[Any]) -> LineageResolution:
+    """Resolve by the native matcher; the arguments are already checked (`check_resolve_args`)."""
     raw = native.resolve(rollout_id, items)
     if raw is not None:
         return _resolution(raw)
@@ -224,9 +223,10 @@ class FileLineageStore:
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
         """Synchronous `resolve` (blocks on the rollout's shared lock and file reads)."""
-        resolution = _resolve(self._native, rollout_id, request_items)
+        items = check_resolve_args(rollout_id, request_items)
+        resolution = _resolve(self._native, rollout_id, items)
         if self._ledger_may_answer(rollout_id, resolution):
-            return self._from_ledger(rollout_id, request_list(request_items), resolution)
+            return self._from_ledger(rollout_id, items, resolution)
         return resolution
 
     def resolve(
@@ -239,8 +239,7 @@ class FileLineageStore:
         run on the native worker pool (no GIL, no thread hop), and only the answer is built
         on the loop.
         """
-        validate_rollout_id(rollout_id)
-        return self._resolve_job(rollout_id, request_list(request_items))
+        return self._resolve_job(rollout_id, check_resolve_args(rollout_id, request_items))
 
     async def _resolve_job(self, rollout_id: str, items: list[Any]) -> LineageResolution:
         resolution: LineageResolution | None = None
@@ -468,18 +467,18 @@ class InMemoryLineageStore:
     def resolve_now(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
-        resolution = _with_parent_length(_resolve(self._native, rollout_id, request_items))
-        self._touch(rollout_id)
-        return self._or_ledger(rollout_id, request_list(request_items), resolution)
+        return self._resolve_checked(rollout_id, check_resolve_args(rollout_id, request_items))
 
     def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> Coroutine[Any, Any, LineageResolution]:
         """`resolve_now` when awaited; the arguments are checked when this is called."""
-        validate_rollout_id(rollout_id)
-        return self._resolve_job(rollout_id, request_list(request_items))
+        return self._resolve_job(rollout_id, check_resolve_args(rollout_id, request_items))
 
     async def _resolve_job(self, rollout_id: str, items: list[Any]) -> LineageResolution:
+        return self._resolve_checked(rollout_id, items)
+
+    def _resolve_checked(self, rollout_id: str, items: list[Any]) -> LineageResolution:
         resolution = _with_parent_length(_resolve(self._native, rollout_id, items))
         self._touch(rollout_id)
         return self._or_ledger(rollout_id, items, resolution)
