@@ -366,6 +366,11 @@ class InMemoryLineageStore:
     kept. Materialized cumulative sequences are cached separately, up to `max_cached_tokens`
     (default: a quarter of `max_tokens`). Reusing a model_call_id with a different payload raises
     `TokenCaptureConflictError` and removes that call from resolution.
+
+    It is also a capture ledger kept in memory (`record`, `record_failure`, `manifest`,
+    `has_rows`), by NeMo Gym 0.7.0's in-memory rules: a call id is a put entry or a committed
+    ledger row, not both (the second raises `CaptureLedgerConflictError`), and `resolve` takes
+    put entries and committed calls as one candidate set.
     """
 
     def __init__(
@@ -490,8 +495,9 @@ class InMemoryLineageStore:
     # in-memory rules: candidates whose recorded context the request extends, several that
     # share one (digest, cum_len) collapse to the smallest call id, otherwise "ambiguous".
     # A match is token-free: the cumulative hash as `digest`, `cum_len` as `prev_len`, the
-    # commit's `staging_chain` and the record's `chain_hash`. The ledger answers only where
-    # the entries leave the request UNRESOLVED for want of a match.
+    # commit's `staging_chain` and the record's `chain_hash`. Entries and committed calls are
+    # one candidate set (as NeMo Gym's single index): a resolved entry is one more candidate,
+    # and an answer the entries already found ambiguous stays so.
 
     def _or_ledger(
         self, rollout_id: str, items: list[Any], resolution: LineageResolution
