@@ -17,8 +17,9 @@ Resolvers (`tokencapture.protocols.LineageResolver`):
 
 Like NeMo Gym 0.7.0's, both are also capture ledgers (`record`, `record_failure`, `manifest`,
 `has_rows`): `FileLineageStore` over the directory's `R.lineage.jsonl` (a `FileCaptureLedger`),
-`InMemoryLineageStore` in memory; committed ledger rows resolve continuations the token
-entries leave unresolved.
+`InMemoryLineageStore` in memory. Committed ledger rows resolve continuations too: in the
+file store those its token entries leave unresolved, in memory as candidates beside the put
+entries (both as NeMo Gym 0.7.0 resolves them).
 
 Both run the same native matcher (`tokencapture._core`): candidate rules, never a guess, and a
 digest check of every answer. The request hashes run natively for plain JSON items and fall back
