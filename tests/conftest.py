@@ -1,7 +1,8 @@
-"""Shared test helpers: the golden vectors and entry factories."""
+"""Shared test helpers: the golden vectors, entry factories and small comparison helpers."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,30 @@ def make_entry(rollout_id: str = "r1", call: int | str = 1, **fields: Any) -> To
     }
     values.update(fields)
     return TokenEntry(**values)
+
+
+def sha(text: str) -> str:
+    """The SHA-256 hex digest of `text` (a well-formed digest value for test records)."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def resolution_answer(resolution: Any) -> Any:
+    """A resolution (ours or NeMo Gym's) as plain comparable values: `(status, reason, match
+    fields)`; a str (an error name some tests record instead) is returned as is."""
+    if isinstance(resolution, str):
+        return resolution
+    match = resolution.match
+    fields = None
+    if match is not None:
+        fields = (
+            match.model_call_id,
+            tuple(match.cumulative_token_ids),
+            match.digest,
+            tuple(match.staging_chain),
+            match.prev_len,
+            match.chain_hash,
+        )
+    return (str(resolution.status.value), resolution.reason, fields)
 
 
 @pytest.fixture

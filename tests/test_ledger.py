@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import multiprocessing
 import subprocess
@@ -15,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 from pydantic import ValidationError
-from tests.conftest import make_entry
+from tests.conftest import make_entry, sha
 
 from tokencapture import (
     CaptureLedgerConflictError,
@@ -45,10 +44,6 @@ RESOLVED = ParentResolutionStatus.RESOLVED
 UNRESOLVED = ParentResolutionStatus.UNRESOLVED
 
 Items = list[dict[str, Any]]
-
-
-def sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def user(text: str) -> dict[str, Any]:

@@ -69,6 +69,22 @@ def python_path() -> str:
     return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
+def run_script(script: str, **env: str) -> str:
+    """Run `script` in a child Python importing this checkout; its stripped stdout (it must
+    exit 0)."""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": python_path(), **env},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
 @pytest.fixture
 def reader() -> Iterator[InMemoryMetricReader]:
     """An SDK provider with an in-memory reader, made every store's provider for the test."""
@@ -386,17 +402,7 @@ def test_nothing_is_imported_or_reported_without_opentelemetry(tmp_path: Path) -
         print("ok")
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": python_path()},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
+    assert run_script(script) == "ok"
 
 
 def test_the_global_meter_provider_is_the_default(tmp_path: Path) -> None:
@@ -428,17 +434,7 @@ def test_the_global_meter_provider_is_the_default(tmp_path: Path) -> None:
         print(sorted(found.items()))
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": python_path()},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(
+    assert run_script(script) == str(
         sorted(
             {
                 ("tokencapture.operation.duration", ("lineage", "put")): 1,
@@ -482,14 +478,4 @@ def test_tokencapture_otel_0_turns_it_off_with_the_package_installed(tmp_path: P
         print("ok")
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": python_path(), "TOKENCAPTURE_OTEL": "0"},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
+    assert run_script(script, TOKENCAPTURE_OTEL="0") == "ok"

@@ -21,7 +21,6 @@ run 20000 or more locally).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import random
 from collections.abc import Awaitable, Callable
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.conftest import resolution_answer, sha
 from tests.nemo_oracle import import_nemo
 
 from tokencapture import records as ours_records
@@ -43,10 +43,6 @@ nemo_lineage = import_nemo("lineage")
 
 EXAMPLES = int(os.environ.get("TOKENCAPTURE_ADVERSARIAL_EXAMPLES", "1500"))
 SCENARIOS = max(EXAMPLES // 25, 4)
-
-
-def sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 REQUESTS: list[list[dict[str, Any]]] = [
@@ -189,28 +185,14 @@ def loosely(reading: Any) -> Any:
 ERROR_BASES = {"ValueError", "ValidationError", "TokenCaptureCorruptionError"}
 
 
-def answer(resolution: Any) -> Any:
-    if isinstance(resolution, str):
-        return resolution
-    match = resolution.match
-    fields = None
-    if match is not None:
-        fields = (
-            match.model_call_id,
-            tuple(match.cumulative_token_ids),
-            match.digest,
-            tuple(match.staging_chain),
-            match.prev_len,
-            match.chain_hash,
-        )
-    return (str(resolution.status.value), resolution.reason, fields)
-
-
 async def readings(root: Path, rollout_id: str = "r") -> list[Any]:
     """What each implementation reads back (ours first, then NeMo Gym's)."""
     out = []
     for reader in (FileCaptureLedger(root), nemo_lineage.FileLineageStore(root)):
-        answers = [answer(await _attempt(reader.resolve, rollout_id, probe)) for probe in _probes()]
+        answers = [
+            resolution_answer(await _attempt(reader.resolve, rollout_id, probe))
+            for probe in _probes()
+        ]
         manifest = await _attempt(reader.manifest, rollout_id)
         has_rows = await _attempt(reader.has_rows, rollout_id)
         out.append((manifest, has_rows, answers))
@@ -275,11 +257,13 @@ def test_falsy_request_items_are_a_root_as_in_nemo_gym(tmp_path: Path, items: An
             nemo_lineage.FileLineageStore(tmp_path),
             nemo_lineage.InMemoryLineageStore(),
         ):
-            assert answer(await reference.resolve("r", items)) == ("root", "", None)
+            assert resolution_answer(await reference.resolve("r", items)) == ("root", "", None)
         for name, resolver in _resolvers(tmp_path).items():
-            assert answer(await resolver.resolve("r", items)) == ("root", "", None), name
+            assert resolution_answer(await resolver.resolve("r", items)) == ("root", "", None), name
             if hasattr(resolver, "resolve_now"):
-                assert answer(resolver.resolve_now("r", items)) == ("root", "", None), name
+                assert resolution_answer(resolver.resolve_now("r", items)) == ("root", "", None), (
+                    name
+                )
 
     asyncio.run(go())
 
@@ -394,7 +378,7 @@ def test_a_retired_rollout_reads_as_empty_to_nemo_gym_and_stays_fenced_for_us(
         with pytest.raises(RolloutRetiredError):
             await mine.has_rows("r")
         probe = [*REQUESTS[1], *RESPONSES[1]]
-        assert answer(await mine.resolve("r", probe)) == ("unresolved", "no_match", None)
+        assert resolution_answer(await mine.resolve("r", probe)) == ("unresolved", "no_match", None)
         assert await mine.delete(["r"]) == {"removed": ["r"], "absent": []}
         assert await mine.has_rows("r") is False
         assert await reference.has_rows("r") is False
@@ -460,7 +444,7 @@ def test_resolve_with_zero_one_and_two_candidate_rows(tmp_path: Path) -> None:
         assert outcomes == asyncio.run(run(ops, tmp_path / f"n{index}", "nemo", random.Random(0)))
         assert outcomes[-1] == ("conflict" if index == 7 else "ok")
         for reader in (FileCaptureLedger(root), nemo_lineage.FileLineageStore(root)):
-            got = answer(asyncio.run(reader.resolve("r", probe)))
+            got = resolution_answer(asyncio.run(reader.resolve("r", probe)))
             assert got[:2] == expected, (index, type(reader).__name__)
         del op
 
@@ -514,7 +498,7 @@ def test_a_conflict_says_what_nemo_gym_says(tmp_path: Path) -> None:
 
 
 async def _store_readings(store: Any) -> tuple[Any, Any, list[Any]]:
-    answers = [answer(await _attempt(store.resolve, "r", probe)) for probe in _probes()]
+    answers = [resolution_answer(await _attempt(store.resolve, "r", probe)) for probe in _probes()]
     return (
         await _attempt(store.manifest, "r"),
         await _attempt(store.has_rows, "r"),
@@ -634,7 +618,11 @@ def test_in_memory_entries_and_ledger_rows_share_call_ids_as_in_nemo_gym(
         out.append(await store.has_rows("r"))
         for answered in ("c1", "c9"):
             probe = [*request, {"role": "assistant", "content": f"answer {answered}"}]
-            out.append(answer(await store.resolve("r", [*probe, {"role": "user", "content": "n"}])))
+            out.append(
+                resolution_answer(
+                    await store.resolve("r", [*probe, {"role": "user", "content": "n"}])
+                )
+            )
         return out
 
     assert asyncio.run(go(InMemoryLineageStore(), False)) == asyncio.run(

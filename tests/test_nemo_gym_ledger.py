@@ -10,7 +10,6 @@ answers, and the same operations write the same bytes.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
+from tests.conftest import resolution_answer, sha
 from tests.nemo_oracle import import_nemo
 
 from tokencapture.ledger import CaptureLedgerConflictError, FileCaptureLedger
@@ -40,10 +40,6 @@ MODELS = [
     "RolloutManifest",
     "RolloutReceipt",
 ]
-
-
-def sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # ---- the models, statically ------------------------------------------------------------------
@@ -448,27 +444,12 @@ def _probes() -> list[list[dict[str, Any]]]:
     return probes
 
 
-def _answer(resolution: Any) -> tuple[Any, ...]:
-    match = resolution.match
-    fields = None
-    if match is not None:
-        fields = (
-            match.model_call_id,
-            tuple(match.cumulative_token_ids),
-            match.digest,
-            tuple(match.staging_chain),
-            match.prev_len,
-            match.chain_hash,
-        )
-    return (str(resolution.status.value), resolution.reason, fields)
-
-
 async def _readings(root: Path) -> list[Any]:
     """What each implementation reads from the directory (ours first, then NeMo Gym's)."""
     readers = [FileCaptureLedger(root), nemo_lineage.FileLineageStore(root)]
     out = []
     for reader in readers:
-        answers = [_answer(await reader.resolve("r", probe)) for probe in _probes()]
+        answers = [resolution_answer(await reader.resolve("r", probe)) for probe in _probes()]
         out.append((await reader.manifest("r"), await reader.has_rows("r"), answers))
     return out
 

@@ -109,9 +109,10 @@ class ColumnarSnapshot:
 
 
 def columns_of_lines(lines: Sequence[bytes]) -> _core.ColumnarEntries:
-    """Canonical lines that are all records, already checked against their payload digests (a
-    backend that stores each entry's line apart, such as PostgreSQL), as columns. A line that
-    is not a valid entry raises `ValueError` naming its index."""
+    """Canonical lines that are all records, stored apart and already checked against their
+    payload digests by the caller, as columns. A line that is not a valid entry raises
+    `ValueError` naming its index. (The PostgreSQL store decodes its fetched lines with
+    `_core.columns_of_log`, which checks the digests itself.)"""
     try:
         return _core.columns_of_lines(lines)
     except _core.ColumnarRecordError as exc:

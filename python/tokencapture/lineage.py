@@ -17,8 +17,9 @@ Resolvers (`tokencapture.protocols.LineageResolver`):
 
 Like NeMo Gym 0.7.0's, both are also capture ledgers (`record`, `record_failure`, `manifest`,
 `has_rows`): `FileLineageStore` over the directory's `R.lineage.jsonl` (a `FileCaptureLedger`),
-`InMemoryLineageStore` in memory; committed ledger rows resolve continuations the token
-entries leave unresolved.
+`InMemoryLineageStore` in memory. Committed ledger rows resolve continuations too: in the
+file store those its token entries leave unresolved, in memory as candidates beside the put
+entries (both as NeMo Gym 0.7.0 resolves them).
 
 Both run the same native matcher (`tokencapture._core`): candidate rules, never a guess, and a
 digest check of every answer. The request hashes run natively for plain JSON items and fall back
@@ -158,9 +159,8 @@ def check_resolve_args(rollout_id: str, request_items: Iterable[Any]) -> list[An
     return request_list(request_items)
 
 
-def _resolve(native: _Native, rollout_id: str, request_items: Iterable[Any]) -> LineageResolution:
-    validate_rollout_id(rollout_id)
-    items = request_list(request_items)
+def _resolve(native: _Native, rollout_id: str, items: list[Any]) -> LineageResolution:
+    """Resolve by the native matcher; the arguments are already checked (`check_resolve_args`)."""
     raw = native.resolve(rollout_id, items)
     if raw is not None:
         return _resolution(raw)
@@ -224,9 +224,10 @@ class FileLineageStore:
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
         """Synchronous `resolve` (blocks on the rollout's shared lock and file reads)."""
-        resolution = _resolve(self._native, rollout_id, request_items)
+        items = check_resolve_args(rollout_id, request_items)
+        resolution = _resolve(self._native, rollout_id, items)
         if self._ledger_may_answer(rollout_id, resolution):
-            return self._from_ledger(rollout_id, request_list(request_items), resolution)
+            return self._from_ledger(rollout_id, items, resolution)
         return resolution
 
     def resolve(
@@ -239,8 +240,7 @@ class FileLineageStore:
         run on the native worker pool (no GIL, no thread hop), and only the answer is built
         on the loop.
         """
-        validate_rollout_id(rollout_id)
-        return self._resolve_job(rollout_id, request_list(request_items))
+        return self._resolve_job(rollout_id, check_resolve_args(rollout_id, request_items))
 
     async def _resolve_job(self, rollout_id: str, items: list[Any]) -> LineageResolution:
         resolution: LineageResolution | None = None
@@ -367,6 +367,11 @@ class InMemoryLineageStore:
     kept. Materialized cumulative sequences are cached separately, up to `max_cached_tokens`
     (default: a quarter of `max_tokens`). Reusing a model_call_id with a different payload raises
     `TokenCaptureConflictError` and removes that call from resolution.
+
+    It is also a capture ledger kept in memory (`record`, `record_failure`, `manifest`,
+    `has_rows`), by NeMo Gym 0.7.0's in-memory rules: a call id is a put entry or a committed
+    ledger row, not both (the second raises `CaptureLedgerConflictError`), and `resolve` takes
+    put entries and committed calls as one candidate set.
     """
 
     def __init__(
@@ -468,18 +473,18 @@ class InMemoryLineageStore:
     def resolve_now(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
-        resolution = _with_parent_length(_resolve(self._native, rollout_id, request_items))
-        self._touch(rollout_id)
-        return self._or_ledger(rollout_id, request_list(request_items), resolution)
+        return self._resolve_checked(rollout_id, check_resolve_args(rollout_id, request_items))
 
     def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> Coroutine[Any, Any, LineageResolution]:
         """`resolve_now` when awaited; the arguments are checked when this is called."""
-        validate_rollout_id(rollout_id)
-        return self._resolve_job(rollout_id, request_list(request_items))
+        return self._resolve_job(rollout_id, check_resolve_args(rollout_id, request_items))
 
     async def _resolve_job(self, rollout_id: str, items: list[Any]) -> LineageResolution:
+        return self._resolve_checked(rollout_id, items)
+
+    def _resolve_checked(self, rollout_id: str, items: list[Any]) -> LineageResolution:
         resolution = _with_parent_length(_resolve(self._native, rollout_id, items))
         self._touch(rollout_id)
         return self._or_ledger(rollout_id, items, resolution)
@@ -491,8 +496,9 @@ class InMemoryLineageStore:
     # in-memory rules: candidates whose recorded context the request extends, several that
     # share one (digest, cum_len) collapse to the smallest call id, otherwise "ambiguous".
     # A match is token-free: the cumulative hash as `digest`, `cum_len` as `prev_len`, the
-    # commit's `staging_chain` and the record's `chain_hash`. The ledger answers only where
-    # the entries leave the request UNRESOLVED for want of a match.
+    # commit's `staging_chain` and the record's `chain_hash`. Entries and committed calls are
+    # one candidate set (as NeMo Gym's single index): a resolved entry is one more candidate,
+    # and an answer the entries already found ambiguous stays so.
 
     def _or_ledger(
         self, rollout_id: str, items: list[Any], resolution: LineageResolution

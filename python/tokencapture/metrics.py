@@ -276,26 +276,6 @@ def _timed_method(function: Callable[..., Any], recorder: Recorder, operation: s
     record = recorder.record
     clock = time.perf_counter
 
-    if inspect.iscoroutinefunction(function):
-
-        @functools.wraps(function)
-        async def timed_coroutine(self: object, *args: Any, **kwargs: Any) -> Any:
-            if _timing.get() is self:
-                return await function(self, *args, **kwargs)
-            token = _timing.set(self)
-            started = clock()
-            try:
-                result = await function(self, *args, **kwargs)
-            except BaseException as exc:
-                record(operation, clock() - started, True, type(exc))
-                raise
-            finally:
-                _timing.reset(token)
-            record(operation, clock() - started, False, None)
-            return result
-
-        return timed_coroutine
-
     async def finish(self: object, awaitable: Awaitable[Any], started: float) -> Any:
         token = _timing.set(self)
         try:
@@ -326,4 +306,11 @@ def _timed_method(function: Callable[..., Any], recorder: Recorder, operation: s
         record(operation, clock() - started, False, None)
         return result
 
+    if inspect.iscoroutinefunction(function):
+        # Still a coroutine function to callers that check; `timed` times the awaitable.
+        @functools.wraps(function)
+        async def timed_coroutine(self: object, *args: Any, **kwargs: Any) -> Any:
+            return await timed(self, *args, **kwargs)
+
+        return timed_coroutine
     return timed

@@ -188,6 +188,11 @@ def validate_rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
     A bare string is rejected (`TypeError`): it is a sequence of one-character rollout ids, and
     NeMo Gym 0.7.0's synchronous `delete(rollout_id)` would otherwise silently do nothing.
     """
+    return validated_batch(rollout_ids, validate_rollout_id)
+
+
+def validated_batch(rollout_ids: Sequence[str], validate_one: Callable[[str], str]) -> list[str]:
+    """`validate_rollout_ids` with the check of one id given (the reference store's is Python)."""
     if isinstance(rollout_ids, str | bytes):
         raise TypeError(
             f"rollout_ids must be a sequence of rollout ids, not a single string "
@@ -198,7 +203,7 @@ def validate_rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
         raise TypeError(
             f"rollout_ids must be a sequence of rollout ids, not {type(rollout_ids).__name__}"
         )
-    return list(dict.fromkeys(validate_rollout_id(rollout_id) for rollout_id in rollout_ids))
+    return list(dict.fromkeys(validate_one(rollout_id) for rollout_id in rollout_ids))
 
 
 def check_snapshot_id(snapshot_id: object) -> str:

@@ -1103,9 +1103,9 @@ pub fn columns_of_log(
     assemble(source, &ranges, decoded, &records)
 }
 
-/// Lines that are all records (a backend that stores each entry's canonical line apart, such
-/// as PostgreSQL, having checked their digests) as columns. A refused line's error carries its
-/// index among `lines` as the offset.
+/// Lines that are all records (canonical lines stored apart, their digests checked by the
+/// caller) as columns. A refused line's error carries its index among `lines` as the offset.
+/// The PostgreSQL store decodes its fetched lines with [`columns_of_log`] instead.
 pub fn columns_of_lines(lines: &[&[u8]]) -> Result<Entries, RecordError> {
     let mut buf = Vec::with_capacity(lines.iter().map(|line| line.len() + 1).sum());
     let mut ranges = Vec::with_capacity(lines.len());

@@ -29,11 +29,13 @@
 //! and token digest. Only the token arrays of the links are read and parsed (8 bytes at a time
 //! in the canonical form). A full-prompt winner whose parent's tokens are cached is first tried
 //! as "the parent's tokens + the rest of its prompt": the ids the parent covers are counted,
-//! not parsed, and the result is kept only if it has the winner's recorded digest. A mismatch, a cycle, a missing parent or a malformed token array is a
+//! not parsed, and the result is kept only if it has the winner's recorded digest. A
+//! mismatch, a cycle, a missing parent or a malformed token array is a
 //! [`LineageError::Integrity`]: never wrong tokens. Verified sequences are cached by their
 //! digest under a token budget; a digest names its sequence, so the cache never goes stale
 //! (a deleted and reused rollout id cannot alias it), and every answer is still checked
-//! against the winner's own digest.
+//! against the digest the winner records. The answer carries that recorded digest (`""` when
+//! the winner records none, as NeMo Gym's resolvers answer), not the rebuilt tokens' digest.
 //!
 //! # Reading the store's files ([`FileLineage`])
 //!
@@ -697,6 +699,7 @@ pub enum Outcome {
     Resolved {
         call_id: String,
         tokens: Tokens,
+        /// The digest the winner records, `""` when it records none.
         digest: String,
     },
     Unresolved {

@@ -19,10 +19,10 @@ object with a string `model_call_id` raises `TokenCaptureCorruptionError` naming
 the byte offset. Freeze verifies every indexed line against its payload digest.
 
 Input handling follows the same rules as `tokencapture.store` (and shares its pure-Python
-parts: entry coercion, the field type checks, marker lines), so both stores raise the same
-errors and write the same bytes; the checks that the Rust-backed store runs natively (rollout
-ids, token arrays, non-finite floats and nesting) are written out in Python here, so nothing
-on this store's path calls the native module.
+parts: entry coercion, the field type checks, call ids, batches of rollout ids, marker lines),
+so both stores raise the same errors and write the same bytes; the checks that the Rust-backed
+store runs natively (rollout ids, token arrays, non-finite floats and nesting) are written out
+in Python here, so nothing on this store's path calls the native module.
 
 Where the differential tests showed the Rust store straying from the specification, this store
 keeps to it (tests/test_differential.py marks those cases): `retire` fences the state a reader
@@ -41,7 +41,7 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,14 @@ from tokencapture.protocols import (
     TokenCaptureSnapshot,
 )
 from tokencapture.records import TokenEntry, check_entry_invariants, check_field_types
-from tokencapture.store import _as_token_entry, _marker_line, check_snapshot_id
+from tokencapture.store import (
+    _LINE_SPACE,
+    _as_token_entry,
+    _marker_line,
+    check_call_id,
+    check_snapshot_id,
+    validated_batch,
+)
 
 __all__ = ["TokenCaptureStore"]
 
@@ -92,17 +99,7 @@ def validate_rollout_id(rollout_id: str) -> str:
 
 def validate_rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
     """Validate a whole batch first and drop duplicates; a bare string is refused."""
-    if isinstance(rollout_ids, str | bytes):
-        raise TypeError(
-            f"rollout_ids must be a sequence of rollout ids, not a single string "
-            f"({rollout_ids!r}); pass [{rollout_ids!r}]. NeMo Gym 0.7.0's synchronous "
-            "store.delete(rollout_id) is store.delete_now([rollout_id]) here"
-        )
-    if not isinstance(rollout_ids, Iterable):
-        raise TypeError(
-            f"rollout_ids must be a sequence of rollout ids, not {type(rollout_ids).__name__}"
-        )
-    return list(dict.fromkeys(validate_rollout_id(rollout_id) for rollout_id in rollout_ids))
+    return validated_batch(rollout_ids, validate_rollout_id)
 
 
 _TOKEN_ARRAYS = ("prompt_token_ids", "generation_token_ids")
@@ -187,30 +184,6 @@ def _payload_digest(line: bytes) -> str:
 
 def _is_hex_digest(text: object) -> bool:
     return isinstance(text, str) and len(text) == 64 and all(c in "0123456789abcdef" for c in text)
-
-
-# What readers strip from both ends of an intents line (`bytes.strip()`, as NeMo Gym reads them).
-_LINE_SPACE = " \t\n\x0b\x0c\r"
-
-
-def _check_call_id(call_id: object) -> str:
-    """A call id must be one line of the intents file: non-empty, no line break, UTF-8."""
-    if not isinstance(call_id, str):
-        raise TypeError(f"model_call_id must be a str, not {type(call_id).__name__}")
-    if not call_id:
-        raise ValueError("model_call_id must not be empty")
-    if "\n" in call_id or "\r" in call_id:
-        raise ValueError(f"model_call_id {call_id!r} contains a line break")
-    if call_id != call_id.strip(_LINE_SPACE):
-        raise ValueError(
-            f"model_call_id {call_id!r} starts or ends with whitespace, which readers of the "
-            "intents file strip: its intent would not match its entry"
-        )
-    try:
-        call_id.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("model_call_id must be valid Unicode text (no lone surrogates)") from None
-    return call_id
 
 
 # The state index ---------------------------------------------------------------------------
@@ -741,7 +714,7 @@ class TokenCaptureStore:
         token_entry = _as_token_entry(entry)
         line = canonical_line(token_entry)
         validate_rollout_id(token_entry.rollout_id)
-        _check_call_id(token_entry.model_call_id)
+        check_call_id(token_entry.model_call_id)
         return token_entry, line
 
     def append(self, entry: TokenEntry, *, _line: bytes | None = None) -> None:
@@ -814,7 +787,7 @@ class TokenCaptureStore:
         if not isinstance(model_call_id, str):
             raise TypeError(f"model_call_id must be a str, not {type(model_call_id).__name__}")
         paths = self._paths(rollout_id)
-        call_id = _check_call_id(model_call_id)
+        call_id = check_call_id(model_call_id)
         with self._locked(paths):
             state = self._read_state(paths) or _State()
             self._check_writable(rollout_id, state)
@@ -828,7 +801,7 @@ class TokenCaptureStore:
         called, the intent written when it is awaited.
         """
         validate_rollout_id(rollout_id)
-        _check_call_id(model_call_id)
+        check_call_id(model_call_id)
         return asyncio.to_thread(self._begin_call, rollout_id, model_call_id)
 
     def _mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:

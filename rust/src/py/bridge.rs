@@ -1,7 +1,7 @@
-//! Async puts run on a native worker pool and report to a `Completions` queue that the event loop
-//! watches (its doorbell is registered with `loop.add_reader`). Workers never take the GIL; the
-//! first completion after a drain rings the doorbell, so a burst of completions costs the loop
-//! one wake-up and one `drain` call.
+//! Async store, ledger and lineage jobs run on a native worker pool and report to a
+//! `Completions` queue that the event loop watches (its doorbell is registered with
+//! `loop.add_reader`). Workers never take the GIL; the first completion after a drain rings the
+//! doorbell, so a burst of completions costs the loop one wake-up and one `drain` call.
 
 use std::sync::{Arc, Mutex, PoisonError};
 

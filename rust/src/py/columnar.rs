@@ -41,10 +41,14 @@ fn arrow_err(err: ArrowError) -> PyErr {
     PyRuntimeError::new_err(format!("building Arrow arrays failed: {err}"))
 }
 
+fn record_err(err: columnar::RecordError) -> PyErr {
+    ColumnarRecordError::new_err((err.offset, err.message))
+}
+
 fn columns_err(py: Python<'_>, err: ColumnsError) -> PyErr {
     match err {
         ColumnsError::Store(err) => to_pyerr(py, err),
-        ColumnsError::Record(err) => ColumnarRecordError::new_err((err.offset, err.message)),
+        ColumnsError::Record(err) => record_err(err),
     }
 }
 
@@ -86,6 +90,11 @@ fn schema() -> SchemaRef {
     ]))
 }
 
+/// An `int64` array over `values` (moved, not copied).
+fn int64_array(values: ScalarBuffer<i64>) -> ArrayRef {
+    Arc::new(Int64Array::new(values, None))
+}
+
 /// A list column over `column`'s buffers (moved, not copied).
 fn list_array<T: arrow_buffer::ArrowNativeType>(
     column: ListColumn<T>,
@@ -117,14 +126,13 @@ fn batch_of(entries: Entries) -> Result<RecordBatch, ArrowError> {
     let flag = |get: fn(&Row) -> bool| -> ArrayRef {
         Arc::new(BooleanArray::from(rows.iter().map(get).collect::<Vec<_>>()))
     };
-    let ids = |values: ScalarBuffer<i64>| -> ArrayRef { Arc::new(Int64Array::new(values, None)) };
     let columns: Vec<ArrayRef> = vec![
         int(|row| Some(row.schema_version)),
         text(|row| &row.rollout_id),
         text(|row| &row.model_call_id),
         text(|row| &row.model),
-        list_array(prompt_token_ids, ids, DataType::Int64)?,
-        list_array(generation_token_ids, ids, DataType::Int64)?,
+        list_array(prompt_token_ids, int64_array, DataType::Int64)?,
+        list_array(generation_token_ids, int64_array, DataType::Int64)?,
         list_array(
             generation_log_probs,
             |values| Arc::new(Float64Array::new(values, None)),
@@ -162,7 +170,11 @@ fn capsule<'py, T: 'static + Send>(
     PyCapsule::new(py, value, Some(CString::from(name)))
 }
 
-fn schema_capsule<'py>(py: Python<'py>, schema: &Schema) -> PyResult<Bound<'py, PyCapsule>> {
+/// A schema (or field) as an `arrow_schema` capsule.
+fn schema_capsule<'py, S>(py: Python<'py>, schema: S) -> PyResult<Bound<'py, PyCapsule>>
+where
+    FFI_ArrowSchema: TryFrom<S, Error = ArrowError>,
+{
     let schema = FFI_ArrowSchema::try_from(schema).map_err(arrow_err)?;
     capsule(py, schema, c"arrow_schema")
 }
@@ -216,14 +228,14 @@ impl ColumnarEntries {
         requested_schema: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let _ = requested_schema;
-        let schema = schema_capsule(py, &self.batch.schema())?;
+        let schema = schema_capsule(py, self.batch.schema().as_ref())?;
         let data = StructArray::from(self.batch.clone()).into_data();
         let array = capsule(py, FFI_ArrowArray::new(&data), c"arrow_array")?;
         PyTuple::new(py, [schema.into_any(), array.into_any()])
     }
 
     fn __arrow_c_schema__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
-        schema_capsule(py, &self.batch.schema())
+        schema_capsule(py, self.batch.schema().as_ref())
     }
 
     /// Per entry, prompt then generation, a delta entry's prompt preceded by its parent's
@@ -265,9 +277,7 @@ impl ColumnarEntries {
         let cumulative = py
             .detach(|| columnar::cumulative_tokens(&links, prompt, generation))
             .map_err(PyValueError::new_err)?;
-        let ids =
-            |values: ScalarBuffer<i64>| -> ArrayRef { Arc::new(Int64Array::new(values, None)) };
-        let array = list_array(cumulative, ids, DataType::Int64).map_err(arrow_err)?;
+        let array = list_array(cumulative, int64_array, DataType::Int64).map_err(arrow_err)?;
         let field = Arc::new(Field::new(
             "cumulative_token_ids",
             list_type(DataType::Int64),
@@ -297,8 +307,7 @@ impl ColumnarArray {
         requested_schema: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let _ = requested_schema;
-        let schema = FFI_ArrowSchema::try_from(self.field.as_ref()).map_err(arrow_err)?;
-        let schema = capsule(py, schema, c"arrow_schema")?;
+        let schema = schema_capsule(py, self.field.as_ref())?;
         let array = capsule(
             py,
             FFI_ArrowArray::new(&self.array.to_data()),
@@ -308,14 +317,15 @@ impl ColumnarArray {
     }
 
     fn __arrow_c_schema__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
-        let schema = FFI_ArrowSchema::try_from(self.field.as_ref()).map_err(arrow_err)?;
-        capsule(py, schema, c"arrow_schema")
+        schema_capsule(py, self.field.as_ref())
     }
 }
 
-fn entries_of(entries: Entries) -> PyResult<ColumnarEntries> {
-    let batch = batch_of(entries).map_err(arrow_err)?;
-    Ok(ColumnarEntries { batch })
+/// The entries of a batch `batch_of` built (detached, as each caller builds it).
+fn entries_of(batch: Result<RecordBatch, ArrowError>) -> PyResult<ColumnarEntries> {
+    Ok(ColumnarEntries {
+        batch: batch.map_err(arrow_err)?,
+    })
 }
 
 /// Freeze a rollout as `Store.freeze` does and return `(entries, incomplete, snapshot_id,
@@ -341,10 +351,7 @@ fn freeze_columns(
         })
     });
     let (batch, incomplete, snapshot_id, version) = frozen.map_err(|e| columns_err(py, e))?;
-    let entries = ColumnarEntries {
-        batch: batch.map_err(arrow_err)?,
-    };
-    Ok((entries, incomplete, snapshot_id, version))
+    Ok((entries_of(batch)?, incomplete, snapshot_id, version))
 }
 
 /// The stored entries of a rollout as columns, as `Store.read_lines` reads them.
@@ -356,10 +363,10 @@ fn read_columns(
 ) -> PyResult<ColumnarEntries> {
     let rollout_id = text(rollout_id, "rollout_id")?;
     let store = &store.get().inner;
-    let entries = py
-        .detach(|| columnar::read_columns(store, rollout_id))
+    let batch = py
+        .detach(|| columnar::read_columns(store, rollout_id).map(batch_of))
         .map_err(|e| columns_err(py, e))?;
-    entries_of(entries)
+    entries_of(batch)
 }
 
 /// Stored lines that are all records (see `columnar::columns_of_lines`) as columns; a refused
@@ -369,12 +376,11 @@ fn columns_of_lines(
     py: Python<'_>,
     lines: Vec<pyo3::pybacked::PyBackedBytes>,
 ) -> PyResult<ColumnarEntries> {
-    let entries = py.detach(|| {
+    let batch = py.detach(|| {
         let lines: Vec<&[u8]> = lines.iter().map(|line| &**line).collect();
-        columnar::columns_of_lines(&lines)
+        columnar::columns_of_lines(&lines).map(batch_of)
     });
-    let entries = entries.map_err(|err| ColumnarRecordError::new_err((err.offset, err.message)))?;
-    entries_of(entries)
+    entries_of(batch.map_err(record_err)?)
 }
 
 /// A log fetched whole from another backend (see `crate::fetched`) as columns, checked as
@@ -392,9 +398,7 @@ fn columns_of_log(
     let batch = py
         .detach(|| columnar::columns_of_log(log, digests.as_deref(), path).map(batch_of))
         .map_err(|e| columns_err(py, e))?;
-    Ok(ColumnarEntries {
-        batch: batch.map_err(arrow_err)?,
-    })
+    entries_of(batch)
 }
 
 pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -1,5 +1,6 @@
-//! Freeze hands back Python dicts built straight from the verified bytes by the same validating
-//! walk the store uses (`json::build`), with no intermediate tree. Token ids repeat heavily within
+//! Freeze and reads (and `decode_lines`, for a log another backend fetched) hand back Python
+//! dicts built straight from the verified bytes by the same validating walk the store uses
+//! (`json::build`), with no intermediate tree. Token ids repeat heavily within
 //! a rollout (every prompt contains the previous prompt and answer): the walk carries a
 //! `json::Repeats`, so a repeated run of ids is copied from the earlier list (a C loop of
 //! increments) rather than parsed.

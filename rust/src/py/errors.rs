@@ -7,23 +7,30 @@ use pyo3::types::{PyString, PyType};
 
 use crate::error::Error;
 
-/// Exception classes defined in `tokencapture.protocols`, looked up once.
+/// An exception class defined in one of the package's Python modules, looked up once.
 pub(super) struct ExceptionClass {
     cell: PyOnceLock<Py<PyType>>,
+    module: &'static str,
     name: &'static str,
 }
 
 impl ExceptionClass {
+    /// A class of `tokencapture.protocols`.
     pub(super) const fn new(name: &'static str) -> Self {
+        Self::in_module("tokencapture.protocols", name)
+    }
+
+    pub(super) const fn in_module(module: &'static str, name: &'static str) -> Self {
         ExceptionClass {
             cell: PyOnceLock::new(),
+            module,
             name,
         }
     }
 
     pub(super) fn err(&self, py: Python<'_>, message: String) -> PyErr {
         let class = self.cell.get_or_try_init(py, || {
-            py.import("tokencapture.protocols")?
+            py.import(self.module)?
                 .getattr(self.name)?
                 .cast_into::<PyType>()
                 .map(Bound::unbind)

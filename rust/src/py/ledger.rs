@@ -12,8 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyString, PyType};
+use pyo3::types::{PyBytes, PyString};
 
 use super::bridge::{spawn_job, Completions, Outcome};
 use super::errors::{text, to_pyerr, ExceptionClass};
@@ -22,26 +21,15 @@ use crate::error::Error;
 use crate::ledger::{self, Ledger, LedgerError, RecordOutcome, DEFAULT_CACHED_ROLLOUTS};
 
 static ROLLOUT_RETIRED: ExceptionClass = ExceptionClass::new("RolloutRetiredError");
-static LEDGER_CONFLICT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static LEDGER_CONFLICT: ExceptionClass =
+    ExceptionClass::in_module("tokencapture.ledger", "CaptureLedgerConflictError");
 
 fn ledger_err(py: Python<'_>, err: LedgerError) -> PyErr {
     let message = err.to_string();
     match err {
         LedgerError::Store(err) => to_pyerr(py, err),
         LedgerError::Retired(_) => ROLLOUT_RETIRED.err(py, message),
-        LedgerError::Conflict { .. } => {
-            let class = LEDGER_CONFLICT.get_or_try_init(py, || {
-                py.import("tokencapture.ledger")?
-                    .getattr("CaptureLedgerConflictError")?
-                    .cast_into::<PyType>()
-                    .map(Bound::unbind)
-                    .map_err(PyErr::from)
-            });
-            match class {
-                Ok(class) => PyErr::from_type(class.bind(py).clone(), message),
-                Err(import_error) => import_error,
-            }
-        }
+        LedgerError::Conflict { .. } => LEDGER_CONFLICT.err(py, message),
     }
 }
 

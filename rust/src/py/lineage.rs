@@ -13,37 +13,25 @@ use std::sync::{Arc, Mutex, PoisonError};
 use lru::LruCache;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::Value;
 
 use super::bridge::{spawn_job, Completions};
 use super::decode::untrack_atomic;
-use super::errors::{text, to_pyerr};
+use super::errors::{text, to_pyerr, ExceptionClass};
 use super::records::token_ids;
 use crate::lineage::{
     self, FileLineage, HashedRequest, ItemsRequest, LineageError, MemoryLineage, Missing, Outcome,
     Step, Tokens,
 };
 
-static INTEGRITY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static INTEGRITY: ExceptionClass =
+    ExceptionClass::in_module("tokencapture.lineage", "LineageIntegrityError");
 
 fn lineage_err(py: Python<'_>, err: LineageError) -> PyErr {
     match err {
         LineageError::Store(err) => to_pyerr(py, err),
-        LineageError::Integrity(message) => {
-            let class = INTEGRITY.get_or_try_init(py, || {
-                py.import("tokencapture.lineage")?
-                    .getattr("LineageIntegrityError")?
-                    .cast_into::<PyType>()
-                    .map(Bound::unbind)
-                    .map_err(PyErr::from)
-            });
-            match class {
-                Ok(class) => PyErr::from_type(class.bind(py).clone(), message),
-                Err(import_error) => import_error,
-            }
-        }
+        LineageError::Integrity(message) => INTEGRITY.err(py, message),
     }
 }
 

@@ -10,6 +10,17 @@ use super::errors::text;
 use crate::digest;
 use crate::store;
 
+/// Signed token ids as u64, refusing a negative one.
+fn non_negative<T: Into<i64>>(ids: Vec<T>) -> PyResult<Vec<u64>> {
+    ids.into_iter()
+        .map(|id| {
+            let id: i64 = id.into();
+            u64::try_from(id)
+                .map_err(|_| PyValueError::new_err(format!("token id {id} is negative")))
+        })
+        .collect()
+}
+
 /// Token ids from a list/tuple of ints or a buffer of integers, as u64.
 pub(super) fn token_ids(ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     let out_of_range = |item: &Bound<'_, PyAny>| {
@@ -38,24 +49,10 @@ pub(super) fn token_ids(ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         return Ok(buffer.to_vec(py)?.into_iter().map(u64::from).collect());
     }
     if let Ok(buffer) = PyBuffer::<i64>::get(ids) {
-        return buffer
-            .to_vec(py)?
-            .into_iter()
-            .map(|id| {
-                u64::try_from(id)
-                    .map_err(|_| PyValueError::new_err(format!("token id {id} is negative")))
-            })
-            .collect();
+        return non_negative(buffer.to_vec(py)?);
     }
     if let Ok(buffer) = PyBuffer::<i32>::get(ids) {
-        return buffer
-            .to_vec(py)?
-            .into_iter()
-            .map(|id| {
-                u64::try_from(id)
-                    .map_err(|_| PyValueError::new_err(format!("token id {id} is negative")))
-            })
-            .collect();
+        return non_negative(buffer.to_vec(py)?);
     }
     ids.try_iter()?.map(|item| extract(item?)).collect()
 }
