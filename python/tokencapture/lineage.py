@@ -181,6 +181,14 @@ def _resolve_in_python(native: _Native, rollout_id: str, items: list[Any]) -> Li
             digests[length] = conversation_digest(items[:length])
 
 
+def check_cache_limits(max_cached_rollouts: int, max_cached_tokens: int) -> None:
+    """The cache bounds every durable-log resolver takes (file and PostgreSQL)."""
+    if max_cached_rollouts < 1:
+        raise ValueError("max_cached_rollouts must be at least 1")
+    if max_cached_tokens < 0:
+        raise ValueError("max_cached_tokens must not be negative")
+
+
 @instrumented("lineage", "file", {"resolve_now": "resolve", "resolve": "resolve"})
 class FileLineageStore:
     """A `LineageResolver` over the JSONL files of a `TokenCaptureStore` directory.
@@ -204,10 +212,7 @@ class FileLineageStore:
         max_cached_rollouts: int = DEFAULT_CACHED_ROLLOUTS,
         max_cached_tokens: int = DEFAULT_CACHED_TOKENS,
     ) -> None:
-        if max_cached_rollouts < 1:
-            raise ValueError("max_cached_rollouts must be at least 1")
-        if max_cached_tokens < 0:
-            raise ValueError("max_cached_tokens must not be negative")
+        check_cache_limits(max_cached_rollouts, max_cached_tokens)
         self._root = os.fspath(root)
         self._native = _core.FileLineage(self._root, max_cached_rollouts, max_cached_tokens)
         self._ledger: FileCaptureLedger | None = None

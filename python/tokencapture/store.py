@@ -311,6 +311,22 @@ def _entry_from_record(record: dict[str, Any]) -> TokenEntry:
     return entry
 
 
+def entries_from_records(
+    records: Sequence[dict[str, Any]], offsets: Sequence[int], where: str
+) -> tuple[TokenEntry, ...]:
+    """Entries from natively decoded records (any backend); a record that is not a valid entry
+    is corruption, reported with `where` (the log) and the line's byte offset."""
+    entries = []
+    for record, offset in zip(records, offsets, strict=True):
+        try:
+            entries.append(_entry_from_record(record))
+        except ValueError as exc:
+            raise TokenCaptureCorruptionError(
+                f"{where}: the line is not a valid entry: {exc} (byte offset {offset})"
+            ) from exc
+    return tuple(entries)
+
+
 def canonical_line(entry: TokenEntry) -> bytes:
     """The stored form of an entry: `orjson.dumps(model_dump(mode="json"), OPT_SORT_KEYS)`.
 
@@ -547,17 +563,7 @@ class TokenCaptureStore:
     def _entries(
         self, rollout_id: str, records: list[dict[str, Any]], offsets: list[int]
     ) -> tuple[TokenEntry, ...]:
-        """Entries from decoded records; one that is not a valid entry is corruption."""
-        entries = []
-        for record, offset in zip(records, offsets, strict=True):
-            try:
-                entries.append(_entry_from_record(record))
-            except ValueError as exc:
-                raise TokenCaptureCorruptionError(
-                    f"{self.path_for(rollout_id)}: the line is not a valid entry: {exc} "
-                    f"(byte offset {offset})"
-                ) from exc
-        return tuple(entries)
+        return entries_from_records(records, offsets, str(self.path_for(rollout_id)))
 
     def freeze(self, rollout_id: str) -> Coroutine[Any, Any, TokenCaptureSnapshot]:
         """Freeze the rollout off the event loop (the id is checked when this is called)."""

@@ -18,7 +18,7 @@ from tokencapture import _core
 from tokencapture import columnar as _columnar
 from tokencapture.protocols import TokenCaptureCorruptionError
 from tokencapture.records import TokenEntry
-from tokencapture.store import _entry_from_record
+from tokencapture.store import entries_from_records
 
 __all__ = ["decode_columns", "decode_entries"]
 
@@ -33,15 +33,7 @@ def decode_entries(log: bytes, digests: Sequence[str], where: str) -> tuple[Toke
     decoded natively and built as the file store builds entries; a bad line is corruption."""
     records, offsets = _core.decode_lines(log, digests, where)
     _one_line_per_call(where, len(records), len(digests))
-    entries = []
-    for record, offset in zip(records, offsets, strict=True):
-        try:
-            entries.append(_entry_from_record(record))
-        except ValueError as exc:
-            raise TokenCaptureCorruptionError(
-                f"{where}: the line is not a valid entry: {exc} (byte offset {offset})"
-            ) from exc
-    return tuple(entries)
+    return entries_from_records(records, offsets, where)
 
 
 def decode_columns(log: bytes, digests: Sequence[str], where: str) -> _core.ColumnarEntries:

@@ -20,6 +20,7 @@ from tokencapture.lineage import (
     DEFAULT_CACHED_ROLLOUTS,
     DEFAULT_CACHED_TOKENS,
     _resolve,
+    check_cache_limits,
     check_resolve_args,
 )
 from tokencapture.metrics import instrumented
@@ -51,10 +52,7 @@ class PostgresLineageStore:
         max_cached_tokens: int = DEFAULT_CACHED_TOKENS,
         **options: Any,
     ) -> None:
-        if max_cached_rollouts < 1:
-            raise ValueError("max_cached_rollouts must be at least 1")
-        if max_cached_tokens < 0:
-            raise ValueError("max_cached_tokens must not be negative")
+        check_cache_limits(max_cached_rollouts, max_cached_tokens)
         self._client = Client(dsn, **options)
         self._max_rollouts = max_cached_rollouts
         self._native = _core.MemoryLineage(
