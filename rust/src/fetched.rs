@@ -106,8 +106,12 @@ pub fn decode_fetched<D>(
             drop(sink); // every line is sent: `decode` may finish and help hash
             call_ids
         });
+        // A third thread hashes from the start: the walk and the build are each shorter than
+        // the hashing of a large log, so hashing only when idle left it for the end.
+        let hasher = scope.spawn(move || while hashing.help() {});
         let decoded = decode(LinesToDecode::Taped(feed));
         while hashing.help() {}
+        hasher.join().expect("hashing thread");
         (walking.join().expect("walking thread"), decoded)
     });
     let hashed = digests.map(|_| hashing.collect());
