@@ -12,7 +12,7 @@ import asyncio
 import os
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from tests.pg_server import PgServer, PgServerUnavailable
@@ -109,6 +109,21 @@ def execute(dsn: str, sql: str, *args: object) -> None:
             await connection.close()
 
     asyncio.run(run())
+
+
+def fetch(dsn: str, sql: str, *args: object) -> list[Any]:
+    """The rows of one query, on a connection of its own (to call the schema's functions
+    directly)."""
+    import asyncpg
+
+    async def run() -> list[Any]:
+        connection = await asyncpg.connect(dsn)
+        try:
+            return list(await connection.fetch(sql, *args))
+        finally:
+            await connection.close()
+
+    return asyncio.run(run())
 
 
 def _psql(server: PgServer, sql: str) -> None:

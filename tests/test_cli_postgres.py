@@ -34,7 +34,7 @@ def test_db_init_installs_then_reports_current(
     code, first = run(capsys, "db", "init", pg_dsn)
     assert code == 0 and first["applied"] == SCHEMA_FILES
     code, second = run(capsys, "db", "init", pg_dsn)
-    assert code == 0 and second == {"applied": [], "schema_version": 3}
+    assert code == 0 and second == {"applied": [], "schema_version": 4}
 
 
 def _varied(store: TokenCaptureStore) -> None:

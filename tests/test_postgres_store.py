@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tests.conftest import make_entry
 from tests.pg_server import PgServer, PgServerUnavailable
-from tests.postgres_fixture import execute, pg_dsn, pg_server, store, unavailable
+from tests.postgres_fixture import execute, fetch, pg_dsn, pg_server, store, unavailable
 from tests.test_conformance import STORE_CHECKS
 
 from tokencapture.conformance import run_conformance
@@ -40,7 +40,7 @@ from tokencapture.store import TokenCaptureStore, canonical_line
 
 __all__ = ["pg_dsn", "pg_server", "store"]  # the fixtures, imported for pytest
 
-SCHEMA_FILES = ["001_store.sql", "002_lineage.sql", "003_ledger.sql"]
+SCHEMA_FILES = ["001_store.sql", "002_lineage.sql", "003_ledger.sql", "004_streamed_reads.sql"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -844,16 +844,72 @@ def test_an_older_schema_is_refused_then_upgraded_on_first_use(pg_dsn: str) -> N
             )
         await connection.close()
 
-    asyncio.run(install_first(2))
+    asyncio.run(install_first(3))
     old = PostgresTokenCaptureStore(pg_dsn)
-    with pytest.raises(RuntimeError, match="schema version 2, this client needs 3"):
+    with pytest.raises(RuntimeError, match="schema version 3, this client needs 4"):
         old.append(make_entry())
     old.close_sync()
     upgrading = PostgresTokenCaptureStore(pg_dsn, install_schema=True)
-    upgrading.append(make_entry())  # 003 applied first
+    upgrading.append(make_entry())  # 004 applied first
     assert upgrading.freeze_now("r1").version == 2
     upgrading.close_sync()
     assert install_schema_sync(pg_dsn) == []
+
+
+async def test_a_freeze_waits_for_a_put_in_flight_and_returns_its_entry(
+    store: PostgresTokenCaptureStore, pg_dsn: str
+) -> None:
+    """A put holding the rollout's lock (committed while the freeze waits for it) is in the
+    snapshot: the freeze reads the lines with a snapshot taken after it got the lock."""
+    import asyncpg
+
+    first, in_flight = make_entry(model_call_id="c1"), make_entry(model_call_id="c2")
+    await store.put(first)
+    connection = await asyncpg.connect(pg_dsn)
+    try:
+        transaction = connection.transaction()
+        await transaction.start()
+        status = await connection.fetchval(
+            "SELECT tokencapture.put($1, $2, $3, $4)", *store._put_args(in_flight)
+        )
+        assert status == 0
+        freezing = asyncio.ensure_future(store.freeze("r1"))
+        await asyncio.sleep(0.3)
+        assert not freezing.done()  # waiting for the put's lock
+        await transaction.commit()
+        snapshot = await asyncio.wait_for(freezing, 10)
+    finally:
+        await connection.close()
+    assert snapshot.entries == (first, in_flight)
+    assert snapshot.version == 3  # two puts, then the freeze
+    with pytest.raises(TokenCaptureFrozenError):
+        await store.put(make_entry(model_call_id="c3"))
+    await store.close()  # on the loop whose pool it closes
+
+
+def test_the_functions_of_earlier_versions_still_answer_after_the_upgrade(
+    store: PostgresTokenCaptureStore, pg_dsn: str
+) -> None:
+    """A client of schema version 3 (freeze_lines, lineage_tail) during a rolling upgrade gets
+    what the version 4 functions give this one."""
+    entries = [make_entry(model_call_id=f"c{i}", prompt_token_ids=[i] * 5) for i in range(3)]
+    for entry in entries:
+        store.append(entry)
+    rows = fetch(pg_dsn, "SELECT * FROM tokencapture.freeze_lines($1, $2)", "r1", "s-old")
+    assert [row["line"] for row in rows[1:]] == [canonical_line(e) for e in entries]
+    outcome = rows[0]
+    snapshot = store.freeze_now("r1")  # frozen by freeze_lines: the same snapshot
+    assert (outcome["status"], outcome["snapshot_id"], outcome["version"]) == (0, "s-old", 4)
+    assert (snapshot.snapshot_id, snapshot.version, snapshot.entries) == (
+        "s-old",
+        4,
+        tuple(entries),
+    )
+    tail = fetch(pg_dsn, "SELECT * FROM tokencapture.lineage_tail($1, 0, 0)", "r1")[0]
+    assert tail["lines"] == [canonical_line(e) for e in entries] and not tail["retired"]
+    store.retire_now(["r1"])
+    rows = fetch(pg_dsn, "SELECT * FROM tokencapture.freeze_lines($1, $2)", "r1", "s-new")
+    assert [row["status"] for row in rows] == [4]
 
 
 async def test_concurrent_first_use_of_many_stores_installs_once(pg_dsn: str) -> None:
@@ -863,3 +919,50 @@ async def test_concurrent_first_use_of_many_stores_installs_once(pg_dsn: str) ->
     assert len(snapshot.entries) == 4 and snapshot.version == 5
     for s in stores:
         await s.close()
+
+
+async def test_the_pool_is_bounded_and_waits_for_a_connection_within_the_timeout(
+    pg_dsn: str,
+) -> None:
+    from tokencapture.postgres._client import Client
+
+    client = Client(pg_dsn, pool_size=3, connect_timeout=5, install_schema=True)
+    observer = Client(pg_dsn, pool_size=1)
+    sleeping = (
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'tokencapture'"
+        " AND state = 'active' AND query = 'SELECT pg_sleep(0.3)'"
+    )
+    begin = time.monotonic()
+    burst = asyncio.gather(*(client.fetch("val", "SELECT pg_sleep(0.3)") for _ in range(7)))
+    await asyncio.sleep(0.15)
+    assert await observer.fetch("val", sleeping) == 3
+    await burst
+    assert time.monotonic() - begin >= 0.85  # seven sleeps over three connections
+    await client.close()
+    # While every connection is busy, another caller waits for one, then gives up in time.
+    small = Client(pg_dsn, pool_size=2, connect_timeout=0.5)
+    busy = asyncio.gather(*(small.fetch("val", "SELECT pg_sleep(1.5)") for _ in range(2)))
+    await asyncio.sleep(0.2)
+    started = time.monotonic()
+    with pytest.raises(PostgresUnavailableError, match="TimeoutError"):
+        await small.fetch("val", "SELECT 1")
+    assert 0.4 <= time.monotonic() - started < 1.2
+    await busy
+    assert await small.fetch("val", "SELECT 1") == 1
+    await small.close()
+    await observer.close()
+
+
+async def test_a_pooled_connection_the_server_closed_is_replaced(pg_dsn: str) -> None:
+    from tokencapture.postgres._client import Client
+
+    client = Client(pg_dsn, pool_size=2, install_schema=True)
+    first = await client.fetch("val", "SELECT pg_backend_pid()")
+    killer = Client(pg_dsn, pool_size=1)
+    assert await killer.fetch("val", "SELECT pg_terminate_backend($1)", first)
+    await killer.close()
+    await asyncio.sleep(0.1)
+    second = await client.fetch("val", "SELECT pg_backend_pid()")
+    assert second != first
+    assert await client.fetch("val", "SELECT pg_backend_pid()") == second  # reused
+    await client.close()

@@ -29,7 +29,8 @@ from tokencapture.protocols import LineageResolution
 
 __all__ = ["PostgresLineageStore"]
 
-_TAIL = "SELECT * FROM tokencapture.lineage_tail($1, $2, $3)"
+# The new lines as rows, streamed (see sql/004_streamed_reads.sql).
+_NEW_LINES = "SELECT * FROM tokencapture.lineage_lines($1, $2, $3)"
 # The native index never evicts on its own (this class evicts whole rollouts, LRU, and resets
 # their cursors with them): an eviction the cursor did not see would hide committed calls.
 _UNBOUNDED_TOKENS = 2**62
@@ -69,24 +70,26 @@ class PostgresLineageStore:
         """Index the rollout's lines committed since the last refresh."""
         with self._lock:
             incarnation, after = self._cursors.get(rollout_id, (0, 0))
-        row = await self._client.fetch("row", _TAIL, rollout_id, incarnation, after)
+        rows = await self._client.fetch("rows", _NEW_LINES, rollout_id, incarnation, after)
         with self._lock:
             known = self._cursors.get(rollout_id)
-            if row["incarnation"] is None or row["retired"]:
+            if not rows or rows[0]["retired"]:
                 # Gone or fenced: nothing of it resolves (a fenced rollout has no entries).
                 self._forget(rollout_id)
                 return
-            fresh = row["incarnation"]
+            fresh = rows[0]["incarnation"]
             if known is not None and known[0] > fresh:
                 return  # an older answer than one already applied
+            lines = [row["line"] for row in rows if row["line"] is not None]
             if known is None or known[0] != fresh:
                 self._forget(rollout_id)
-            elif row["last_seq"] <= known[1]:
+            elif not lines or rows[-1]["seq"] <= known[1]:
                 self._cursors.move_to_end(rollout_id)
                 return  # nothing new (or a concurrent refresh applied it already)
-            for line in row["lines"]:
+            for line in lines:
                 self._native.put(rollout_id, line)
-            self._cursors[rollout_id] = (fresh, row["last_seq"])
+            last_seq = rows[-1]["seq"] if lines else 0
+            self._cursors[rollout_id] = (fresh, last_seq)
             self._cursors.move_to_end(rollout_id)
             while len(self._cursors) > self._max_rollouts:
                 oldest, _ = self._cursors.popitem(last=False)

@@ -89,9 +89,12 @@ _PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
 _PUT_BATCH = "SELECT tokencapture.put_batch($1, $2, $3, $4)"
 _BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
 _MARK_INCOMPLETE = "SELECT tokencapture.mark_incomplete($1, $2)"
-# The lines come back as rows (see freeze_lines in sql/001_store.sql); a freeze's first row
-# is its outcome.
-_FREEZE = "SELECT * FROM tokencapture.freeze_lines($1, $2)"
+# A freeze's rows stream from `freeze_stream` in the select list (see
+# sql/004_streamed_reads.sql; the subquery calls it once per row, not once per column).
+_FREEZE = (
+    "SELECT (f).status, (f).incomplete, (f).snapshot_id, (f).version, (f).line, (f).digest"
+    " FROM (SELECT tokencapture.freeze_stream($1, $2) AS f OFFSET 0) AS frozen"
+)
 _READ = "SELECT line, digest FROM tokencapture.read_lines($1)"
 _IS_INCOMPLETE = "SELECT tokencapture.is_incomplete($1)"
 _DROP = "SELECT tokencapture.drop_snapshot($1, $2, $3)"
@@ -347,11 +350,18 @@ class PostgresTokenCaptureStore:
         """Freeze one rollout (the first freeze mints the snapshot id) and return its snapshot."""
         return self._freeze(validate_rollout_id(rollout_id))
 
+    async def _freeze_rows(self, rollout_id: str) -> tuple[Any, list[Any]]:
+        """Freeze: the outcome (status, incomplete, snapshot id, version) and the line rows;
+        refused when the rollout is retired."""
+        rows = await self._client.fetch("rows", _FREEZE, rollout_id, uuid.uuid4().hex)
+        outcome = rows[0]
+        if outcome["status"] != _DONE:
+            raise _refusal(outcome["status"], rollout_id)
+        return outcome, rows if outcome["line"] is not None else []
+
     async def _freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         with self._operation("freeze", rollout_id):
-            row, *lines = await self._client.fetch("rows", _FREEZE, rollout_id, uuid.uuid4().hex)
-            if row["status"] != _DONE:
-                raise _refusal(row["status"], rollout_id)
+            row, lines = await self._freeze_rows(rollout_id)
             entries = self._entries(rollout_id, *_log_of(lines))
             return TokenCaptureSnapshot(
                 rollout_id, entries, row["incomplete"], row["snapshot_id"], row["version"]
@@ -395,9 +405,7 @@ class PostgresTokenCaptureStore:
 
     async def _freeze_columns(self, rollout_id: str) -> _columnar.ColumnarSnapshot:
         with self._operation("freeze_columns", rollout_id):
-            row, *lines = await self._client.fetch("rows", _FREEZE, rollout_id, uuid.uuid4().hex)
-            if row["status"] != _DONE:
-                raise _refusal(row["status"], rollout_id)
+            row, lines = await self._freeze_rows(rollout_id)
             entries = decode_columns(*_log_of(lines), self._where(rollout_id))
             return _columnar.ColumnarSnapshot(
                 rollout_id, entries, row["incomplete"], row["snapshot_id"], row["version"]
