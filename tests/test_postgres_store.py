@@ -40,7 +40,7 @@ from tokencapture.store import TokenCaptureStore, canonical_line
 
 __all__ = ["pg_dsn", "pg_server", "store"]  # the fixtures, imported for pytest
 
-SCHEMA_FILES = ["001_store.sql", "002_lineage.sql", "003_ledger.sql", "004_streamed_reads.sql"]
+SCHEMA_FILES = ["001_store.sql", "002_lineage.sql", "003_ledger.sql", "004_lineage_rows.sql"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -860,7 +860,7 @@ async def test_a_freeze_waits_for_a_put_in_flight_and_returns_its_entry(
     store: PostgresTokenCaptureStore, pg_dsn: str
 ) -> None:
     """A put holding the rollout's lock (committed while the freeze waits for it) is in the
-    snapshot: the freeze reads the lines with a snapshot taken after it got the lock."""
+    snapshot: the freeze reads the lines in a statement that starts after it got the lock."""
     import asyncpg
 
     first, in_flight = make_entry(model_call_id="c1"), make_entry(model_call_id="c2")
@@ -890,8 +890,8 @@ async def test_a_freeze_waits_for_a_put_in_flight_and_returns_its_entry(
 def test_the_functions_of_earlier_versions_still_answer_after_the_upgrade(
     store: PostgresTokenCaptureStore, pg_dsn: str
 ) -> None:
-    """A client of schema version 3 (freeze_lines, lineage_tail) during a rolling upgrade gets
-    what the version 4 functions give this one."""
+    """A client of schema version 3 (lineage_tail) during a rolling upgrade still gets its
+    answers; freeze_lines freezes as this client's freeze does."""
     entries = [make_entry(model_call_id=f"c{i}", prompt_token_ids=[i] * 5) for i in range(3)]
     for entry in entries:
         store.append(entry)

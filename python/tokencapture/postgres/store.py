@@ -89,12 +89,9 @@ _PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
 _PUT_BATCH = "SELECT tokencapture.put_batch($1, $2, $3, $4)"
 _BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
 _MARK_INCOMPLETE = "SELECT tokencapture.mark_incomplete($1, $2)"
-# A freeze's rows stream from `freeze_stream` in the select list (see
-# sql/004_streamed_reads.sql; the subquery calls it once per row, not once per column).
-_FREEZE = (
-    "SELECT (f).status, (f).incomplete, (f).snapshot_id, (f).version, (f).line, (f).digest"
-    " FROM (SELECT tokencapture.freeze_stream($1, $2) AS f OFFSET 0) AS frozen"
-)
+# The lines come back as rows (see freeze_lines in sql/001_store.sql); a freeze's first row
+# is its outcome.
+_FREEZE = "SELECT * FROM tokencapture.freeze_lines($1, $2)"
 _READ = "SELECT line, digest FROM tokencapture.read_lines($1)"
 _IS_INCOMPLETE = "SELECT tokencapture.is_incomplete($1)"
 _DROP = "SELECT tokencapture.drop_snapshot($1, $2, $3)"
@@ -353,11 +350,10 @@ class PostgresTokenCaptureStore:
     async def _freeze_rows(self, rollout_id: str) -> tuple[Any, list[Any]]:
         """Freeze: the outcome (status, incomplete, snapshot id, version) and the line rows;
         refused when the rollout is retired."""
-        rows = await self._client.fetch("rows", _FREEZE, rollout_id, uuid.uuid4().hex)
-        outcome = rows[0]
+        outcome, *lines = await self._client.fetch("rows", _FREEZE, rollout_id, uuid.uuid4().hex)
         if outcome["status"] != _DONE:
             raise _refusal(outcome["status"], rollout_id)
-        return outcome, rows if outcome["line"] is not None else []
+        return outcome, lines
 
     async def _freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         with self._operation("freeze", rollout_id):
