@@ -1,12 +1,14 @@
-"""`_core.decode_lines` and `_core.columns_of_log`: a buffer of complete canonical lines (a log
-fetched from PostgreSQL) decodes to exactly what the file store's read path builds from the same
-lines in a file, and damaged lines are refused with the same words. No server is needed: the
-expected values come from the file store reading the same bytes, and the digests from hashlib.
+"""`_core.decode_lines` and `_core.columns_of_log`: complete canonical lines (a log fetched from
+PostgreSQL), one `bytes` per line as rows hand them over or joined into one buffer, decode to
+exactly what the file store's read path builds from the same lines in a file, and damaged lines
+are refused with the same words. No server is needed: the expected values come from the file
+store reading the same bytes, and the digests from hashlib.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import uuid
 from pathlib import Path
@@ -40,7 +42,13 @@ def complete_lines(log: bytes) -> bytes:
 
 
 def digests_of(log: bytes) -> list[str]:
-    return [hashlib.sha256(line).hexdigest() for line in log.split(b"\n")[:-1]]
+    return [hashlib.sha256(line).hexdigest() for line in log_lines(log)]
+
+
+def log_lines(log: bytes) -> list[bytes]:
+    """The lines of a buffer of complete lines, apart and without newlines (as rows hold them)."""
+    assert log.endswith(b"\n") or not log
+    return log.split(b"\n")[:-1]
 
 
 def assert_decodes_like_the_file_store(store: TokenCaptureStore, rollout_id: str) -> bytes:
@@ -50,6 +58,11 @@ def assert_decodes_like_the_file_store(store: TokenCaptureStore, rollout_id: str
     expected = store._native.read_lines(rollout_id)
     assert _core.decode_lines(log, digests_of(log), "x") == expected
     assert _core.decode_lines(log) == expected
+    # The lines apart: the same records at the same offsets (those of the joined log).
+    assert _core.decode_lines(log_lines(log), digests_of(log), "x") == expected
+    assert _core.decode_lines(tuple(log_lines(log))) == expected
+    joined = pa.table(_core.columns_of_log(log, digests_of(log)))
+    assert pa.table(_core.columns_of_log(log_lines(log), digests_of(log))).equals(joined)
     return log
 
 
@@ -79,6 +92,7 @@ def test_generated_logs_decode_like_the_file_store(
         store.append(entry)
     log = assert_decodes_like_the_file_store(store, "gen")
     assert decode_entries(log, digests_of(log), "x") == tuple(entries)
+    assert decode_entries(log_lines(log), digests_of(log), "x") == tuple(entries)
     assert_rows_equal(pa.table(decode_columns(log, digests_of(log), "x")), entries)
 
 
@@ -93,6 +107,8 @@ def test_agentic_logs_decode_like_the_file_store(tmp_path: Path, calls: int) -> 
     assert (len(log) >= 256 << 10) == (calls == 14)
     assert decode_entries(log, digests_of(log), "x") == tuple(entries)
     assert_rows_equal(pa.table(decode_columns(log, digests_of(log), "x")), entries)
+    assert decode_entries(log_lines(log), digests_of(log), "x") == tuple(entries)
+    assert_rows_equal(pa.table(decode_columns(log_lines(log), digests_of(log), "x")), entries)
 
 
 @pytest.mark.parametrize(
@@ -116,6 +132,7 @@ def test_damaged_lines_are_refused_with_the_file_stores_words(
         assert got[1] == tuple(expected[1])
     else:
         assert got == expected
+    assert outcome(lambda: decode_entries(log_lines(log), digests_of(log), where)) == got
     expected_columns = outcome(lambda: pa.table(columns.read_columns("r")))
     got_columns = outcome(lambda: pa.table(decode_columns(log, digests_of(log), where)))
     if expected_columns[0] == "ok":
@@ -123,6 +140,13 @@ def test_damaged_lines_are_refused_with_the_file_stores_words(
         assert got_columns[1].equals(expected_columns[1])
     else:
         assert got_columns == expected_columns
+    lines = log_lines(log)
+    got_from_lines = outcome(lambda: pa.table(decode_columns(lines, digests_of(log), where)))
+    if got_columns[0] == "ok":
+        assert got_from_lines[0] == "ok"
+        assert got_from_lines[1].equals(got_columns[1])
+    else:
+        assert got_from_lines == got_columns
 
 
 @pytest.mark.parametrize("size", [3, 14])
@@ -134,7 +158,10 @@ def test_the_stored_digests_and_the_line_count_are_checked(tmp_path: Path, size:
     digests = digests_of(log)
     second = log.index(b"\n") + 1
     wrong = [digests[0], digests[0], *digests[2:]]
-    for decode in (_core.decode_lines, _core.columns_of_log):
+    lines = log_lines(log)
+    last = len(log) - len(lines[-1]) - 1
+    for decode, form in itertools.product((_core.decode_lines, _core.columns_of_log), (0, 1)):
+        fetched = (log, lines)[form]
         with pytest.raises(
             TokenCaptureCorruptionError,
             match=(
@@ -142,9 +169,14 @@ def test_the_stored_digests_and_the_line_count_are_checked(tmp_path: Path, size:
                 rf"\(byte offset {second}\)$"
             ),
         ):
-            decode(log, wrong, "src")
+            decode(fetched, wrong, "src")
+        with pytest.raises(
+            TokenCaptureCorruptionError,
+            match=rf"^src: the line does not match its payload digest 0+ \(byte offset {last}\)$",
+        ):
+            decode(fetched, [*digests[:-1], "0" * 64], "src")
         with pytest.raises(TokenCaptureCorruptionError, match=f"holds {size} lines but {size - 1}"):
-            decode(log, digests[1:], "src")
+            decode(fetched, digests[1:], "src")
         with pytest.raises(
             TokenCaptureCorruptionError,
             match=rf"^src: the last line has no newline.*\(byte offset {len(log)}\)$",
@@ -158,12 +190,43 @@ def test_the_stored_digests_and_the_line_count_are_checked(tmp_path: Path, size:
             decode_log(twice, digests_of(twice), "w")
 
 
+@pytest.mark.parametrize("size", [3, 14])
+def test_a_line_holding_a_newline_is_corruption(tmp_path: Path, size: int) -> None:
+    """Joined, such a line would be two: its offset is named (that of the joined log), with or
+    without digests, even when its digest (recomputed here) matches it."""
+    store = TokenCaptureStore(tmp_path)
+    for entry in lineage_rollout("r", calls=size, prompt=1500, turn=400, seed=2):
+        store.append(entry)
+    lines = log_lines(store.path_for("r").read_bytes())
+    second = lines[1].index(b",")
+    lines[1] = lines[1][:second] + b"\n" + lines[1][second + 1 :]
+    lines[-1] = lines[-1] + b"\n"
+    digests = [hashlib.sha256(line).hexdigest() for line in lines]
+    message = (
+        rf"^src: the line holds a newline at column {second}: a stored line must be one line "
+        rf"\(byte offset {len(lines[0]) + 1}\)$"
+    )
+    for decode in (_core.decode_lines, _core.columns_of_log):
+        for stored in (digests, None):
+            with pytest.raises(TokenCaptureCorruptionError, match=message):
+                decode(lines, stored, "src")
+    for decode_log in (decode_entries, decode_columns):
+        with pytest.raises(TokenCaptureCorruptionError, match=message):
+            decode_log(lines, digests, "src")
+
+
 def test_empty_and_bad_arguments() -> None:
     assert _core.decode_lines(b"") == ([], [])
     assert _core.decode_lines(b"", []) == ([], [])
+    assert _core.decode_lines([]) == ([], [])
+    assert _core.decode_lines([], []) == ([], [])
     assert len(_core.columns_of_log(b"", [])) == 0
+    assert len(_core.columns_of_log([], [])) == 0
     bad: Any = "not bytes"
-    with pytest.raises(TypeError):
-        _core.decode_lines(bad)
+    bad_logs: list[Any] = [bad, [bad], [b"{}", 1], None, 3]
+    for bad_log in bad_logs:
+        for decode in (_core.decode_lines, _core.columns_of_log):
+            with pytest.raises(TypeError, match=r"^argument 'log': log must be bytes or a seq"):
+                decode(bad_log)
     with pytest.raises(TypeError):
         _core.decode_lines(b"", bad)  # a str is not a sequence of digests

@@ -795,6 +795,39 @@ def test_a_damaged_line_with_a_matching_digest_is_corruption_not_an_entry(
         store.freeze_now("r1")
 
 
+def test_a_stored_line_holding_a_newline_is_corruption(
+    store: PostgresTokenCaptureStore, pg_dsn: str
+) -> None:
+    """Still valid JSON (the newline is whitespace) and matching its digest, but joined into a
+    log it would be two lines: every read of the fetched rows refuses it, naming where."""
+    from tokencapture import _core
+    from tokencapture.protocols import TokenCaptureCorruptionError
+    from tokencapture.store import canonical_line
+
+    store.append(make_entry())
+    line = canonical_line(make_entry())
+    column = line.index(b",") + 1
+    stored = line[:column] + b"\n" + line[column:]
+    execute(
+        pg_dsn,
+        "UPDATE tokencapture.entries SET line = $1, digest = $2",
+        stored,
+        _core.payload_digest(stored),
+    )
+    message = (
+        rf"^rollout 'r1' in PostgreSQL at .*: the line holds a newline at column {column}: "
+        r"a stored line must be one line \(byte offset 0\)$"
+    )
+    for read in (
+        store.read_entries,
+        store.read_columns,
+        store.freeze_now,
+        store.freeze_columns_now,
+    ):
+        with pytest.raises(TokenCaptureCorruptionError, match=message):
+            read("r1")
+
+
 async def test_puts_sharing_a_batch_keep_their_own_outcomes(
     store: PostgresTokenCaptureStore, tmp_path: Path
 ) -> None:

@@ -1092,14 +1092,13 @@ pub fn read_columns(store: &Store, rollout_id: &str) -> Result<Entries, ColumnsE
 
 /// A log fetched whole from another backend (see [`crate::fetched`]: its lines checked against
 /// their stored digests, the first line of each call id a record) as columns; refusals name
-/// `source` and byte offsets in `buf`.
+/// `source` and byte offsets in the joined log.
 pub fn columns_of_log(
-    buf: &[u8],
+    log: crate::fetched::FetchedLog<'_>,
     digests: Option<&[String]>,
     source: &std::path::Path,
 ) -> Result<Entries, ColumnsError> {
-    let (records, ranges, decoded) =
-        crate::fetched::decode_fetched(buf, digests, source, decode_columns)?;
+    let (records, ranges, decoded) = log.decode(digests, source, decode_columns)?;
     assemble(source, &ranges, decoded, &records)
 }
 

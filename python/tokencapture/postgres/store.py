@@ -102,13 +102,10 @@ _DELETE = "SELECT * FROM tokencapture.delete($1)"
 _PutArgs = tuple[str, bytes, str, bytes]  # rollout id, call id (UTF-8), digest, line
 
 
-def _log_of(rows: Sequence[Any]) -> tuple[bytes, list[str]]:
-    """The log buffer (every line and its newline, in commit order) and the stored digests of
-    fetched line rows."""
-    lines = [row["line"] for row in rows]
-    if lines:
-        lines.append(b"")  # one join, one copy: the last line gets its newline too
-    return b"\n".join(lines), [row["digest"] for row in rows]
+def _log_of(rows: Sequence[Any]) -> tuple[list[bytes], list[str]]:
+    """The lines (in commit order, as fetched: never joined into one buffer) and the stored
+    digests of fetched line rows."""
+    return [row["line"] for row in rows], [row["digest"] for row in rows]
 
 
 def _copy_error(exc: BaseException) -> BaseException:
@@ -339,7 +336,9 @@ class PostgresTokenCaptureStore:
     def _where(self, rollout_id: str) -> str:
         return f"rollout {rollout_id!r} in PostgreSQL at {self._client.where}"
 
-    def _entries(self, rollout_id: str, log: bytes, digests: list[str]) -> tuple[TokenEntry, ...]:
+    def _entries(
+        self, rollout_id: str, log: list[bytes], digests: list[str]
+    ) -> tuple[TokenEntry, ...]:
         """Entries from a fetched log (checked against the stored digests, decoded natively)."""
         return decode_entries(log, digests, self._where(rollout_id))
 

@@ -383,20 +383,23 @@ fn columns_of_lines(
     entries_of(batch.map_err(record_err)?)
 }
 
-/// A log fetched whole from another backend (see `crate::fetched`) as columns, checked as
-/// `decode_lines` checks it (a refusal is the file store's corruption error naming `source`); a
-/// record that is not a valid entry raises `ColumnarRecordError((byte offset, message))`.
+/// A log fetched whole from another backend (see `crate::fetched`; one buffer or its lines
+/// apart) as columns, checked as `decode_lines` checks it (a refusal is the file store's
+/// corruption error naming `source`); a record that is not a valid entry raises
+/// `ColumnarRecordError((byte offset, message))`, the offset in the joined log.
 #[pyfunction]
 #[pyo3(signature = (log, digests = None, source = "<log>"))]
-fn columns_of_log(
-    py: Python<'_>,
-    log: &[u8],
+fn columns_of_log<'py>(
+    py: Python<'py>,
+    log: super::decode::PyFetchedLog<'py>,
     digests: Option<Vec<String>>,
     source: &str,
 ) -> PyResult<ColumnarEntries> {
     let path = std::path::Path::new(source);
-    let batch = py
-        .detach(|| columnar::columns_of_log(log, digests.as_deref(), path).map(batch_of))
+    let batch = log
+        .detached(py, |log| {
+            columnar::columns_of_log(log, digests.as_deref(), path).map(batch_of)
+        })
         .map_err(|e| columns_err(py, e))?;
     entries_of(batch)
 }

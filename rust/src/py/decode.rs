@@ -8,13 +8,15 @@
 use std::ops::Range;
 use std::path::Path;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString};
+use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::{PyBytes, PyList, PyString};
 
 use super::errors::to_pyerr;
 use super::records::{for_each_item_type, ItemType};
 use crate::error::Error;
+use crate::fetched::FetchedLog;
 use crate::json::tape::TapeFeed;
 use crate::store::{self, LinesToDecode};
 
@@ -317,24 +319,79 @@ pub(super) fn select_records<'py>(
     Ok((PyList::new(py, values)?, offsets))
 }
 
-/// A log fetched whole from another backend (complete canonical lines; see `crate::fetched`),
-/// decoded as `Store.read_lines` decodes a log file: `(records, offsets)`, the first record of
-/// each call id with the byte offset of its line. With `digests` (one per line, as stored beside
-/// it) every line is checked against its digest first. A refusal is the file store's corruption
-/// error, worded as the file store words it with `source` in place of the log's path. Only the
-/// building of the Python objects holds the interpreter; a large log is walked into tapes and
-/// hashed on a second thread meanwhile.
+/// A fetched log as Python hands it over: one `bytes` buffer of newline-terminated lines, or a
+/// sequence of lines (`bytes` each, without newlines: the rows a PostgreSQL fetch returns). Both
+/// are held without copying (a `bytearray` line is copied).
+pub(super) enum PyFetchedLog<'py> {
+    Joined(Bound<'py, PyBytes>),
+    Lines(Vec<PyBackedBytes>),
+}
+
+impl<'py> FromPyObject<'_, 'py> for PyFetchedLog<'py> {
+    type Error = PyErr;
+
+    fn extract(log: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(buf) = log.cast::<PyBytes>() {
+            return Ok(PyFetchedLog::Joined(buf.to_owned()));
+        }
+        let refused = |detail: String| {
+            PyTypeError::new_err(format!(
+                "log must be bytes or a sequence of bytes lines, not {}: {detail}",
+                log.get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        };
+        if log.is_instance_of::<PyString>() {
+            return Err(refused("a str is not a sequence of lines".into()));
+        }
+        log.extract::<Vec<PyBackedBytes>>()
+            .map(PyFetchedLog::Lines)
+            .map_err(|err| refused(err.to_string()))
+    }
+}
+
+impl PyFetchedLog<'_> {
+    /// `work` with the log's bytes borrowed (no copy), free of the interpreter.
+    pub(super) fn detached<T: Send>(
+        &self,
+        py: Python<'_>,
+        work: impl FnOnce(FetchedLog<'_>) -> T + Send,
+    ) -> T {
+        match self {
+            PyFetchedLog::Joined(buf) => {
+                let buf = buf.as_bytes();
+                py.detach(|| work(FetchedLog::Joined(buf)))
+            }
+            PyFetchedLog::Lines(lines) => py.detach(|| {
+                let lines: Vec<&[u8]> = lines.iter().map(|line| &**line).collect();
+                work(FetchedLog::Lines(&lines))
+            }),
+        }
+    }
+}
+
+/// A log fetched whole from another backend (complete canonical lines, joined or apart; see
+/// `crate::fetched`), decoded as `Store.read_lines` decodes a log file: `(records, offsets)`, the
+/// first record of each call id with the byte offset of its line (in the joined log, whichever
+/// form came in). With `digests` (one per line, as stored beside it) every line is checked
+/// against its digest first. A refusal is the file store's corruption error, worded as the file
+/// store words it with `source` in place of the log's path. Only the building of the Python
+/// objects holds the interpreter; a large log is walked into tapes and hashed on other threads
+/// meanwhile.
 #[pyfunction]
 #[pyo3(name = "decode_lines", signature = (log, digests = None, source = "<log>"))]
 pub(super) fn decode_fetched_lines<'py>(
     py: Python<'py>,
-    log: &[u8],
+    log: PyFetchedLog<'py>,
     digests: Option<Vec<String>>,
     source: &str,
 ) -> PyResult<DecodedRecords<'py>> {
     let path = Path::new(source);
-    let (records, ranges, decoded) = py
-        .detach(|| crate::fetched::decode_fetched(log, digests.as_deref(), path, decode_in_python))
+    let (records, ranges, decoded) = log
+        .detached(py, |log| {
+            log.decode(digests.as_deref(), path, decode_in_python)
+        })
         .map_err(|e| to_pyerr(py, e))?;
     select_records(py, path, &ranges, decoded, &records)
 }
