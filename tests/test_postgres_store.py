@@ -998,4 +998,10 @@ async def test_a_pooled_connection_the_server_closed_is_replaced(pg_dsn: str) ->
     second = await client.fetch("val", "SELECT pg_backend_pid()")
     assert second != first
     assert await client.fetch("val", "SELECT pg_backend_pid()") == second  # reused
+    # One idle past the pool's limit (asyncpg's 300 s by default) is closed, not reused.
+    (await client.pool())._max_idle = 0.2
+    await asyncio.sleep(0.3)
+    third = await client.fetch("val", "SELECT pg_backend_pid()")
+    assert third not in (first, second)
+    assert await client.fetch("val", "SELECT pg_backend_pid()") == third
     await client.close()

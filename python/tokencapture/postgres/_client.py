@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -86,15 +87,24 @@ class _Pool:
     asyncpg's own pool costs ~50 us of CPU per acquire and release here (an asyncio queue, a
     shielded release task, a proxy object per checkout), about three times a small query;
     this one is a list and a semaphore. A connection is made on demand (`connect` also checks
-    the session) and kept until the pool closes; one that failed mid-operation is terminated
-    by the caller, and one found closed when taken is dropped.
+    the session); one that failed mid-operation is terminated by the caller, one found closed
+    when taken is dropped, and one idle for `max_idle` seconds is closed when the pool next
+    looks at it (as asyncpg's pool does after 300 s: a firewall or NAT may have forgotten it,
+    and a statement on it would then hang until the statement timeout).
     """
 
-    def __init__(self, connect: Callable[[], Awaitable[Any]], size: int, timeout: float) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], Awaitable[Any]],
+        size: int,
+        timeout: float,
+        max_idle: float = 300.0,
+    ) -> None:
         self._connect = connect
         self._timeout = timeout
+        self._max_idle = max_idle
         self._slots = asyncio.Semaphore(size)
-        self._idle: list[Any] = []
+        self._idle: list[tuple[Any, float]] = []  # (connection, released at), oldest first
         self._open: set[Any] = set()
         self._closed = False
 
@@ -109,7 +119,15 @@ class _Pool:
             await self._slots.acquire()  # returns at once
         try:
             while self._idle:
-                connection = self._idle.pop()
+                connection, released = self._idle.pop()
+                if time.monotonic() - released > self._max_idle:
+                    # This one and every one below it idled too long.
+                    stale = [connection, *(older for older, _ in self._idle)]
+                    self._idle.clear()
+                    for connection in stale:
+                        self._open.discard(connection)
+                        connection.terminate()
+                    break
                 if not connection.is_closed():
                     return connection
                 self._open.discard(connection)
@@ -125,7 +143,7 @@ class _Pool:
             self._open.discard(connection)
             connection.terminate()
         else:
-            self._idle.append(connection)
+            self._idle.append((connection, time.monotonic()))
         self._slots.release()
 
     async def fetch(self, sql: str, *args: Any) -> Any:
@@ -139,7 +157,7 @@ class _Pool:
         """Close the idle connections; one in use is terminated when it is released."""
         self._closed = True
         idle, self._idle = self._idle, []
-        for connection in idle:
+        for connection, _ in idle:
             self._open.discard(connection)
             try:
                 await connection.close(timeout=self._timeout)
