@@ -15,12 +15,15 @@ step "NeMo Gym 0.7.0 as a test oracle (its sdist from PyPI, unpacked under .cach
 TOKENCAPTURE_NEMO_GYM="$(bash scripts/nemo-gym-oracle.sh)"
 export TOKENCAPTURE_NEMO_GYM TOKENCAPTURE_REQUIRE_NEMO_GYM=1
 
-step "PostgreSQL for the PostgreSQL backend's tests (Debian's package when it is missing)"
-if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+step "PostgreSQL and PgBouncer for the PostgreSQL backend's tests (Debian's packages when missing)"
+missing=()
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
+command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
     else
-        echo "PostgreSQL is missing and this is not root: install the postgresql package" >&2
+        echo "missing and this is not root: install the ${missing[*]} package(s)" >&2
     fi
 fi
 export TOKENCAPTURE_REQUIRE_POSTGRES=1

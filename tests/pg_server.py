@@ -25,7 +25,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PgServer", "PgServerUnavailable", "find_bindir", "server_cpu_seconds"]
+__all__ = [
+    "PgBouncer",
+    "PgServer",
+    "PgServerUnavailable",
+    "find_bindir",
+    "server_cpu_seconds",
+]
 
 
 class PgServerUnavailable(RuntimeError):
@@ -282,6 +288,92 @@ class PgServer:
             self.stop(timeout=10)
         if self._owns_base:
             shutil.rmtree(self.base, ignore_errors=True)
+
+
+class PgBouncer:
+    """PgBouncer in transaction mode in front of a `PgServer`, from a temporary directory, run
+    as the server's account (PgBouncer refuses to run as root).
+
+    `pool_size` server connections per database and user serve any number of clients, so the
+    clients' statements share server sessions. Startup parameters PgBouncer cannot pass on
+    (`statement_timeout`, `synchronous_commit`) are ignored, as docs/postgres.md tells
+    operators to configure it.
+    """
+
+    def __init__(self, server: PgServer, pool_size: int = 2) -> None:
+        binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+        if not os.path.exists(binary):
+            raise PgServerUnavailable("PgBouncer is not installed: apt-get install pgbouncer")
+        self.binary = binary
+        self.server = server
+        self.base = Path(tempfile.mkdtemp(prefix="tokencapture-pgbouncer-", dir=server.base))
+        self.port = _free_port()
+        self.log = self.base / "pgbouncer.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        config = self.base / "pgbouncer.ini"
+        users = self.base / "users.txt"
+        users.write_text('"postgres" ""\n')
+        config.write_text(
+            "[databases]\n"
+            f"* = host=127.0.0.1 port={server.port}\n"
+            "[pgbouncer]\n"
+            "listen_addr = 127.0.0.1\n"
+            f"listen_port = {self.port}\n"
+            "unix_socket_dir =\n"
+            "auth_type = trust\n"
+            f"auth_file = {users}\n"
+            "pool_mode = transaction\n"
+            f"default_pool_size = {pool_size}\n"
+            "max_client_conn = 200\n"
+            "ignore_startup_parameters = statement_timeout,synchronous_commit\n"
+            f"logfile = {self.log}\n"
+        )
+        os.chmod(self.base, 0o755)
+        for path in (self.base, config, users):
+            os.chown(path, server._uid, server._gid)
+        self.config = config
+
+    def dsn_for(self, database: str) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.process = subprocess.Popen(
+            [self.binary, str(self.config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=self.base,
+            start_new_session=True,
+            **self.server._run_as,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise PgServerUnavailable(
+                    f"pgbouncer exited with {self.process.returncode}: {self.log_tail()}"
+                )
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                if probe.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.05)
+        self.stop()
+        raise PgServerUnavailable(f"pgbouncer did not listen in {timeout}s: {self.log_tail()}")
+
+    def log_tail(self, size: int = 2000) -> str:
+        try:
+            return self.log.read_bytes()[-size:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.base, ignore_errors=True)
 
 
 def _is_zombie(pid: int) -> bool:

@@ -15,7 +15,11 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
         "the PostgreSQL backend needs the asyncpg driver: pip install tokencapture[postgres]"
     ) from exc
 
-from tokencapture.postgres._client import PostgresUnavailableError
+from tokencapture.postgres._client import (
+    PostgresDurabilityError,
+    PostgresSchemaError,
+    PostgresUnavailableError,
+)
 from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, install_schema_sync
 from tokencapture.postgres.ledger import PostgresCaptureLedger
 from tokencapture.postgres.lineage import PostgresLineageStore
@@ -24,7 +28,9 @@ from tokencapture.postgres.store import PostgresTokenCaptureStore
 __all__ = [
     "SCHEMA_VERSION",
     "PostgresCaptureLedger",
+    "PostgresDurabilityError",
     "PostgresLineageStore",
+    "PostgresSchemaError",
     "PostgresTokenCaptureStore",
     "PostgresUnavailableError",
     "install_schema",
