@@ -90,7 +90,14 @@ def server_cpu_seconds(pid: int) -> float:
 class PgServer:
     """One PostgreSQL cluster in a temporary directory; start/stop/kill/restart it."""
 
-    def __init__(self, base: Path | None = None, bindir: Path | None = None) -> None:
+    def __init__(
+        self,
+        base: Path | None = None,
+        bindir: Path | None = None,
+        *,
+        standby_of: PgServer | None = None,
+        name: str = "",
+    ) -> None:
         found = bindir or find_bindir()
         if found is None or not (found / "initdb").exists():
             raise PgServerUnavailable(
@@ -120,7 +127,10 @@ class PgServer:
             self._uid, self._gid = account.pw_uid, account.pw_gid
         else:
             self._uid, self._gid = os.getuid(), os.getgid()
-        self._initdb()
+        if standby_of is None:
+            self._initdb()
+        else:
+            self._base_backup(standby_of, name)
 
     # Setup -----------------------------------------------------------------------------------
 
@@ -151,6 +161,38 @@ class PgServer:
         if result.returncode != 0:
             raise PgServerUnavailable(
                 f"initdb failed ({result.returncode}): {result.stderr.decode(errors='replace')}"
+            )
+
+    def _base_backup(self, primary: PgServer, name: str) -> None:
+        """A streaming standby of `primary`, which connects as `name` (its
+        `application_name`, the name `synchronous_standby_names` lists)."""
+        os.chmod(self.base, 0o755)
+        for path in (self.data, self.socket_dir):
+            path.mkdir(mode=0o700)
+            os.chown(path, self._uid, self._gid)
+        self.log.touch()
+        os.chown(self.log, self._uid, self._gid)
+        conninfo = f"host=127.0.0.1 port={primary.port} user=postgres application_name={name}"
+        result = subprocess.run(
+            [
+                str(self.bindir / "pg_basebackup"),
+                "-D",
+                str(self.data),
+                "--write-recovery-conf",
+                "--checkpoint=fast",
+                "--no-sync",
+                "-d",
+                conninfo,
+            ],
+            capture_output=True,
+            check=False,
+            cwd=self.base,
+            **self._run_as,
+        )
+        if result.returncode != 0:
+            raise PgServerUnavailable(
+                f"pg_basebackup failed ({result.returncode}): "
+                f"{result.stderr.decode(errors='replace')}"
             )
 
     @property
@@ -275,6 +317,28 @@ class PgServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    def promote(self, timeout: float = 60.0) -> None:
+        """Promote a standby to a primary (`pg_ctl promote`, waiting until it accepts writes)."""
+        result = subprocess.run(
+            [
+                str(self.bindir / "pg_ctl"),
+                "promote",
+                "--wait",
+                f"--timeout={int(timeout)}",
+                "-D",
+                str(self.data),
+            ],
+            capture_output=True,
+            check=False,
+            cwd=self.base,
+            **self._run_as,
+        )
+        if result.returncode != 0:
+            raise PgServerUnavailable(
+                f"pg_ctl promote failed ({result.returncode}): "
+                f"{result.stderr.decode(errors='replace')} {self.log_tail()}"
+            )
 
     def log_tail(self, size: int = 2000) -> str:
         try:
