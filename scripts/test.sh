@@ -35,6 +35,8 @@ cargo clippy --quiet --all-targets -- -D warnings
 cargo clippy --quiet --features python -- -D warnings
 step "cargo test (the core, no Python)"
 cargo test --quiet
+step "cargo doc -D warnings (broken and private intra-doc links)"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 
 step "ruff"
 python -m ruff check python tests benches

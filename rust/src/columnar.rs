@@ -106,7 +106,7 @@ pub struct RecordError {
     pub message: String,
 }
 
-/// The JSON text of a value (see [`render`]).
+/// The JSON text of a value (see `render`).
 pub type JsonText = String;
 
 /// Every field of one entry but the token arrays, which are ranges of the buffers.

@@ -151,7 +151,7 @@ pub fn parse_row(line: &[u8]) -> std::result::Result<Map<String, Value>, String>
 /// [`parse_row`] for a row read from the file: also what Python's `json.dumps` writes and
 /// `json.loads` reads but JSON does not have, which NeMo Gym 0.7.0's writer emits for odd
 /// `record_failure` arguments (a lone surrogate, `NaN`, `Infinity`, `-Infinity`). Such a token
-/// is indexed as a marked string (see [`python_json_tokens`]); the row's bytes are kept, and
+/// is indexed as a marked string (see `python_json_tokens`); the row's bytes are kept, and
 /// the binding reads those with Python's `json` module, as NeMo Gym does.
 pub fn parse_stored_row(line: &[u8]) -> std::result::Result<Map<String, Value>, String> {
     match serde_json::from_slice::<Value>(line) {
