@@ -124,9 +124,9 @@ class _Pool:
                     # This one and every one below it idled too long.
                     stale = [connection, *(older for older, _ in self._idle)]
                     self._idle.clear()
-                    for connection in stale:
-                        self._open.discard(connection)
-                        connection.terminate()
+                    for old in stale:
+                        self._open.discard(old)
+                        old.terminate()
                     break
                 if not connection.is_closed():
                     return connection

@@ -29,7 +29,7 @@ from tokencapture.protocols import LineageResolution
 
 __all__ = ["PostgresLineageStore"]
 
-# The new lines as rows, streamed (see sql/004_streamed_reads.sql).
+# The new lines as rows, sent as they are read (see sql/004_lineage_rows.sql).
 _NEW_LINES = "SELECT * FROM tokencapture.lineage_lines($1, $2, $3)"
 # The native index never evicts on its own (this class evicts whole rollouts, LRU, and resets
 # their cursors with them): an eviction the cursor did not see would hide committed calls.
