@@ -6,9 +6,9 @@ and the unix socket directory live in one temporary directory (made traversable 
 account); the server also listens on a free loopback port. `fsync` and `synchronous_commit`
 are on, as in production, and `shared_buffers` is PostgreSQL's default of 128 MB (the
 benchmark's W2 rollouts hold ~40 MB of lines: at 32 MB a freeze read them back through the
-OS page cache, 8 kB at a time). `kill()` is a SIGKILL of the postmaster and of its children (backends
-call `setsid`, so a process-group kill would miss them, and a surviving child keeps the shared
-memory block that makes the restart fail).
+OS page cache, 8 kB at a time). `kill()` is a SIGKILL of the postmaster and of its children
+(backends call `setsid`, so a process-group kill would miss them, and a surviving child keeps
+the shared memory block that makes the restart fail).
 """
 
 from __future__ import annotations

@@ -20,7 +20,16 @@ from tests.pg_server import PgServer, PgServerUnavailable
 if TYPE_CHECKING:
     from tokencapture.postgres import PostgresTokenCaptureStore
 
-__all__ = ["dsn", "execute", "pg_dsn", "pg_server", "require_postgres", "store", "unavailable"]
+__all__ = [
+    "dsn",
+    "execute",
+    "fetch",
+    "pg_dsn",
+    "pg_server",
+    "require_postgres",
+    "store",
+    "unavailable",
+]
 
 
 def require_postgres() -> bool:
@@ -99,20 +108,11 @@ def store(pg_dsn: str) -> Iterator[PostgresTokenCaptureStore]:
 def execute(dsn: str, sql: str, *args: object) -> None:
     """Run one statement on a connection of its own, behind the stores' back (to damage what
     they stored)."""
-    import asyncpg
-
-    async def run() -> None:
-        connection = await asyncpg.connect(dsn)
-        try:
-            await connection.execute(sql, *args)
-        finally:
-            await connection.close()
-
-    asyncio.run(run())
+    fetch(dsn, sql, *args)
 
 
 def fetch(dsn: str, sql: str, *args: object) -> list[Any]:
-    """The rows of one query, on a connection of its own (to call the schema's functions
+    """The rows of one statement, on a connection of its own (to call the schema's functions
     directly)."""
     import asyncpg
 
