@@ -23,7 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,25 @@ def server_cpu_seconds(pid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def _await_ready(
+    name: str,
+    process: subprocess.Popen[bytes],
+    ready: Callable[[], bool],
+    timeout: float,
+    log_tail: Callable[[], str],
+) -> None:
+    """Wait until `ready()` says a started server answers; its exit or the timeout is
+    `PgServerUnavailable` with the tail of its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise PgServerUnavailable(f"{name} exited with {process.returncode}: {log_tail()}")
+        if ready():
+            return
+        time.sleep(0.05)
+    raise PgServerUnavailable(f"{name} was not ready in {timeout}s: {log_tail()}")
+
+
 class PgServer:
     """One PostgreSQL cluster in a temporary directory; start/stop/kill/restart it."""
 
@@ -129,23 +148,10 @@ class PgServer:
             self._uid, self._gid = account.pw_uid, account.pw_gid
         else:
             self._uid, self._gid = os.getuid(), os.getgid()
+        self._prepare_base()
         if standby_of is None:
-            self._initdb()
-        else:
-            self._base_backup(standby_of, name)
-
-    # Setup -----------------------------------------------------------------------------------
-
-    def _initdb(self) -> None:
-        os.chmod(self.base, 0o755)  # traversable for the server's account
-        for path in (self.data, self.socket_dir):
-            path.mkdir(mode=0o700)
-            os.chown(path, self._uid, self._gid)
-        self.log.touch()
-        os.chown(self.log, self._uid, self._gid)
-        result = subprocess.run(
-            [
-                str(self.bindir / "initdb"),
+            self._run_tool(
+                "initdb",
                 "-D",
                 str(self.data),
                 "-U",
@@ -154,30 +160,15 @@ class PgServer:
                 "--encoding=UTF8",
                 "--no-locale",
                 "--no-sync",  # only the bootstrap; the server itself runs with fsync on
-            ],
-            capture_output=True,
-            check=False,
-            cwd=self.base,
-            **self._run_as,
-        )
-        if result.returncode != 0:
-            raise PgServerUnavailable(
-                f"initdb failed ({result.returncode}): {result.stderr.decode(errors='replace')}"
             )
-
-    def _base_backup(self, primary: PgServer, name: str) -> None:
-        """A streaming standby of `primary`, which connects as `name` (its
-        `application_name`, the name `synchronous_standby_names` lists)."""
-        os.chmod(self.base, 0o755)
-        for path in (self.data, self.socket_dir):
-            path.mkdir(mode=0o700)
-            os.chown(path, self._uid, self._gid)
-        self.log.touch()
-        os.chown(self.log, self._uid, self._gid)
-        conninfo = f"host=127.0.0.1 port={primary.port} user=postgres application_name={name}"
-        result = subprocess.run(
-            [
-                str(self.bindir / "pg_basebackup"),
+        else:
+            # A streaming standby of `standby_of`, which connects as `name` (its
+            # `application_name`, the name `synchronous_standby_names` lists).
+            conninfo = (
+                f"host=127.0.0.1 port={standby_of.port} user=postgres application_name={name}"
+            )
+            self._run_tool(
+                "pg_basebackup",
                 "-D",
                 str(self.data),
                 "--write-recovery-conf",
@@ -185,7 +176,23 @@ class PgServer:
                 "--no-sync",
                 "-d",
                 conninfo,
-            ],
+            )
+
+    # Setup -----------------------------------------------------------------------------------
+
+    def _prepare_base(self) -> None:
+        """The data and socket directories and the log, owned by the server's account."""
+        os.chmod(self.base, 0o755)  # traversable for the server's account
+        for path in (self.data, self.socket_dir):
+            path.mkdir(mode=0o700)
+            os.chown(path, self._uid, self._gid)
+        self.log.touch()
+        os.chown(self.log, self._uid, self._gid)
+
+    def _run_tool(self, tool: str, *args: str) -> None:
+        """Run one of the package's tools as the server's account; its failure is ours."""
+        result = subprocess.run(
+            [str(self.bindir / tool), *args],
             capture_output=True,
             check=False,
             cwd=self.base,
@@ -193,8 +200,8 @@ class PgServer:
         )
         if result.returncode != 0:
             raise PgServerUnavailable(
-                f"pg_basebackup failed ({result.returncode}): "
-                f"{result.stderr.decode(errors='replace')}"
+                f"{tool} failed ({result.returncode}): {result.stderr.decode(errors='replace')}"
+                f" {self.log_tail()}"
             )
 
     @property
@@ -245,28 +252,19 @@ class PgServer:
                 start_new_session=True,
                 **self._run_as,
             )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise PgServerUnavailable(
-                    f"postgres exited with {self.process.returncode}: {self.log_tail()}"
-                )
-            ready = subprocess.run(
-                [
-                    str(self.bindir / "pg_isready"),
-                    "-q",
-                    "-h",
-                    str(self.socket_dir),
-                    "-p",
-                    str(self.port),
-                ],
-                check=False,
+        isready = [str(self.bindir / "pg_isready"), "-q", "-h", str(self.socket_dir)]
+        isready += ["-p", str(self.port)]
+        try:
+            _await_ready(
+                "postgres",
+                self.process,
+                lambda: subprocess.run(isready, check=False).returncode == 0,
+                timeout,
+                self.log_tail,
             )
-            if ready.returncode == 0:
-                return
-            time.sleep(0.05)
-        self.kill()
-        raise PgServerUnavailable(f"postgres did not become ready in {timeout}s: {self.log_tail()}")
+        except PgServerUnavailable:
+            self.kill()
+            raise
 
     @property
     def running(self) -> bool:
@@ -322,25 +320,9 @@ class PgServer:
 
     def promote(self, timeout: float = 60.0) -> None:
         """Promote a standby to a primary (`pg_ctl promote`, waiting until it accepts writes)."""
-        result = subprocess.run(
-            [
-                str(self.bindir / "pg_ctl"),
-                "promote",
-                "--wait",
-                f"--timeout={int(timeout)}",
-                "-D",
-                str(self.data),
-            ],
-            capture_output=True,
-            check=False,
-            cwd=self.base,
-            **self._run_as,
+        self._run_tool(
+            "pg_ctl", "promote", "--wait", f"--timeout={int(timeout)}", "-D", str(self.data)
         )
-        if result.returncode != 0:
-            raise PgServerUnavailable(
-                f"pg_ctl promote failed ({result.returncode}): "
-                f"{result.stderr.decode(errors='replace')} {self.log_tail()}"
-            )
 
     def log_tail(self, size: int = 2000) -> str:
         try:
@@ -412,18 +394,16 @@ class PgBouncer:
             start_new_session=True,
             **self.server._run_as,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise PgServerUnavailable(
-                    f"pgbouncer exited with {self.process.returncode}: {self.log_tail()}"
-                )
+
+        def listening() -> bool:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-                if probe.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        self.stop()
-        raise PgServerUnavailable(f"pgbouncer did not listen in {timeout}s: {self.log_tail()}")
+                return probe.connect_ex(("127.0.0.1", self.port)) == 0
+
+        try:
+            _await_ready("pgbouncer", self.process, listening, timeout, self.log_tail)
+        except PgServerUnavailable:
+            self.stop()
+            raise
 
     def log_tail(self, size: int = 2000) -> str:
         try:
