@@ -345,10 +345,12 @@ class PgBouncer:
     `pool_size` server connections per database and user serve any number of clients, so the
     clients' statements share server sessions. Startup parameters PgBouncer cannot pass on
     (`statement_timeout`, `synchronous_commit`) are ignored, as docs/postgres.md tells
-    operators to configure it.
+    operators to configure it (`ignore_startup_parameters=False` leaves that out).
     """
 
-    def __init__(self, server: PgServer, pool_size: int = 2) -> None:
+    def __init__(
+        self, server: PgServer, pool_size: int = 2, *, ignore_startup_parameters: bool = True
+    ) -> None:
         binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
         if not os.path.exists(binary):
             raise PgServerUnavailable("PgBouncer is not installed: apt-get install pgbouncer")
@@ -373,8 +375,12 @@ class PgBouncer:
             "pool_mode = transaction\n"
             f"default_pool_size = {pool_size}\n"
             "max_client_conn = 200\n"
-            "ignore_startup_parameters = statement_timeout,synchronous_commit\n"
-            f"logfile = {self.log}\n"
+            + (
+                "ignore_startup_parameters = statement_timeout,synchronous_commit\n"
+                if ignore_startup_parameters
+                else ""
+            )
+            + f"logfile = {self.log}\n"
         )
         os.chmod(self.base, 0o755)
         for path in (self.base, config, users):

@@ -19,6 +19,7 @@ from tokencapture.postgres import (
     PostgresDurabilityError,
     PostgresLineageStore,
     PostgresTokenCaptureStore,
+    PostgresUnavailableError,
     install_schema_sync,
 )
 from tokencapture.protocols import TokenCaptureRetiredError
@@ -110,3 +111,23 @@ def test_the_session_check_reads_the_database_setting_through_pgbouncer(
         store.append(make_entry())
     store.close_sync()
     assert fetch(pg_dsn, "SELECT count(*) AS n FROM tokencapture.entries")[0]["n"] == 0
+
+
+def test_a_pgbouncer_that_refuses_the_startup_parameters_is_named_with_the_fix(
+    pg_server: PgServer, pg_dsn: str
+) -> None:
+    install_schema_sync(pg_dsn)
+    strict = PgBouncer(pg_server, ignore_startup_parameters=False)
+    strict.start()
+    try:
+        store = PostgresTokenCaptureStore(
+            strict.dsn_for(pg_dsn.rsplit("/", 1)[1]), connect_timeout=2, **BEHIND_PGBOUNCER
+        )
+        with pytest.raises(PostgresUnavailableError) as refused:
+            store.append(make_entry())
+        store.close_sync()
+    finally:
+        strict.stop()
+    message = str(refused.value)
+    assert "unsupported startup parameter" in message
+    assert "ignore_startup_parameters = statement_timeout,synchronous_commit" in message

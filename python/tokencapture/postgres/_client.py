@@ -74,6 +74,18 @@ def _where(dsn: str) -> str:
         return "the configured server"
 
 
+def _hint(exc: BaseException) -> str:
+    """What to do about a refusal whose cause is known (empty otherwise)."""
+    if "unsupported startup parameter" in str(exc):
+        # PgBouncer refuses a session parameter it cannot pass on.
+        return (
+            " (a pooler such as PgBouncer: set ignore_startup_parameters = "
+            "statement_timeout,synchronous_commit in its configuration and both settings on "
+            "the role; see docs/postgres.md)"
+        )
+    return ""
+
+
 def _terminate(loop: asyncio.AbstractEventLoop, pool: _Pool) -> None:
     """Close a pool of another event loop without waiting (nothing to do if that loop is
     closed: its transports went with it)."""
@@ -360,6 +372,7 @@ class Client:
                     continue
                 raise PostgresUnavailableError(
                     f"PostgreSQL at {self.where} is unavailable: {type(exc).__name__}: {exc}"
+                    + _hint(exc)
                 ) from exc
         raise AssertionError("unreachable")
 
