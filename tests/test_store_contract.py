@@ -410,3 +410,29 @@ def test_a_vanished_log_with_an_index_is_corruption_not_a_fresh_start(
     assert not store.path_for("r1").exists()
     store._mark_incomplete("r1", "call-2")  # the most available write still works
     assert store.retire_now(["r1"]) == {"removed": ["r1"], "absent": []}
+
+
+def test_write_refusal_is_the_file_stores_own_exception(store: TokenCaptureStore) -> None:
+    """`_core.write_refusal` (how the PostgreSQL store raises what its server refused) gives
+    the exception, type and words, that the file store raises for the same refusal."""
+    from tokencapture import _core
+
+    odd_call = 'c"é\x01'  # quoting and escapes as the core's messages spell them
+    store.append(make_entry(model_call_id=odd_call))
+    raised: list[Exception] = []
+    for attempt in (
+        lambda: store.append(make_entry(model_call_id=odd_call, model="other")),
+        lambda: (store.freeze_now("r1"), store.append(make_entry(model_call_id="late")))[1],
+        lambda: (store.retire_now(["r1"]), store.append(make_entry(model_call_id="late")))[1],
+    ):
+        with pytest.raises(Exception) as info:
+            attempt()
+        raised.append(info.value)
+    built = [
+        _core.write_refusal("conflict", "r1", odd_call),
+        _core.write_refusal("frozen", "r1"),
+        _core.write_refusal("retired", "r1"),
+    ]
+    assert [(type(e), str(e)) for e in built] == [(type(e), str(e)) for e in raised]
+    with pytest.raises(ValueError, match="kind must be"):
+        _core.write_refusal("closed", "r1")

@@ -24,9 +24,6 @@ from tokencapture.postgres._client import Client
 from tokencapture.postgres._decode import decode_columns, decode_entries
 from tokencapture.protocols import (
     RolloutRemovalPayload,
-    TokenCaptureConflictError,
-    TokenCaptureFrozenError,
-    TokenCaptureRetiredError,
     TokenCaptureSnapshot,
 )
 from tokencapture.records import TokenEntry
@@ -48,40 +45,12 @@ __all__ = ["PostgresTokenCaptureStore"]
 _DONE, _DUPLICATE, _CONFLICT, _FROZEN, _RETIRED = range(5)
 
 
-def _debug_str(text: str) -> str:
-    """`text` quoted as the native core's messages quote it (Rust's `{:?}` of a str)."""
-    out = ['"']
-    for char in text:
-        if char == "\\":
-            out.append("\\\\")
-        elif char == '"':
-            out.append('\\"')
-        elif char == "\n":
-            out.append("\\n")
-        elif char == "\r":
-            out.append("\\r")
-        elif char == "\t":
-            out.append("\\t")
-        elif char == "\0":
-            out.append("\\0")
-        elif not char.isprintable() and char != " ":
-            out.append(f"\\u{{{ord(char):x}}}")
-        else:
-            out.append(char)
-    out.append('"')
-    return "".join(out)
-
-
 def _refusal(status: int, rollout_id: str) -> Exception:
+    """The file store's exception for a write the server refused (worded by the core)."""
     if status == _RETIRED:
-        return TokenCaptureRetiredError(
-            f"rollout {_debug_str(rollout_id)} is retired: its capture is fenced until it is "
-            "deleted"
-        )
+        return _core.write_refusal("retired", rollout_id)
     if status == _FROZEN:
-        return TokenCaptureFrozenError(
-            f"rollout {_debug_str(rollout_id)} is frozen: its capture no longer accepts writes"
-        )
+        return _core.write_refusal("frozen", rollout_id)
     raise AssertionError(f"unexpected status {status} from the server")
 
 
@@ -271,11 +240,7 @@ class PostgresTokenCaptureStore:
             return
         rollout_id = args[0]
         if status == _CONFLICT:
-            call_id = args[1].decode("utf-8")
-            raise TokenCaptureConflictError(
-                f"model_call_id {_debug_str(call_id)} of rollout {_debug_str(rollout_id)} is "
-                "already stored with a different payload; the rollout is now marked incomplete"
-            )
+            raise _core.write_refusal("conflict", rollout_id, args[1].decode("utf-8"))
         raise _refusal(status, rollout_id)
 
     def _put_failed(self, entry: object, exc: BaseException, started: float) -> None:

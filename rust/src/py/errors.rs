@@ -65,6 +65,33 @@ pub(super) fn to_pyerr(py: Python<'_>, err: Error) -> PyErr {
     }
 }
 
+/// The exception the file store raises for a refused write of `rollout_id`: `kind` is
+/// `"frozen"`, `"retired"` or `"conflict"` (which names `model_call_id`). Another backend that
+/// learns of the refusal from its server raises this, so every store words it as the core does.
+#[pyfunction]
+#[pyo3(signature = (kind, rollout_id, model_call_id = String::new()))]
+pub(super) fn write_refusal(
+    py: Python<'_>,
+    kind: &str,
+    rollout_id: String,
+    model_call_id: String,
+) -> PyResult<Py<PyAny>> {
+    let err = match kind {
+        "frozen" => Error::Frozen(rollout_id),
+        "retired" => Error::Retired(rollout_id),
+        "conflict" => Error::Conflict {
+            rollout_id,
+            call_id: model_call_id,
+        },
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "kind must be \"frozen\", \"retired\" or \"conflict\", not {other:?}"
+            )))
+        }
+    };
+    Ok(to_pyerr(py, err).into_value(py).into_any())
+}
+
 /// Borrow a Python str as UTF-8, refusing lone surrogates with a plain `ValueError`.
 pub(super) fn text<'a>(value: &'a Bound<'_, PyString>, what: &str) -> PyResult<&'a str> {
     value.to_str().map_err(|_| {

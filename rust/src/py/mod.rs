@@ -28,6 +28,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(records::validate_rollout_id, module)?)?;
     module.add_class::<records::EntryFields>()?;
     module.add_function(wrap_pyfunction!(decode::decode_fetched_lines, module)?)?;
+    module.add_function(wrap_pyfunction!(errors::write_refusal, module)?)?;
     module.add("MAX_ROLLOUT_ID_LEN", crate::store::MAX_ROLLOUT_ID_LEN)?;
     lineage::register(module)?;
     ledger::register(module)?;
