@@ -28,6 +28,10 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 export TOKENCAPTURE_REQUIRE_POSTGRES=1
 
+step "Citus 13.2.2 for the distributed PostgreSQL tests (built from third_party/citus when missing)"
+bash scripts/build-citus.sh
+export TOKENCAPTURE_REQUIRE_CITUS=1
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy (core, and core + bindings) -D warnings"
