@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CITUS_SETTINGS",
+    "CitusCluster",
     "PgBouncer",
     "PgServer",
     "PgServerUnavailable",
@@ -118,6 +120,7 @@ class PgServer:
         *,
         standby_of: PgServer | None = None,
         name: str = "",
+        settings: dict[str, str] | None = None,
     ) -> None:
         found = bindir or find_bindir()
         if found is None or not (found / "initdb").exists():
@@ -126,6 +129,8 @@ class PgServer:
                 "apt-get install postgresql"
             )
         self.bindir = found
+        # Server settings beyond the defaults below (`-c name=value`, given last so they win).
+        self.settings = dict(settings or {})
         self._owns_base = base is None
         # As root the server runs as `postgres`, which must traverse every parent directory:
         # /tmp, whatever TMPDIR says (a TMPDIR under /root would not do).
@@ -217,6 +222,22 @@ class PgServer:
     def dsn_for(self, database: str) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
 
+    def psql(self, sql: str, database: str = "postgres", timeout: float = 120.0) -> str:
+        """Run SQL with the package's psql (stopping at the first error, which is raised as
+        `PgServerUnavailable`); its unaligned, tuples-only output."""
+        result = subprocess.run(
+            [str(self.bindir / "psql"), "-qAtX", "-v", "ON_ERROR_STOP=1"]
+            + ["-d", self.dsn_for(database), "-c", sql],
+            capture_output=True,
+            check=False,
+            timeout=timeout,
+        )
+        if result.returncode != 0:
+            raise PgServerUnavailable(
+                f"psql on port {self.port} failed: {result.stderr.decode(errors='replace')}"
+            )
+        return result.stdout.decode()
+
     # Lifecycle -------------------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> None:
@@ -244,6 +265,11 @@ class PgServer:
                     "shared_buffers=128MB",
                     "-c",
                     "max_prepared_transactions=0",
+                    *(
+                        argument
+                        for name, value in self.settings.items()
+                        for argument in ("-c", f"{name}={value}")
+                    ),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -434,3 +460,111 @@ def _is_zombie(pid: int) -> bool:
     except OSError:
         return True
     return stat[stat.rindex(")") + 2 :].split()[0] == "Z"
+
+
+# Settings of every node of a test Citus cluster.
+CITUS_SETTINGS = {
+    "shared_preload_libraries": "citus",
+    # Transactions that write on several workers commit in two phases (PREPARE TRANSACTION).
+    "max_prepared_transactions": "100",
+    # Citus runs a maintenance daemon per database that has the extension, on every node.
+    "max_worker_processes": "32",
+    # Fewer shards than the default 32: each test database's DDL touches every shard.
+    "citus.shard_count": "8",
+    # The coordinator's pass that resolves in-doubt two-phase commits after a node failed
+    # (every minute by default; the fault tests wait for it).
+    "citus.recover_2pc_interval": "2s",
+}
+
+
+def citus_library(bindir: Path) -> Path:
+    """Where the Citus extension of the PostgreSQL in `bindir` lives (Debian's layout)."""
+    return bindir.parent / "lib" / "citus.so"
+
+
+class CitusCluster:
+    """A Citus coordinator and `workers` workers, each a `PgServer` on its own loopback port and
+    unix socket under one temporary directory, run as the `postgres` account as every test
+    server is. `create_database(name)` makes a Citus database on every node (the extension is
+    per database) and registers the nodes in it; `cleanup()` kills every node and its
+    children and removes the directory."""
+
+    def __init__(self, workers: int = 2, settings: dict[str, str] | None = None) -> None:
+        bindir = find_bindir()
+        if bindir is None or not (bindir / "initdb").exists():
+            raise PgServerUnavailable("PostgreSQL is not installed: apt-get install postgresql")
+        if not citus_library(bindir).exists():
+            raise PgServerUnavailable(
+                f"Citus is not installed ({citus_library(bindir)} is missing): run "
+                "bash scripts/build-citus.sh"
+            )
+        parent = "/tmp" if os.geteuid() == 0 and os.path.isdir("/tmp") else None
+        self.base = Path(tempfile.mkdtemp(prefix="tokencapture-citus-", dir=parent))
+        os.chmod(self.base, 0o755)
+        node_settings = {**CITUS_SETTINGS, **(settings or {})}
+        self.nodes: list[PgServer] = []
+        try:
+            for name in ["coordinator", *(f"worker{i}" for i in range(workers))]:
+                (self.base / name).mkdir()
+                self.nodes.append(PgServer(self.base / name, bindir, settings=node_settings))
+        except BaseException:
+            self.cleanup()
+            raise
+
+    @property
+    def coordinator(self) -> PgServer:
+        return self.nodes[0]
+
+    @property
+    def workers(self) -> list[PgServer]:
+        return self.nodes[1:]
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+
+    def dsn_for(self, database: str) -> str:
+        """The coordinator's DSN for `database` (what clients use)."""
+        return self.coordinator.dsn_for(database)
+
+    def create_database(self, database: str) -> str:
+        """A database with the Citus extension on every node, the coordinator and the workers
+        registered in it; the coordinator's DSN."""
+        for node in self.nodes:
+            node.psql(f"CREATE DATABASE {database}")
+            node.psql("CREATE EXTENSION citus", database)
+        self.coordinator.psql(
+            f"SELECT citus_set_coordinator_host('127.0.0.1', {self.coordinator.port})", database
+        )
+        for worker in self.workers:
+            self.coordinator.psql(f"SELECT citus_add_node('127.0.0.1', {worker.port})", database)
+        return self.dsn_for(database)
+
+    def drop_database(self, database: str) -> None:
+        for node in reversed(self.nodes):
+            if node.running:
+                node.psql(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+
+    def node_of(self, database: str, table: str, value: str) -> PgServer:
+        """The worker holding the shard of `table` that `value` of its distribution column
+        hashes to, read from Citus's catalog (pg_dist_shard_placement) on the coordinator."""
+        literal = "'" + value.replace("'", "''") + "'"
+        port = self.coordinator.psql(
+            "SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = "
+            f"get_shard_id_for_distribution_column('{table}', {literal})",
+            database,
+        ).strip()
+        for node in self.nodes:
+            if str(node.port) == port:
+                return node
+        raise AssertionError(f"no node of this cluster listens on port {port!r}")
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of every node (postmasters and children; see `server_cpu_seconds`)."""
+        return sum(node.cpu_seconds() for node in self.nodes)
+
+    def cleanup(self) -> None:
+        """Kill every node (and its children) and remove the directory."""
+        for node in self.nodes:
+            node.kill()
+        shutil.rmtree(self.base, ignore_errors=True)
