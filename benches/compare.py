@@ -42,7 +42,7 @@ for _path in (BENCHES.parent, BENCHES):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from tests.pg_server import PgServer, server_cpu_seconds  # noqa: E402
+from tests.pg_server import CitusCluster, PgServer, server_cpu_seconds  # noqa: E402
 
 from bench_data import (  # noqa: E402
     AgenticShape,
@@ -67,7 +67,14 @@ WORKLOADS = ("W1", "W2", "W3", "W4")
 POSTGRES = "postgres"
 PG_DSN_ENV = "TOKENCAPTURE_BENCH_PG_DSN"
 PG_PID_ENV = "TOKENCAPTURE_BENCH_PG_PID"
-W4_COLUMNS = ("tokencapture", "reference", POSTGRES)  # the columns with a lineage resolver
+# The same backend distributed with Citus (`--columns ... citus`): a coordinator and two workers
+# started on these cores (tests/pg_server.py's CitusCluster); each run's database is made on
+# every node and distributed by `install_schema`; server CPU is every node's. On one machine
+# nothing scales: the column measures what distribution costs per operation (docs/citus.md).
+CITUS = "citus"
+CITUS_NODES_ENV = "TOKENCAPTURE_BENCH_CITUS_NODES"  # JSON [[port, pid], ...], coordinator first
+PG_COLUMNS = (POSTGRES, CITUS)
+W4_COLUMNS = ("tokencapture", "reference", POSTGRES, CITUS)  # the columns with a resolver
 RESULT_PREFIX = "RESULT "
 DEFAULT_JSON = BENCHES / "results" / "latest.json"
 DEFAULT_SCRATCH = BENCHES / ".scratch"
@@ -236,25 +243,48 @@ class SqliteColumn:
             self._connections.clear()
 
 
-def _pg_database(root: Path) -> str:
-    """The DSN of this run's database (named after its directory; created on first use)."""
+def _citus_nodes() -> list[tuple[int, int]]:
+    return [(int(port), int(pid)) for port, pid in json.loads(os.environ[CITUS_NODES_ENV])]
+
+
+def _pg_database(root: Path, column: str = POSTGRES) -> str:
+    """The DSN of this run's database (named after its directory; created on first use; for
+    the citus column on every node, with the extension, the nodes registered)."""
     from urllib.parse import urlsplit, urlunsplit
 
     import asyncpg
 
     from tokencapture.postgres import install_schema
 
-    base = os.environ[PG_DSN_ENV]
+    if column == CITUS:
+        ports = [port for port, _ in _citus_nodes()]
+        base = f"postgresql://postgres@127.0.0.1:{ports[0]}/postgres"
+    else:
+        ports = []
+        base = os.environ[PG_DSN_ENV]
     name = "bench_" + "".join(c if c.isalnum() else "_" for c in root.name.lower())
 
     async def create() -> None:
-        admin = await asyncpg.connect(base)
-        try:
-            if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
-                await admin.execute(f'CREATE DATABASE "{name}"')
-        finally:
-            await admin.close()
+        for admin_dsn in (
+            [base]
+            if not ports
+            else [f"postgresql://postgres@127.0.0.1:{port}/postgres" for port in ports]
+        ):
+            admin = await asyncpg.connect(admin_dsn)
+            try:
+                if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
+                    await admin.execute(f'CREATE DATABASE "{name}"')
+                    if ports:
+                        node = await asyncpg.connect(admin_dsn.rsplit("/", 1)[0] + f"/{name}")
+                        await node.execute("CREATE EXTENSION citus")
+                        await node.close()
+            finally:
+                await admin.close()
         connection = await asyncpg.connect(dsn)
+        if ports and not await connection.fetchval("SELECT count(*) FROM pg_dist_node"):
+            await connection.execute("SELECT citus_set_coordinator_host('127.0.0.1', $1)", ports[0])
+            for port in ports[1:]:
+                await connection.execute("SELECT citus_add_node('127.0.0.1', $1)", port)
         try:
             await install_schema(connection)
         finally:
@@ -266,8 +296,11 @@ def _pg_database(root: Path) -> str:
     return dsn
 
 
-def pg_server_cpu() -> float | None:
-    """CPU seconds of the benchmark's PostgreSQL server (postmaster, children, reaped children)."""
+def pg_server_cpu(column: str = POSTGRES) -> float | None:
+    """CPU seconds of the benchmark's PostgreSQL server (postmaster, children, reaped children);
+    for the citus column, of every node."""
+    if column == CITUS:
+        return sum(server_cpu_seconds(pid) for _, pid in _citus_nodes())
     pid = os.environ.get(PG_PID_ENV)
     return server_cpu_seconds(int(pid)) if pid else None
 
@@ -275,10 +308,11 @@ def pg_server_cpu() -> float | None:
 class PostgresColumn(StoreColumn):
     """`tokencapture.postgres.PostgresTokenCaptureStore` on this run's database."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, column: str = POSTGRES) -> None:
         from tokencapture.postgres import PostgresTokenCaptureStore
 
-        self.dsn = _pg_database(root)
+        self.column = column
+        self.dsn = _pg_database(root, column)
         super().__init__(PostgresTokenCaptureStore(self.dsn))
 
     def close(self) -> None:
@@ -286,8 +320,8 @@ class PostgresColumn(StoreColumn):
 
 
 def open_column(column: str, root: Path) -> Column:
-    if column == POSTGRES:
-        return PostgresColumn(root)
+    if column in PG_COLUMNS:
+        return PostgresColumn(root, column)
     if column == "tokencapture":
         from tokencapture.store import TokenCaptureStore
 
@@ -333,13 +367,14 @@ async def _timed_puts(
     if isinstance(column, PostgresColumn):  # open the pool's connections before timing
         warm_more = small_rollouts(SmallShape(rollouts=in_flight, calls=1), prefix="warm", seed=98)
         await asyncio.gather(*(column.put(calls[0]) for calls in warm_more))
+    pg_column = column.column if isinstance(column, PostgresColumn) else POSTGRES
     cpu0, rss_setup = _usage()
-    server0 = pg_server_cpu()
+    server0 = pg_server_cpu(pg_column)
     begin = time.perf_counter()
     await asyncio.gather(*(one(calls) for calls in rollouts))
     wall = time.perf_counter() - begin
     cpu1, rss_peak = _usage()
-    server1 = pg_server_cpu()
+    server1 = pg_server_cpu(pg_column)
     server = None if server0 is None or server1 is None else server1 - server0
     return {
         "wall": wall,
@@ -367,7 +402,7 @@ def run_puts(column_name: str, root: Path, workload: str, quick: bool) -> dict[s
         "rss_setup_mb": timed["rss_setup"],
         "peak_rss_mb": timed["rss_peak"],
     }
-    if timed["server_cpu"] is not None and column_name == POSTGRES:
+    if timed["server_cpu"] is not None and column_name in PG_COLUMNS:
         result["server_cpu_us_per_put"] = timed["server_cpu"] / puts * 1e6
     return result
 
@@ -382,12 +417,12 @@ def run_freeze(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
         if isinstance(column, PostgresColumn):  # connect before timing, as a trainer would
             column._store.is_incomplete(rollout_ids[0])
         cpu0, rss_setup = _usage()
-        server0 = pg_server_cpu()
+        server0 = pg_server_cpu(column_name)
         begin = time.perf_counter()
         snapshots = [column.freeze(rollout_id) for rollout_id in rollout_ids]
         wall = time.perf_counter() - begin
         cpu1, rss_peak = _usage()
-        server1 = pg_server_cpu()
+        server1 = pg_server_cpu(column_name)
     finally:
         column.close()
     for rollout_id, entries in zip(rollout_ids, snapshots, strict=True):
@@ -408,7 +443,7 @@ def run_freeze(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
         "rss_setup_mb": rss_setup,
         "peak_rss_mb": rss_peak,
     }
-    if server0 is not None and server1 is not None and column_name == POSTGRES:
+    if server0 is not None and server1 is not None and column_name in PG_COLUMNS:
         result["server_cpu_ms_per_freeze"] = (server1 - server0) / len(rollout_ids) * 1e3
     return result
 
@@ -462,10 +497,10 @@ def run_resolve(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
             stamp_continuation(entry, data.requests[r][c])
     order = [(r, c) for c in range(shape.calls) for r in range(shape.rollouts)]
     writer: Any
-    if column_name == POSTGRES:
+    if column_name in PG_COLUMNS:
         from tokencapture.postgres import PostgresLineageStore, PostgresTokenCaptureStore
 
-        dsn = _pg_database(root)
+        dsn = _pg_database(root, column_name)
         writer = PostgresTokenCaptureStore(dsn)
 
         def make_resolver() -> Any:
@@ -497,11 +532,11 @@ def run_resolve(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
         return wall, cpu, answers
 
     _, rss_setup = _usage()
-    server0 = pg_server_cpu() if column_name == POSTGRES else None
+    server0 = pg_server_cpu(column_name) if column_name in PG_COLUMNS else None
     wall, cpu, answers = asyncio.run(replay())
-    server1 = pg_server_cpu() if column_name == POSTGRES else None
+    server1 = pg_server_cpu(column_name) if column_name in PG_COLUMNS else None
     _, rss_peak = _usage()
-    if column_name == POSTGRES:
+    if column_name in PG_COLUMNS:
         writer.close_sync()
     for (r, c), answer in zip(order, answers, strict=True):
         call_id = data.rollouts[r][c].model_call_id
@@ -683,6 +718,12 @@ RATIO_TERMS: dict[str, tuple[str, str, str, str]] = {
     "W2 postgres/tokencapture puts/s": ("W2", POSTGRES, "tokencapture", "puts_per_s"),
     "W3 postgres ms / tokencapture ms": ("W3", POSTGRES, "tokencapture", "ms_per_freeze"),
     "W4 postgres us / tokencapture us": ("W4", POSTGRES, "tokencapture", "us_per_resolve"),
+    "W1 citus/postgres puts/s": ("W1", CITUS, POSTGRES, "puts_per_s"),
+    "W1 citus/postgres server CPU": ("W1", CITUS, POSTGRES, "server_cpu_us_per_put"),
+    "W2 citus/postgres puts/s": ("W2", CITUS, POSTGRES, "puts_per_s"),
+    "W2 citus/postgres server CPU": ("W2", CITUS, POSTGRES, "server_cpu_us_per_put"),
+    "W3 citus/postgres ms": ("W3", CITUS, POSTGRES, "ms_per_freeze"),
+    "W4 citus/postgres us": ("W4", CITUS, POSTGRES, "us_per_resolve"),
     "W4 reference CPU / tokencapture CPU": (
         "W4",
         "reference",
@@ -828,6 +869,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     started = time.time()
     pg_server = start_pg_server() if POSTGRES in columns else None
+    cluster = start_citus_cluster() if CITUS in columns else None
     try:
         for repeat in range(args.repeats):
             order = rotated(columns, repeat)
@@ -854,6 +896,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if pg_server is not None:
             pg_server.cleanup()
+        if cluster is not None:
+            cluster.cleanup()
         shutil.rmtree(run_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             scratch.rmdir()  # only when empty: a concurrent run may be using it
@@ -911,6 +955,20 @@ def start_pg_server() -> Any:
     return server
 
 
+def start_citus_cluster() -> Any:
+    """A throwaway coordinator and two workers for the citus column (None if configured)."""
+    if os.environ.get(CITUS_NODES_ENV):
+        return None
+    cluster = CitusCluster(workers=2)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.cleanup()
+        raise
+    os.environ[CITUS_NODES_ENV] = json.dumps([[node.port, node.pid] for node in cluster.nodes])
+    return cluster
+
+
 def default_columns() -> list[str]:
     try:
         nemo_gym = importlib.util.find_spec(NEMO_GYM_MODULE) is not None
@@ -927,10 +985,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--columns",
         nargs="+",
-        choices=(*COLUMNS, NEMO_GYM, POSTGRES),
+        choices=(*COLUMNS, NEMO_GYM, POSTGRES, CITUS),
         default=default_columns(),
         help=f"default: {', '.join(COLUMNS)}, and {NEMO_GYM} where NeMo Gym is importable; "
-        f"{POSTGRES} only when named (it starts a throwaway server)",
+        f"{POSTGRES} and {CITUS} only when named (they start throwaway servers)",
     )
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--scratch", default=os.fspath(DEFAULT_SCRATCH), help="data directory")

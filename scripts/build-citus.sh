@@ -7,6 +7,8 @@
 # Installs the Debian build dependencies (postgresql-server-dev-15, the libraries Citus links) when
 # they are missing. Nothing of Citus enters the tokencapture wheel or sdist.
 set -euo pipefail
+# The body is one function, read whole before it runs (bash reads a script as it goes).
+main() {
 here="$(cd "$(dirname "$0")/.." && pwd)/third_party/citus"
 version=13.2.2
 tarball="$here/citus-$version.tar.gz"
@@ -53,3 +55,5 @@ make -s -j"$(nproc)" with_llvm=no >/dev/null
 make -s install with_llvm=no >/dev/null
 installed || { echo "citus: installed, but citus.so does not report version $version" >&2; exit 1; }
 echo "citus: $version installed into $("$pg_config" --pkglibdir)"
+}
+main "$@"

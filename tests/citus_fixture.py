@@ -20,12 +20,12 @@ import pytest
 from tests.pg_server import CitusCluster, PgServerUnavailable
 
 __all__ = [
+    "TABLES",
     "citus_cluster",
     "citus_db",
     "citus_dsn",
     "fresh_citus_database",
     "require_citus",
-    "TABLES",
 ]
 
 # Every table of the schema (emptied between tests).

@@ -222,12 +222,15 @@ class PgServer:
     def dsn_for(self, database: str) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
 
+    @property
+    def _psql_command(self) -> list[str]:
+        return [str(self.bindir / "psql"), "-qAtX", "-v", "ON_ERROR_STOP=1", "-d"]
+
     def psql(self, sql: str, database: str = "postgres", timeout: float = 120.0) -> str:
         """Run SQL with the package's psql (stopping at the first error, which is raised as
         `PgServerUnavailable`); its unaligned, tuples-only output."""
         result = subprocess.run(
-            [str(self.bindir / "psql"), "-qAtX", "-v", "ON_ERROR_STOP=1"]
-            + ["-d", self.dsn_for(database), "-c", sql],
+            [*self._psql_command, self.dsn_for(database), "-c", sql],
             capture_output=True,
             check=False,
             timeout=timeout,

@@ -441,16 +441,33 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_db_init(args: argparse.Namespace) -> int:
     if not _is_dsn(args.dsn):
         raise CliError(f"{args.dsn}: not a postgresql:// connection string")
-    from tokencapture.postgres import SCHEMA_VERSION, install_schema_sync
+    from tokencapture.postgres import (
+        SCHEMA_VERSION,
+        PostgresCitusError,
+        describe_distribution_sync,
+        install_schema_sync,
+    )
 
-    applied = install_schema_sync(args.dsn)
-    payload = {"applied": applied, "schema_version": SCHEMA_VERSION}
+    try:
+        applied = install_schema_sync(args.dsn, citus=True if args.citus else None)
+    except PostgresCitusError as exc:
+        raise CliError(str(exc)) from exc
+    distribution = describe_distribution_sync(args.dsn)
+    payload: dict[str, Any] = {"applied": applied, "schema_version": SCHEMA_VERSION}
+    if distribution["citus"]:  # a Citus coordinator: how the schema is distributed
+        payload["citus"] = distribution
     _emit(
         args,
         payload,
         lambda p: (
             f"schema version {p['schema_version']}: "
             + (f"applied {', '.join(p['applied'])}" if p["applied"] else "already current")
+            + (
+                f"; distributed with Citus ({len(p['citus']['tables'])} tables, "
+                f"{len(p['citus']['delegated'])} functions delegated by rollout id)"
+                if "citus" in p
+                else ""
+            )
         ),
     )
     return 0
@@ -701,6 +718,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     init.set_defaults(handler=cmd_db_init)
     init.add_argument("dsn", metavar="DSN")
+    init.add_argument(
+        "--citus",
+        action="store_true",
+        help="require Citus and distribute the schema by rollout id (the default does so "
+        "whenever the database has the citus extension)",
+    )
     init.add_argument("--json", action="store_true", help="machine-readable output")
     copy = command(
         "copy",

@@ -3,7 +3,8 @@
 Install the driver with `pip install tokencapture[postgres]` (asyncpg). Every operation is one
 call of a server-side function in the `tokencapture` schema (python/tokencapture/postgres/sql),
 which `tokencapture db init DSN` installs and upgrades, or the store on first use when
-`install_schema=True`. See docs/postgres.md.
+`install_schema=True`. On a Citus coordinator `db init` distributes the schema by rollout id
+(docs/citus.md). See docs/postgres.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
         "the PostgreSQL backend needs the asyncpg driver: pip install tokencapture[postgres]"
     ) from exc
 
+from tokencapture.postgres._citus import PostgresCitusError
+from tokencapture.postgres._citus import describe_sync as describe_distribution_sync
 from tokencapture.postgres._client import (
     PostgresDurabilityError,
     PostgresSchemaError,
@@ -28,11 +31,13 @@ from tokencapture.postgres.store import PostgresTokenCaptureStore
 __all__ = [
     "SCHEMA_VERSION",
     "PostgresCaptureLedger",
+    "PostgresCitusError",
     "PostgresDurabilityError",
     "PostgresLineageStore",
     "PostgresSchemaError",
     "PostgresTokenCaptureStore",
     "PostgresUnavailableError",
+    "describe_distribution_sync",
     "install_schema",
     "install_schema_sync",
 ]

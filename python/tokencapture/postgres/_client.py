@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import asyncpg  # type: ignore[import-untyped, unused-ignore]
 
+from tokencapture.postgres._citus import is_distributed
 from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, schema_version
 
 __all__ = [
@@ -62,6 +63,31 @@ _RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.DeadlockDetectedError,
     asyncpg.exceptions.SerializationError,
 )
+
+
+# What a Citus coordinator answers when a worker it needs cannot be reached or went away in the
+# middle of the call: a server error relayed by the coordinator, not a failure of the client's
+# own connection, but the same situation for the caller (no answer; perhaps committed on the
+# worker). The coordinator's first use of a cached connection to a worker that restarted fails
+# the same way, once.
+_NODE_UNAVAILABLE = (
+    "connection to the remote node",
+    "could not establish any connections to the node",
+    "connection not open",
+    "server closed the connection unexpectedly",
+    "terminating connection due to administrator command",
+    "the database system is starting up",
+    "the database system is in recovery mode",
+    "the database system is shutting down",
+)
+
+
+def _node_unavailable(exc: BaseException) -> bool:
+    """Whether a server error is a Citus coordinator relaying a worker that did not answer."""
+    if not isinstance(exc, asyncpg.PostgresError) or isinstance(exc, _UNAVAILABLE):
+        return False
+    text = str(exc)
+    return any(pattern in text for pattern in _NODE_UNAVAILABLE)
 
 
 def _where(dsn: str) -> str:
@@ -251,6 +277,8 @@ class Client:
         )
         self._pid = os.getpid()
         self._schema_checked = False
+        # Whether the schema is distributed with Citus (None until the first pool is made).
+        self.distributed: bool | None = None
         self._thread: _LoopThread | None = None
         self._thread_lock = threading.Lock()
         self.closed = False
@@ -334,6 +362,7 @@ class Client:
                         f"this client needs {SCHEMA_VERSION}: run `tokencapture db init DSN` "
                         "or pass install_schema=True"
                     )
+            self.distributed = await is_distributed(connection)
         finally:
             pool.release(connection)
         self._schema_checked = True
@@ -367,11 +396,16 @@ class Client:
                     raise
             except (PostgresDurabilityError, PostgresSchemaError):
                 raise
-            except _UNAVAILABLE as exc:
+            except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+                node = _node_unavailable(exc)
+                if not node and not isinstance(exc, _UNAVAILABLE):
+                    raise  # an answer: the server refused the call
                 if attempt + 1 < attempts and not isinstance(exc, asyncio.TimeoutError):
                     continue
                 raise PostgresUnavailableError(
-                    f"PostgreSQL at {self.where} is unavailable: {type(exc).__name__}: {exc}"
+                    f"PostgreSQL at {self.where} is unavailable: "
+                    + ("a Citus node it needs did not answer: " if node else "")
+                    + f"{type(exc).__name__}: {exc}"
                     + _hint(exc)
                 ) from exc
         raise AssertionError("unreachable")

@@ -2,6 +2,8 @@
 
 `tokencapture.schema_migrations` records each applied version. An install takes a transaction
 advisory lock, so concurrent installers (many workers starting at once) apply each file once.
+On a Citus coordinator (the extension installed in the database) every file is followed by its
+Citus bodies and the schema is distributed (tokencapture/postgres/_citus.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,13 @@ from importlib import resources
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped, unused-ignore]
+
+from tokencapture.postgres._citus import (
+    PostgresCitusError,
+    citus_companion,
+    distribute,
+    has_citus,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -56,33 +65,60 @@ async def schema_version(connection: Any) -> int:
     return int(value or 0)
 
 
-async def install_schema(connection: Any) -> list[str]:
-    """Install or upgrade the schema on an open asyncpg connection; the files applied."""
+async def install_schema(
+    connection: Any, *, citus: bool | None = None, upto: int | None = None
+) -> list[str]:
+    """Install or upgrade the schema on an open asyncpg connection; the files applied.
+
+    `citus`: None distributes the schema when the database has the Citus extension; True
+    requires it (`PostgresCitusError` otherwise); False never distributes. `upto` stops at that
+    version (tests of upgrades)."""
     applied: list[str] = []
     async with connection.transaction():
         await connection.execute("SELECT pg_advisory_xact_lock($1)", _INSTALL_LOCK)
+        found = await has_citus(connection)
+        if citus and not found:
+            raise PostgresCitusError(
+                "--citus: the database has no Citus extension (CREATE EXTENSION citus on the "
+                "coordinator and every worker, and register the workers, first; see "
+                "docs/citus.md)"
+            )
+        distributed = found if citus is None else citus
+        if distributed:
+            # New objects reach the workers when distribute() distributes them, in dependency
+            # order (tables first), not at CREATE time while the tables are still local.
+            await connection.execute("SET LOCAL citus.create_object_propagation = 'deferred'")
         await connection.execute(_BOOTSTRAP)
         current = await schema_version(connection)
         for version, name, sql in migrations():
-            if version <= current:
+            if version <= current or (upto is not None and version > upto):
                 continue
             await connection.execute(sql)
+            companion = citus_companion(name) if distributed else None
+            if companion is not None:
+                await connection.execute(companion)
             await connection.execute(
                 "INSERT INTO tokencapture.schema_migrations (version, name) VALUES ($1, $2)",
                 version,
                 name,
             )
+            if distributed:
+                await distribute(connection)
             applied.append(name)
+        if distributed:
+            await distribute(connection)  # a schema installed before Citus was
     return applied
 
 
-def install_schema_sync(dsn: str, *, timeout: float = 30.0) -> list[str]:
+def install_schema_sync(
+    dsn: str, *, timeout: float = 30.0, citus: bool | None = None, upto: int | None = None
+) -> list[str]:
     """`install_schema` from synchronous code, on its own connection."""
 
     async def run() -> list[str]:
         connection = await asyncpg.connect(dsn, timeout=timeout)
         try:
-            return await install_schema(connection)
+            return await install_schema(connection, citus=citus, upto=upto)
         finally:
             await connection.close()
 

@@ -216,7 +216,10 @@ class PostgresTokenCaptureStore:
 
     async def _put(self, args: _PutArgs, entry: object, started: float) -> None:
         try:
-            if self._batch_puts:
+            # On Citus a put alone is delegated to the worker that owns its rollout; a batch
+            # would run on the coordinator and tie every put in it to every worker it spans.
+            # (`distributed` is None until the first connection checked the schema: alone.)
+            if self._batch_puts and self._client.distributed is False:
                 loop = asyncio.get_running_loop()
                 batcher = self._batchers.get(loop)
                 if batcher is None:

@@ -1,0 +1,220 @@
+"""The schema on a Citus cluster: every table distributed by rollout id, co-located, so one
+rollout's rows live on one worker, and the per-operation functions delegated to that worker.
+
+What is distributed how is data, here, in one place:
+
+- `DISTRIBUTED_TABLES`: (table, distribution column); all co-located with the first.
+- `REFERENCE_TABLES`: copied whole to every node (the installer's own bookkeeping).
+- `DELEGATED_FUNCTIONS`: (function, distribution argument): a top-level `SELECT f(...)` or
+  `SELECT ... FROM f(...)` outside a transaction block runs on the worker that owns the rollout
+  its argument names, in one round trip from the coordinator.
+- Every other function of the schema is propagated to every node (create_distributed_function
+  without an argument): the delegated functions call them on the worker.
+
+A table of the schema that is in neither table list makes the installer fail (a new table must
+say how it is distributed). `distribute` runs after every migration file and once more at the
+end of every install: it only acts on what Citus's catalog does not yet show, so it upgrades a
+distributed schema, and distributes a schema that was installed before Citus was.
+
+Some functions need a different body on Citus (see docs/citus.md): SQL-language functions with
+parameters that read distributed tables cannot be planned by Citus and are PL/pgSQL there, and
+a batch locks its rollouts one at a time (`FOR UPDATE` on a distributed table needs equality on
+the distribution column). Those bodies are in `sql/citus/NNN_*.sql`, applied on a Citus
+deployment right after the plain file of the same number; a plain PostgreSQL server keeps the
+plain bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import resources
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped, unused-ignore]
+
+__all__ = [
+    "COLOCATION_TABLE",
+    "DELEGATED_FUNCTIONS",
+    "DISTRIBUTED_TABLES",
+    "REFERENCE_TABLES",
+    "PostgresCitusError",
+    "citus_companion",
+    "describe",
+    "describe_sync",
+    "distribute",
+    "has_citus",
+    "is_distributed",
+]
+
+
+class PostgresCitusError(RuntimeError):
+    """The database is not set up for Citus as asked (no extension, or a table of the schema
+    that has no distribution)."""
+
+
+# (table, distribution column), schema `tokencapture`. Every table keyed by rollout id.
+DISTRIBUTED_TABLES: tuple[tuple[str, str], ...] = (
+    ("rollouts", "rollout_id"),
+    ("entries", "rollout_id"),
+    ("intents", "rollout_id"),
+    ("incomplete_marks", "rollout_id"),
+    ("ledger_rollouts", "rollout_id"),
+    ("ledger_rows", "rollout_id"),
+)
+REFERENCE_TABLES: tuple[str, ...] = ("schema_migrations",)
+COLOCATION_TABLE = "tokencapture." + DISTRIBUTED_TABLES[0][0]
+
+# (function, distribution argument): the per-operation functions, each of one rollout.
+DELEGATED_FUNCTIONS: tuple[tuple[str, str], ...] = (
+    ("put", "p_rollout"),
+    ("begin_call", "p_rollout"),
+    ("mark_incomplete", "p_rollout"),
+    ("freeze_lines", "p_rollout"),
+    ("read_lines", "p_rollout"),
+    ("is_incomplete", "p_rollout"),
+    ("drop_snapshot", "p_rollout"),
+    ("export_rollout", "p_rollout"),
+    ("import_rollout", "p_rollout"),
+    ("lineage_tail", "p_rollout"),
+    ("lineage_lines", "p_rollout"),
+    ("record_ledger_row", "p_rollout"),
+    ("ledger_manifest", "p_rollout"),
+    ("ledger_candidate", "p_rollout"),
+)
+
+
+async def has_citus(connection: Any) -> bool:
+    """Whether the Citus extension is installed in the connection's database."""
+    return bool(
+        await connection.fetchval(
+            "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')"
+        )
+    )
+
+
+async def is_distributed(connection: Any) -> bool:
+    """Whether the schema in the connection's database is distributed with Citus."""
+    if not await has_citus(connection):
+        return False
+    return bool(
+        await connection.fetchval(
+            "SELECT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = $1::regclass)",
+            COLOCATION_TABLE,
+        )
+    )
+
+
+def citus_companion(name: str) -> str | None:
+    """The Citus bodies that go with schema file `name` (`sql/citus/<name>`), if any."""
+    item = resources.files("tokencapture.postgres").joinpath("sql", "citus", name)
+    return item.read_text(encoding="utf-8") if item.is_file() else None
+
+
+async def distribute(connection: Any) -> list[str]:
+    """Distribute what the catalog shows is not yet distributed; what it did (one line each)."""
+    done: list[str] = []
+    distributed = {
+        row["name"]: row["method"]
+        for row in await connection.fetch(
+            "SELECT c.relname AS name, p.partmethod AS method FROM pg_dist_partition p "
+            "JOIN pg_class c ON c.oid = p.logicalrelid "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'tokencapture'"
+        )
+    }
+    tables = [
+        row["relname"]
+        for row in await connection.fetch(
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = 'tokencapture' AND c.relkind IN ('r', 'p') ORDER BY c.relname"
+        )
+    ]
+    columns = dict(DISTRIBUTED_TABLES)
+    unknown = [t for t in tables if t not in columns and t not in REFERENCE_TABLES]
+    if unknown:
+        raise PostgresCitusError(
+            f"table(s) {', '.join('tokencapture.' + t for t in unknown)} have no distribution: "
+            "list them in DISTRIBUTED_TABLES or REFERENCE_TABLES (tokencapture/postgres/_citus.py)"
+        )
+    for table in REFERENCE_TABLES:
+        if table in tables and table not in distributed:
+            await connection.execute(
+                "SELECT create_reference_table($1::regclass)", f"tokencapture.{table}"
+            )
+            done.append(f"reference table tokencapture.{table}")
+    for table, column in DISTRIBUTED_TABLES:
+        if table in tables and table not in distributed:
+            anchor = COLOCATION_TABLE if f"tokencapture.{table}" != COLOCATION_TABLE else "none"
+            await connection.execute(
+                "SELECT create_distributed_table($1::regclass, $2, colocate_with => $3)",
+                f"tokencapture.{table}",
+                column,
+                anchor,
+            )
+            done.append(f"distributed tokencapture.{table} by {column}")
+    # Functions: what pg_dist_object records (distributed at all, and by which argument).
+    functions = await connection.fetch(
+        "SELECT p.oid::regprocedure::text AS signature, p.proname AS name, "
+        "d.objid IS NOT NULL AS propagated, d.distribution_argument_index AS arg "
+        "FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+        "LEFT JOIN pg_dist_object d ON d.classid = 'pg_proc'::regclass AND d.objid = p.oid "
+        "WHERE n.nspname = 'tokencapture' ORDER BY p.proname"
+    )
+    delegated = dict(DELEGATED_FUNCTIONS)
+    for function in functions:
+        argument = delegated.get(function["name"])
+        if argument is None:
+            if not function["propagated"]:
+                await connection.execute(
+                    "SELECT create_distributed_function($1::regprocedure)", function["signature"]
+                )
+                done.append(f"propagated {function['signature']}")
+        elif function["arg"] is None:
+            await connection.execute(
+                "SELECT create_distributed_function($1::regprocedure, $2, colocate_with => $3)",
+                function["signature"],
+                argument,
+                COLOCATION_TABLE,
+            )
+            done.append(f"delegated {function['signature']} by {argument}")
+    return done
+
+
+async def describe(connection: Any) -> dict[str, Any]:
+    """How the schema is distributed, from Citus's catalog: `{"citus": bool, "tables":
+    {table: "distributed by <column>" | "reference"}, "delegated": {function: argument}}`."""
+    if not await has_citus(connection):
+        return {"citus": False, "tables": {}, "delegated": {}}
+    tables = {
+        row["name"]: ("reference" if row["method"] == "n" else f"distributed by {row['column']}")
+        for row in await connection.fetch(
+            "SELECT c.relname AS name, p.partmethod AS method, "
+            "column_to_column_name(p.logicalrelid, p.partkey) AS column "
+            "FROM pg_dist_partition p JOIN pg_class c ON c.oid = p.logicalrelid "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'tokencapture' "
+            "ORDER BY c.relname"
+        )
+    }
+    delegated = {
+        row["name"]: row["argument"]
+        for row in await connection.fetch(
+            "SELECT p.proname AS name, p.proargnames[d.distribution_argument_index + 1] "
+            "AS argument FROM pg_dist_object d JOIN pg_proc p ON p.oid = d.objid "
+            "JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE d.classid = 'pg_proc'::regclass AND n.nspname = 'tokencapture' "
+            "AND d.distribution_argument_index IS NOT NULL ORDER BY p.proname"
+        )
+    }
+    return {"citus": True, "tables": tables, "delegated": delegated}
+
+
+def describe_sync(dsn: str, *, timeout: float = 30.0) -> dict[str, Any]:
+    """`describe` from synchronous code, on its own connection."""
+
+    async def run() -> dict[str, Any]:
+        connection = await asyncpg.connect(dsn, timeout=timeout)
+        try:
+            return await describe(connection)
+        finally:
+            await connection.close()
+
+    return asyncio.run(run())

@@ -1,0 +1,81 @@
+"""Semantics unchanged on the Citus cluster: the conformance suite of every PostgreSQL class
+(store, lineage resolver, ledger) and the differential state machine against the file store
+(tests/test_postgres_store.py's `StoresAgree`, the same rules) run on the coordinator of a real
+coordinator + two workers cluster, with the schema distributed by `tokencapture db init`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from hypothesis import HealthCheck, settings
+from tests.citus_fixture import citus_cluster, citus_db, citus_dsn
+from tests.conftest import make_entry
+from tests.test_conformance import LEDGER_CHECKS, LINEAGE_CHECKS, STORE_CHECKS
+from tests.test_postgres_store import StoresAgree, _Shared
+
+from tokencapture.conformance import run_conformance
+from tokencapture.postgres import (
+    PostgresCaptureLedger,
+    PostgresLineageStore,
+    PostgresTokenCaptureStore,
+)
+
+__all__ = ["citus_cluster", "citus_db", "citus_dsn"]
+
+
+def test_store_and_ledger_conformance_on_the_cluster(citus_dsn: str) -> None:
+    async def run() -> list[str]:
+        return await run_conformance(
+            lambda: PostgresTokenCaptureStore(citus_dsn),
+            lambda: PostgresTokenCaptureStore(citus_dsn),
+            ledger_factory=lambda: PostgresCaptureLedger(citus_dsn),
+        )
+
+    assert asyncio.run(run()) == STORE_CHECKS + LEDGER_CHECKS
+
+
+def test_lineage_conformance_on_the_cluster(citus_dsn: str) -> None:
+    async def run() -> list[str]:
+        return await run_conformance(
+            lambda: PostgresTokenCaptureStore(citus_dsn),
+            lambda: PostgresTokenCaptureStore(citus_dsn),
+            lambda: PostgresLineageStore(citus_dsn),
+        )
+
+    assert asyncio.run(run()) == STORE_CHECKS + LINEAGE_CHECKS
+
+
+def test_file_and_distributed_stores_agree(citus_dsn: str) -> None:
+    _Shared.store = PostgresTokenCaptureStore(citus_dsn)
+    _Shared.loop = asyncio.new_event_loop()
+    try:
+        StoresAgree.TestCase.settings = settings(
+            max_examples=int(os.environ.get("TOKENCAPTURE_CITUS_SM_EXAMPLES", "25")),
+            stateful_step_count=20,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
+        StoresAgree.TestCase().runTest()
+    finally:
+        _Shared.loop.run_until_complete(_Shared.store.close())
+        _Shared.loop.close()
+        _Shared.store = _Shared.loop = None
+
+
+def test_puts_are_sent_alone_on_a_distributed_schema(citus_dsn: str) -> None:
+    """Concurrent puts on the cluster each take their own delegated call (no put_batch, which
+    would run on the coordinator and span workers); their outcomes are the file store's."""
+    store = PostgresTokenCaptureStore(citus_dsn)
+    try:
+        entries = [make_entry(f"alone-{r}", call=c) for r in range(4) for c in range(3)]
+
+        async def run() -> None:
+            await asyncio.gather(*(store.put(e) for e in entries))
+
+        store._client.run_sync(run())
+        assert store._client.distributed is True
+        for r in range(4):
+            assert store.freeze_now(f"alone-{r}").version == 4
+    finally:
+        store.close_sync()
