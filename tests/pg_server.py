@@ -279,6 +279,9 @@ class PgServer:
                 stdin=subprocess.DEVNULL,
                 cwd=self.base,
                 start_new_session=True,
+                # The server's own libpq connections (Citus's to other nodes) look for client
+                # certificates under $HOME/.postgresql: not root's, which it may not read.
+                env={**os.environ, "HOME": str(self.base)},
                 **self._run_as,
             )
         isready = [str(self.bindir / "pg_isready"), "-q", "-h", str(self.socket_dir)]

@@ -7,6 +7,7 @@ of a distributed schema, and a schema installed before Citus distributed afterwa
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -64,11 +65,15 @@ def db_init(dsn: str, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _debug_psql(cluster: CitusCluster, dsn: str, sql: str) -> subprocess.CompletedProcess[str]:
-    """`sql` through psql on the coordinator with Citus's DEBUG1 messages on stderr."""
+def _debug_psql(
+    cluster: CitusCluster, dsn: str, sql: str
+) -> subprocess.CompletedProcess[str]:
+    """`sql` alone (one statement: no implicit transaction block) through psql on the
+    coordinator, with Citus's DEBUG1 messages on stderr."""
     command = [str(cluster.coordinator.bindir / "psql"), "-qAtX", "-v", "ON_ERROR_STOP=1"]
-    command += ["-d", dsn, "-c", f"SET client_min_messages = debug1; {sql}"]
-    return subprocess.run(command, capture_output=True, text=True, check=False)
+    command += ["-d", dsn, "-c", sql]
+    env = {**os.environ, "PGOPTIONS": "-c client_min_messages=debug1"}
+    return subprocess.run(command, capture_output=True, text=True, check=False, env=env)
 
 
 def test_db_init_distributes_every_table_by_rollout_id_co_located(
@@ -82,7 +87,7 @@ def test_db_init_distributes_every_table_by_rollout_id_co_located(
     assert db_init(dsn).returncode == 0  # idempotent
     rows = fetch(
         dsn,
-        "SELECT c.relname, p.partmethod, p.colocationid, "
+        "SELECT c.relname, p.partmethod::text AS partmethod, p.colocationid, "
         "column_to_column_name(p.logicalrelid, p.partkey) AS col FROM pg_class c "
         "JOIN pg_namespace n ON n.oid = c.relnamespace "
         "LEFT JOIN pg_dist_partition p ON p.logicalrelid = c.oid "

@@ -116,7 +116,7 @@ async def distribute(connection: Any) -> list[str]:
     distributed = {
         row["name"]: row["method"]
         for row in await connection.fetch(
-            "SELECT c.relname AS name, p.partmethod AS method FROM pg_dist_partition p "
+            "SELECT c.relname AS name, p.partmethod::text AS method FROM pg_dist_partition p "
             "JOIN pg_class c ON c.oid = p.logicalrelid "
             "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'tokencapture'"
         )
@@ -187,7 +187,7 @@ async def describe(connection: Any) -> dict[str, Any]:
     tables = {
         row["name"]: ("reference" if row["method"] == "n" else f"distributed by {row['column']}")
         for row in await connection.fetch(
-            "SELECT c.relname AS name, p.partmethod AS method, "
+            "SELECT c.relname AS name, p.partmethod::text AS method, "
             "column_to_column_name(p.logicalrelid, p.partkey) AS column "
             "FROM pg_dist_partition p JOIN pg_class c ON c.oid = p.logicalrelid "
             "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'tokencapture' "

@@ -20,6 +20,7 @@ from tokencapture.postgres._citus import (
     citus_companion,
     distribute,
     has_citus,
+    is_distributed,
 )
 
 __all__ = [
@@ -88,8 +89,17 @@ async def install_schema(
             # New objects reach the workers when distribute() distributes them, in dependency
             # order (tables first), not at CREATE time while the tables are still local.
             await connection.execute("SET LOCAL citus.create_object_propagation = 'deferred'")
+            # Distributing functions in the transaction that distributed tables needs one
+            # connection per node throughout.
+            await connection.execute("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
         await connection.execute(_BOOTSTRAP)
         current = await schema_version(connection)
+        if distributed and current and not await is_distributed(connection):
+            # Installed before Citus was: the Citus bodies of the applied versions first.
+            for version, name, _ in migrations():
+                companion = citus_companion(name) if version <= current else None
+                if companion is not None:
+                    await connection.execute(companion)
         for version, name, sql in migrations():
             if version <= current or (upto is not None and version > upto):
                 continue
