@@ -16,6 +16,7 @@ re-exported from there.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -52,6 +53,9 @@ __all__ = [
     "validate_rollout_id",
     "validate_rollout_ids",
 ]
+
+# NeMo Gym's module-level name; `tokencapture.operations` logs the stores' failures to it.
+logger = logging.getLogger(__name__)
 
 
 class TokenCaptureStore:
