@@ -350,3 +350,68 @@ def test_a_retire_spanning_a_dead_worker_changes_nothing_anywhere(
         if not dead.running:
             dead.start()
         store.close_sync()
+
+
+def test_a_terminated_worker_backend_is_a_clear_error_or_a_safe_retry(
+    citus_cluster: CitusCluster, citus_db: tuple[str, str], citus_dsn: str
+) -> None:
+    """A delegated call whose backend on the worker is terminated (SQLSTATE 57P01 there)
+    while it waits for the rollout's lock: a mark (not idempotent) is PostgresUnavailableError;
+    a put (idempotent) is retried once and lands once."""
+    import asyncio
+
+    import asyncpg
+
+    name = citus_db[0]
+    owner = citus_cluster.workers[0]
+    rollout = _ids_on(citus_cluster, name, owner, "term-", 1)[0]
+    store = PostgresTokenCaptureStore(citus_dsn, statement_timeout=20)
+    store.append(make_entry(rollout, call=1))
+
+    def terminate_waiter() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            done = owner.psql(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND query LIKE '%tokencapture.%'",
+                name,
+            )
+            if int(done) > 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError("no delegated call waited for the lock")
+
+    async def run() -> None:
+        holder = await asyncpg.connect(citus_dsn)
+        try:
+            for call, expect_error in ((store.mark_incomplete, True), (store.begin_call, False)):
+                transaction = holder.transaction()
+                await transaction.start()
+                # Locks the rollout's row on its worker (a call inside a transaction block
+                # runs on the coordinator, not delegated).
+                await holder.execute(
+                    "SELECT 1 FROM tokencapture.rollouts WHERE rollout_id = $1 FOR UPDATE",
+                    rollout,
+                )
+                waiting = asyncio.ensure_future(call(rollout, "call-2"))
+                await asyncio.to_thread(terminate_waiter)
+                await asyncio.sleep(0.3)
+                await transaction.rollback()
+                if expect_error:
+                    with pytest.raises(PostgresUnavailableError, match="unavailable"):
+                        await asyncio.wait_for(waiting, 15)
+                else:
+                    await asyncio.wait_for(waiting, 15)  # retried: lands once
+        finally:
+            await holder.close()
+            await store.close()
+
+    asyncio.run(run())
+    intents = _on_owner(
+        citus_cluster,
+        name,
+        "intents",
+        rollout,
+        "SELECT count(*) FROM {shard} WHERE rollout_id = '" + rollout + "'",
+    )
+    assert intents == "1"

@@ -65,9 +65,7 @@ def db_init(dsn: str, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _debug_psql(
-    cluster: CitusCluster, dsn: str, sql: str
-) -> subprocess.CompletedProcess[str]:
+def _debug_psql(cluster: CitusCluster, dsn: str, sql: str) -> subprocess.CompletedProcess[str]:
     """`sql` alone (one statement: no implicit transaction block) through psql on the
     coordinator, with Citus's DEBUG1 messages on stderr."""
     command = [str(cluster.coordinator.bindir / "psql"), "-qAtX", "-v", "ON_ERROR_STOP=1"]

@@ -51,8 +51,13 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError,  # refused, reset, unreachable; TimeoutError is one too
     asyncio.TimeoutError,
     asyncpg.InterfaceError,  # the connection was closed in the middle of an operation
-    asyncpg.PostgresConnectionError,  # SQLSTATE class 08
-    asyncpg.exceptions.OperatorInterventionError,  # class 57: shutdown, starting up, canceled
+    # SQLSTATE class 08; also what a Citus coordinator relays when a worker it needs is down
+    # ("connection to the remote node ... failed", 08006), or restarted (its cached connection
+    # fails once)
+    asyncpg.PostgresConnectionError,
+    # class 57: shutdown, starting up, canceled; also a worker's backend terminated under a
+    # delegated call (57P01, relayed by the coordinator)
+    asyncpg.exceptions.OperatorInterventionError,
     asyncpg.exceptions.InsufficientResourcesError,  # class 53: too many connections
     asyncpg.exceptions.InternalClientError,  # a protocol state broken by a cut connection
 )
@@ -63,31 +68,6 @@ _RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.DeadlockDetectedError,
     asyncpg.exceptions.SerializationError,
 )
-
-
-# What a Citus coordinator answers when a worker it needs cannot be reached or went away in the
-# middle of the call: a server error relayed by the coordinator, not a failure of the client's
-# own connection, but the same situation for the caller (no answer; perhaps committed on the
-# worker). The coordinator's first use of a cached connection to a worker that restarted fails
-# the same way, once.
-_NODE_UNAVAILABLE = (
-    "connection to the remote node",
-    "could not establish any connections to the node",
-    "connection not open",
-    "server closed the connection unexpectedly",
-    "terminating connection due to administrator command",
-    "the database system is starting up",
-    "the database system is in recovery mode",
-    "the database system is shutting down",
-)
-
-
-def _node_unavailable(exc: BaseException) -> bool:
-    """Whether a server error is a Citus coordinator relaying a worker that did not answer."""
-    if not isinstance(exc, asyncpg.PostgresError) or isinstance(exc, _UNAVAILABLE):
-        return False
-    text = str(exc)
-    return any(pattern in text for pattern in _NODE_UNAVAILABLE)
 
 
 def _where(dsn: str) -> str:
@@ -396,16 +376,11 @@ class Client:
                     raise
             except (PostgresDurabilityError, PostgresSchemaError):
                 raise
-            except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-                node = _node_unavailable(exc)
-                if not node and not isinstance(exc, _UNAVAILABLE):
-                    raise  # an answer: the server refused the call
+            except _UNAVAILABLE as exc:
                 if attempt + 1 < attempts and not isinstance(exc, asyncio.TimeoutError):
                     continue
                 raise PostgresUnavailableError(
-                    f"PostgreSQL at {self.where} is unavailable: "
-                    + ("a Citus node it needs did not answer: " if node else "")
-                    + f"{type(exc).__name__}: {exc}"
+                    f"PostgreSQL at {self.where} is unavailable: {type(exc).__name__}: {exc}"
                     + _hint(exc)
                 ) from exc
         raise AssertionError("unreachable")
