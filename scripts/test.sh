@@ -9,7 +9,7 @@ step() { printf '\n== %s\n' "$*"; }
 
 step "install (release build of the Rust extension + test tools)"
 python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-python -m pip install --quiet -e ".[test,dev]"
+python -m pip install --quiet -e ".[test,dev,gateway]"
 
 step "NeMo Gym 0.7.0 as a test oracle (its sdist from PyPI, unpacked under .cache/)"
 TOKENCAPTURE_NEMO_GYM="$(bash scripts/nemo-gym-oracle.sh)"
