@@ -16,7 +16,8 @@ which is what a real engine's re-rendering does to continuations.
 
 Per-request knobs in the body (a real vLLM ignores unknown fields too): `fake_status` (answer
 with that status), `fake_delay` (seconds before answering), `fake_break_after` (a stream drops
-the connection after that many chunks), `fake_no_token_ids` (answer as a non-vLLM server).
+the connection after that many chunks), `fake_no_token_ids` (answer as a non-vLLM server), `fake_chunk_delay` (seconds between
+stream chunks).
 Run it as a process with `python tests/fake_upstream.py PORT [--drift]`.
 """
 
@@ -348,7 +349,7 @@ class FakeUpstream:
                 }
             )
             sent += 1
-            await asyncio.sleep(0)
+            await asyncio.sleep(float(body.get("fake_chunk_delay") or 0))
         lps = logprobs[position:]
         yield chunk(
             {

@@ -688,6 +688,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        gateway.client  # noqa: B018 - build the pooled client (its TLS context) before calls
         try:
             yield
         finally:
