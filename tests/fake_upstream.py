@@ -16,8 +16,8 @@ which is what a real engine's re-rendering does to continuations.
 
 Per-request knobs in the body (a real vLLM ignores unknown fields too): `fake_status` (answer
 with that status), `fake_delay` (seconds before answering), `fake_break_after` (a stream drops
-the connection after that many chunks), `fake_no_token_ids` (answer as a non-vLLM server), `fake_chunk_delay` (seconds between
-stream chunks).
+the connection after that many chunks), `fake_no_token_ids` (answer as a non-vLLM server),
+`fake_chunk_delay` (seconds between stream chunks).
 Run it as a process with `python tests/fake_upstream.py PORT [--drift]`.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -102,8 +103,9 @@ def render_chat(messages: list[dict[str, Any]]) -> list[int]:
 class FakeUpstream:
     """The fake engine; `app` is its ASGI application. Counts the calls it answered."""
 
-    def __init__(self, *, drift: bool = False, max_tokens: int = 64) -> None:
+    def __init__(self, *, drift: bool = False, max_tokens: int = 64, bridge: Any = None) -> None:
         self.drift = drift
+        self.bridge = bridge
         self.max_tokens = max_tokens
         self.calls = 0
         self.requests: list[dict[str, Any]] = []
@@ -175,6 +177,37 @@ class FakeUpstream:
             return Response(orjson.dumps(error), int(status), media_type="application/json")
         return None
 
+    def _sample(self, prompt: list[int]) -> tuple[list[int], str, dict[str, Any] | None]:
+        """Tokenizer mode: pseudo-random token ids (as a random-weight model samples them),
+        and every other turn a Hermes-style tool call to `lookup`."""
+        tokenizer, renderer = self.bridge.tokenizer, self.bridge.renderer
+        special = {
+            renderer._im_start,
+            renderer._im_end,
+            renderer._endoftext,
+            renderer._tool_call,
+            renderer._tool_call_end,
+            renderer._tool_response,
+            renderer._tool_response_end,
+            renderer._think_end,
+            tokenizer.convert_tokens_to_ids("<think>"),
+        }
+        rng = random.Random(zlib.crc32(orjson.dumps(prompt)))
+        vocab = [t for t in range(tokenizer._tokenizer.get_vocab_size()) if t not in special]
+        ids = [rng.choice(vocab) for _ in range(6)]
+        text = tokenizer.decode(ids)
+        call = None
+        if rng.random() < 0.5:
+            arguments = orjson.dumps({"k": rng.randrange(100)}).decode()
+            block = f'\n{{"name": "lookup", "arguments": {arguments}}}\n'
+            ids += [renderer._tool_call, *tokenizer.encode(block), renderer._tool_call_end]
+            call = {
+                "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": arguments},
+            }
+        return [*ids, renderer._im_end], text, call
+
     async def chat(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
         self.requests.append(body)
@@ -183,9 +216,16 @@ class FakeUpstream:
             return refused
         self.calls += 1
         messages = body["messages"]
-        prompt = render_chat(messages)
         tools = body.get("tools")
-        ids, text, call = self._generate(prompt, tools, messages[-1].get("role"))
+        if self.bridge is not None:
+            specs = [t["function"] for t in tools] if tools else None
+            prompt = self.bridge.renderer.render_ids(
+                messages, tools=specs, add_generation_prompt=True
+            )
+            ids, text, call = self._sample(prompt)
+        else:
+            prompt = render_chat(messages)
+            ids, text, call = self._generate(prompt, tools, messages[-1].get("role"))
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or self.max_tokens
         finish = "tool_calls" if call else "stop"
         if len(ids) > limit:
@@ -394,12 +434,15 @@ class FakeUpstream:
         self.calls += 1
         prompt_in = body.get("prompt")
         prompt = list(prompt_in) if isinstance(prompt_in, list) else encode(str(prompt_in))
-        ids, text, _ = self._generate(prompt, None, None)
-        limit = body.get("max_tokens") or 16
+        if self.bridge is not None:
+            ids, _, _ = self._sample(prompt)
+        else:
+            ids, _, _ = self._generate(prompt, None, None)
+        limit = body.get("max_tokens") or self.max_tokens
         finish = "stop"
         if len(ids) > limit:
             ids, finish = ids[:limit], "length"
-        text = decode(ids)
+        text = self.bridge.tokenizer.decode(ids) if self.bridge is not None else decode(ids)
         logprobs = self._logprobs(ids)
         want_ids = body.get("return_token_ids") is True
         want_lp = body.get("logprobs") is not None

@@ -754,7 +754,7 @@ def _parser() -> argparse.ArgumentParser:
         help="bearer token clients must send (or $TOKENCAPTURE_GATEWAY_TOKEN)",
     )
     gateway.add_argument(
-        "--tito", action="store_true", help="token-in-token-out continuations (tokencapture[tito])"
+        "--tito", action="store_true", help="token-in-token-out continuations (renderers)"
     )
     gateway.add_argument("--tokenizer", metavar="DIR", help="--tito: the engine's tokenizer dir")
     gateway.add_argument("--renderer", default="qwen3", help="--tito: the renderers chat format")

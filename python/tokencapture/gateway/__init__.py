@@ -7,7 +7,7 @@ releases the answer, and resolves each continuation's parent. Trainers read the 
 or DSN with the store API. See docs/gateway.md.
 
 Needs the `gateway` extra: `pip install 'tokencapture[gateway]'` (Starlette, uvicorn, httpx);
-token-in-token-out (`tito`) needs the `tito` extra too. Nothing else in tokencapture imports
+token-in-token-out (`--tito`, the `renderers` package) comes with it. Nothing else in tokencapture imports
 this package.
 """
 

@@ -19,7 +19,8 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -45,6 +46,7 @@ from tokencapture.gateway.capture import (
     strip_chat,
     strip_completion,
 )
+from tokencapture.gateway.errors import HttpError, error_response
 from tokencapture.lineage import stamp_continuation
 from tokencapture.metrics import Metrics
 from tokencapture.protocols import LineageResolution, TokenCaptureFrozenError
@@ -61,6 +63,7 @@ CALL_HEADER: Final[str] = "x-model-call-id"
 _JSON: Final[dict[str, str]] = {"content-type": "application/json"}
 _SSE_HEADERS: Final[dict[str, str]] = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _UNRESOLVED_ERROR_REASON: Final[str] = "resolver_error"
+_RECENT_SHAPES: Final[int] = 100_000
 
 
 @dataclass
@@ -85,29 +88,6 @@ class GatewayConfig:
     extra_headers: dict[str, str] = field(default_factory=dict)
 
 
-class _HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-
-    def response(self, headers: Mapping[str, str] | None = None) -> Response:
-        return _error(self.status, self.message, self.kind, headers)
-
-
-def _error(
-    status: int,
-    message: str,
-    kind: str = "invalid_request_error",
-    headers: Mapping[str, str] | None = None,
-) -> Response:
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return Response(
-        orjson.dumps(body), status, headers=dict(headers or {}), media_type="application/json"
-    )
-
-
 def _event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
@@ -125,6 +105,7 @@ class Gateway:
         self._client: httpx.AsyncClient | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._upstream_auth: bool = config.token is None
+        self._recent: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
 
     # Lifecycle -----------------------------------------------------------------------------
 
@@ -160,6 +141,22 @@ class Gateway:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def remember(self, entry: TokenEntry) -> None:
+        """Keep the shape of a stored entry (for `--tito`'s bridge to its continuation)."""
+        if self.config.tito is None:
+            return
+        recent = self._recent
+        recent[(entry.rollout_id, entry.model_call_id)] = (
+            len(entry.prompt_token_ids),
+            entry.continuation_context_len,
+        )
+        if len(recent) > _RECENT_SHAPES:
+            recent.popitem(last=False)
+
+    def recent_shape(self, rollout_id: str, model_call_id: str) -> tuple[int, int] | None:
+        """(prompt length, request context length) of an entry this gateway stored, if kept."""
+        return self._recent.get((rollout_id, model_call_id))
+
     # Request plumbing ----------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
@@ -171,19 +168,19 @@ class Gateway:
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             given.strip().encode(), token.encode()
         ):
-            raise _HttpError(401, "missing or wrong bearer token", "authentication_error")
+            raise HttpError(401, "missing or wrong bearer token", "authentication_error")
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _HttpError(413, f"request body over the gateway's limit of {limit} bytes")
+            raise HttpError(413, f"request body over the gateway's limit of {limit} bytes")
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise _HttpError(413, f"request body over the gateway's limit of {limit} bytes")
+                raise HttpError(413, f"request body over the gateway's limit of {limit} bytes")
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -192,9 +189,9 @@ class Gateway:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise _HttpError(400, f"the request body is not JSON: {exc}") from None
+            raise HttpError(400, f"the request body is not JSON: {exc}") from None
         if not isinstance(body, dict):
-            raise _HttpError(400, "the request body must be a JSON object")
+            raise HttpError(400, "the request body must be a JSON object")
         return body
 
     def _upstream_headers(self, request: Request) -> dict[str, str]:
@@ -209,11 +206,13 @@ class Gateway:
         try:
             answer = await self.client.get("/health", timeout=5.0)
         except httpx.HTTPError as exc:
-            return _error(
+            return error_response(
                 503, f"upstream unreachable: {type(exc).__name__}: {exc}", "upstream_error"
             )
         if answer.status_code != 200:
-            return _error(503, f"upstream /health answered {answer.status_code}", "upstream_error")
+            return error_response(
+                503, f"upstream /health answered {answer.status_code}", "upstream_error"
+            )
         return JSONResponse({"status": "ok", "upstream": self.config.upstream})
 
     async def rollout_summary(self, request: Request) -> Response:
@@ -221,10 +220,10 @@ class Gateway:
             self._authorize(request)
             rollout_id = self._rollout(request.path_params["rollout_id"])
             entries, incomplete = await self.backend.entries(rollout_id)
-        except _HttpError as exc:
+        except HttpError as exc:
             return exc.response()
         except LookupError as exc:  # a retired rollout
-            return _error(410, str(exc), "rollout_retired")
+            return error_response(410, str(exc), "rollout_retired")
         counts: dict[str, int] = {}
         calls: list[dict[str, Any]] = []
         for entry in entries:
@@ -266,19 +265,19 @@ class Gateway:
         try:
             return validate_rollout_id(rollout_id)
         except (TypeError, ValueError) as exc:
-            raise _HttpError(400, f"invalid rollout id: {exc}") from None
+            raise HttpError(400, f"invalid rollout id: {exc}") from None
 
     async def models(self, request: Request) -> Response:
         try:
             self._authorize(request)
-        except _HttpError as exc:
+        except HttpError as exc:
             return exc.response()
         return await self._passthrough(request, "/v1/models")
 
     async def passthrough(self, request: Request) -> Response:
         try:
             self._authorize(request)
-        except _HttpError as exc:
+        except HttpError as exc:
             return exc.response()
         return await self._passthrough(request, "/v1/" + request.path_params["path"])
 
@@ -286,7 +285,7 @@ class Gateway:
         started = time.perf_counter()
         try:
             body = await self._read_body(request) if request.method == "POST" else None
-        except _HttpError as exc:
+        except HttpError as exc:
             return exc.response()
         try:
             upstream = self.client.build_request(
@@ -299,10 +298,12 @@ class Gateway:
             answer = await self.client.send(upstream, stream=True)
         except httpx.TimeoutException:
             self.metrics.observe("passthrough", time.perf_counter() - started, failed=True)
-            return _error(504, "upstream timed out", "upstream_error")
+            return error_response(504, "upstream timed out", "upstream_error")
         except httpx.HTTPError as exc:
             self.metrics.observe("passthrough", time.perf_counter() - started, failed=True)
-            return _error(502, f"upstream unreachable: {type(exc).__name__}", "upstream_error")
+            return error_response(
+                502, f"upstream unreachable: {type(exc).__name__}", "upstream_error"
+            )
         self.metrics.observe("passthrough", time.perf_counter() - started)
 
         async def relay() -> AsyncIterator[bytes]:
@@ -326,13 +327,13 @@ class Gateway:
                 rollout = request.path_params.get("rollout_id") or request.headers.get(
                     ROLLOUT_HEADER
                 )
-            except _HttpError as exc:
+            except HttpError as exc:
                 return exc.response()
             if not rollout:
                 return await self._passthrough(request, path)
             try:
                 response = await self._capture(kind, path, request, rollout)
-            except _HttpError as exc:
+            except HttpError as exc:
                 self.metrics.observe(operation, time.perf_counter() - started, failed=True)
                 return exc.response()
             except BaseException:
@@ -354,33 +355,33 @@ class Gateway:
             # Header values arrive as latin-1; a client sends UTF-8.
             call_id = raw_call_id.encode("latin-1").decode("utf-8")
         except UnicodeError:
-            raise _HttpError(400, "invalid model call id: not UTF-8") from None
+            raise HttpError(400, "invalid model call id: not UTF-8") from None
         try:
             check_call_id(call_id)
         except (TypeError, ValueError) as exc:
-            raise _HttpError(400, f"invalid model call id: {exc}") from None
+            raise HttpError(400, f"invalid model call id: {exc}") from None
         body = await self._read_json(request)
         try:
             upstream_body, requested = prepare_upstream_body(kind, body)
         except ValueError as exc:
-            raise _HttpError(400, str(exc)) from None
+            raise HttpError(400, str(exc)) from None
         messages: list[dict[str, Any]] = []
         if kind == CHAT:
             raw = body.get("messages")
             if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
-                raise _HttpError(400, "messages must be a list of message objects")
+                raise HttpError(400, "messages must be a list of message objects")
             messages = raw
         headers = {CALL_HEADER: raw_call_id}
         try:
             await self.backend.begin_call(rollout_id, call_id)
         except TokenCaptureFrozenError as exc:
-            raise _HttpError(
+            raise HttpError(
                 409, f"rollout {rollout_id!r} takes no more calls: {exc}", "rollout_closed"
             ) from None
         except (TypeError, ValueError) as exc:
-            raise _HttpError(400, str(exc)) from None
+            raise HttpError(400, str(exc)) from None
         except Exception as exc:
-            raise _HttpError(
+            raise HttpError(
                 503, f"the store could not record the call's intent: {exc}", "store_unavailable"
             ) from None
         call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
@@ -388,12 +389,12 @@ class Gateway:
             if kind == CHAT and self.config.tito is not None:
                 return await call.run_tito(upstream_body)
             return await call.run(upstream_body)
-        except _HttpError:
+        except HttpError:
             raise
         except Exception as exc:
             logger.exception("call %r of rollout %r failed in the gateway", call_id, rollout_id)
             await call.fail(f"gateway_error: {type(exc).__name__}")
-            raise _HttpError(
+            raise HttpError(
                 500, f"the gateway failed: {type(exc).__name__}: {exc}", "gateway_error"
             ) from None
 
@@ -504,19 +505,20 @@ class _Call:
         self.gateway._spawn(self.gateway.backend.fail(self.rollout_id, self.call_id, reason))
 
     async def store(self, generation: Generation) -> None:
-        """Build, stamp and put the entry; `_HttpError(503)` when the store refuses it."""
+        """Build, stamp and put the entry; `HttpError(503)` when the store refuses it."""
         try:
             entry = await self.entry(generation)
         except (ValueError, TypeError) as exc:
             await self.fail(f"capture_failed: {exc}")
-            raise _HttpError(
+            raise HttpError(
                 502, f"the upstream's answer cannot be captured: {exc}", "upstream_error"
             ) from None
         try:
             await self.gateway.backend.put(entry)
+            self.gateway.remember(entry)
         except Exception as exc:
             await self.fail(f"store_write_failed: {type(exc).__name__}")
-            raise _HttpError(
+            raise HttpError(
                 503,
                 f"the store did not accept the entry ({type(exc).__name__}: {exc}); "
                 "the answer is withheld",
@@ -538,10 +540,10 @@ class _Call:
             return await client.send(upstream, stream=stream)
         except httpx.TimeoutException:
             await self.fail("upstream_timeout")
-            raise _HttpError(504, "upstream timed out", "upstream_error") from None
+            raise HttpError(504, "upstream timed out", "upstream_error") from None
         except httpx.HTTPError as exc:
             await self.fail(f"upstream_unreachable: {type(exc).__name__}")
-            raise _HttpError(
+            raise HttpError(
                 502, f"upstream unreachable: {type(exc).__name__}: {exc}", "upstream_error"
             ) from None
 
@@ -579,7 +581,7 @@ class _Call:
             )
         except (orjson.JSONDecodeError, CaptureError, AttributeError) as exc:
             await self.fail(f"capture_failed: {exc}")
-            raise _HttpError(
+            raise HttpError(
                 502, f"the upstream's answer cannot be captured: {exc}", "upstream_error"
             ) from None
         await self.store(generation)
@@ -643,7 +645,7 @@ class _Call:
                 return
             try:
                 await self.store(generation)
-            except _HttpError as exc:
+            except HttpError as exc:
                 yield _event(_stream_error(exc.status, exc.message))
                 return
             for event in held:
@@ -662,9 +664,8 @@ class _Call:
     # Token in, token out --------------------------------------------------------------------
 
     async def run_tito(self, upstream_body: dict[str, Any]) -> Response:
-        from tokencapture.gateway.tito import run_tito
-
-        return await run_tito(self, upstream_body)
+        response: Response = await self.gateway.config.tito.run(self, upstream_body)
+        return response
 
 
 def _stream_error(status: int, message: str) -> bytes:
