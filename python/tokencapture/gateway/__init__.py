@@ -6,9 +6,9 @@ call's `TokenEntry` durably (a `TokenCaptureStore` directory or a PostgreSQL dat
 releases the answer, and resolves each continuation's parent. Trainers read the same directory
 or DSN with the store API. See docs/gateway.md.
 
-Needs the `gateway` extra: `pip install 'tokencapture[gateway]'` (Starlette, uvicorn, httpx);
-token-in-token-out (`--tito`, the `renderers` package) comes with it. Nothing else in tokencapture imports
-this package.
+Needs the `gateway` extra: `pip install 'tokencapture[gateway]'` (Starlette, uvicorn, httpx;
+and `renderers` for token-in-token-out, `--tito`). Nothing else in tokencapture imports this
+package.
 """
 
 from __future__ import annotations
