@@ -28,6 +28,10 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 export TOKENCAPTURE_REQUIRE_POSTGRES=1
 
+step "vLLM on CPU for the real-engine tests (its own ~6 GB venv in a machine-level cache: installed once, then a check)"
+TOKENCAPTURE_VLLM_PYTHON="$(bash scripts/vllm-env.sh)"
+export TOKENCAPTURE_VLLM_PYTHON TOKENCAPTURE_REQUIRE_VLLM=1
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy (core, and core + bindings) -D warnings"
