@@ -600,6 +600,42 @@ class Server:
                 self.kill()
 
 
+class ThreadServer:
+    """An ASGI app served by uvicorn on a loopback port from a thread of this process (its
+    state, such as a `FakeUpstream`'s request log, stays inspectable)."""
+
+    def __init__(self, app: Any) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = free_port()
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the threaded server did not start")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
 def start_fake(log_dir: Path, *, drift: bool = False) -> Server:
     port = free_port()
     argv = [sys.executable, str(Path(__file__)), str(port), *(["--drift"] if drift else [])]

@@ -1,4 +1,4 @@
-"""The capture gateway against the fast fake upstream (in process, through httpx's ASGI transport).
+"""The capture gateway against the fast fake upstream (served from a thread of the test process).
 
 Expected tokens are computed by the fake's own rendering (tests/fake_upstream.py), never by
 the gateway.
@@ -20,6 +20,7 @@ from tests.fake_upstream import (
     MODEL,
     FakeUpstream,
     Server,
+    ThreadServer,
     encode,
     render_chat,
     start_fake,
@@ -44,10 +45,11 @@ class Harness:
     def __init__(self, root: Path, fake: FakeUpstream, **config: Any) -> None:
         self.root = root
         self.fake = fake
+        self.upstream = ThreadServer(fake.app)
         self.backend = open_backend(store_dir=root)
         self.app = create_app(
             self.backend,
-            GatewayConfig("http://upstream", transport=httpx.ASGITransport(fake.app), **config),
+            GatewayConfig(self.upstream.url, **config),
         )
         self.client = httpx.AsyncClient(
             transport=httpx.ASGITransport(self.app), base_url="http://gateway"
@@ -67,6 +69,7 @@ class Harness:
     async def close(self) -> None:
         await self.client.aclose()
         await self.app.state.gateway.close()
+        self.upstream.stop()
 
 
 @pytest.fixture

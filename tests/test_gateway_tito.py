@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.fake_upstream import FakeUpstream
+from tests.fake_upstream import FakeUpstream, ThreadServer
 
 from tokencapture import ParentResolutionStatus, TokenCaptureStore
 from tokencapture.gateway import DIVERGED_REASON, GatewayConfig, create_app, open_backend
@@ -71,13 +71,10 @@ class Loop:
     def __init__(self, root: Path, tokenizer_dir: Path, *, tito: bool) -> None:
         bridge = Bridge.from_tokenizer_dir(tokenizer_dir, "qwen3")
         self.fake = FakeUpstream(bridge=bridge)
+        self.upstream = ThreadServer(self.fake.app)
         self.app = create_app(
             open_backend(store_dir=root),
-            GatewayConfig(
-                "http://upstream",
-                transport=httpx.ASGITransport(self.fake.app),
-                tito=bridge if tito else None,
-            ),
+            GatewayConfig(self.upstream.url, tito=bridge if tito else None),
         )
         self.client = httpx.AsyncClient(
             transport=httpx.ASGITransport(self.app), base_url="http://gateway"
@@ -107,6 +104,7 @@ class Loop:
     async def close(self) -> None:
         await self.client.aclose()
         await self.app.state.gateway.close()
+        self.upstream.stop()
 
 
 @pytest.fixture

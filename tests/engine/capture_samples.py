@@ -41,6 +41,8 @@ TOOLS = [
         },
     }
 ]
+
+
 def requests(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
     common = {"model": model, "temperature": 0.0, "return_token_ids": True}
     chat = {**common, "messages": MESSAGES, "max_tokens": 6, "logprobs": True, "top_logprobs": 2}

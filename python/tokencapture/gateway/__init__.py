@@ -6,7 +6,7 @@ call's `TokenEntry` durably (a `TokenCaptureStore` directory or a PostgreSQL dat
 releases the answer, and resolves each continuation's parent. Trainers read the same directory
 or DSN with the store API. See docs/gateway.md.
 
-Needs the `gateway` extra: `pip install 'tokencapture[gateway]'` (Starlette, uvicorn, httpx;
+Needs the `gateway` extra: `pip install 'tokencapture[gateway]'` (Starlette, uvicorn, aiohttp;
 and `renderers` for token-in-token-out, `--tito`). Nothing else in tokencapture imports this
 package.
 """
@@ -14,7 +14,7 @@ package.
 from __future__ import annotations
 
 try:
-    import httpx  # noqa: F401
+    import aiohttp  # noqa: F401
     import starlette  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(

@@ -294,12 +294,13 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
         stop_token_ids=bridge.stop_token_ids(),
     )
     call.prefix_requested = True
-    answer = await call._send(body, "/v1/completions", stream=False)
-    if answer.status_code != 200:
+    answer = await call._send(body, "/v1/completions")
+    if answer.status != 200:
         refused: Response = await call._refused(answer)
         return refused
+    content = await call._read(answer)
     try:
-        data = answer.json()
+        data = orjson.loads(content)
         completion = generation_from_completion(data)
         message = bridge.message(completion.generation_token_ids, prompt, tools)
     except (ValueError, CaptureError) as exc:
