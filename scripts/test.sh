@@ -9,7 +9,7 @@ step() { printf '\n== %s\n' "$*"; }
 
 step "install (release build of the Rust extension + test tools)"
 python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-python -m pip install --quiet -e ".[test,dev]"
+python -m pip install --quiet -e ".[test,dev,gateway]"
 
 step "NeMo Gym 0.7.0 as a test oracle (its sdist from PyPI, unpacked under .cache/)"
 TOKENCAPTURE_NEMO_GYM="$(bash scripts/nemo-gym-oracle.sh)"
@@ -31,6 +31,10 @@ export TOKENCAPTURE_REQUIRE_POSTGRES=1
 step "Citus 13.2.2 for the distributed PostgreSQL tests (built from third_party/citus when missing)"
 bash scripts/build-citus.sh
 export TOKENCAPTURE_REQUIRE_CITUS=1
+
+step "vLLM on CPU for the real-engine tests (its own ~6 GB venv in a machine-level cache: installed once, then a check)"
+TOKENCAPTURE_VLLM_PYTHON="$(bash scripts/vllm-env.sh)"
+export TOKENCAPTURE_VLLM_PYTHON TOKENCAPTURE_REQUIRE_VLLM=1
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 
+# The session's vLLM engine, defined once here so that every module shares one server.
+from tests.vllm_fixture import vllm_engine  # noqa: F401
+
 from tokencapture.records import TokenEntry
 
 # The reference implementation's test vectors: the shared copy next to the checkout when there

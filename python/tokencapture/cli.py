@@ -651,6 +651,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    if args.dsn is not None and not _is_dsn(args.dsn):
+        raise CliError(f"{args.dsn}: not a postgresql:// connection string")
+    try:
+        from tokencapture.gateway.server import serve
+    except ImportError as exc:
+        raise CliError(str(exc)) from exc
+    serve(
+        upstream=args.upstream,
+        store_dir=args.store,
+        dsn=args.dsn,
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        tito=args.tito,
+        tokenizer=args.tokenizer,
+        renderer=args.renderer,
+        timeout=args.timeout,
+        max_body_bytes=args.max_body_bytes,
+    )
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokencapture",
@@ -734,6 +757,32 @@ def _parser() -> argparse.ArgumentParser:
     copy.add_argument("source", metavar="SRC")
     copy.add_argument("target", metavar="DST")
     copy.add_argument("rollouts", nargs="*", metavar="ROLLOUT", help="default: every rollout")
+    gateway = commands.add_parser(
+        "gateway",
+        help="serve the OpenAI-compatible capture gateway (needs tokencapture[gateway])",
+        description="serve the OpenAI-compatible capture gateway in front of a vLLM-compatible "
+        "engine; every call under /rollouts/ROLLOUT/v1/ is stored durably before it is answered "
+        "(docs/gateway.md)",
+    )
+    gateway.set_defaults(handler=cmd_gateway)
+    gateway.add_argument("--upstream", required=True, metavar="URL", help="the engine's root URL")
+    where = gateway.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", metavar="DIR", help="a token capture store directory")
+    where.add_argument("--dsn", metavar="DSN", help="a postgresql:// database")
+    gateway.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument(
+        "--token",
+        default=None,
+        help="bearer token clients must send (or $TOKENCAPTURE_GATEWAY_TOKEN)",
+    )
+    gateway.add_argument(
+        "--tito", action="store_true", help="token-in-token-out continuations (renderers)"
+    )
+    gateway.add_argument("--tokenizer", metavar="DIR", help="--tito: the engine's tokenizer dir")
+    gateway.add_argument("--renderer", default="qwen3", help="--tito: the renderers chat format")
+    gateway.add_argument("--timeout", type=float, default=600.0, help="upstream timeout, seconds")
+    gateway.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     bench = command("bench", cmd_bench, "run the benchmark comparison (benches/compare.py)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser

@@ -1,0 +1,325 @@
+"""Benchmark: the capture gateway beside calling the upstream directly, and beside rLLM's.
+
+    python benches/bench_gateway.py [--sessions 16 64] [--seconds 5]
+        [--rllm-python /path/to/venv/bin/python] [--vllm] [--json results.json]
+
+For each target and concurrency it runs closed-loop sessions (each sends its next chat call as
+soon as the previous answer arrives) for `--seconds`, then SIGKILLs the target while calls are
+in flight and counts the acknowledged calls the store does not have. Figures:
+
+* captured calls/s (answers with status 200 per second of the measured window);
+* gateway CPU per call (user + system CPU of the gateway process over the window / calls);
+* p50 / p99 latency, and the p50 / p99 added over calling the upstream directly;
+* acknowledged calls lost after the SIGKILL (read back through the store API; for rLLM
+  through its `/sessions/{id}/traces` API after a restart on the same database).
+
+Targets: `direct` (the fake upstream itself), `tokencapture` (`tokencapture gateway`, file
+store), and, when `--rllm-python` names a venv with PyPI's `rllm-model-gateway` (installed
+apart: it is not our dependency), `rllm` (its default: traces written after the answer) and
+`rllm-sync` (`sync_traces: true`). The upstream is the fast fake (tests/fake_upstream.py) in
+its own process, so the engine is not the bottleneck; `--vllm` adds a run against the tiny
+vLLM of the tests (tests/vllm_engine.py; slow, a minute to start).
+
+The load generator, the upstream and the gateway share the machine: on a 2-core machine the
+figures are bounded by that, and when other work runs they are "measured while the machine was
+shared". The script prints them with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.fake_upstream import Server, free_port, start_fake, start_gateway  # noqa: E402
+
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the weather in Paris today?"},
+]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _load(
+    url_for: Any, sessions: int, seconds: float, server: Server | None, kill: bool, model: str
+) -> dict[str, Any]:
+    latencies: list[float] = []
+    acknowledged: dict[str, int] = {}
+    measuring = False
+    stop = asyncio.Event()
+    errors = 0
+
+    body = json.dumps({"model": model, "messages": MESSAGES, "max_tokens": 8}).encode()
+
+    async def session(client: aiohttp.ClientSession, index: int) -> None:
+        nonlocal errors
+        sid = f"bench{index}"
+        url = url_for(sid)
+        turn = 0
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                async with client.post(
+                    url,
+                    data=body,
+                    headers={
+                        "x-model-call-id": f"{sid}-{turn}",
+                        "content-type": "application/json",
+                    },
+                ) as answer:
+                    await answer.read()
+                    status = answer.status
+            except (aiohttp.ClientError, TimeoutError):
+                errors += 1
+                if stop.is_set():
+                    return
+                await asyncio.sleep(0.01)
+                continue
+            turn += 1
+            if status != 200:
+                errors += 1
+                continue
+            acknowledged[sid] = acknowledged.get(sid, 0) + 1
+            if measuring:
+                latencies.append(time.perf_counter() - started)
+
+    # aiohttp's client: the load generator shares the CPUs and must cost little per call.
+    connector = aiohttp.TCPConnector(limit=sessions)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=60)
+    ) as client:
+        tasks = [asyncio.create_task(session(client, i)) for i in range(sessions)]
+        await asyncio.sleep(min(1.0, seconds / 4))  # warm up
+        cpu0 = cpu_seconds(server.process.pid) if server and server.process else 0.0
+        measuring, started = True, time.perf_counter()
+        await asyncio.sleep(seconds)
+        measuring, elapsed = False, time.perf_counter() - started
+        calls = len(latencies)
+        cpu1 = cpu_seconds(server.process.pid) if server and server.process else 0.0
+        if kill and server is not None:
+            server.kill()  # SIGKILL with calls in flight
+        stop.set()
+        await asyncio.gather(*tasks)
+    return {
+        "calls": calls,
+        "calls_per_s": calls / elapsed,
+        "cpu_ms_per_call": (cpu1 - cpu0) / calls * 1e3 if calls and server else None,
+        "p50_ms": _percentile(latencies, 0.50) * 1e3,
+        "p99_ms": _percentile(latencies, 0.99) * 1e3,
+        "mean_ms": statistics.fmean(latencies) * 1e3 if latencies else float("nan"),
+        "acknowledged": dict(acknowledged),
+        "errors_after_kill_or_refused": errors,
+    }
+
+
+def _session_url(prefix: str, sid: str) -> str:
+    return f"{prefix}{sid}/v1/chat/completions"
+
+
+def _lost_tokencapture(store: Path, acknowledged: dict[str, int]) -> int:
+    from tokencapture import TokenCaptureStore
+
+    capture = TokenCaptureStore(store)
+    lost = 0
+    for sid, count in acknowledged.items():
+        ids = {e.model_call_id for e in capture.read_entries(sid)}
+        lost += sum(1 for turn in range(count) if f"{sid}-{turn}" not in ids)
+    return lost
+
+
+def _start_rllm(python: str, upstream: str, db: Path, log_dir: Path, sync: bool) -> Server:
+    port = free_port()
+    config = log_dir / f"rllm-{port}.yaml"
+    config.write_text(f"sync_traces: {'true' if sync else 'false'}\n")
+    argv = [
+        python,
+        "-m",
+        "rllm_model_gateway",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker",
+        f"{upstream}/v1",
+        "--db-path",
+        str(db),
+        "--log-level",
+        "WARNING",
+        "--config",
+        str(config),
+    ]
+    return Server(argv, port, log_dir / f"rllm-{port}.log").start()
+
+
+def _lost_rllm(
+    python: str, upstream: str, db: Path, log_dir: Path, acknowledged: dict[str, int]
+) -> int:
+    server = _start_rllm(python, upstream, db, log_dir, sync=False)
+    try:
+        lost = 0
+        for sid, count in acknowledged.items():
+            answer = httpx.get(f"{server.url}/sessions/{sid}/traces", timeout=30)
+            traces = answer.json() if answer.status_code == 200 else []
+            lost += max(0, count - len(traces))
+        return lost
+    finally:
+        server.stop()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    results: dict[str, Any] = {
+        "load_average": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "seconds": args.seconds,
+        "runs": [],
+    }
+    upstreams: list[tuple[str, str, Any]] = []
+    fake = start_fake(work)
+    upstreams.append(("fake", fake.url, "fake-tiny"))
+    engine = None
+    if args.vllm:
+        from tests.vllm_engine import VllmEngine
+
+        engine = VllmEngine()
+        engine.start()
+        upstreams.append(("vllm", engine.base_url, engine.model))
+    try:
+        for upstream_name, upstream, model in upstreams:
+            for sessions in args.sessions:
+                direct = asyncio.run(
+                    _load(
+                        lambda sid, u=upstream: f"{u}/v1/chat/completions",
+                        sessions,
+                        args.seconds,
+                        None,
+                        False,
+                        model,
+                    )
+                )
+                row = {
+                    "upstream": upstream_name,
+                    "sessions": sessions,
+                    "target": "direct",
+                    **{k: v for k, v in direct.items() if k != "acknowledged"},
+                }
+                results["runs"].append(row)
+                print(_line(row), flush=True)
+                targets = [("tokencapture", None)]
+                if args.rllm_python:
+                    targets += [("rllm", False), ("rllm-sync", True)]
+                for target, sync in targets:
+                    store = work / f"{target}-{upstream_name}-{sessions}"
+                    if target == "tokencapture":
+                        server = start_gateway(upstream, store, work)
+                        prefix = f"{server.url}/rollouts/"
+                    else:
+                        store.mkdir()
+                        server = _start_rllm(
+                            args.rllm_python, upstream, store / "traces.db", work, bool(sync)
+                        )
+                        prefix = f"{server.url}/sessions/"
+                    measured = asyncio.run(
+                        _load(
+                            functools.partial(_session_url, prefix),
+                            sessions,
+                            args.seconds,
+                            server,
+                            True,
+                            model,
+                        )
+                    )
+                    server.kill()
+                    acknowledged = measured.pop("acknowledged")
+                    if target == "tokencapture":
+                        lost = _lost_tokencapture(store, acknowledged)
+                    else:
+                        lost = _lost_rllm(
+                            args.rllm_python, upstream, store / "traces.db", work, acknowledged
+                        )
+                    row = {
+                        "upstream": upstream_name,
+                        "sessions": sessions,
+                        "target": target,
+                        **measured,
+                        "acknowledged_total": sum(acknowledged.values()),
+                        "acknowledged_lost": lost,
+                        "added_p50_ms": measured["p50_ms"] - direct["p50_ms"],
+                        "added_p99_ms": measured["p99_ms"] - direct["p99_ms"],
+                    }
+                    results["runs"].append(row)
+                    print(_line(row), flush=True)
+    finally:
+        fake.stop()
+        if engine is not None:
+            engine.cleanup()
+    return results
+
+
+def _line(row: dict[str, Any]) -> str:
+    text = (
+        f"{row['upstream']:>5} {row['sessions']:>3} sessions {row['target']:>12}: "
+        f"{row['calls_per_s']:8.1f} calls/s  p50 {row['p50_ms']:7.2f} ms  "
+        f"p99 {row['p99_ms']:7.2f} ms"
+    )
+    if row.get("cpu_ms_per_call") is not None:
+        text += f"  CPU {row['cpu_ms_per_call']:6.2f} ms/call"
+    if "added_p50_ms" in row:
+        text += (
+            f"  added p50 {row['added_p50_ms']:+.2f} ms p99 {row['added_p99_ms']:+.2f} ms"
+            f"  lost {row['acknowledged_lost']}/{row['acknowledged_total']} acknowledged"
+        )
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument(
+        "--rllm-python",
+        default=None,
+        help="python of a venv with rllm-model-gateway (measured beside ours)",
+    )
+    parser.add_argument("--vllm", action="store_true", help="also against the tiny vLLM")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    print(
+        f"load average {os.getloadavg()} on {os.cpu_count()} CPUs; the load generator, the "
+        "upstream and the gateway share them (figures measured while the machine was shared "
+        "when the load average exceeds the CPUs)",
+        flush=True,
+    )
+    results = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

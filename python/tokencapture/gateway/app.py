@@ -1,0 +1,733 @@
+"""The capture gateway's ASGI application (Starlette, with aiohttp's client to the upstream).
+
+The upstream client is aiohttp's rather than httpx's: profiled under 16 concurrent sessions,
+httpx's `AsyncClient.send` was 56% of the gateway's CPU (a quarter of it in httpcore's pool
+scanning every connection for expiry on each request), about 2.5 ms per call.
+
+A captured call, in order: the ids are validated as the store validates them; `begin_call`
+writes the durable intent; the request goes upstream with `return_token_ids` and log-probs
+injected (and, meanwhile, the parent is resolved from the request's messages); the answer's
+exact tokens become a `TokenEntry`, stamped for lineage, which is `put` (durable) before one
+byte of the answer is released; the token fields the client did not ask for are removed. An
+upstream error, timeout or disconnect marks the call incomplete with the reason (a failure row
+of the capture ledger) and passes the upstream's status through; a store write that fails
+answers 503, never 200. A stream is passed through chunk by chunk, except that its final chunk
+and `[DONE]` are held until the entry is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tokencapture.gateway.backend import Backend
+from tokencapture.gateway.capture import (
+    CHAT,
+    COMPLETIONS,
+    DIVERGED_REASON,
+    CaptureError,
+    Generation,
+    Requested,
+    StreamAccumulator,
+    generation_from_chat,
+    generation_from_completion,
+    prepare_upstream_body,
+    strip_chat,
+    strip_completion,
+)
+from tokencapture.gateway.errors import HttpError, error_response
+from tokencapture.lineage import stamp_continuation
+from tokencapture.metrics import Metrics
+from tokencapture.protocols import LineageResolution, TokenCaptureFrozenError
+from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
+from tokencapture.store import check_call_id, validate_rollout_id
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "Gateway", "GatewayConfig", "create_app"]
+
+logger = logging.getLogger("tokencapture.gateway")
+
+DEFAULT_MAX_BODY_BYTES: Final[int] = 16 * 1024 * 1024
+ROLLOUT_HEADER: Final[str] = "x-rollout-id"
+CALL_HEADER: Final[str] = "x-model-call-id"
+_JSON: Final[dict[str, str]] = {"content-type": "application/json"}
+_SSE_HEADERS: Final[dict[str, str]] = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+_UNRESOLVED_ERROR_REASON: Final[str] = "resolver_error"
+_RECENT_SHAPES: Final[int] = 100_000
+
+
+@dataclass
+class GatewayConfig:
+    """What a gateway needs besides its backend.
+
+    `upstream` is the engine's root URL (the gateway adds `/v1/...`); `token` protects every
+    route but `/healthz` (a bearer token); `timeout` bounds each upstream call (seconds,
+    connect included); `max_connections` sizes the pooled upstream client; `tito` is a
+    `tokencapture.gateway.tito.Bridge` that turns resolved continuations into token-in
+    completions (None: chat goes to the engine's chat endpoint).
+    """
+
+    upstream: str
+    token: str | None = None
+    timeout: float = 600.0
+    connect_timeout: float = 10.0
+    max_connections: int = 512
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tito: Any = None
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+
+def _event(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+_DONE: Final[bytes] = b"[DONE]"
+
+
+class Gateway:
+    """The request handlers, the pooled upstream client and the metrics of one gateway."""
+
+    def __init__(self, backend: Backend, config: GatewayConfig) -> None:
+        self.backend = backend
+        self.config = config
+        self.metrics = Metrics(backend.kind, store="gateway")
+        self._client: aiohttp.ClientSession | None = None
+        self._base = config.upstream.rstrip("/")
+        self._background: set[asyncio.Task[None]] = set()
+        self._upstream_auth: bool = config.token is None
+        self._recent: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+
+    # Lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        """The pooled upstream session (made on first use, on the running loop)."""
+        if self._client is None:
+            connector = aiohttp.TCPConnector(
+                limit=self.config.max_connections, keepalive_timeout=60, enable_cleanup_closed=True
+            )
+            timeout = aiohttp.ClientTimeout(
+                total=self.config.timeout, connect=self.config.connect_timeout
+            )
+            self._client = aiohttp.ClientSession(
+                connector=connector, timeout=timeout, auto_decompress=False, trust_env=False
+            )
+        return self._client
+
+    def url(self, path: str) -> str:
+        return self._base + path
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        await self.backend.close()
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        async def run() -> None:
+            await work
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def remember(self, entry: TokenEntry) -> None:
+        """Keep the shape of a stored entry (for `--tito`'s bridge to its continuation)."""
+        if self.config.tito is None:
+            return
+        recent = self._recent
+        recent[(entry.rollout_id, entry.model_call_id)] = (
+            len(entry.prompt_token_ids),
+            entry.continuation_context_len,
+        )
+        if len(recent) > _RECENT_SHAPES:
+            recent.popitem(last=False)
+
+    def recent_shape(self, rollout_id: str, model_call_id: str) -> tuple[int, int] | None:
+        """(prompt length, request context length) of an entry this gateway stored, if kept."""
+        return self._recent.get((rollout_id, model_call_id))
+
+    # Request plumbing ----------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        token = self.config.token
+        if token is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), token.encode()
+        ):
+            raise HttpError(401, "missing or wrong bearer token", "authentication_error")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HttpError(413, f"request body over the gateway's limit of {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, f"request body over the gateway's limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        raw = await self._read_body(request)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise HttpError(400, f"the request body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "the request body must be a JSON object")
+        return body
+
+    def _upstream_headers(self, request: Request) -> dict[str, str]:
+        headers = {"content-type": "application/json", **self.config.extra_headers}
+        if self._upstream_auth and "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        return headers
+
+    # Routes --------------------------------------------------------------------------------
+
+    async def healthz(self, request: Request) -> Response:
+        try:
+            async with self.client.get(
+                self.url("/health"), timeout=aiohttp.ClientTimeout(total=5.0)
+            ) as answer:
+                status = answer.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return error_response(
+                503, f"upstream unreachable: {type(exc).__name__}: {exc}", "upstream_error"
+            )
+        if status != 200:
+            return error_response(503, f"upstream /health answered {status}", "upstream_error")
+        return JSONResponse({"status": "ok", "upstream": self.config.upstream})
+
+    async def rollout_summary(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            rollout_id = self._rollout(request.path_params["rollout_id"])
+            entries, incomplete = await self.backend.entries(rollout_id)
+        except HttpError as exc:
+            return exc.response()
+        except LookupError as exc:  # a retired rollout
+            return error_response(410, str(exc), "rollout_retired")
+        counts: dict[str, int] = {}
+        calls: list[dict[str, Any]] = []
+        for entry in entries:
+            status = entry.parent_resolution.value if entry.parent_resolution else "none"
+            counts[status] = counts.get(status, 0) + 1
+            calls.append(
+                {
+                    "model_call_id": entry.model_call_id,
+                    "model": entry.model,
+                    "prompt_tokens": len(entry.prompt_token_ids),
+                    "generation_tokens": len(entry.generation_token_ids),
+                    "parent_call_id": entry.parent_call_id,
+                    "parent_resolution": status,
+                    "parent_resolution_reason": entry.parent_resolution_reason,
+                    "prefix_requested": entry.prefix_requested,
+                    "prefix_supplied": entry.prefix_supplied,
+                }
+            )
+        return JSONResponse(
+            {
+                "rollout_id": rollout_id,
+                "entries": len(entries),
+                "tokens": sum(
+                    len(e.prompt_token_ids) + len(e.generation_token_ids) for e in entries
+                ),
+                "incomplete": incomplete,
+                "parent_resolution": counts,
+                "continuations_prefix_supplied": sum(
+                    1
+                    for e in entries
+                    if e.parent_resolution is not ParentResolutionStatus.ROOT and e.prefix_supplied
+                ),
+                "calls": calls,
+            }
+        )
+
+    @staticmethod
+    def _rollout(rollout_id: str) -> str:
+        try:
+            return validate_rollout_id(rollout_id)
+        except (TypeError, ValueError) as exc:
+            raise HttpError(400, f"invalid rollout id: {exc}") from None
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except HttpError as exc:
+            return exc.response()
+        return await self._passthrough(request, "/v1/models")
+
+    async def passthrough(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except HttpError as exc:
+            return exc.response()
+        return await self._passthrough(request, "/v1/" + request.path_params["path"])
+
+    async def _passthrough(self, request: Request, path: str) -> Response:
+        started = time.perf_counter()
+        try:
+            body = await self._read_body(request) if request.method == "POST" else None
+        except HttpError as exc:
+            return exc.response()
+        try:
+            answer = await self.client.request(
+                request.method,
+                self.url(path),
+                data=body,
+                headers=self._upstream_headers(request),
+                params=list(request.query_params.multi_items()),
+            )
+        except TimeoutError:
+            self.metrics.observe("passthrough", time.perf_counter() - started, failed=True)
+            return error_response(504, "upstream timed out", "upstream_error")
+        except aiohttp.ClientError as exc:
+            self.metrics.observe("passthrough", time.perf_counter() - started, failed=True)
+            return error_response(
+                502, f"upstream unreachable: {type(exc).__name__}", "upstream_error"
+            )
+        self.metrics.observe("passthrough", time.perf_counter() - started)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in answer.content.iter_any():
+                    yield chunk
+            finally:
+                answer.release()
+
+        media = answer.headers.get("content-type")
+        return StreamingResponse(relay(), answer.status, media_type=media)
+
+    def captured(self, kind: str) -> Callable[[Request], Awaitable[Response]]:
+        path = "/v1/chat/completions" if kind == CHAT else "/v1/completions"
+        operation = "chat_completions" if kind == CHAT else "completions"
+
+        async def handle(request: Request) -> Response:
+            started = time.perf_counter()
+            try:
+                self._authorize(request)
+                rollout = request.path_params.get("rollout_id") or request.headers.get(
+                    ROLLOUT_HEADER
+                )
+            except HttpError as exc:
+                return exc.response()
+            if not rollout:
+                return await self._passthrough(request, path)
+            try:
+                response = await self._capture(kind, path, request, rollout)
+            except HttpError as exc:
+                self.metrics.observe(operation, time.perf_counter() - started, failed=True)
+                return exc.response()
+            except BaseException:
+                self.metrics.observe(operation, time.perf_counter() - started, failed=True)
+                raise
+            self.metrics.observe(
+                operation, time.perf_counter() - started, failed=response.status_code >= 400
+            )
+            return response
+
+        return handle
+
+    # Capture -------------------------------------------------------------------------------
+
+    async def _capture(self, kind: str, path: str, request: Request, rollout: str) -> Response:
+        rollout_id = self._rollout(rollout)
+        raw_call_id = request.headers.get(CALL_HEADER) or uuid.uuid4().hex
+        try:
+            # Header values arrive as latin-1; a client sends UTF-8.
+            call_id = raw_call_id.encode("latin-1").decode("utf-8")
+        except UnicodeError:
+            raise HttpError(400, "invalid model call id: not UTF-8") from None
+        try:
+            check_call_id(call_id)
+        except (TypeError, ValueError) as exc:
+            raise HttpError(400, f"invalid model call id: {exc}") from None
+        body = await self._read_json(request)
+        try:
+            upstream_body, requested = prepare_upstream_body(kind, body)
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from None
+        messages: list[dict[str, Any]] = []
+        if kind == CHAT:
+            raw = body.get("messages")
+            if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+                raise HttpError(400, "messages must be a list of message objects")
+            messages = raw
+        headers = {CALL_HEADER: raw_call_id}
+        try:
+            await self.backend.begin_call(rollout_id, call_id)
+        except TokenCaptureFrozenError as exc:
+            raise HttpError(
+                409, f"rollout {rollout_id!r} takes no more calls: {exc}", "rollout_closed"
+            ) from None
+        except (TypeError, ValueError) as exc:
+            raise HttpError(400, str(exc)) from None
+        except Exception as exc:
+            raise HttpError(
+                503, f"the store could not record the call's intent: {exc}", "store_unavailable"
+            ) from None
+        call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
+        try:
+            if kind == CHAT and self.config.tito is not None:
+                return await call.run_tito(upstream_body)
+            return await call.run(upstream_body)
+        except HttpError:
+            raise
+        except Exception as exc:
+            logger.exception("call %r of rollout %r failed in the gateway", call_id, rollout_id)
+            await call.fail(f"gateway_error: {type(exc).__name__}")
+            raise HttpError(
+                500, f"the gateway failed: {type(exc).__name__}: {exc}", "gateway_error"
+            ) from None
+
+
+class _Call:
+    """One captured call in flight."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        kind: str,
+        path: str,
+        request: Request,
+        rollout_id: str,
+        call_id: str,
+        messages: list[dict[str, Any]],
+        requested: Requested,
+        headers: dict[str, str],
+    ) -> None:
+        self.gateway = gateway
+        self.kind = kind
+        self.path = path
+        self.request = request
+        self.rollout_id = rollout_id
+        self.call_id = call_id
+        self.messages = messages
+        self.requested = requested
+        self.headers = headers
+        self.resolution: asyncio.Future[LineageResolution] | None = None
+        self.prefix_requested = False
+        self.extra: dict[str, Any] = {}
+
+    # Lineage -------------------------------------------------------------------------------
+
+    def start_resolution(self) -> None:
+        if self.kind == CHAT and self.resolution is None:
+            self.resolution = asyncio.ensure_future(
+                self.gateway.backend.resolve(self.rollout_id, self.messages)
+            )
+
+    async def resolved(self) -> LineageResolution | None:
+        if self.resolution is None:
+            return None
+        try:
+            return await self.resolution
+        except Exception as exc:
+            logger.warning("resolving call %r of %r failed: %s", self.call_id, self.rollout_id, exc)
+            return LineageResolution(
+                ParentResolutionStatus.UNRESOLVED,
+                reason=f"{_UNRESOLVED_ERROR_REASON}: {type(exc).__name__}",
+            )
+
+    def cancel_resolution(self) -> None:
+        if self.resolution is not None and not self.resolution.done():
+            self.resolution.cancel()
+
+    async def entry(self, generation: Generation) -> TokenEntry:
+        entry = TokenEntry(
+            rollout_id=self.rollout_id,
+            model_call_id=self.call_id,
+            model=generation.model,
+            prompt_token_ids=generation.prompt_token_ids,
+            generation_token_ids=generation.generation_token_ids,
+            generation_log_probs=generation.generation_log_probs,
+            output_items=generation.output_items,
+            token_item_index=0,
+            response_id=generation.response_id,
+            created_at=time.time(),
+            **self.extra,
+        )
+        resolution = await self.resolved()
+        if resolution is None:
+            # A completion: no conversation, so nothing to continue or be continued.
+            stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.ROOT)
+            return entry
+        stamp_continuation(entry, self.messages)
+        entry.prefix_requested = self.prefix_requested
+        if resolution.status is ParentResolutionStatus.ROOT:
+            stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.ROOT)
+        elif resolution.status is ParentResolutionStatus.RESOLVED:
+            assert resolution.match is not None
+            parent = resolution.match.cumulative_token_ids
+            prompt = generation.prompt_token_ids
+            if len(prompt) >= len(parent) and tuple(prompt[: len(parent)]) == tuple(parent):
+                stamp_lineage(
+                    entry,
+                    resolution.match.model_call_id,
+                    parent_resolution=ParentResolutionStatus.RESOLVED,
+                )
+                entry.prefix_supplied = True
+            else:
+                stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.UNRESOLVED)
+                entry.parent_resolution_reason = DIVERGED_REASON
+        else:
+            stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.UNRESOLVED)
+            entry.parent_resolution_reason = resolution.reason or ""
+        return entry
+
+    # Failure -------------------------------------------------------------------------------
+
+    async def fail(self, reason: str) -> None:
+        self.cancel_resolution()
+        await self.gateway.backend.fail(self.rollout_id, self.call_id, reason)
+
+    def fail_later(self, reason: str) -> None:
+        """`fail` in a task of its own (from a cancelled stream, which cannot await)."""
+        self.cancel_resolution()
+        self.gateway._spawn(self.gateway.backend.fail(self.rollout_id, self.call_id, reason))
+
+    async def store(self, generation: Generation) -> None:
+        """Build, stamp and put the entry; `HttpError(503)` when the store refuses it."""
+        try:
+            entry = await self.entry(generation)
+        except (ValueError, TypeError) as exc:
+            await self.fail(f"capture_failed: {exc}")
+            raise HttpError(
+                502, f"the upstream's answer cannot be captured: {exc}", "upstream_error"
+            ) from None
+        try:
+            await self.gateway.backend.put(entry)
+            self.gateway.remember(entry)
+        except Exception as exc:
+            await self.fail(f"store_write_failed: {type(exc).__name__}")
+            raise HttpError(
+                503,
+                f"the store did not accept the entry ({type(exc).__name__}: {exc}); "
+                "the answer is withheld",
+                "store_unavailable",
+            ) from None
+
+    # Dispatch ------------------------------------------------------------------------------
+
+    async def _send(self, body: dict[str, Any], path: str) -> aiohttp.ClientResponse:
+        """POST upstream; the answer's headers are in, its body is still to be read."""
+        gateway = self.gateway
+        try:
+            return await gateway.client.post(
+                gateway.url(path),
+                data=orjson.dumps(body),
+                headers=gateway._upstream_headers(self.request),
+            )
+        except TimeoutError:
+            await self.fail("upstream_timeout")
+            raise HttpError(504, "upstream timed out", "upstream_error") from None
+        except aiohttp.ClientError as exc:
+            await self.fail(f"upstream_unreachable: {type(exc).__name__}")
+            raise HttpError(
+                502, f"upstream unreachable: {type(exc).__name__}: {exc}", "upstream_error"
+            ) from None
+
+    async def _read(self, answer: aiohttp.ClientResponse) -> bytes:
+        """The answer's body; a timeout or a disconnect while reading marks the call."""
+        try:
+            return await answer.read()
+        except TimeoutError:
+            await self.fail("upstream_timeout")
+            raise HttpError(504, "upstream timed out", "upstream_error") from None
+        except aiohttp.ClientError as exc:
+            await self.fail(f"upstream_disconnected: {type(exc).__name__}")
+            raise HttpError(
+                502, f"upstream disconnected: {type(exc).__name__}", "upstream_error"
+            ) from None
+        finally:
+            answer.release()
+
+    async def _refused(self, answer: aiohttp.ClientResponse) -> Response:
+        """An upstream error status: mark the call and pass the status and body through."""
+        try:
+            content = await answer.read()
+        except (aiohttp.ClientError, TimeoutError):
+            content = b""
+        finally:
+            answer.release()
+        await self.fail(f"upstream_status_{answer.status}")
+        media = answer.headers.get("content-type", "application/json")
+        return Response(content, answer.status, headers=self.headers, media_type=media)
+
+    async def run(self, upstream_body: dict[str, Any]) -> Response:
+        self.start_resolution()
+        stream = self.requested.stream
+        answer = await self._send(upstream_body, self.path)
+        if answer.status != 200:
+            return await self._refused(answer)
+        if stream:
+            return StreamingResponse(
+                self._relay(answer),
+                200,
+                headers={**self.headers, **_SSE_HEADERS},
+                media_type="text/event-stream",
+            )
+        content = await self._read(answer)
+        try:
+            data = orjson.loads(content)
+            generation = (
+                generation_from_chat(data)
+                if self.kind == CHAT
+                else generation_from_completion(data)
+            )
+        except (orjson.JSONDecodeError, CaptureError, AttributeError) as exc:
+            await self.fail(f"capture_failed: {exc}")
+            raise HttpError(
+                502, f"the upstream's answer cannot be captured: {exc}", "upstream_error"
+            ) from None
+        await self.store(generation)
+        strip = strip_chat if self.kind == CHAT else strip_completion
+        return Response(
+            orjson.dumps(strip(data, self.requested)),
+            200,
+            headers=self.headers,
+            media_type="application/json",
+        )
+
+    async def _relay(self, answer: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """Pass the stream on chunk by chunk; hold the final chunk and `[DONE]` until stored."""
+        accumulator = StreamAccumulator(self.kind)
+        strip = strip_chat if self.kind == CHAT else strip_completion
+        requested = self.requested
+        untouched = requested.token_ids and requested.logprobs
+        held: list[bytes] = []
+        finished = False
+        try:
+            try:
+                async for line in answer.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == _DONE:
+                        finished = True
+                        break
+                    chunk = orjson.loads(payload)
+                    if not isinstance(chunk, dict):
+                        raise CaptureError("a stream chunk is not a JSON object")
+                    if "error" in chunk and "choices" not in chunk:
+                        raise CaptureError(f"the upstream's stream failed: {chunk['error']}")
+                    accumulator.add(chunk)
+                    event = _event(payload if untouched else orjson.dumps(strip(chunk, requested)))
+                    if held or accumulator.finish_reason is not None:
+                        held.append(event)
+                    else:
+                        yield event
+            except TimeoutError:
+                await self.fail("upstream_timeout")
+                yield _event(_stream_error(504, "upstream timed out"))
+                return
+            except aiohttp.ClientError as exc:
+                await self.fail(f"upstream_disconnected: {type(exc).__name__}")
+                yield _event(_stream_error(502, f"upstream disconnected: {type(exc).__name__}"))
+                return
+            except (CaptureError, orjson.JSONDecodeError) as exc:
+                await self.fail(f"capture_failed: {exc}")
+                yield _event(_stream_error(502, f"the upstream's stream cannot be captured: {exc}"))
+                return
+            if not finished:
+                await self.fail("upstream_disconnected: stream ended without [DONE]")
+                yield _event(_stream_error(502, "the upstream's stream ended without [DONE]"))
+                return
+            try:
+                generation = accumulator.generation()
+            except CaptureError as exc:
+                await self.fail(f"capture_failed: {exc}")
+                yield _event(_stream_error(502, f"the upstream's stream cannot be captured: {exc}"))
+                return
+            try:
+                await self.store(generation)
+            except HttpError as exc:
+                yield _event(_stream_error(exc.status, exc.message))
+                return
+            for event in held:
+                yield event
+            yield _event(_DONE)
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away mid-stream (the response task is cancelled): the call did
+            # not reach it. Mark it from a task of its own; this one is being torn down.
+            if not finished:
+                self.fail_later("client_disconnected")
+            raise
+        finally:
+            if finished:
+                answer.release()
+            else:
+                answer.close()  # drop the connection: the engine aborts the generation
+
+    # Token in, token out --------------------------------------------------------------------
+
+    async def run_tito(self, upstream_body: dict[str, Any]) -> Response:
+        response: Response = await self.gateway.config.tito.run(self, upstream_body)
+        return response
+
+
+def _stream_error(status: int, message: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": "gateway_error", "code": status}})
+
+
+def create_app(
+    backend: Backend,
+    config: GatewayConfig,
+) -> Starlette:
+    """The gateway as an ASGI application (closes `backend` at shutdown).
+
+    Routes: `POST /rollouts/{rollout_id}/v1/chat/completions` and `.../v1/completions`
+    (captured), `GET /rollouts/{rollout_id}/v1/models`, the same under `/v1/...` with the
+    rollout in an `X-Rollout-Id` header (without one a call passes through uncaptured),
+    `GET /rollouts/{rollout_id}` (an operator summary) and `GET /healthz`.
+    """
+    gateway = Gateway(backend, config)
+    chat = gateway.captured(CHAT)
+    completions = gateway.captured(COMPLETIONS)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        gateway.client  # noqa: B018 - build the pooled client (its TLS context) before calls
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    routes = [
+        Route("/healthz", gateway.healthz, methods=["GET"]),
+        Route("/rollouts/{rollout_id}/v1/chat/completions", chat, methods=["POST"]),
+        Route("/rollouts/{rollout_id}/v1/completions", completions, methods=["POST"]),
+        Route("/rollouts/{rollout_id}/v1/models", gateway.models, methods=["GET"]),
+        Route("/rollouts/{rollout_id}", gateway.rollout_summary, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/{path:path}", gateway.passthrough, methods=["GET", "POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,127 @@
+"""The store, resolver and failure ledger behind a gateway: a directory or a PostgreSQL DSN.
+
+The gateway writes only through the project's stores (`TokenCaptureStore` or
+`PostgresTokenCaptureStore` for entries and intents, `FileLineageStore` or
+`PostgresLineageStore` to resolve parents, `FileCaptureLedger` or `PostgresCaptureLedger` for
+the reason of a call that did not capture); durability is theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tokencapture.lineage import FileLineageStore
+from tokencapture.protocols import LineageResolution
+from tokencapture.records import TokenEntry
+from tokencapture.store import TokenCaptureStore
+
+__all__ = ["Backend", "open_backend"]
+
+logger = logging.getLogger("tokencapture.gateway")
+
+
+class _Store(Protocol):
+    def begin_call(self, rollout_id: str, model_call_id: str) -> Any: ...
+    def put(self, entry: TokenEntry) -> Any: ...
+    def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> Any: ...
+    async def close(self) -> None: ...
+
+
+class _Resolver(Protocol):
+    def resolve(self, rollout_id: str, request_items: list[dict[str, Any]]) -> Any: ...
+    async def close(self) -> None: ...
+
+
+class _Ledger(Protocol):
+    def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> Any: ...
+    async def close(self) -> None: ...
+
+
+@dataclass
+class Backend:
+    """One store, its resolver and its capture ledger, over one directory or database."""
+
+    store: _Store
+    resolver: _Resolver
+    ledger: _Ledger
+    kind: str  # "file" or "postgres"
+    location: str
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        await self.store.begin_call(rollout_id, model_call_id)
+
+    async def put(self, entry: TokenEntry) -> None:
+        await self.store.put(entry)
+
+    async def resolve(
+        self, rollout_id: str, request_items: list[dict[str, Any]]
+    ) -> LineageResolution:
+        resolution: LineageResolution = await self.resolver.resolve(rollout_id, request_items)
+        return resolution
+
+    async def fail(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        """Mark the call incomplete (the rollout is masked at freeze) and record why.
+
+        Never raises: it runs on error paths, where the caller answers with the first error.
+        """
+        try:
+            await self.store.mark_incomplete(rollout_id, model_call_id)
+        except Exception:
+            logger.exception("could not mark call %r of %r incomplete", model_call_id, rollout_id)
+        try:
+            await self.ledger.record_failure(rollout_id, model_call_id, reason)
+        except Exception:
+            logger.exception(
+                "could not record the failure of call %r of %r", model_call_id, rollout_id
+            )
+
+    async def entries(self, rollout_id: str) -> tuple[list[TokenEntry], bool]:
+        """The rollout's committed entries and its incomplete flag (for the operator summary)."""
+        store: Any = self.store
+        if self.kind == "file":
+            entries = await asyncio.to_thread(store.read_entries, rollout_id)
+            incomplete = await asyncio.to_thread(store.is_incomplete, rollout_id)
+        else:
+            entries = await store.read_entries_async(rollout_id)
+            incomplete = await store.is_incomplete_async(rollout_id)
+        return list(entries), bool(incomplete)
+
+    async def close(self) -> None:
+        for part in (self.store, self.resolver, self.ledger):
+            try:
+                await part.close()
+            except Exception:  # pragma: no cover - closing is best effort
+                logger.exception("closing %r failed", part)
+
+
+def open_backend(
+    *, store_dir: str | os.PathLike[str] | None = None, dsn: str | None = None, **pg_options: Any
+) -> Backend:
+    """A `Backend` over a store directory or a `postgresql://` DSN (exactly one of them)."""
+    if (store_dir is None) == (dsn is None):
+        raise ValueError("give exactly one of store_dir (a directory) or dsn (postgresql://...)")
+    if store_dir is not None:
+        from tokencapture.ledger import FileCaptureLedger
+
+        root = os.fspath(store_dir)
+        return Backend(
+            TokenCaptureStore(root), FileLineageStore(root), FileCaptureLedger(root), "file", root
+        )
+    from tokencapture.postgres import (
+        PostgresCaptureLedger,
+        PostgresLineageStore,
+        PostgresTokenCaptureStore,
+    )
+
+    assert dsn is not None
+    return Backend(
+        PostgresTokenCaptureStore(dsn, **pg_options),
+        PostgresLineageStore(dsn, **pg_options),
+        PostgresCaptureLedger(dsn, **pg_options),
+        "postgres",
+        dsn,
+    )

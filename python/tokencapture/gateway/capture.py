@@ -1,0 +1,343 @@
+"""What the gateway reads from and writes into OpenAI-compatible bodies (no HTTP here).
+
+vLLM's answers with `return_token_ids: true` (checked against a real vLLM on CPU):
+
+* chat completions carry `prompt_token_ids` at the top level and `token_ids` on each choice;
+  log-probs are `choices[i].logprobs.content[j].logprob`;
+* completions carry both `prompt_token_ids` and `token_ids` on each choice; log-probs are
+  `choices[i].logprobs.token_logprobs`;
+* a stream's first chunk carries the prompt ids (chat: top level; completions: on the choice)
+  and no generated ids; every later chunk carries its delta's `token_ids` and log-probs.
+
+"The client asked for log-probs" follows the OpenAI semantics: chat `logprobs: true`;
+completions `logprobs` set to any integer, 0 included. Token fields the client did not ask for
+are removed from what it receives, not nulled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "DIVERGED_REASON",
+    "CaptureError",
+    "Generation",
+    "Requested",
+    "StreamAccumulator",
+    "assistant_item",
+    "generation_from_chat",
+    "generation_from_completion",
+    "prepare_upstream_body",
+    "strip_chat",
+    "strip_completion",
+]
+
+CHAT: Final[str] = "chat"
+COMPLETIONS: Final[str] = "completions"
+
+# The resolver found the parent, but the engine's prompt does not begin with the parent's exact
+# prompt + generation tokens (it re-rendered the conversation differently from what it sampled).
+DIVERGED_REASON: Final[str] = "prompt_diverged_from_parent_tokens"
+
+
+class CaptureError(ValueError):
+    """The upstream's answer lacks what a capture needs (token ids, log-probs, one choice)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Requested:
+    """Which token fields the client itself asked for, and whether it streams."""
+
+    token_ids: bool
+    logprobs: bool
+    stream: bool
+
+
+def _int_list(value: object, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(token) is int and token >= 0 for token in value):
+        raise CaptureError(f"the upstream's answer has no {what} (a list of token ids)")
+    return value
+
+
+def prepare_upstream_body(kind: str, body: dict[str, Any]) -> tuple[dict[str, Any], Requested]:
+    """The body to send upstream (token ids and log-probs injected) and what the client asked.
+
+    Raises `ValueError` for a request the gateway cannot capture (`n > 1`, a bad `stream`).
+    """
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
+        raise ValueError(
+            f"n={n!r}: the capture gateway records one generation per call; send n=1 (or "
+            "omit it) and make several calls, each with its own X-Model-Call-Id"
+        )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise ValueError("stream must be a boolean")
+    asked_ids = body.get("return_token_ids") is True
+    upstream = dict(body)
+    upstream["return_token_ids"] = True
+    if kind == CHAT:
+        asked_logprobs = body.get("logprobs") is True
+        upstream["logprobs"] = True
+    else:
+        logprobs = body.get("logprobs")
+        asked_logprobs = logprobs is not None and logprobs is not False
+        if not asked_logprobs:
+            upstream["logprobs"] = 0
+    return upstream, Requested(asked_ids, asked_logprobs, bool(stream))
+
+
+def _finite(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CaptureError("the upstream's answer has a log-prob that is not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise CaptureError(f"the upstream's answer has a log-prob of {number}")
+    return number
+
+
+def _chat_logprobs(logprobs: object) -> list[float]:
+    if not isinstance(logprobs, Mapping):
+        return []
+    content = logprobs.get("content")
+    if not isinstance(content, list):
+        return []
+    return [_finite(item.get("logprob") if isinstance(item, Mapping) else None) for item in content]
+
+
+def _completion_logprobs(logprobs: object) -> list[float]:
+    if not isinstance(logprobs, Mapping):
+        return []
+    values = logprobs.get("token_logprobs")
+    if not isinstance(values, list):
+        return []
+    return [_finite(value) for value in values]
+
+
+def assistant_item(message: Mapping[str, Any]) -> dict[str, Any]:
+    """The output item of an assistant message: role, content, tool calls, reasoning."""
+    item: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        item["tool_calls"] = [
+            {
+                "id": call.get("id"),
+                "type": call.get("type", "function"),
+                "function": dict(call.get("function") or {}),
+            }
+            for call in tool_calls
+            if isinstance(call, Mapping)
+        ]
+    for key in ("reasoning_content", "reasoning"):
+        if message.get(key):
+            item[key] = message[key]
+    return item
+
+
+@dataclass(slots=True)
+class Generation:
+    """One captured generation, as the engine reported it."""
+
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    output_items: list[dict[str, Any]]
+    model: str
+    response_id: str | None
+    finish_reason: str | None = None
+
+
+def _one_choice(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], Mapping):
+        raise CaptureError("the upstream's answer does not have exactly one choice")
+    return choices[0]
+
+
+def _checked(generation: Generation) -> Generation:
+    if len(generation.generation_log_probs) != len(generation.generation_token_ids):
+        raise CaptureError(
+            f"the upstream's answer has {len(generation.generation_log_probs)} log-probs for "
+            f"{len(generation.generation_token_ids)} generated tokens"
+        )
+    return generation
+
+
+def generation_from_chat(body: Mapping[str, Any]) -> Generation:
+    """The generation of a chat completion answered with `return_token_ids` and log-probs."""
+    choice = _one_choice(body)
+    message = choice.get("message")
+    if not isinstance(message, Mapping):
+        raise CaptureError("the upstream's chat answer has no message")
+    return _checked(
+        Generation(
+            _int_list(body.get("prompt_token_ids"), "prompt_token_ids"),
+            _int_list(choice.get("token_ids"), "token_ids"),
+            _chat_logprobs(choice.get("logprobs")),
+            [assistant_item(message)],
+            str(body.get("model") or ""),
+            body.get("id") if isinstance(body.get("id"), str) else None,
+            choice.get("finish_reason"),
+        )
+    )
+
+
+def generation_from_completion(body: Mapping[str, Any]) -> Generation:
+    """The generation of a completion answered with `return_token_ids` and log-probs."""
+    choice = _one_choice(body)
+    text = choice.get("text")
+    return _checked(
+        Generation(
+            _int_list(choice.get("prompt_token_ids"), "prompt_token_ids"),
+            _int_list(choice.get("token_ids"), "token_ids"),
+            _completion_logprobs(choice.get("logprobs")),
+            [{"role": "assistant", "content": text if isinstance(text, str) else ""}],
+            str(body.get("model") or ""),
+            body.get("id") if isinstance(body.get("id"), str) else None,
+            choice.get("finish_reason"),
+        )
+    )
+
+
+def strip_chat(body: dict[str, Any], requested: Requested) -> dict[str, Any]:
+    """Remove (in place) the token fields of a chat body or chunk the client did not ask for."""
+    if not requested.token_ids:
+        body.pop("prompt_token_ids", None)
+    for choice in body.get("choices") or ():
+        if isinstance(choice, dict):
+            if not requested.token_ids:
+                choice.pop("token_ids", None)
+            if not requested.logprobs:
+                choice.pop("logprobs", None)
+    return body
+
+
+def strip_completion(body: dict[str, Any], requested: Requested) -> dict[str, Any]:
+    """Remove (in place) the token fields of a completion body or chunk not asked for."""
+    if not requested.token_ids:
+        body.pop("prompt_token_ids", None)
+    for choice in body.get("choices") or ():
+        if isinstance(choice, dict):
+            if not requested.token_ids:
+                choice.pop("prompt_token_ids", None)
+                choice.pop("token_ids", None)
+            if not requested.logprobs:
+                choice.pop("logprobs", None)
+    return body
+
+
+@dataclass(slots=True)
+class _ToolCallParts:
+    id: str | None = None
+    type: str = "function"
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+class StreamAccumulator:
+    """Folds a stream's chunks into the `Generation` the whole answer would have been."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.prompt_token_ids: list[int] | None = None
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: dict[int, _ToolCallParts] = {}
+        self.model = ""
+        self.response_id: str | None = None
+        self.finish_reason: str | None = None
+
+    def add(self, chunk: Mapping[str, Any]) -> None:
+        if not self.model and isinstance(chunk.get("model"), str):
+            self.model = chunk["model"]
+        if self.response_id is None and isinstance(chunk.get("id"), str):
+            self.response_id = chunk["id"]
+        if self.kind == CHAT and chunk.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = _int_list(chunk["prompt_token_ids"], "prompt_token_ids")
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            return
+        for choice in choices:
+            if not isinstance(choice, Mapping):
+                continue
+            if choice.get("index", 0) != 0:
+                raise CaptureError("the upstream's stream has more than one choice")
+            if self.kind == COMPLETIONS and choice.get("prompt_token_ids") is not None:
+                self.prompt_token_ids = _int_list(choice["prompt_token_ids"], "prompt_token_ids")
+            if choice.get("token_ids") is not None:
+                self.token_ids.extend(_int_list(choice["token_ids"], "token_ids"))
+            if self.kind == CHAT:
+                self.logprobs.extend(_chat_logprobs(choice.get("logprobs")))
+                self._delta(choice.get("delta"))
+            else:
+                self.logprobs.extend(_completion_logprobs(choice.get("logprobs")))
+                if isinstance(choice.get("text"), str):
+                    self.content.append(choice["text"])
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+
+    def _delta(self, delta: object) -> None:
+        if not isinstance(delta, Mapping):
+            return
+        if isinstance(delta.get("content"), str):
+            self.content.append(delta["content"])
+        for key in ("reasoning_content", "reasoning"):
+            if isinstance(delta.get(key), str):
+                self.reasoning.append(delta[key])
+        for call in delta.get("tool_calls") or ():
+            if not isinstance(call, Mapping):
+                continue
+            index = call.get("index", 0)
+            parts = self.tool_calls.setdefault(
+                index if isinstance(index, int) else 0, _ToolCallParts()
+            )
+            if isinstance(call.get("id"), str):
+                parts.id = call["id"]
+            if isinstance(call.get("type"), str):
+                parts.type = call["type"]
+            function = call.get("function")
+            if isinstance(function, Mapping):
+                if isinstance(function.get("name"), str):
+                    parts.name += function["name"]
+                if isinstance(function.get("arguments"), str):
+                    parts.arguments.append(function["arguments"])
+
+    def generation(self) -> Generation:
+        if self.prompt_token_ids is None:
+            raise CaptureError("the upstream's stream carried no prompt_token_ids")
+        content = "".join(self.content)
+        item: dict[str, Any]
+        if self.kind == CHAT:
+            message: dict[str, Any] = {"content": content or None}
+            if self.tool_calls:
+                message["tool_calls"] = [
+                    {
+                        "id": parts.id,
+                        "type": parts.type,
+                        "function": {"name": parts.name, "arguments": "".join(parts.arguments)},
+                    }
+                    for _, parts in sorted(self.tool_calls.items())
+                ]
+            if self.reasoning:
+                message["reasoning_content"] = "".join(self.reasoning)
+            item = assistant_item(message)
+        else:
+            item = {"role": "assistant", "content": content}
+        return _checked(
+            Generation(
+                self.prompt_token_ids,
+                self.token_ids,
+                self.logprobs,
+                [item],
+                self.model,
+                self.response_id,
+                self.finish_reason,
+            )
+        )

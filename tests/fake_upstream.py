@@ -1,0 +1,672 @@
+"""A fast, deterministic stand-in for a vLLM OpenAI server, answering in vLLM's JSON shapes.
+
+Shapes (from vLLM's answers with `return_token_ids: true`): chat completions carry
+`prompt_token_ids` at the top level and `token_ids` per choice, log-probs in
+`choices[0].logprobs.content[j].logprob`; completions carry both id lists per choice and
+`logprobs.token_logprobs`; a stream's first chunk carries the prompt ids (chat: top level;
+completions: on the choice) and no generated ids, every later chunk its delta's `token_ids`.
+Fields the request did not ask for are `null`, as vLLM sends them.
+
+The "tokenizer" is bytes + 16, with ChatML specials: <|im_start|> 1, <|im_end|> 2,
+<tool_call> 3, </tool_call> 4. The model answers `reply <k>` (k from the prompt), or a tool
+call to the first tool when the request has tools and the last message is the user's.
+`FakeUpstream(drift=True)` answers with surrounding spaces that its chat template strips when
+it renders the assistant turn back: the next prompt no longer begins with what was sampled,
+which is what a real engine's re-rendering does to continuations.
+
+Per-request knobs in the body (a real vLLM ignores unknown fields too): `fake_status` (answer
+with that status), `fake_delay` (seconds before answering), `fake_break_after` (a stream drops
+the connection after that many chunks), `fake_no_token_ids` (answer as a non-vLLM server),
+`fake_chunk_delay` (seconds between stream chunks).
+Run it as a process with `python tests/fake_upstream.py PORT [--drift]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+IM_START, IM_END, TOOL_START, TOOL_END = 1, 2, 3, 4
+OFFSET = 16
+MODEL = "fake-tiny"
+
+
+def encode(text: str) -> list[int]:
+    return [b + OFFSET for b in text.encode("utf-8")]
+
+
+def decode(ids: list[int]) -> str:
+    return bytes(i - OFFSET for i in ids if i >= OFFSET).decode("utf-8", "replace")
+
+
+def _args_text(arguments: Any) -> str:
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return arguments
+    return orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def render_message(message: dict[str, Any]) -> list[int]:
+    """ChatML; an assistant turn's content is stripped, as Qwen-style templates do."""
+    role = message.get("role", "user")
+    content = _content_text(message.get("content"))
+    ids = [IM_START, *encode(f"{role}\n")]
+    if role == "assistant":
+        ids += encode(content.strip())
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") or {}
+            body = f'{{"name":"{function.get("name")}","arguments":'
+            ids += [
+                TOOL_START,
+                *encode(body + _args_text(function.get("arguments")) + "}"),
+                TOOL_END,
+            ]
+    else:
+        ids += encode(content)
+    return [*ids, IM_END, *encode("\n")]
+
+
+def render_chat(messages: list[dict[str, Any]]) -> list[int]:
+    ids: list[int] = []
+    for message in messages:
+        ids += render_message(message)
+    return [*ids, IM_START, *encode("assistant\n")]
+
+
+class FakeUpstream:
+    """The fake engine; `app` is its ASGI application. Counts the calls it answered."""
+
+    def __init__(self, *, drift: bool = False, max_tokens: int = 64, bridge: Any = None) -> None:
+        self.drift = drift
+        self.bridge = bridge
+        self.max_tokens = max_tokens
+        self.calls = 0
+        self.requests: list[dict[str, Any]] = []
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+            ]
+        )
+
+    async def health(self, request: Request) -> Response:
+        return Response(b"", 200)
+
+    async def models(self, request: Request) -> Response:
+        body = {
+            "object": "list",
+            "data": [
+                {
+                    "id": MODEL,
+                    "object": "model",
+                    "owned_by": "vllm",
+                    "root": MODEL,
+                    "max_model_len": 2048,
+                }
+            ],
+        }
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    # The "model" ------------------------------------------------------------------------
+
+    def _generate(
+        self, prompt: list[int], tools: list[Any] | None, last_role: str | None
+    ) -> tuple[list[int], str, dict[str, Any] | None]:
+        k = zlib.crc32(bytes(t % 256 for t in prompt)) % 1000
+        if tools and last_role == "user":
+            name = (tools[0].get("function") or {}).get("name", "tool")
+            arguments = orjson.dumps({"k": k}).decode()
+            body = f'{{"name":"{name}","arguments":{arguments}}}'
+            ids = [TOOL_START, *encode(body), TOOL_END, IM_END]
+            call = {
+                "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+            return ids, "", call
+        text = f"  reply {k} " if self.drift else f"reply {k}"
+        return [*encode(text), IM_END], text, None
+
+    @staticmethod
+    def _logprobs(ids: list[int]) -> list[float]:
+        return [-0.25 - (index % 7) / 8 for index, _ in enumerate(ids)]
+
+    @staticmethod
+    async def _knobs(body: dict[str, Any]) -> Response | None:
+        delay = body.get("fake_delay")
+        if delay:
+            await asyncio.sleep(float(delay))
+        status = body.get("fake_status")
+        if status:
+            error = {
+                "object": "error",
+                "message": "fake failure",
+                "type": "InternalServerError",
+                "param": None,
+                "code": status,
+            }
+            return Response(orjson.dumps(error), int(status), media_type="application/json")
+        return None
+
+    def _sample(self, prompt: list[int]) -> tuple[list[int], str, dict[str, Any] | None]:
+        """Tokenizer mode: pseudo-random token ids (as a random-weight model samples them),
+        and every other turn a Hermes-style tool call to `lookup`."""
+        tokenizer, renderer = self.bridge.tokenizer, self.bridge.renderer
+        special = {
+            renderer._im_start,
+            renderer._im_end,
+            renderer._endoftext,
+            renderer._tool_call,
+            renderer._tool_call_end,
+            renderer._tool_response,
+            renderer._tool_response_end,
+            renderer._think_end,
+            tokenizer.convert_tokens_to_ids("<think>"),
+        }
+        rng = random.Random(zlib.crc32(orjson.dumps(prompt)))
+        vocab = [t for t in range(tokenizer._tokenizer.get_vocab_size()) if t not in special]
+        ids = [rng.choice(vocab) for _ in range(6)]
+        text = tokenizer.decode(ids)
+        call = None
+        if rng.random() < 0.5:
+            arguments = orjson.dumps({"k": rng.randrange(100)}).decode()
+            block = f'\n{{"name": "lookup", "arguments": {arguments}}}\n'
+            ids += [renderer._tool_call, *tokenizer.encode(block), renderer._tool_call_end]
+            call = {
+                "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": arguments},
+            }
+        return [*ids, renderer._im_end], text, call
+
+    async def chat(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        self.requests.append(body)
+        refused = await self._knobs(body)
+        if refused is not None:
+            return refused
+        self.calls += 1
+        messages = body["messages"]
+        tools = body.get("tools")
+        if self.bridge is not None:
+            specs = [t["function"] for t in tools] if tools else None
+            prompt = self.bridge.renderer.render_ids(
+                messages, tools=specs, add_generation_prompt=True
+            )
+            ids, text, call = self._sample(prompt)
+        else:
+            prompt = render_chat(messages)
+            ids, text, call = self._generate(prompt, tools, messages[-1].get("role"))
+        limit = body.get("max_tokens") or body.get("max_completion_tokens") or self.max_tokens
+        finish = "tool_calls" if call else "stop"
+        if len(ids) > limit:
+            ids, finish, call = ids[:limit], "length", None
+            text = decode(ids)
+        logprobs = self._logprobs(ids)
+        want_ids = body.get("return_token_ids") is True
+        want_lp = body.get("logprobs") is True
+        no_ids = bool(body.get("fake_no_token_ids"))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.get("stream"):
+            return StreamingResponse(
+                self._chat_stream(
+                    rid,
+                    prompt,
+                    ids,
+                    logprobs,
+                    text,
+                    call,
+                    finish,
+                    want_ids,
+                    want_lp,
+                    body.get("fake_break_after"),
+                    body,
+                ),
+                media_type="text/event-stream",
+            )
+        message = {
+            "role": "assistant",
+            "content": None if call else text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "tool_calls": [call] if call else [],
+            "reasoning_content": None,
+        }
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": {
+                "content": [
+                    {
+                        "token": f"token_id:{t}",
+                        "logprob": lp,
+                        "bytes": [t % 256],
+                        "top_logprobs": [],
+                    }
+                    for t, lp in zip(ids, logprobs, strict=True)
+                ]
+            }
+            if want_lp
+            else None,
+            "finish_reason": finish,
+            "stop_reason": None,
+            "token_ids": ids if want_ids and not no_ids else None,
+        }
+        answer = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": MODEL,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "total_tokens": len(prompt) + len(ids),
+                "completion_tokens": len(ids),
+                "prompt_tokens_details": None,
+            },
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt if want_ids and not no_ids else None,
+            "kv_transfer_params": None,
+        }
+        return Response(orjson.dumps(answer), media_type="application/json")
+
+    async def _chat_stream(
+        self,
+        rid: str,
+        prompt: list[int],
+        ids: list[int],
+        logprobs: list[float],
+        text: str,
+        call: dict[str, Any] | None,
+        finish: str,
+        want_ids: bool,
+        want_lp: bool,
+        break_after: Any,
+        body: dict[str, Any],
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+
+        def chunk(choice: dict[str, Any], **top: Any) -> bytes:
+            data = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": MODEL,
+                "choices": [choice],
+                **top,
+            }
+            return b"data: " + orjson.dumps(data) + b"\n\n"
+
+        sent = 0
+        first = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        yield chunk(first, prompt_token_ids=prompt if want_ids else None)
+        sent += 1
+        pieces: list[tuple[list[int], dict[str, Any]]]
+        if call is not None:
+            pieces = [
+                (
+                    ids[:-1],
+                    {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": call["id"],
+                                "type": "function",
+                                "function": call["function"],
+                            }
+                        ]
+                    },
+                )
+            ]
+            last = [ids[-1]]
+        else:
+            body_ids = ids[:-1] if ids and ids[-1] == IM_END else ids
+            pieces = [([t], {"content": decode([t])}) for t in body_ids]
+            last = ids[len(body_ids) :]
+        position = 0
+        for piece_ids, delta in pieces:
+            if break_after is not None and sent >= int(break_after):
+                raise ConnectionResetError("fake upstream broke the stream")
+            lps = logprobs[position : position + len(piece_ids)]
+            position += len(piece_ids)
+            yield chunk(
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": {
+                        "content": [
+                            {
+                                "token": f"token_id:{t}",
+                                "logprob": lp,
+                                "bytes": [t % 256],
+                                "top_logprobs": [],
+                            }
+                            for t, lp in zip(piece_ids, lps, strict=True)
+                        ]
+                    }
+                    if want_lp
+                    else None,
+                    "finish_reason": None,
+                    "token_ids": piece_ids if want_ids else None,
+                }
+            )
+            sent += 1
+            await asyncio.sleep(float(body.get("fake_chunk_delay") or 0))
+        lps = logprobs[position:]
+        yield chunk(
+            {
+                "index": 0,
+                "delta": {"content": ""},
+                "logprobs": {
+                    "content": [
+                        {"token": f"token_id:{t}", "logprob": lp, "bytes": [], "top_logprobs": []}
+                        for t, lp in zip(last, lps, strict=True)
+                    ]
+                }
+                if want_lp
+                else None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": last if want_ids else None,
+            }
+        )
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(ids),
+                "total_tokens": len(prompt) + len(ids),
+            }
+            data = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": MODEL,
+                "choices": [],
+                "usage": usage,
+            }
+            yield b"data: " + orjson.dumps(data) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def completions(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        self.requests.append(body)
+        refused = await self._knobs(body)
+        if refused is not None:
+            return refused
+        self.calls += 1
+        prompt_in = body.get("prompt")
+        prompt = list(prompt_in) if isinstance(prompt_in, list) else encode(str(prompt_in))
+        if self.bridge is not None:
+            ids, _, _ = self._sample(prompt)
+        else:
+            ids, _, _ = self._generate(prompt, None, None)
+        limit = body.get("max_tokens") or self.max_tokens
+        finish = "stop"
+        if len(ids) > limit:
+            ids, finish = ids[:limit], "length"
+        text = self.bridge.tokenizer.decode(ids) if self.bridge is not None else decode(ids)
+        logprobs = self._logprobs(ids)
+        want_ids = body.get("return_token_ids") is True
+        want_lp = body.get("logprobs") is not None
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.get("stream"):
+            return StreamingResponse(
+                self._completion_stream(rid, prompt, ids, logprobs, want_ids, want_lp),
+                media_type="text/event-stream",
+            )
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": {
+                "text_offset": list(range(len(ids))),
+                "token_logprobs": logprobs,
+                "tokens": [f"token_id:{t}" for t in ids],
+                "top_logprobs": [{} for _ in ids],
+            }
+            if want_lp
+            else None,
+            "finish_reason": finish,
+            "stop_reason": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt if want_ids else None,
+            "token_ids": ids if want_ids else None,
+        }
+        answer = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": MODEL,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "total_tokens": len(prompt) + len(ids),
+                "completion_tokens": len(ids),
+            },
+            "kv_transfer_params": None,
+        }
+        return Response(orjson.dumps(answer), media_type="application/json")
+
+    async def _completion_stream(
+        self,
+        rid: str,
+        prompt: list[int],
+        ids: list[int],
+        logprobs: list[float],
+        want_ids: bool,
+        want_lp: bool,
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            data = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": MODEL,
+                "choices": [choice],
+            }
+            return b"data: " + orjson.dumps(data) + b"\n\n"
+
+        yield chunk(
+            {
+                "index": 0,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": None,
+                "prompt_token_ids": prompt if want_ids else None,
+            }
+        )
+        for index, (token, lp) in enumerate(zip(ids, logprobs, strict=True)):
+            final = index == len(ids) - 1
+            yield chunk(
+                {
+                    "index": 0,
+                    "text": decode([token]),
+                    "logprobs": {
+                        "text_offset": [index],
+                        "token_logprobs": [lp],
+                        "tokens": [f"token_id:{token}"],
+                        "top_logprobs": [{}],
+                    }
+                    if want_lp
+                    else None,
+                    "finish_reason": "stop" if final else None,
+                    "stop_reason": None,
+                    "token_ids": [token] if want_ids else None,
+                }
+            )
+        yield b"data: [DONE]\n\n"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    """A server process on a loopback port: the fake upstream or a gateway, started, waited
+    for (its TCP port accepts), stopped or SIGKILLed. Its output goes to `log`.
+
+    It runs as the test's own user: the interpreter of this venv may live under a home
+    directory no other account can read.
+    """
+
+    def __init__(
+        self, argv: list[str], port: int, log: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.argv = argv
+        self.port = port
+        self.log = log
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> Server:
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.argv[:3]} exited: {self.log.read_text()[-2000:]}")
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(
+            f"{self.argv[:3]} not listening in {timeout}s: {self.log.read_text()[-2000:]}"
+        )
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class ThreadServer:
+    """An ASGI app served by uvicorn on a loopback port from a thread of this process (its
+    state, such as a `FakeUpstream`'s request log, stays inspectable)."""
+
+    def __init__(self, app: Any) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = free_port()
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the threaded server did not start")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def start_fake(log_dir: Path, *, drift: bool = False) -> Server:
+    port = free_port()
+    argv = [sys.executable, str(Path(__file__)), str(port), *(["--drift"] if drift else [])]
+    return Server(argv, port, log_dir / f"fake-{port}.log").start()
+
+
+def start_gateway(upstream: str, store: Path, log_dir: Path, *extra: str) -> Server:
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "tokencapture",
+        "gateway",
+        "--upstream",
+        upstream,
+        "--store",
+        str(store),
+        "--port",
+        str(port),
+        *extra,
+    ]
+    return Server(argv, port, log_dir / f"gateway-{port}.log").start()
+
+
+def main(argv: list[str]) -> None:
+    import uvicorn
+
+    port = int(argv[0])
+    fake = FakeUpstream(drift="--drift" in argv)
+    uvicorn.run(fake.app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,477 @@
+"""The capture gateway against the fast fake upstream (served from a thread of the test process).
+
+Expected tokens are computed by the fake's own rendering (tests/fake_upstream.py), never by
+the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from tests.fake_upstream import (
+    IM_END,
+    MODEL,
+    FakeUpstream,
+    Server,
+    ThreadServer,
+    encode,
+    render_chat,
+    start_fake,
+)
+
+from tokencapture import ParentResolutionStatus, TokenCaptureStore
+from tokencapture.gateway import DIVERGED_REASON, GatewayConfig, create_app, open_backend
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "look up",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+]
+
+
+class Harness:
+    def __init__(self, root: Path, fake: FakeUpstream, **config: Any) -> None:
+        self.root = root
+        self.fake = fake
+        self.upstream = ThreadServer(fake.app)
+        self.backend = open_backend(store_dir=root)
+        self.app = create_app(
+            self.backend,
+            GatewayConfig(self.upstream.url, **config),
+        )
+        self.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(self.app), base_url="http://gateway"
+        )
+        self.store = TokenCaptureStore(root)
+
+    async def chat(
+        self, rollout: str, messages: list[dict[str, Any]], *, call: str | None = None, **body: Any
+    ) -> httpx.Response:
+        headers = {"x-model-call-id": call} if call else {}
+        return await self.client.post(
+            f"/rollouts/{rollout}/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, **body},
+            headers=headers,
+        )
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        await self.app.state.gateway.close()
+        self.upstream.stop()
+
+
+@pytest.fixture
+async def gw(tmp_path: Path) -> AsyncIterator[Harness]:
+    harness = Harness(tmp_path / "store", FakeUpstream())
+    yield harness
+    await harness.close()
+
+
+def _user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+async def test_chat_captures_exact_tokens_and_strips_unrequested_fields(gw: Harness) -> None:
+    messages = [{"role": "system", "content": "be brief"}, _user("hello")]
+    answer = await gw.chat("r1", messages, call="c1")
+    assert answer.status_code == 200
+    body = answer.json()
+    # Not asked for: removed, not nulled.
+    assert "prompt_token_ids" not in body
+    assert "token_ids" not in body["choices"][0]
+    assert "logprobs" not in body["choices"][0]
+    assert answer.headers["x-model-call-id"] == "c1"
+    # The upstream was asked for them anyway.
+    assert gw.fake.requests[-1]["return_token_ids"] is True
+    assert gw.fake.requests[-1]["logprobs"] is True
+    [entry] = gw.store.read_entries("r1")
+    assert entry.model_call_id == "c1"
+    assert entry.prompt_token_ids == render_chat(messages)
+    text = body["choices"][0]["message"]["content"]
+    assert entry.generation_token_ids == [*encode(text), IM_END]
+    assert entry.generation_log_probs == [-0.25 - (i % 7) / 8 for i in range(len(text) + 1)]
+    assert entry.model == MODEL
+    assert entry.response_id == body["id"]
+    assert entry.output_items == [{"role": "assistant", "content": text}]
+    assert entry.parent_resolution is ParentResolutionStatus.ROOT
+    assert entry.continuation_fingerprint != ""
+    assert entry.cum_len == len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+
+
+async def test_requested_token_fields_are_kept(gw: Harness) -> None:
+    answer = await gw.chat("r1", [_user("hi")], return_token_ids=True, logprobs=True)
+    body = answer.json()
+    [entry] = gw.store.read_entries("r1")
+    assert body["prompt_token_ids"] == entry.prompt_token_ids
+    assert body["choices"][0]["token_ids"] == entry.generation_token_ids
+    lps = [c["logprob"] for c in body["choices"][0]["logprobs"]["content"]]
+    assert lps == entry.generation_log_probs
+
+
+async def test_continuation_resolves_to_parent(gw: Harness) -> None:
+    messages = [_user("hello")]
+    first = (await gw.chat("r1", messages, call="a")).json()
+    messages += [first["choices"][0]["message"], _user("more")]
+    assert (await gw.chat("r1", messages, call="b")).status_code == 200
+    parent, child = gw.store.read_entries("r1")
+    assert child.parent_resolution is ParentResolutionStatus.RESOLVED
+    assert child.parent_call_id == "a"
+    assert child.prefix_supplied is True
+    assert child.prefix_requested is False
+    prefix = parent.prompt_token_ids + parent.generation_token_ids
+    assert child.prompt_token_ids[: len(prefix)] == prefix
+
+
+async def test_rerendered_continuation_is_unresolved_with_reason(tmp_path: Path) -> None:
+    harness = Harness(tmp_path / "store", FakeUpstream(drift=True))
+    try:
+        messages = [_user("hello")]
+        first = (await harness.chat("r1", messages, call="a")).json()
+        messages += [first["choices"][0]["message"], _user("more")]
+        await harness.chat("r1", messages, call="b")
+        _, child = harness.store.read_entries("r1")
+        assert child.parent_resolution is ParentResolutionStatus.UNRESOLVED
+        assert child.parent_call_id is None
+        assert child.parent_resolution_reason == DIVERGED_REASON
+        assert child.prefix_supplied is False
+    finally:
+        await harness.close()
+
+
+async def test_unknown_continuation_is_unresolved_no_match(gw: Harness) -> None:
+    messages = [_user("x"), {"role": "assistant", "content": "never sampled"}, _user("y")]
+    await gw.chat("r1", messages)
+    [entry] = gw.store.read_entries("r1")
+    assert entry.parent_resolution is ParentResolutionStatus.UNRESOLVED
+    assert entry.parent_resolution_reason == "no_match"
+
+
+async def test_tool_call_is_captured_as_output_item_and_continues(gw: Harness) -> None:
+    messages = [_user("find it")]
+    answer = (await gw.chat("r1", messages, tools=TOOLS, call="t1")).json()
+    message = answer["choices"][0]["message"]
+    [call] = message["tool_calls"]
+    [entry] = gw.store.read_entries("r1")
+    assert entry.output_items[0]["tool_calls"] == [
+        {"id": call["id"], "type": "function", "function": call["function"]}
+    ]
+    assert entry.generation_token_ids[0] == 3  # <tool_call>
+    messages += [message, {"role": "tool", "tool_call_id": call["id"], "content": "42"}]
+    await gw.chat("r1", messages, tools=TOOLS, call="t2")
+    child = gw.store.read_entries("r1")[1]
+    assert child.parent_call_id == "t1"
+    assert child.parent_resolution is ParentResolutionStatus.RESOLVED
+
+
+async def test_completions_logprobs_zero_is_a_request(gw: Harness) -> None:
+    url = "/rollouts/r1/v1/completions"
+    plain = (await gw.client.post(url, json={"model": MODEL, "prompt": "abc"})).json()
+    assert "logprobs" not in plain["choices"][0]
+    assert "token_ids" not in plain["choices"][0]
+    assert "prompt_token_ids" not in plain["choices"][0]
+    assert gw.fake.requests[-1]["logprobs"] == 0
+    zero = await gw.client.post(url, json={"model": MODEL, "prompt": "abc", "logprobs": 0})
+    assert zero.json()["choices"][0]["logprobs"]["token_logprobs"]
+    ids = (
+        await gw.client.post(
+            url, json={"model": MODEL, "prompt": [40, 41], "return_token_ids": True}
+        )
+    ).json()
+    assert ids["choices"][0]["prompt_token_ids"] == [40, 41]
+    entries = gw.store.read_entries("r1")
+    assert [e.prompt_token_ids for e in entries] == [encode("abc"), encode("abc"), [40, 41]]
+    assert entries[2].generation_token_ids == ids["choices"][0]["token_ids"]
+
+
+async def test_rollout_header_and_passthrough(gw: Harness) -> None:
+    answer = await gw.client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [_user("a")]},
+        headers={"x-rollout-id": "hdr", "x-model-call-id": "h1"},
+    )
+    assert answer.status_code == 200
+    assert [e.model_call_id for e in gw.store.read_entries("hdr")] == ["h1"]
+    # No rollout: passed through uncaptured, the upstream's own answer (nulls included).
+    before = sorted(p.name for p in gw.root.iterdir())
+    plain = await gw.client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": [_user("a")]}
+    )
+    assert plain.status_code == 200
+    assert plain.json()["choices"][0]["token_ids"] is None
+    assert "return_token_ids" not in gw.fake.requests[-1]
+    assert sorted(p.name for p in gw.root.iterdir()) == before
+    models = await gw.client.get("/rollouts/r9/v1/models")
+    assert models.json()["data"][0]["id"] == MODEL
+
+
+async def test_generated_call_ids_are_unique(gw: Harness) -> None:
+    for _ in range(3):
+        await gw.chat("r1", [_user("same")])
+    ids = [e.model_call_id for e in gw.store.read_entries("r1")]
+    assert len(set(ids)) == 3
+
+
+@pytest.mark.parametrize("status", [500, 400, 503])
+async def test_upstream_error_marks_call_incomplete_and_passes_status(
+    gw: Harness, status: int
+) -> None:
+    answer = await gw.chat("r1", [_user("x")], call="bad", fake_status=status)
+    assert answer.status_code == status
+    assert answer.json()["message"] == "fake failure"
+    assert gw.store.read_entries("r1") == []
+    assert gw.store.is_incomplete("r1")
+    snapshot = gw.store.freeze_now("r1")
+    assert snapshot.incomplete
+    rows = [json.loads(line) for line in (gw.root / "r1.lineage.jsonl").read_text().splitlines()]
+    assert rows == [{"failure_reason": f"upstream_status_{status}", "model_call_id": "bad"}]
+
+
+async def test_upstream_down_is_502_and_marked(tmp_path: Path) -> None:
+    backend = open_backend(store_dir=tmp_path)
+    app = create_app(backend, GatewayConfig("http://127.0.0.1:9", connect_timeout=2.0))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://g") as c:
+        answer = await c.post(
+            "/rollouts/r1/v1/chat/completions",
+            json={"messages": [_user("x")]},
+            headers={"x-model-call-id": "d"},
+        )
+        assert answer.status_code == 502
+        assert "upstream unreachable" in answer.json()["error"]["message"]
+        health = await c.get("/healthz")
+        assert health.status_code == 503
+    await app.state.gateway.close()
+    store = TokenCaptureStore(tmp_path)
+    assert store.is_incomplete("r1")
+    assert store.freeze_now("r1").incomplete
+
+
+@pytest.fixture(scope="module")
+def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_fake(tmp_path_factory.mktemp("fake"))
+    yield server
+    server.stop()
+
+
+async def test_upstream_timeout_is_504_and_marked(tmp_path: Path, fake_server: Server) -> None:
+    backend = open_backend(store_dir=tmp_path)
+    app = create_app(backend, GatewayConfig(fake_server.url, timeout=0.3))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://g") as c:
+        answer = await c.post(
+            "/rollouts/r1/v1/chat/completions",
+            json={"messages": [_user("x")], "fake_delay": 2},
+            headers={"x-model-call-id": "slow"},
+        )
+        assert answer.status_code == 504
+        fine = await c.post("/rollouts/r2/v1/chat/completions", json={"messages": [_user("x")]})
+        assert fine.status_code == 200
+    await app.state.gateway.close()
+    store = TokenCaptureStore(tmp_path)
+    assert store.is_incomplete("r1")
+    assert not store.is_incomplete("r2")
+    assert (tmp_path / "r1.lineage.jsonl").read_text().strip() == json.dumps(
+        {"failure_reason": "upstream_timeout", "model_call_id": "slow"},
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+
+
+async def test_answer_without_token_ids_is_502_not_captured(gw: Harness) -> None:
+    answer = await gw.chat("r1", [_user("x")], fake_no_token_ids=True)
+    assert answer.status_code == 502
+    assert "prompt_token_ids" in answer.json()["error"]["message"]
+    assert gw.store.is_incomplete("r1")
+
+
+async def test_store_failure_is_503_never_200(gw: Harness) -> None:
+    await gw.chat("r1", [_user("x")], call="ok")
+    snapshot = gw.store.freeze_now("r1")  # a frozen rollout refuses more intents
+    answer = await gw.chat("r1", [_user("y")], call="late")
+    assert answer.status_code == 409
+    assert gw.store.freeze_now("r1").version == snapshot.version
+
+    class Failing:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def put(self, entry: Any) -> Any:
+            async def fail() -> None:
+                raise OSError(28, "No space left on device")
+
+            return fail()
+
+    gw.backend.store = Failing(gw.backend.store)
+    answer = await gw.chat("r2", [_user("z")], call="lost")
+    assert answer.status_code == 503
+    assert "No space left on device" in answer.json()["error"]["message"]
+    assert gw.fake.calls == 2  # the engine answered; the answer was withheld
+    assert gw.store.read_entries("r2") == []
+    assert gw.store.freeze_now("r2").incomplete
+
+
+async def test_n_above_one_is_refused(gw: Harness) -> None:
+    answer = await gw.chat("r1", [_user("x")], n=2)
+    assert answer.status_code == 400
+    assert "n=2" in answer.json()["error"]["message"]
+    assert gw.fake.calls == 0
+    assert not (gw.root / "r1.tokens.intents").exists()
+
+
+@pytest.mark.parametrize("rollout", ["bad%20id", "a..b%2Fc", "x" * 300])
+async def test_rollout_ids_are_validated(gw: Harness, rollout: str) -> None:
+    answer = await gw.client.post(
+        f"/rollouts/{rollout}/v1/chat/completions", json={"messages": [_user("x")]}
+    )
+    assert answer.status_code in (400, 404)
+    assert gw.fake.calls == 0
+
+
+@pytest.mark.parametrize("call_id", [b" lead", b"trail ", b"\xff\xfe"])
+async def test_bad_call_ids_are_refused(gw: Harness, call_id: bytes) -> None:
+    answer = await gw.client.post(
+        "/rollouts/r1/v1/chat/completions",
+        json={"messages": [_user("x")]},
+        headers=[(b"x-model-call-id", call_id)],
+    )
+    assert answer.status_code == 400
+    assert "model call id" in answer.json()["error"]["message"]
+    assert gw.fake.calls == 0
+
+
+async def test_utf8_call_id_is_kept(gw: Harness) -> None:
+    answer = await gw.client.post(
+        "/rollouts/r1/v1/chat/completions",
+        json={"messages": [_user("x")]},
+        headers=[(b"x-model-call-id", "\u00e9t\u00e9".encode())],
+    )
+    assert answer.status_code == 200
+    assert [e.model_call_id for e in gw.store.read_entries("r1")] == ["\u00e9t\u00e9"]
+
+
+async def test_bad_json_and_body_limit(tmp_path: Path) -> None:
+    harness = Harness(tmp_path, FakeUpstream(), max_body_bytes=1000)
+    try:
+        big = await harness.chat("r1", [_user("x" * 2000)])
+        assert big.status_code == 413
+        bad = await harness.client.post("/rollouts/r1/v1/chat/completions", content=b"{nope")
+        assert bad.status_code == 400
+        assert harness.fake.calls == 0
+    finally:
+        await harness.close()
+
+
+async def test_bearer_token(tmp_path: Path) -> None:
+    harness = Harness(tmp_path, FakeUpstream(), token="s3cret")
+    try:
+        assert (await harness.chat("r1", [_user("x")])).status_code == 401
+        harness.client.headers["authorization"] = "Bearer wrong"
+        assert (await harness.chat("r1", [_user("x")])).status_code == 401
+        assert (await harness.client.get("/rollouts/r1")).status_code == 401
+        assert (await harness.client.get("/v1/models")).status_code == 401
+        harness.client.headers["authorization"] = "Bearer s3cret"
+        assert (await harness.chat("r1", [_user("x")])).status_code == 200
+        # The gateway's token is not forwarded to the engine.
+        assert (await harness.client.get("/healthz")).status_code == 200
+        assert harness.fake.calls == 1
+    finally:
+        await harness.close()
+
+
+async def test_stream_is_captured_and_final_chunk_follows_the_put(gw: Harness) -> None:
+    messages = [_user("stream me")]
+    answer = await gw.chat(
+        "r1", messages, call="s1", stream=True, stream_options={"include_usage": True}
+    )
+    assert answer.status_code == 200
+    events = [line[6:] for line in answer.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert all("token_ids" not in c["choices"][0] for c in chunks if c["choices"])
+    assert all("prompt_token_ids" not in c for c in chunks)
+    [entry] = gw.store.read_entries("r1")
+    assert entry.prompt_token_ids == render_chat(messages)
+    assert entry.generation_token_ids == [*encode(text), IM_END]
+    assert len(entry.generation_log_probs) == len(entry.generation_token_ids)
+    assert entry.output_items == [{"role": "assistant", "content": text}]
+
+
+async def test_stream_with_token_fields_and_tools(gw: Harness) -> None:
+    answer = await gw.chat(
+        "r1", [_user("go")], tools=TOOLS, stream=True, return_token_ids=True, logprobs=True
+    )
+    events = [line[6:] for line in answer.text.split("\n\n") if line.startswith("data: ")]
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert chunks[0]["prompt_token_ids"]
+    ids = [t for c in chunks for t in (c["choices"][0].get("token_ids") or [])]
+    [entry] = gw.store.read_entries("r1")
+    assert ids == entry.generation_token_ids
+    assert chunks[0]["prompt_token_ids"] == entry.prompt_token_ids
+    [call] = entry.output_items[0]["tool_calls"]
+    assert call["function"]["name"] == "lookup"
+
+
+async def test_stream_broken_by_upstream_is_marked_and_never_done(gw: Harness) -> None:
+    answer = await gw.chat(
+        "r1", [_user("long text here")], stream=True, fake_break_after=3, call="broken"
+    )
+    assert "[DONE]" not in answer.text
+    assert '"error"' in answer.text
+    assert gw.store.read_entries("r1") == []
+    assert gw.store.is_incomplete("r1")
+
+
+async def test_rollout_summary(gw: Harness) -> None:
+    messages = [_user("hello")]
+    first = (await gw.chat("r1", messages, call="a")).json()
+    messages += [first["choices"][0]["message"], _user("more")]
+    await gw.chat("r1", messages, call="b")
+    summary = (await gw.client.get("/rollouts/r1")).json()
+    assert summary["entries"] == 2
+    assert summary["parent_resolution"] == {"root": 1, "resolved": 1}
+    assert summary["continuations_prefix_supplied"] == 1
+    assert [c["model_call_id"] for c in summary["calls"]] == ["a", "b"]
+    assert summary["incomplete"] is False
+    empty = (await gw.client.get("/rollouts/nothing")).json()
+    assert empty["entries"] == 0
+
+
+async def test_healthz(gw: Harness) -> None:
+    answer = await gw.client.get("/healthz")
+    assert answer.status_code == 200
+    assert answer.json()["status"] == "ok"
+
+
+async def test_metrics_count_gateway_calls(gw: Harness) -> None:
+    await gw.chat("r1", [_user("x")])
+    await gw.chat("r1", [_user("x")], fake_status=500)
+    stats = gw.app.state.gateway.metrics.snapshot()
+    assert stats["chat_completions"]["count"] == 2
+    assert stats["chat_completions"]["failures"] == 1
+
+
+async def test_concurrent_sessions(gw: Harness) -> None:
+    async def session(index: int) -> None:
+        messages = [_user(f"s{index}")]
+        for turn in range(3):
+            answer = (await gw.chat(f"s{index}", messages, call=f"s{index}-{turn}")).json()
+            messages += [answer["choices"][0]["message"], _user(f"t{turn}")]
+
+    await asyncio.gather(*(session(i) for i in range(16)))
+    for index in range(16):
+        entries = gw.store.read_entries(f"s{index}")
+        assert [e.parent_call_id for e in entries] == [None, f"s{index}-0", f"s{index}-1"]

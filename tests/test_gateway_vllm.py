@@ -1,0 +1,300 @@
+"""The capture gateway in front of a real vLLM (CPU) serving the tiny random-weight model.
+
+Every captured entry is compared with what the engine itself answered for the same request
+(asked directly, greedy decoding being deterministic) and with what the gateway relayed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from tests.fake_upstream import start_gateway
+from tests.vllm_engine import VllmEngine, post_json, post_stream
+
+from tokencapture import ParentResolutionStatus, TokenCaptureStore
+from tokencapture.gateway import GatewayConfig, create_app, open_backend
+from tokencapture.gateway.tito import Bridge
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+class Through:
+    """An in-process gateway (tito optional) whose upstream is the real engine."""
+
+    def __init__(self, engine: VllmEngine, root: Path, *, tito: bool = False) -> None:
+        self.engine = engine
+        bridge = Bridge.from_tokenizer_dir(engine.tokenizer_dir) if tito else None
+        self.app = create_app(
+            open_backend(store_dir=root), GatewayConfig(engine.base_url, tito=bridge)
+        )
+        self.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(self.app), base_url="http://gateway", timeout=300
+        )
+        self.store = TokenCaptureStore(root)
+
+    async def post(self, route: str, rollout: str, body: dict[str, Any], call: str) -> Any:
+        answer = await self.client.post(
+            f"/rollouts/{rollout}/v1/{route}",
+            json={"model": self.engine.model, **body},
+            headers={"x-model-call-id": call},
+        )
+        assert answer.status_code == 200, answer.text
+        return answer
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        await self.app.state.gateway.close()
+
+
+@pytest.fixture
+async def through(vllm_engine: VllmEngine, tmp_path: Path) -> AsyncIterator[Through]:
+    gateway = Through(vllm_engine, tmp_path / "store")
+    yield gateway
+    await gateway.close()
+
+
+def _direct(engine: VllmEngine, route: str, body: dict[str, Any]) -> Any:
+    answer = post_json(f"{engine.v1}/{route}", {"model": engine.model, **body})
+    assert answer.status == 200, answer.text()
+    return answer.json()
+
+
+def _chat_logprobs(choice: dict[str, Any]) -> list[float]:
+    return [item["logprob"] for item in choice["logprobs"]["content"]]
+
+
+async def test_chat_entry_is_the_engines_answer(through: Through) -> None:
+    body = {
+        "messages": [SYSTEM, {"role": "user", "content": "What is the weather in Paris?"}],
+        "max_tokens": 8,
+        "temperature": 0.0,
+    }
+    relayed = (await through.post("chat/completions", "c", body, "c1")).json()
+    assert "prompt_token_ids" not in relayed
+    assert "token_ids" not in relayed["choices"][0]
+    assert "logprobs" not in relayed["choices"][0]
+    direct = _direct(
+        through.engine, "chat/completions", {**body, "return_token_ids": True, "logprobs": True}
+    )
+    [entry] = through.store.read_entries("c")
+    assert entry.prompt_token_ids == direct["prompt_token_ids"]
+    assert entry.generation_token_ids == direct["choices"][0]["token_ids"]
+    assert entry.generation_log_probs == pytest.approx(
+        _chat_logprobs(direct["choices"][0]), abs=1e-4
+    )
+    assert entry.output_items[0]["content"] == relayed["choices"][0]["message"]["content"]
+    assert entry.response_id == relayed["id"]
+    assert entry.model == through.engine.model
+
+
+async def test_chat_with_token_fields_relays_exactly_what_was_stored(through: Through) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    relayed = (await through.post("chat/completions", "t", body, "t1")).json()
+    [entry] = through.store.read_entries("t")
+    assert entry.prompt_token_ids == relayed["prompt_token_ids"]
+    assert entry.generation_token_ids == relayed["choices"][0]["token_ids"]
+    assert entry.generation_log_probs == _chat_logprobs(relayed["choices"][0])
+
+
+async def test_completions_text_and_token_prompts(through: Through) -> None:
+    text = {"prompt": "The weather in Paris", "max_tokens": 5, "temperature": 0.0}
+    relayed = (await through.post("completions", "p", text, "p1")).json()
+    assert "token_ids" not in relayed["choices"][0]
+    direct = _direct(through.engine, "completions", {**text, "return_token_ids": True})
+    tokens = {
+        "prompt": direct["choices"][0]["prompt_token_ids"],
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "logprobs": 0,
+    }
+    relayed_tokens = (await through.post("completions", "p", tokens, "p2")).json()
+    assert relayed_tokens["choices"][0]["logprobs"]["token_logprobs"]  # logprobs: 0 asks
+    first, second = through.store.read_entries("p")
+    assert first.prompt_token_ids == direct["choices"][0]["prompt_token_ids"]
+    assert first.generation_token_ids == direct["choices"][0]["token_ids"]
+    assert second.prompt_token_ids == direct["choices"][0]["prompt_token_ids"]
+    assert second.generation_token_ids == direct["choices"][0]["token_ids"]
+    assert second.generation_log_probs == relayed_tokens["choices"][0]["logprobs"]["token_logprobs"]
+
+
+async def test_chat_stream_entry_is_the_streamed_tokens(through: Through) -> None:
+    body = {
+        "messages": [SYSTEM, {"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
+    answer = await through.post("chat/completions", "s", body, "s1")
+    events = [e[6:] for e in answer.text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+    status, direct = post_stream(
+        f"{through.engine.v1}/chat/completions", {"model": through.engine.model, **body}
+    )
+    assert status == 200
+    direct_ids = [
+        t for c in direct[:-1] for choice in c["choices"] for t in choice.get("token_ids") or []
+    ]
+    [entry] = through.store.read_entries("s")
+    assert entry.prompt_token_ids == chunks[0]["prompt_token_ids"] == direct[0]["prompt_token_ids"]
+    assert entry.generation_token_ids == streamed == direct_ids
+    assert all("logprobs" not in choice for c in chunks for choice in c["choices"])
+    assert len(entry.generation_log_probs) == len(streamed)
+
+
+async def test_tools_request_entry_is_the_engines_answer(through: Through) -> None:
+    """A request with tools (rendered into the prompt by the engine's template). The random
+    model emits no parsable tool call (forcing one with a named tool_choice makes vLLM 0.32
+    emit `<tool_call>` text whose arguments never close), so tool-call continuations are
+    tested against the fake upstream with the same Qwen3 format (tests/test_gateway_tito.py)."""
+    messages = [SYSTEM, {"role": "user", "content": "What is the weather in Paris today?"}]
+    body = {"messages": messages, "tools": TOOLS, "max_tokens": 6, "temperature": 0.0}
+    relayed = (await through.post("chat/completions", "tools", body, "plain")).json()
+    direct = _direct(through.engine, "chat/completions", {**body, "return_token_ids": True})
+    [entry] = through.store.read_entries("tools")
+    assert entry.prompt_token_ids == direct["prompt_token_ids"]
+    assert entry.generation_token_ids == direct["choices"][0]["token_ids"]
+    assert entry.output_items[0]["content"] == relayed["choices"][0]["message"]["content"]
+    plain = _direct(
+        through.engine, "chat/completions", {**body, "tools": None, "return_token_ids": True}
+    )
+    assert len(entry.prompt_token_ids) > len(plain["prompt_token_ids"])  # the tools block
+
+
+async def test_engine_error_is_passed_through_and_marked(through: Through) -> None:
+    body = {"messages": [{"role": "user", "content": "x " * 3000}], "max_tokens": 4}
+    answer = await through.client.post(
+        "/rollouts/err/v1/chat/completions",
+        json={"model": through.engine.model, **body},
+        headers={"x-model-call-id": "long"},
+    )
+    assert answer.status_code == 400
+    assert through.store.read_entries("err") == []
+    assert through.store.freeze_now("err").incomplete
+    row = json.loads((through.store.root / "err.lineage.jsonl").read_text())
+    assert row == {"failure_reason": "upstream_status_400", "model_call_id": "long"}
+
+
+def test_client_disconnect_mid_stream_against_the_engine(
+    vllm_engine: VllmEngine, tmp_path: Path
+) -> None:
+    store_dir = tmp_path / "store"
+    server = start_gateway(vllm_engine.base_url, store_dir, tmp_path)
+    try:
+        body = {
+            "model": vllm_engine.model,
+            "messages": [{"role": "user", "content": "A long story, please."}],
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream(
+                "POST",
+                f"{server.url}/rollouts/gone/v1/chat/completions",
+                json=body,
+                headers={"x-model-call-id": "left"},
+            ) as answer,
+        ):
+            lines = answer.iter_lines()
+            assert next(lines).startswith("data: ")
+        store = TokenCaptureStore(store_dir)
+        deadline = time.monotonic() + 30
+        while not store.is_incomplete("gone") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert store.is_incomplete("gone")
+        assert store.read_entries("gone") == []
+        row = json.loads((store_dir / "gone.lineage.jsonl").read_text())
+        assert row == {"failure_reason": "client_disconnected", "model_call_id": "left"}
+    finally:
+        server.stop()
+
+
+ROLLOUTS, TURNS = 8, 5
+
+
+async def _agent(gateway: Through, rollout: str) -> None:
+    messages: list[dict[str, Any]] = [
+        SYSTEM,
+        {"role": "user", "content": f"Plan a trip, step {rollout}."},
+    ]
+    for turn in range(TURNS):
+        body = {
+            "messages": messages,
+            "tools": TOOLS,
+            "max_tokens": 12,
+            "temperature": 1.0,
+            "seed": 1000 * int(rollout[1:]) + turn,
+        }
+        answer = (await gateway.post("chat/completions", rollout, body, f"{rollout}-{turn}")).json()
+        message = answer["choices"][0]["message"]
+        messages.append({k: v for k, v in message.items() if v is not None})
+        for call in message.get("tool_calls") or ():
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "sunny"})
+        if not message.get("tool_calls"):
+            messages.append({"role": "user", "content": f"And then? ({turn})"})
+
+
+async def test_agent_loop_drift_without_tito_and_none_with_it(
+    vllm_engine: VllmEngine, tmp_path: Path
+) -> None:
+    chat = Through(vllm_engine, tmp_path / "chat")
+    tito = Through(vllm_engine, tmp_path / "tito", tito=True)
+    try:
+        for index in range(ROLLOUTS):
+            await _agent(chat, f"r{index}")
+            await _agent(tito, f"r{index}")
+        drifted = 0
+        for index in range(ROLLOUTS):
+            for entry in chat.store.read_entries(f"r{index}")[1:]:
+                drifted += not entry.prefix_supplied
+            entries = tito.store.read_entries(f"r{index}")
+            for parent, entry in itertools.pairwise(entries):
+                assert entry.parent_resolution is ParentResolutionStatus.RESOLVED, entry
+                assert entry.parent_call_id == parent.model_call_id
+                assert entry.prefix_requested and entry.prefix_supplied
+                exact = parent.prompt_token_ids + parent.generation_token_ids
+                assert entry.prompt_token_ids[: len(exact)] == exact
+        continuations = ROLLOUTS * (TURNS - 1)
+        print(
+            f"\nreal vLLM, tiny model, {ROLLOUTS} rollouts x {TURNS} turns: without --tito "
+            f"{drifted} of {continuations} continuations drifted; with --tito 0"
+        )
+    finally:
+        await chat.close()
+        await tito.close()
