@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from tokencapture import _core
+from tokencapture.descriptors import check_max_open_files, descriptor_stats
 from tokencapture.fingerprint import assistant_fingerprint
 from tokencapture.jobs import native_job, off_loop
 from tokencapture.ledger_rows import (
@@ -123,7 +124,8 @@ class FileCaptureLedger:
     NeMo Gym 0.7.0's `FileLineageStore` over the same directory).
 
     Safe to share between threads. Each instance keeps the folded rows of at most
-    `cached_rollouts` rollouts (LRU); every operation first folds whatever other processes
+    `cached_rollouts` rollouts (LRU; one descriptor each, within the process's descriptor
+    budget and, if given, `max_open_files`); every operation first folds whatever other processes
     appended, so nothing cached is ever stale.
     """
 
@@ -132,13 +134,20 @@ class FileCaptureLedger:
         root: str | os.PathLike[str],
         *,
         cached_rollouts: int = DEFAULT_LEDGER_CACHED_ROLLOUTS,
+        max_open_files: int | None = None,
     ) -> None:
         if isinstance(cached_rollouts, bool) or not isinstance(cached_rollouts, int):
             raise TypeError("cached_rollouts must be an int")
         if cached_rollouts < 1:
             raise ValueError("cached_rollouts must be at least 1")
+        check_max_open_files(max_open_files)
         self._root = Path(root)
-        self._native = _core.Ledger(os.fspath(self._root), cached_rollouts)
+        self._native = _core.Ledger(os.fspath(self._root), cached_rollouts, max_open_files)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Under `"descriptors"`, what this ledger keeps open beside the process budget
+        (`tokencapture.descriptors.descriptor_stats`)."""
+        return {"descriptors": descriptor_stats(self._native)}
 
     def __repr__(self) -> str:
         return f"FileCaptureLedger({os.fspath(self._root)!r})"

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from tokencapture import _core
+from tokencapture.descriptors import check_max_open_files, descriptor_stats
 from tokencapture.entries import as_token_entry, canonical_line
 from tokencapture.fingerprint import (
     FINGERPRINT_VERSION,
@@ -123,7 +124,8 @@ class FileLineageStore:
     nothing, and a reused rollout id resolves against its new entries only.
 
     Memory is bounded: the metadata indexes of at most `max_cached_rollouts` rollouts (LRU; one
-    open descriptor each), at most `max_cached_tokens` tokens of verified cumulative sequences
+    open descriptor each, within the process's descriptor budget and, if given,
+    `max_open_files`), at most `max_cached_tokens` tokens of verified cumulative sequences
     (8 bytes a token, LRU), and at most `max_cached_tokens` tokens of answer tuples (the last
     answer per rollout, from which the next one is extended). Token ids below 2**18 share one
     Python int per process (at most about 10 MB).
@@ -135,10 +137,15 @@ class FileLineageStore:
         *,
         max_cached_rollouts: int = DEFAULT_CACHED_ROLLOUTS,
         max_cached_tokens: int = DEFAULT_CACHED_TOKENS,
+        max_open_files: int | None = None,
     ) -> None:
         check_cache_limits(max_cached_rollouts, max_cached_tokens)
+        check_max_open_files(max_open_files)
         self._root = os.fspath(root)
-        self._native = _core.FileLineage(self._root, max_cached_rollouts, max_cached_tokens)
+        self._max_open_files = max_open_files
+        self._native = _core.FileLineage(
+            self._root, max_cached_rollouts, max_cached_tokens, max_open_files
+        )
         self._ledger: FileCaptureLedger | None = None
         self._ledger_lock = threading.Lock()
 
@@ -197,7 +204,7 @@ class FileLineageStore:
     def _capture_ledger(self) -> FileCaptureLedger:
         with self._ledger_lock:
             if self._ledger is None:
-                self._ledger = FileCaptureLedger(self._root)
+                self._ledger = FileCaptureLedger(self._root, max_open_files=self._max_open_files)
             return self._ledger
 
     def _ledger_may_answer(self, rollout_id: str, resolution: LineageResolution) -> bool:
@@ -236,6 +243,11 @@ class FileLineageStore:
 
     def cached_rollouts(self) -> int:
         return self._native.cached_rollouts()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Under `"descriptors"`, what this resolver keeps open beside the process budget
+        (`tokencapture.descriptors.descriptor_stats`; its ledger, once made, reports its own)."""
+        return {"descriptors": descriptor_stats(self._native)}
 
     async def close(self) -> None:
         """Drop the caches and their descriptors. Idempotent; the store stays usable."""

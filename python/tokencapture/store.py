@@ -28,6 +28,7 @@ import orjson
 
 from tokencapture import _core
 from tokencapture import columnar as _columnar
+from tokencapture.descriptors import check_max_open_files, descriptor_stats
 from tokencapture.entries import as_token_entry, marker_line
 from tokencapture.entries import canonical_line as canonical_line
 from tokencapture.entries import entries_from_records as entries_from_records
@@ -62,16 +63,34 @@ class TokenCaptureStore:
     """Durable, rollout-keyed JSONL sink and source for `TokenEntry` records.
 
     Safe to share between threads, and between processes that open the same directory.
+
+    Between operations the store keeps up to three descriptors for each of at most
+    `cached_rollouts` recently used rollouts, within the process's descriptor budget (a
+    sixteenth of the soft `RLIMIT_NOFILE` by default, shared by every store of the process;
+    `TOKENCAPTURE_MAX_OPEN_FILES` sets it) and, if given, at most `max_open_files` of its own
+    (0 keeps none). See docs/reliability.md, "Descriptor budget".
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, cached_rollouts: int = 128) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        cached_rollouts: int = 128,
+        max_open_files: int | None = None,
+    ) -> None:
+        check_max_open_files(max_open_files)
         self._root = Path(root)
-        self._native = _core.Store(os.fspath(self._root), cached_rollouts)
+        self._native = _core.Store(os.fspath(self._root), cached_rollouts, max_open_files)
         self._metrics = Metrics()
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per-operation counts, failures and latency histograms (see `tokencapture.metrics`)."""
-        return self._metrics.snapshot()
+        """Per-operation counts, failures and latency histograms (see `tokencapture.metrics`),
+        and under `"descriptors"` the descriptors this store keeps open (`open_files`), its
+        own cap (`max_open_files`, None without one) and the process-wide budget's counters
+        (`process_*`: see `descriptor_stats`)."""
+        stats = self._metrics.snapshot()
+        stats["descriptors"] = descriptor_stats(self._native)
+        return stats
 
     def _operation(self, name: str, rollout_id: object) -> Operation:
         """Time one operation and log the failures an operator must see."""
@@ -355,7 +374,9 @@ class TokenCaptureStore:
         return {**orjson.loads(raw), "entry_count": entry_count}
 
     async def close(self) -> None:
-        """The file store owns no persistent handles beyond a small cache; nothing to flush."""
+        """Close the descriptors the store keeps between operations (nothing to flush; the
+        store stays usable and reopens what it needs)."""
+        self._native.clear()
 
 
 def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:

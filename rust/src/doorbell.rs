@@ -21,7 +21,8 @@ mod imp {
 
     impl Doorbell {
         pub fn new() -> io::Result<Self> {
-            let fd = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)?;
+            let flags = EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC;
+            let fd = crate::descriptors::retry(|| Ok(eventfd(0, flags)?))?;
             Ok(Doorbell(File::from(fd)))
         }
 
@@ -60,7 +61,7 @@ mod imp {
 
     impl Doorbell {
         pub fn new() -> io::Result<Self> {
-            let (ring, watch) = UnixStream::pair()?;
+            let (ring, watch) = crate::descriptors::retry(UnixStream::pair)?;
             ring.set_nonblocking(true)?;
             watch.set_nonblocking(true)?;
             Ok(Doorbell { ring, watch })

@@ -58,9 +58,9 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use lru::LruCache;
 use serde_json::{Map, Value};
 
+use crate::descriptors::{self, FdCache, Kept};
 use crate::error::{Error, IoContext};
 use crate::lock::{LockMode, RolloutLock};
 use crate::log::{append_line, complete_lines, complete_prefix_len};
@@ -71,7 +71,8 @@ use crate::store::{
 
 /// The fingerprint version whose rows can resolve (`tokencapture.fingerprint`'s).
 pub const FINGERPRINT_VERSION: u64 = 2;
-/// Default number of rollouts whose index a [`Ledger`] keeps (one descriptor each).
+/// Default number of rollouts whose index a [`Ledger`] keeps (one descriptor each, within the
+/// process's descriptor budget: see `descriptors`).
 pub const DEFAULT_CACHED_ROLLOUTS: usize = 256;
 
 /// What a ledger operation can fail with.
@@ -481,7 +482,7 @@ fn exists(path: &Path) -> crate::Result<bool> {
 
 #[derive(Debug)]
 struct PinnedLog {
-    file: File,
+    file: Kept<File>,
     dev: u64,
     ino: u64,
     writable: bool,
@@ -518,16 +519,36 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug)]
 pub struct Ledger {
     dir: RootDir,
-    rollouts: Mutex<LruCache<String, Arc<Mutex<RolloutState>>>>,
+    rollouts: Arc<FdCache<Arc<Mutex<RolloutState>>>>,
 }
 
 impl Ledger {
     /// Open (creating if needed) the ledger directory.
     pub fn open(root: impl Into<PathBuf>, cached_rollouts: usize) -> crate::Result<Self> {
+        Self::open_with(root, cached_rollouts, None)
+    }
+
+    /// [`Ledger::open`], keeping at most `max_open_files` descriptors between operations (if
+    /// given; the process's descriptor budget applies either way).
+    pub fn open_with(
+        root: impl Into<PathBuf>,
+        cached_rollouts: usize,
+        max_open_files: Option<usize>,
+    ) -> crate::Result<Self> {
         Ok(Ledger {
             dir: RootDir::open(root)?,
-            rollouts: rollout_cache(cached_rollouts),
+            rollouts: rollout_cache(cached_rollouts, max_open_files),
         })
+    }
+
+    /// Descriptors this ledger keeps (cached between operations, or in use now).
+    pub fn open_files(&self) -> usize {
+        self.rollouts.held()
+    }
+
+    /// This ledger's own cap on kept descriptors, `None` when only the process budget applies.
+    pub fn max_open_files(&self) -> Option<usize> {
+        self.rollouts.max_open()
     }
 
     pub fn root(&self) -> &Path {
@@ -544,15 +565,15 @@ impl Ledger {
 
     /// Drop every cached index (and the descriptors it holds).
     pub fn clear(&self) {
-        lock(&self.rollouts).clear();
+        self.rollouts.clear();
     }
 
     pub fn cached_rollouts(&self) -> usize {
-        lock(&self.rollouts).len()
+        self.rollouts.lock().len()
     }
 
     fn rollout(&self, rollout_id: &str) -> Arc<Mutex<RolloutState>> {
-        let mut rollouts = lock(&self.rollouts);
+        let mut rollouts = self.rollouts.lock();
         if let Some(found) = rollouts.get(rollout_id) {
             return found.clone();
         }
@@ -562,7 +583,8 @@ impl Ledger {
     }
 
     fn forget(&self, rollout_id: &str) {
-        lock(&self.rollouts).pop(rollout_id);
+        let forgotten = self.rollouts.lock().pop(rollout_id);
+        drop(forgotten); // closed outside the lock
     }
 
     /// Bring `state` up to date with the disk. Call under the rollout's flock.
@@ -582,14 +604,14 @@ impl Ledger {
         };
         if state.log.as_ref().map(|log| (log.dev, log.ino)) != Some(on_disk) {
             state.reset_log();
-            let file = match File::open(&paths.log) {
+            let file = match descriptors::retry(|| File::open(&paths.log)) {
                 Ok(file) => file,
                 Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
                 Err(err) => return Err(err).ctx("open ledger", &paths.log),
             };
             let meta = file.metadata().ctx("stat ledger", &paths.log)?;
             state.log = Some(PinnedLog {
-                file,
+                file: self.rollouts.account().keep(file),
                 dev: meta.dev(),
                 ino: meta.ino(),
                 writable: false,
@@ -635,8 +657,22 @@ impl Ledger {
     fn read<T>(&self, rollout_id: &str, op: impl FnOnce(&RolloutState) -> T) -> crate::Result<T> {
         validate_rollout_id(rollout_id)?;
         let paths = self.paths(rollout_id);
+        let permit = descriptors::enter();
         let rollout = self.rollout(rollout_id);
-        let mut state = lock(&rollout);
+        let result = self.read_locked(&rollout, &paths, op);
+        drop(permit);
+        drop(rollout);
+        self.rollouts.settle();
+        result
+    }
+
+    fn read_locked<T>(
+        &self,
+        rollout: &Mutex<RolloutState>,
+        paths: &LedgerPaths,
+        op: impl FnOnce(&RolloutState) -> T,
+    ) -> crate::Result<T> {
+        let mut state = lock(rollout);
         {
             let mut guard = RolloutLock::acquire_if_exists(&paths.lock, LockMode::Shared)?;
             if guard.is_none() && (exists(&paths.log)? || exists(&paths.fence)?) {
@@ -645,7 +681,7 @@ impl Ledger {
             }
             if guard.is_none() {
                 *state = RolloutState::default();
-            } else if let Err(err) = self.refresh(&mut state, &paths) {
+            } else if let Err(err) = self.refresh(&mut state, paths) {
                 *state = RolloutState::default();
                 return Err(err);
             }
@@ -683,18 +719,25 @@ impl Ledger {
             });
         }
         let paths = self.paths(rollout_id);
+        let permit = descriptors::enter();
         let rollout = self.rollout(rollout_id);
-        let mut state = lock(&rollout);
-        let _guard = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
         let new = NewRow {
             call_id,
             value,
             failure,
         };
-        let result = self.append(&mut state, &paths, rollout_id, new, line);
-        if matches!(result, Err(LedgerError::Store(_))) {
-            *state = RolloutState::default();
-        }
+        let result = (|| {
+            let mut state = lock(&rollout);
+            let _guard = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
+            let result = self.append(&mut state, &paths, rollout_id, new, line);
+            if matches!(result, Err(LedgerError::Store(_))) {
+                *state = RolloutState::default();
+            }
+            result
+        })();
+        drop(permit);
+        drop(rollout);
+        self.rollouts.settle();
         result
     }
 
@@ -728,10 +771,9 @@ impl Ledger {
             Some(log) if log.writable => {}
             Some(log) => {
                 // Under the exclusive lock the path still names the inode we pinned.
-                let file = OpenOptions::new()
-                    .read(true)
-                    .append(true)
-                    .open(&paths.log)
+                let mut options = OpenOptions::new();
+                options.read(true).append(true);
+                let file = descriptors::retry(|| options.open(&paths.log))
                     .ctx("open ledger", &paths.log)?;
                 let meta = file.metadata().ctx("stat ledger", &paths.log)?;
                 if (meta.dev(), meta.ino()) != (log.dev, log.ino) {
@@ -742,21 +784,19 @@ impl Ledger {
                     )
                     .into());
                 }
-                log.file = file;
+                log.file = self.rollouts.account().keep(file);
                 log.writable = true;
             }
             None => {
-                let file = OpenOptions::new()
-                    .read(true)
-                    .append(true)
-                    .create(true)
-                    .open(&paths.log)
+                let mut options = OpenOptions::new();
+                options.read(true).append(true).create(true);
+                let file = descriptors::retry(|| options.open(&paths.log))
                     .ctx("create ledger", &paths.log)?;
                 let meta = file.metadata().ctx("stat ledger", &paths.log)?;
                 state.cursor = 0;
                 state.len = meta.len();
                 state.log = Some(PinnedLog {
-                    file,
+                    file: self.rollouts.account().keep(file),
                     dev: meta.dev(),
                     ino: meta.ino(),
                     writable: true,
@@ -861,16 +901,15 @@ impl Ledger {
         if ids.is_empty() {
             return Ok(Removal::default());
         }
+        let _permit = descriptors::enter();
         for id in &ids {
             let paths = self.paths(id);
             let _guard = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
             self.forget(id);
             if !exists(&paths.fence)? {
-                let fence = OpenOptions::new()
-                    .write(true)
-                    .create(true)
-                    .truncate(false)
-                    .open(&paths.fence)
+                let mut options = OpenOptions::new();
+                options.write(true).create(true).truncate(false);
+                let fence = descriptors::retry(|| options.open(&paths.fence))
                     .ctx("create fence", &paths.fence)?;
                 fence.sync_all().ctx("fsync fence", &paths.fence)?;
             }
@@ -897,6 +936,7 @@ impl Ledger {
         if ids.is_empty() {
             return Ok(Removal::default());
         }
+        let _permit = descriptors::enter();
         let mut removal = Removal::default();
         for id in ids {
             let paths = self.paths(&id);

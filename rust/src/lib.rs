@@ -29,6 +29,7 @@
 //! behind the `python` feature.
 
 pub mod columnar;
+pub mod descriptors;
 pub mod digest;
 pub mod doorbell;
 pub mod error;

@@ -61,6 +61,7 @@ use lru::LruCache;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+use crate::descriptors::{self, FdCache, Kept};
 use crate::digest::token_digest;
 use crate::error::{Error, IoContext};
 use crate::lock::{LockMode, RolloutLock};
@@ -1127,7 +1128,7 @@ fn capacity(n: usize) -> NonZeroUsize {
 
 #[derive(Debug)]
 struct PinnedLog {
-    file: File,
+    file: Kept<File>,
     dev: u64,
     ino: u64,
 }
@@ -1148,19 +1149,41 @@ impl FileRollout {
 /// Resolves over the JSONL files a `Store` writes in `root`, from any process.
 pub struct FileLineage {
     root: PathBuf,
-    rollouts: Mutex<LruCache<String, Arc<Mutex<FileRollout>>>>,
+    rollouts: Arc<FdCache<Arc<Mutex<FileRollout>>>>,
     cache: TokenCache,
     read_window: usize,
 }
 
 impl FileLineage {
     pub fn new(root: impl Into<PathBuf>, cached_rollouts: usize, cached_tokens: usize) -> Self {
+        Self::with_max_open_files(root, cached_rollouts, cached_tokens, None)
+    }
+
+    /// [`FileLineage::new`], keeping at most `max_open_files` descriptors between resolves
+    /// (if given; the process's descriptor budget applies either way).
+    pub fn with_max_open_files(
+        root: impl Into<PathBuf>,
+        cached_rollouts: usize,
+        cached_tokens: usize,
+        max_open_files: Option<usize>,
+    ) -> Self {
         FileLineage {
             root: root.into(),
-            rollouts: Mutex::new(LruCache::new(capacity(cached_rollouts))),
+            rollouts: FdCache::new(cached_rollouts, max_open_files),
             cache: TokenCache::new(cached_tokens),
             read_window: READ_WINDOW,
         }
+    }
+
+    /// Descriptors this resolver keeps (cached between resolves, or in use now).
+    pub fn open_files(&self) -> usize {
+        self.rollouts.held()
+    }
+
+    /// This resolver's own cap on kept descriptors, `None` when only the process budget
+    /// applies.
+    pub fn max_open_files(&self) -> Option<usize> {
+        self.rollouts.max_open()
     }
 
     #[cfg(test)]
@@ -1175,7 +1198,7 @@ impl FileLineage {
 
     /// Drop every cached index and sequence (and the descriptors they hold).
     pub fn clear(&self) {
-        lock(&self.rollouts).clear();
+        self.rollouts.clear();
         self.cache.clear();
     }
 
@@ -1186,11 +1209,11 @@ impl FileLineage {
 
     /// Number of rollouts with a cached index.
     pub fn cached_rollouts(&self) -> usize {
-        lock(&self.rollouts).len()
+        self.rollouts.lock().len()
     }
 
     fn rollout(&self, rollout_id: &str) -> Arc<Mutex<FileRollout>> {
-        let mut rollouts = lock(&self.rollouts);
+        let mut rollouts = self.rollouts.lock();
         if let Some(found) = rollouts.get(rollout_id) {
             return found.clone();
         }
@@ -1206,8 +1229,23 @@ impl FileLineage {
             Ok(fp) => fp,
             Err(step) => return Ok(step),
         };
+        let permit = descriptors::enter();
         let rollout = self.rollout(rollout_id);
-        let mut state = lock(&rollout);
+        let result = self.resolve_locked(&rollout, rollout_id, &fingerprint, request);
+        drop(permit);
+        drop(rollout);
+        self.rollouts.settle();
+        result
+    }
+
+    fn resolve_locked(
+        &self,
+        rollout: &Mutex<FileRollout>,
+        rollout_id: &str,
+        fingerprint: &str,
+        request: &mut dyn Request,
+    ) -> Result<Step> {
+        let mut state = lock(rollout);
         let paths = RolloutPaths::new(&self.root, rollout_id);
         if let Err(err) = self.refresh(&mut state, &paths) {
             // Whatever was half-read is discarded; the next resolve starts over.
@@ -1226,7 +1264,7 @@ impl FileLineage {
         };
         resolve_in(
             &state.index,
-            &fingerprint,
+            fingerprint,
             request,
             &lines,
             &self.cache,
@@ -1249,14 +1287,14 @@ impl FileLineage {
         };
         if state.log.as_ref().map(|log| (log.dev, log.ino)) != Some(on_disk) {
             state.reset();
-            let file = match OpenOptions::new().read(true).open(&paths.log) {
+            let file = match descriptors::retry(|| OpenOptions::new().read(true).open(&paths.log)) {
                 Ok(file) => file,
                 Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
                 Err(err) => return Err(err).ctx("open log", &paths.log).map_err(Into::into),
             };
             let meta = file.metadata().ctx("stat log", &paths.log)?;
             state.log = Some(PinnedLog {
-                file,
+                file: self.rollouts.account().keep(file),
                 dev: meta.dev(),
                 ino: meta.ino(),
             });

@@ -69,12 +69,13 @@ impl RolloutLock {
     /// One lock-then-verify round; `None` means "retry" with `create`, "absent" without.
     fn attempt(path: &Path, mode: LockMode, create: bool) -> Result<Option<Self>> {
         loop {
-            let opened = OpenOptions::new()
+            let mut options = OpenOptions::new();
+            options
                 .read(true)
                 .write(create)
                 .create(create)
-                .truncate(false)
-                .open(path);
+                .truncate(false);
+            let opened = crate::descriptors::retry(|| options.open(path));
             let file = match opened {
                 Ok(file) => file,
                 Err(err) if !create && err.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -124,13 +125,9 @@ impl RolloutLock {
     /// Try to lock without waiting; `Ok(None)` when another holder has it (used by tests and
     /// tooling that must not block).
     pub fn try_acquire(path: &Path, mode: LockMode) -> Result<Option<Self>> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-            .ctx("open lock", path)?;
+        let mut options = OpenOptions::new();
+        options.read(true).write(true).create(true).truncate(false);
+        let file = crate::descriptors::retry(|| options.open(path)).ctx("open lock", path)?;
         let attempt = match mode {
             LockMode::Shared => file.try_lock_shared(),
             LockMode::Exclusive => file.try_lock(),

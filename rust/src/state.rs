@@ -86,7 +86,7 @@ pub fn read_from(file: &mut File, path: &Path) -> Result<State> {
 
 /// Open and read `path`; `Ok(None)` when it does not exist.
 pub fn open_and_read(path: &Path) -> Result<Option<(File, State)>> {
-    match File::open(path) {
+    match crate::descriptors::retry(|| File::open(path)) {
         Ok(mut file) => {
             let state = read_from(&mut file, path)?;
             Ok(Some((file, state)))
@@ -100,13 +100,9 @@ pub fn open_and_read(path: &Path) -> Result<Option<(File, State)>> {
 /// Returns the handle of the new file (its inode is what `path` now names). The caller fsyncs
 /// the directory when the rename itself must be durable before returning.
 pub fn write_atomic(path: &Path, tmp: &Path, state: &State) -> Result<File> {
-    let mut file = OpenOptions::new()
-        .write(true)
-        .read(true)
-        .create(true)
-        .truncate(true)
-        .open(tmp)
-        .ctx("create state temp", tmp)?;
+    let mut options = OpenOptions::new();
+    options.write(true).read(true).create(true).truncate(true);
+    let mut file = crate::descriptors::retry(|| options.open(tmp)).ctx("create state temp", tmp)?;
     let written = file
         .write_all(&state.to_json())
         .and_then(|()| file.sync_data());

@@ -22,15 +22,15 @@
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, Metadata, OpenOptions};
 use std::io;
-use std::num::NonZeroUsize;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::TrySendError;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::SystemTime;
 
 use lru::LruCache;
 
+use crate::descriptors::{self, Account, FdCache, Kept};
 use crate::digest::{payload_digest, SharedDigests};
 use crate::error::{Error, IoContext, Result};
 use crate::json::tape::{call_id_of, tape_channel, LineTape, LineTaper, TapeFeed, TapeSink};
@@ -49,7 +49,8 @@ pub const CHECKPOINT_ENTRIES: usize = 64;
 /// Unindexed log bytes after which a put checkpoints the state index.
 pub const CHECKPOINT_BYTES: u64 = 4 << 20;
 /// Default number of rollouts whose folded index a store keeps (three descriptors each: the log
-/// and state file it pins, and the lock file kept open between writes).
+/// and state file it pins, and the lock file kept open between writes), within the process's
+/// descriptor budget (`descriptors`).
 pub const DEFAULT_CACHED_ROLLOUTS: usize = 128;
 
 /// Check a rollout id: non-empty, ASCII letters, digits, `.`, `_`, `-`, and short enough.
@@ -276,20 +277,20 @@ impl Removal {
 /// when pinned (a tool that rewrites a state file in place keeps its inode).
 #[derive(Debug)]
 struct Pinned {
-    file: File,
+    file: Kept<File>,
     id: FileId,
     len: u64,
     modified: Option<SystemTime>,
 }
 
 impl Pinned {
-    fn new(file: File, path: &Path) -> Result<Self> {
+    fn new(file: File, path: &Path, account: &Account) -> Result<Self> {
         let meta = file.metadata().ctx("stat", path)?;
         Ok(Pinned {
             id: FileId::of(&meta),
             len: meta.len(),
             modified: meta.modified().ok(),
-            file,
+            file: account.keep(file),
         })
     }
 
@@ -302,7 +303,7 @@ impl Pinned {
 /// A rollout's lock file, unlocked but kept open for its next write (see `lock.rs`).
 #[derive(Debug)]
 struct KeptLock {
-    file: File,
+    file: Kept<File>,
     id: FileId,
     /// The process that opened it. A forked child shares the descriptor's open file
     /// description with its parent, so its flock would not exclude the parent: the child
@@ -346,7 +347,7 @@ impl Cached {
 #[derive(Debug)]
 pub struct Store {
     dir: RootDir,
-    cache: Mutex<LruCache<String, Cached>>,
+    cache: Arc<FdCache<Cached>>,
     /// A whole-log read buffer kept between reads (see `read_whole_log`).
     spare_buffer: Mutex<Vec<u8>>,
 }
@@ -354,12 +355,20 @@ pub struct Store {
 /// The largest read buffer a store keeps between reads.
 const MAX_SPARE_BUFFER: usize = 16 << 20;
 
-/// A store directory (the token store's or the ledger's): its path, and an open handle by
-/// which creations, renames and removals in it are made durable.
+/// A store directory (the token store's or the ledger's): its path, by which creations,
+/// renames and removals in it are made durable. No descriptor is kept: each fsync opens the
+/// directory (a couple of microseconds, next to the fsync), so a store at rest holds only
+/// what its cache keeps within the descriptor budget.
 #[derive(Debug)]
 pub(crate) struct RootDir {
     path: PathBuf,
-    handle: File,
+}
+
+/// fsync the directory at `path`.
+pub(crate) fn sync_directory(path: &Path) -> Result<()> {
+    descriptors::retry(|| File::open(path))
+        .and_then(|dir| dir.sync_all())
+        .ctx("fsync directory", path)
 }
 
 impl RootDir {
@@ -370,13 +379,12 @@ impl RootDir {
             std::fs::create_dir_all(&path).ctx("create directory", &path)?;
             // Make the new directory's own entry durable, or a crash could lose every record.
             if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                File::open(parent)
-                    .and_then(|dir| dir.sync_all())
-                    .ctx("fsync directory", parent)?;
+                sync_directory(parent)?;
             }
         }
-        let handle = File::open(&path).ctx("open directory", &path)?;
-        Ok(RootDir { path, handle })
+        // Fail now, not at the first put, if it is not a directory we can open.
+        descriptors::retry(|| File::open(&path)).ctx("open directory", &path)?;
+        Ok(RootDir { path })
     }
 
     pub(crate) fn path(&self) -> &Path {
@@ -385,14 +393,25 @@ impl RootDir {
 
     /// fsync the directory.
     pub(crate) fn sync(&self) -> Result<()> {
-        self.handle.sync_all().ctx("fsync directory", &self.path)
+        sync_directory(&self.path)
     }
 }
 
-/// A per-process cache of at most `entries` (at least one) rollouts' indexes.
-pub(crate) fn rollout_cache<V>(entries: usize) -> Mutex<LruCache<String, V>> {
-    let capacity = NonZeroUsize::new(entries.max(1)).unwrap_or(NonZeroUsize::MIN);
-    Mutex::new(LruCache::new(capacity))
+/// A per-process cache of at most `entries` (at least one) rollouts' indexes, keeping at most
+/// `max_open_files` descriptors (if given) within the process's descriptor budget.
+pub(crate) fn rollout_cache<V: Send + 'static>(
+    entries: usize,
+    max_open_files: Option<usize>,
+) -> Arc<FdCache<V>> {
+    FdCache::new(entries, max_open_files)
+}
+
+/// Put `value` back into `cache` as its most recent entry, then keep the cache within its cap
+/// and the process budget (whatever is closed, closes outside the cache's lock).
+pub(crate) fn cache_put<V: Send + 'static>(cache: &FdCache<V>, key: &str, value: V) {
+    let evicted = cache.lock().push(key.to_owned(), value);
+    drop(evicted);
+    cache.settle();
 }
 
 fn path_metadata(path: &Path) -> Result<Option<Metadata>> {
@@ -408,7 +427,7 @@ fn file_id(path: &Path) -> Result<Option<FileId>> {
 }
 
 fn open_existing(options: &OpenOptions, path: &Path, op: &'static str) -> Result<Option<File>> {
-    match options.open(path) {
+    match descriptors::retry(|| options.open(path)) {
         Ok(file) => Ok(Some(file)),
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(err) => Err(err).ctx(op, path),
@@ -468,11 +487,36 @@ fn fold_line(state: &mut State, call_id: String, digest: String) -> Fold {
 impl Store {
     /// Open (creating if needed) the store directory.
     pub fn open(root: impl Into<PathBuf>, cached_rollouts: usize) -> Result<Self> {
+        Self::open_with(root, cached_rollouts, None)
+    }
+
+    /// [`Store::open`], keeping at most `max_open_files` descriptors between operations (if
+    /// given; the process's descriptor budget applies either way).
+    pub fn open_with(
+        root: impl Into<PathBuf>,
+        cached_rollouts: usize,
+        max_open_files: Option<usize>,
+    ) -> Result<Self> {
         Ok(Store {
             dir: RootDir::open(root)?,
-            cache: rollout_cache(cached_rollouts),
+            cache: rollout_cache(cached_rollouts, max_open_files),
             spare_buffer: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Descriptors this store keeps (cached between operations, or in use now).
+    pub fn open_files(&self) -> usize {
+        self.cache.held()
+    }
+
+    /// This store's own cap on kept descriptors, `None` when only the process budget applies.
+    pub fn max_open_files(&self) -> Option<usize> {
+        self.cache.max_open()
+    }
+
+    /// Close every descriptor this store keeps between operations.
+    pub fn clear(&self) {
+        self.cache.clear();
     }
 
     pub fn root(&self) -> &Path {
@@ -490,9 +534,12 @@ impl Store {
     fn cache(&self) -> MutexGuard<'_, LruCache<String, Cached>> {
         // A panic elsewhere cannot leave a half-updated entry behind: entries are taken out
         // while in use, so a poisoned map is still consistent.
-        self.cache
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.cache.lock()
+    }
+
+    /// Return a rollout's index to the cache (which may close others to stay in budget).
+    fn cache_back(&self, rollout_id: &str, cached: Cached) {
+        cache_put(&self.cache, rollout_id, cached);
     }
 
     fn forget(&self, rollout_id: &str) {
@@ -552,12 +599,13 @@ impl Store {
     }
 
     fn load(&self, paths: &RolloutPaths) -> Result<Cached> {
+        let account = self.cache.account();
         let (state_file, state) = match state::open_and_read(&paths.state)? {
-            Some((file, state)) => (Some(Pinned::new(file, &paths.state)?), state),
+            Some((file, state)) => (Some(Pinned::new(file, &paths.state, account)?), state),
             None => (None, State::default()),
         };
         let log = match open_existing(&log_options(), &paths.log, "open log")? {
-            Some(file) => Some(Pinned::new(file, &paths.log)?),
+            Some(file) => Some(Pinned::new(file, &paths.log, account)?),
             None => None,
         };
         Ok(Cached {
@@ -581,6 +629,7 @@ impl Store {
         rollout_id: &str,
         op: impl FnOnce(&mut Cached, &RolloutPaths) -> Result<T>,
     ) -> Result<T> {
+        let _permit = descriptors::enter();
         let paths = self.paths(rollout_id);
         // Taken out of the cache before locking: from here on no other thread can use its
         // kept lock descriptor, so the flock below excludes this process's threads too.
@@ -594,8 +643,13 @@ impl Store {
             return result; // dropping the lock closes its descriptor
         }
         // Unlocked before the index returns to the cache, where another thread may take it.
-        cached.lock = lock.unlock().map(|(file, id)| KeptLock { file, id, pid });
-        self.cache().put(rollout_id.to_owned(), cached);
+        let account = self.cache.account();
+        cached.lock = lock.unlock().map(|(file, id)| KeptLock {
+            file: account.keep(file),
+            id,
+            pid,
+        });
+        self.cache_back(rollout_id, cached);
         result
     }
 
@@ -609,8 +663,8 @@ impl Store {
         paths: &RolloutPaths,
     ) -> Result<RolloutLock> {
         if let Some(kept) = kept.filter(|kept| kept.pid == pid) {
-            let relocked =
-                RolloutLock::relock(kept.file, kept.id, &paths.lock, LockMode::Exclusive)?;
+            let file = kept.file.into_inner();
+            let relocked = RolloutLock::relock(file, kept.id, &paths.lock, LockMode::Exclusive)?;
             if let Some(lock) = relocked {
                 return Ok(lock);
             }
@@ -635,8 +689,15 @@ impl Store {
 
     /// Atomically write the cached state; with `sync_dir`, also make the rename durable.
     fn persist(&self, cached: &mut Cached, paths: &RolloutPaths, sync_dir: bool) -> Result<()> {
-        let file = state::write_atomic(&paths.state, &paths.state_tmp, &cached.state)?;
-        cached.state_file = Some(Pinned::new(file, &paths.state)?);
+        // The state file it replaces is closed first: a put holds at most three descriptors.
+        let file = match cached.state_file.take() {
+            Some(old) => {
+                drop(old);
+                state::write_atomic(&paths.state, &paths.state_tmp, &cached.state)?
+            }
+            None => state::write_atomic(&paths.state, &paths.state_tmp, &cached.state)?,
+        };
+        cached.state_file = Some(Pinned::new(file, &paths.state, self.cache.account())?);
         cached.disk_indexed_size = cached.state.indexed_size;
         cached.disk_entries = cached.state.entry_digests.len();
         if sync_dir {
@@ -703,7 +764,11 @@ impl Store {
         options.append(true);
         let (file, created) = match open_existing(&options, path, "open")? {
             Some(file) => (file, false),
-            None => (options.create(true).open(path).ctx("create", path)?, true),
+            None => {
+                options.create(true);
+                let file = descriptors::retry(|| options.open(path)).ctx("create", path)?;
+                (file, true)
+            }
         };
         let before = file.metadata().ctx("stat", path)?.len();
         if let Err(err) = append_line(&file, line).and_then(|()| file.sync_data()) {
@@ -746,11 +811,13 @@ impl Store {
             let log = match &cached.log {
                 Some(log) => log,
                 None => {
-                    let file = log_options()
-                        .create(true)
-                        .open(&paths.log)
+                    let mut options = log_options();
+                    options.create(true);
+                    let file = descriptors::retry(|| options.open(&paths.log))
                         .ctx("create log", &paths.log)?;
-                    cached.log.insert(Pinned::new(file, &paths.log)?)
+                    cached
+                        .log
+                        .insert(Pinned::new(file, &paths.log, self.cache.account())?)
                 }
             };
             let before = cached.state.indexed_size;
@@ -849,7 +916,8 @@ impl Store {
             let len = self.log_len_for_freeze(rollout_id, cached, paths)?;
             match &cached.log {
                 Some(log) if len >= PARALLEL_SCAN_BYTES as u64 => {
-                    let file = log.file.try_clone().ctx("open log", &paths.log)?;
+                    let file =
+                        descriptors::retry(|| log.file.try_clone()).ctx("open log", &paths.log)?;
                     self.freeze_streaming(cached, paths, &file, len, decode)
                 }
                 _ => {
@@ -985,6 +1053,7 @@ impl Store {
     /// `version` are exactly the current ones.
     pub fn drop_snapshot(&self, rollout_id: &str, snapshot_id: &str, version: u64) -> Result<bool> {
         validate_rollout_id(rollout_id)?;
+        let _permit = descriptors::enter();
         let paths = self.paths(rollout_id);
         let Some(_lock) = self.lock_existing(&paths, LockMode::Exclusive)? else {
             return Ok(false);
@@ -994,7 +1063,7 @@ impl Store {
         self.fold_tail(&mut cached, &paths)?;
         let state = &cached.state;
         if !(state.frozen && state.snapshot_id == snapshot_id && state.version == version) {
-            self.cache().put(rollout_id.to_owned(), cached);
+            self.cache_back(rollout_id, cached);
             return Ok(false);
         }
         if !state.retired {
@@ -1025,6 +1094,7 @@ impl Store {
         if ids.is_empty() {
             return Ok(Removal::default());
         }
+        let _permit = descriptors::enter();
         for id in &ids {
             let paths = self.paths(id);
             let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
@@ -1065,6 +1135,7 @@ impl Store {
         if ids.is_empty() {
             return Ok(Removal::default());
         }
+        let _permit = descriptors::enter();
         let mut removal = Removal::default();
         for id in ids {
             let paths = self.paths(&id);
@@ -1085,6 +1156,7 @@ impl Store {
     /// The stored incomplete flag (a call in flight is not a hole until freeze judges it).
     pub fn is_incomplete(&self, rollout_id: &str) -> Result<bool> {
         validate_rollout_id(rollout_id)?;
+        let _permit = descriptors::enter();
         let paths = self.paths(rollout_id);
         Ok(state::open_and_read(&paths.state)?.is_some_and(|(_, state)| state.incomplete))
     }
@@ -1094,6 +1166,7 @@ impl Store {
     /// the state and the number of unique records; `None` when the rollout has no files.
     pub fn inspect(&self, rollout_id: &str) -> Result<Option<(State, usize)>> {
         validate_rollout_id(rollout_id)?;
+        let _permit = descriptors::enter();
         let paths = self.paths(rollout_id);
         let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
             return Ok(None);
@@ -1133,6 +1206,7 @@ impl Store {
         decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
     ) -> Result<(Records, Vec<Range<usize>>, D)> {
         validate_rollout_id(rollout_id)?;
+        let _permit = descriptors::enter();
         let paths = self.paths(rollout_id);
         let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
             return Ok(no_records(decode));
@@ -1415,7 +1489,7 @@ fn missing_log(cached: &Cached, paths: &RolloutPaths) -> Result<()> {
 
 /// True when an acknowledged intent has no stored entry.
 fn has_dangling_intent(path: &Path, state: &State) -> Result<bool> {
-    let bytes = match std::fs::read(path) {
+    let bytes = match descriptors::retry(|| std::fs::read(path)) {
         Ok(bytes) => bytes,
         Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(err) => return Err(err).ctx("read intents", path),

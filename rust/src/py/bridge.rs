@@ -12,8 +12,10 @@ use crate::doorbell::Doorbell;
 use crate::error::Error;
 use crate::pool::WorkerPool;
 
-/// Workers of the process-wide pool: enough concurrent fsyncs to keep the disk busy.
-const POOL_WORKERS: usize = 64;
+/// Workers of the process-wide pool: enough concurrent fsyncs to keep the disk busy. How many
+/// file operations run at once is bounded by the descriptor budget's gate
+/// (`descriptors::Budget::enter`), which Python's threads and callers' own share.
+const POOL_WORKERS: usize = crate::descriptors::MAX_IN_FLIGHT;
 
 static POOL: Mutex<Option<Arc<WorkerPool>>> = Mutex::new(None);
 

@@ -54,6 +54,15 @@ pub(super) fn to_pyerr(py: Python<'_>, err: Error) -> PyErr {
         Error::Io { op, path, source } => match source.raw_os_error() {
             // OSError(errno, strerror, filename) picks the matching subclass
             // (FileNotFoundError, PermissionError, ...) and keeps `errno` for callers.
+            Some(errno) if crate::descriptors::is_exhausted(&source) => PyOSError::new_err((
+                errno,
+                format!(
+                    "{op} failed: {source}, even after closing every descriptor tokencapture \
+                     kept open in this process and retrying (the process or the system is \
+                     at its limit of open files)"
+                ),
+                path,
+            )),
             Some(errno) => PyOSError::new_err((errno, format!("{op} failed: {source}"), path)),
             None => PyOSError::new_err(message),
         },

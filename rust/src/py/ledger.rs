@@ -68,14 +68,29 @@ struct PyLedger {
 #[pymethods]
 impl PyLedger {
     #[new]
-    #[pyo3(signature = (root, cached_rollouts = DEFAULT_CACHED_ROLLOUTS))]
-    fn new(py: Python<'_>, root: PathBuf, cached_rollouts: usize) -> PyResult<Self> {
+    #[pyo3(signature = (root, cached_rollouts = DEFAULT_CACHED_ROLLOUTS, max_open_files = None))]
+    fn new(
+        py: Python<'_>,
+        root: PathBuf,
+        cached_rollouts: usize,
+        max_open_files: Option<usize>,
+    ) -> PyResult<Self> {
         let inner = py
-            .detach(|| Ledger::open(root, cached_rollouts))
+            .detach(|| Ledger::open_with(root, cached_rollouts, max_open_files))
             .map_err(|e| to_pyerr(py, e))?;
         Ok(PyLedger {
             inner: Arc::new(inner),
         })
+    }
+
+    /// Descriptors this ledger keeps (cached between operations, or in use now).
+    fn open_files(&self) -> usize {
+        self.inner.open_files()
+    }
+
+    /// This ledger's own cap on kept descriptors; None when only the process budget applies.
+    fn max_open_files(&self) -> Option<usize> {
+        self.inner.max_open_files()
     }
 
     /// Append one commit row (built as NeMo Gym writes it); see `stored` for the result.

@@ -344,16 +344,33 @@ impl PyFileLineage {
         root,
         max_cached_rollouts = lineage::DEFAULT_CACHED_ROLLOUTS,
         max_cached_tokens = lineage::DEFAULT_CACHED_TOKENS,
+        max_open_files = None,
     ))]
-    fn new(root: PathBuf, max_cached_rollouts: usize, max_cached_tokens: usize) -> Self {
+    fn new(
+        root: PathBuf,
+        max_cached_rollouts: usize,
+        max_cached_tokens: usize,
+        max_open_files: Option<usize>,
+    ) -> Self {
         PyFileLineage {
-            inner: Arc::new(FileLineage::new(
+            inner: Arc::new(FileLineage::with_max_open_files(
                 root,
                 max_cached_rollouts,
                 max_cached_tokens,
+                max_open_files,
             )),
             memo: TupleMemo::new(max_cached_tokens),
         }
+    }
+
+    /// Descriptors this resolver keeps (cached between resolves, or in use now).
+    fn open_files(&self) -> usize {
+        self.inner.open_files()
+    }
+
+    /// This resolver's own cap on kept descriptors; None when only the process budget applies.
+    fn max_open_files(&self) -> Option<usize> {
+        self.inner.max_open_files()
     }
 
     /// Resolve with the native hashes; None when the items need Python's.

@@ -2,7 +2,7 @@
 //! mapping, one file per domain: `errors` (exception classes, error mapping), `decode`
 //! (stored lines into Python objects), `bridge` (the async bridge: worker pool and
 //! completions), `store` (the `Store` class), `records` (digests, entry field checks,
-//! rollout-id validation), `lineage`, `ledger` and `columnar` (Arrow snapshots). This module
+//! rollout-id validation), `descriptors` (the descriptor budget), `lineage`, `ledger` and `columnar` (Arrow snapshots). This module
 //! only registers them.
 //!
 //! Every call that touches a file, waits for a lock or hashes runs detached from the
@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 mod bridge;
 mod columnar;
 mod decode;
+mod descriptors;
 mod errors;
 mod ledger;
 mod lineage;
@@ -32,6 +33,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("MAX_ROLLOUT_ID_LEN", crate::store::MAX_ROLLOUT_ID_LEN)?;
     lineage::register(module)?;
     ledger::register(module)?;
+    descriptors::register(module)?;
     columnar::register(module)?;
     Ok(())
 }

@@ -31,14 +31,34 @@ pub(super) struct PyStore {
 #[pymethods]
 impl PyStore {
     #[new]
-    #[pyo3(signature = (root, cached_rollouts = DEFAULT_CACHED_ROLLOUTS))]
-    fn new(py: Python<'_>, root: PathBuf, cached_rollouts: usize) -> PyResult<Self> {
+    #[pyo3(signature = (root, cached_rollouts = DEFAULT_CACHED_ROLLOUTS, max_open_files = None))]
+    fn new(
+        py: Python<'_>,
+        root: PathBuf,
+        cached_rollouts: usize,
+        max_open_files: Option<usize>,
+    ) -> PyResult<Self> {
         let inner = py
-            .detach(|| Store::open(root, cached_rollouts))
+            .detach(|| Store::open_with(root, cached_rollouts, max_open_files))
             .map_err(|e| to_pyerr(py, e))?;
         Ok(PyStore {
             inner: Arc::new(inner),
         })
+    }
+
+    /// Descriptors this store keeps (cached between operations, or in use now).
+    fn open_files(&self) -> usize {
+        self.inner.open_files()
+    }
+
+    /// This store's own cap on kept descriptors; None when only the process budget applies.
+    fn max_open_files(&self) -> Option<usize> {
+        self.inner.max_open_files()
+    }
+
+    /// Close every descriptor this store keeps between operations.
+    fn clear(&self) {
+        self.inner.clear();
     }
 
     /// Store one canonical line; True if appended, False if the same payload was already there.

@@ -1,0 +1,59 @@
+"""The process-wide descriptor budget, as the file store, resolver and ledger report it.
+
+Every cache of descriptors in the native core (the token store's per-rollout lock, log and
+state files, the resolver's and the ledger's logs) counts against one budget per process: a
+sixteenth of the soft `RLIMIT_NOFILE` (at least 16, at most 4096, never more than a quarter
+of the limit), or `TOKENCAPTURE_MAX_OPEN_FILES` when set. A store's `max_open_files=` caps
+what that store keeps on top. When an open fails with `EMFILE` or `ENFILE`, every cache of
+the process is closed and the open is retried once; see docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from tokencapture import _core
+
+__all__ = ["budget", "check_max_open_files", "descriptor_stats", "set_budget"]
+
+
+def check_max_open_files(max_open_files: int | None) -> None:
+    """Refuse a `max_open_files=` that is not None or a non-negative int."""
+    if max_open_files is None:
+        return
+    if isinstance(max_open_files, bool) or not isinstance(max_open_files, int):
+        raise TypeError("max_open_files must be an int or None")
+    if max_open_files < 0:
+        raise ValueError("max_open_files must not be negative")
+
+
+class _HoldsDescriptors(Protocol):
+    def open_files(self) -> int: ...
+    def max_open_files(self) -> int | None: ...
+
+
+def budget() -> dict[str, int]:
+    """The process's budget: `limit`, `held` (kept by every cache now), `exhausted` (opens
+    that ran out of descriptors and closed every cache before retrying once), `failed`
+    (retries that ran out again and raised) and `evicted` (cache entries closed to stay within
+    a cap or the budget)."""
+    return _core.descriptor_budget()
+
+
+def set_budget(limit: int | None) -> None:
+    """Fix the process's budget (None: back to the share of the soft limit); the caches close
+    what is over it at once."""
+    check_max_open_files(limit)
+    _core.set_descriptor_budget(limit)
+
+
+def descriptor_stats(native: _HoldsDescriptors) -> dict[str, Any]:
+    """What a native store, resolver or ledger keeps open (`open_files`), its own cap
+    (`max_open_files`, None without one), and the process budget's counters prefixed with
+    `process_` (see `budget`)."""
+    stats: dict[str, Any] = {
+        "open_files": native.open_files(),
+        "max_open_files": native.max_open_files(),
+    }
+    stats.update({f"process_{key}": value for key, value in budget().items()})
+    return stats

@@ -1,0 +1,37 @@
+//! The process-wide descriptor budget (`rust/src/descriptors.rs`): its counters, and setting
+//! its limit at run time (the environment variable `TOKENCAPTURE_MAX_OPEN_FILES` sets it at
+//! import).
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::descriptors::budget;
+
+/// `{"limit", "held", "exhausted", "failed", "evicted"}`: the budget, the descriptors every
+/// cache of the process keeps, opens that ran out (and evicted every cache before retrying),
+/// retries that ran out again, and cache entries closed to stay within budget.
+#[pyfunction]
+fn descriptor_budget(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let stats = budget().stats();
+    let out = PyDict::new(py);
+    out.set_item("limit", stats.limit)?;
+    out.set_item("held", stats.held)?;
+    out.set_item("exhausted", stats.exhausted)?;
+    out.set_item("failed", stats.failed)?;
+    out.set_item("evicted", stats.evicted)?;
+    Ok(out)
+}
+
+/// Fix the process-wide budget (None: back to the share of the soft limit); the caches trim
+/// to it at once.
+#[pyfunction]
+#[pyo3(signature = (limit))]
+fn set_descriptor_budget(py: Python<'_>, limit: Option<usize>) {
+    py.detach(|| budget().set_limit(limit));
+}
+
+pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_function(wrap_pyfunction!(descriptor_budget, module)?)?;
+    module.add_function(wrap_pyfunction!(set_descriptor_budget, module)?)?;
+    Ok(())
+}

@@ -1,0 +1,304 @@
+"""The descriptor budget and running out of descriptors (issue 24, docs/reliability.md).
+
+Each scenario runs in a fresh interpreter whose soft `RLIMIT_NOFILE` is set to 256 before
+tokencapture is imported (the budget is a share of the limit the process has when its stores
+are made), and reports what it saw as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.conftest import make_entry
+
+from tokencapture import FileCaptureLedger, FileLineageStore, TokenCaptureStore
+from tokencapture.descriptors import budget, check_max_open_files, set_budget
+
+REPO = Path(__file__).resolve().parent.parent
+
+PRELUDE = """
+import resource, sys
+_soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, _hard))
+import asyncio, errno, json, os, socket
+from pathlib import Path
+from tests.conftest import make_entry
+from tokencapture import FileCaptureLedger, FileLineageStore, TokenCaptureStore
+from tokencapture.descriptors import budget
+ROOT = Path(sys.argv[1])
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd")) - 1  # the listing's own descriptor
+"""
+
+
+def run_limited(tmp_path: Path, body: str, *, limit: int = 256, timeout: float = 600) -> Any:
+    """Run `body` (after PRELUDE) under a soft descriptor limit; its last stdout line as JSON."""
+    script = PRELUDE.format(limit=limit) + textwrap.dedent(body)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    env.pop("TOKENCAPTURE_MAX_OPEN_FILES", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+WORKLOAD = """
+ROLLOUTS, CONCURRENT, CALLS = {rollouts}, 64, 4
+
+async def main():
+    baseline = open_fds()
+    store = TokenCaptureStore(ROOT)
+    errors = []
+    gate = asyncio.Semaphore(CONCURRENT)
+
+    async def rollout(r):
+        async with gate:
+            for c in range(CALLS):
+                entry = make_entry(f"r{{r:05d}}", call=c)
+                try:
+                    await store.begin_call(entry.rollout_id, entry.model_call_id)
+                    await store.put(entry)
+                except OSError as exc:
+                    errors.append(repr(exc))
+
+    await asyncio.gather(*(rollout(r) for r in range(ROLLOUTS)))
+
+    async def freeze(r):
+        try:
+            return await store.freeze(f"r{{r:05d}}")
+        except OSError as exc:
+            errors.append(repr(exc))
+            return None
+
+    snapshots = await asyncio.gather(*(freeze(r) for r in range(ROLLOUTS)))
+    whole = sum(
+        1 for s in snapshots
+        if s is not None and len(s.entries) == CALLS and not s.incomplete
+    )
+    stats = store.stats()["descriptors"]
+    print(json.dumps({{
+        "errors": errors[:5], "error_count": len(errors), "whole": whole,
+        "store_open": stats["open_files"], "process_held": stats["process_held"],
+        "limit": stats["process_limit"], "at_rest_over_baseline": open_fds() - baseline,
+        "evicted": stats["process_evicted"],
+    }}))
+
+asyncio.run(main())
+"""
+
+
+def test_the_256_descriptor_workload_completes_whole_within_the_budget(tmp_path: Path) -> None:
+    """2,000 rollouts, 64 at a time, 4 calls each (intent, then put), then every one frozen
+    concurrently: with the soft limit at 256 nothing fails, every rollout is whole, and at
+    rest the store keeps no more than its budget (a sixteenth of the limit)."""
+    seen = run_limited(tmp_path, WORKLOAD.format(rollouts=2000))
+    assert seen["error_count"] == 0, seen["errors"]
+    assert seen["whole"] == 2000
+    assert seen["limit"] == 16
+    assert 0 < seen["store_open"] <= 16
+    assert seen["process_held"] == seen["store_open"]
+    # The whole process: the kept descriptors, the event loop's doorbell, the thread pool.
+    assert seen["at_rest_over_baseline"] <= 16 + 4
+    assert seen["evicted"] > 0  # the cache really was smaller than the working set
+
+
+def test_at_a_1024_limit_the_store_keeps_a_sixteenth(tmp_path: Path) -> None:
+    seen = run_limited(tmp_path, WORKLOAD.format(rollouts=300), limit=1024)
+    assert seen["error_count"] == 0 and seen["whole"] == 300
+    assert seen["limit"] == 64
+    assert 0 < seen["store_open"] <= 64
+
+
+NEIGHBOUR = """
+held = []
+
+def exhaust():
+    # A server's sockets, until the process is out of descriptors.
+    while True:
+        try:
+            held.append(socket.socket())
+        except OSError as exc:
+            assert exc.errno == errno.EMFILE, exc
+            return
+
+def release():
+    while held:
+        held.pop().close()
+
+store = TokenCaptureStore(ROOT)
+for r in range(20):
+    for c in range(2):
+        store.append(make_entry(f"warm{{r}}", call=c))
+cached_before = store.stats()["descriptors"]["open_files"]
+
+# 1. Exhausted by the neighbour, with cached descriptors to give back: puts succeed.
+exhaust()
+store.append(make_entry("fresh1", call=0))       # a new rollout: opens lock, log, state
+store.append(make_entry("warm0", call=5))        # an evicted one: reopens its files
+survived = [len(store.freeze_now("fresh1").entries), len(store.read_entries("warm0"))]
+after_eviction = budget()
+
+# 2. Literally nothing to give back: the caches are empty, the neighbour holds every
+# descriptor. The operation fails cleanly with EMFILE and leaves no file behind.
+store._native.clear()
+exhaust()
+failure = None
+try:
+    store.append(make_entry("fresh2", call=0))
+except OSError as exc:
+    failure = [exc.errno, str(exc)]
+# (stat needs no descriptor; listing the directory would)
+suffixes = ("jsonl", "state.json", "state.json.tmp", "intents", "incomplete", "lock")
+fresh2_files = [s for s in suffixes if (ROOT / f"fresh2.tokens.{{s}}").exists()]
+
+# 3. The neighbour lets go: everything works again, in this process, without a restart.
+release()
+async def later():
+    await store.put(make_entry("fresh2", call=0))
+    await store.put(make_entry("fresh3", call=0))
+    for r in range(20):
+        await store.put(make_entry(f"warm{{r}}", call=9))
+    snaps = [await store.freeze(f"warm{{r}}") for r in range(20)]
+    return [len(s.entries) for s in snaps], len((await store.freeze("fresh2")).entries)
+warm, fresh2 = asyncio.run(later())
+print(json.dumps({{
+    "cached_before": cached_before, "survived": survived,
+    "exhausted": after_eviction["exhausted"], "failure": failure,
+    "fresh2_files": fresh2_files, "warm": warm, "fresh2": fresh2,
+    "failed": budget()["failed"],
+}}))
+"""
+
+
+def test_a_socket_hungry_neighbour_exhausting_the_limit(tmp_path: Path) -> None:
+    """A neighbour in the same process opens sockets until EMFILE. While the store's caches
+    hold descriptors, its operations succeed by closing them (evict, retry once); with
+    literally none to give back an operation raises OSError(EMFILE) and creates nothing; once
+    the neighbour lets go, every operation succeeds again without a restart."""
+    seen = run_limited(tmp_path, NEIGHBOUR.format())
+    assert seen["cached_before"] > 0
+    assert seen["survived"] == [1, 3]
+    assert seen["exhausted"] >= 1
+    errno_, message = seen["failure"]
+    assert errno_ == 24
+    assert "Too many open files" in message and "retrying" in message
+    assert seen["fresh2_files"] == []
+    assert seen["failed"] == 1
+    assert seen["warm"] == [4] + [3] * 19  # warm0 also took call 5 while exhausted
+    assert seen["fresh2"] == 1
+
+
+LINEAGE_AND_LEDGER = """
+from tests.test_ledger import make_commit
+
+ROLLOUTS = 600
+
+async def main():
+    baseline = open_fds()
+    store = TokenCaptureStore(ROOT)
+    resolver = FileLineageStore(ROOT)
+    ledger = FileCaptureLedger(ROOT / "ledger")
+    gate = asyncio.Semaphore(64)
+    errors = []
+    items = [
+        {{"role": "user", "content": "q"}},
+        {{"role": "assistant", "content": "an answer nobody stored"}},
+        {{"role": "user", "content": "more"}},
+    ]
+
+    async def one(r):
+        async with gate:
+            rid = f"r{{r:04d}}"
+            try:
+                await store.put(make_entry(rid, call=0))
+                resolution = await resolver.resolve(rid, items)
+                await ledger.record(make_commit("c1", rid))
+                await ledger.record(make_commit("c2", rid))
+                manifest = await ledger.manifest(rid)
+                return resolution.status.value, len(manifest["records"])
+            except OSError as exc:
+                errors.append(repr(exc))
+                return None
+
+    answers = await asyncio.gather(*(one(r) for r in range(ROLLOUTS)))
+    print(json.dumps({{
+        "errors": errors[:5], "error_count": len(errors),
+        "answers": sorted({{json.dumps(a) for a in answers}}),
+        "resolver_open": resolver.stats()["descriptors"]["open_files"],
+        "ledger_open": ledger.stats()["descriptors"]["open_files"],
+        "process_held": budget()["held"], "limit": budget()["limit"],
+        "at_rest_over_baseline": open_fds() - baseline,
+    }}))
+
+asyncio.run(main())
+"""
+
+
+def test_the_resolver_and_the_ledger_under_the_256_limit(tmp_path: Path) -> None:
+    seen = run_limited(tmp_path, LINEAGE_AND_LEDGER.format())
+    assert seen["error_count"] == 0, seen["errors"]
+    assert seen["answers"] == [json.dumps(["unresolved", 2])]
+    assert seen["limit"] == 16
+    assert seen["process_held"] <= 16
+    assert seen["resolver_open"] + seen["ledger_open"] <= seen["process_held"]
+    assert seen["at_rest_over_baseline"] <= 16 + 4
+
+
+def test_max_open_files_caps_one_store_and_stats_report_it(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path / "capped", max_open_files=4)
+    for r in range(10):
+        store.append(make_entry(f"r{r}", call=0))
+    stats = store.stats()["descriptors"]
+    assert stats["max_open_files"] == 4
+    assert 0 < stats["open_files"] <= 4
+    none = TokenCaptureStore(tmp_path / "none", max_open_files=0)
+    none.append(make_entry("r", call=0))
+    none.append(make_entry("r", call=1))
+    assert none.stats()["descriptors"]["open_files"] == 0
+    assert [e.model_call_id for e in none.freeze_now("r").entries] == ["call-0", "call-1"]
+    uncapped = TokenCaptureStore(tmp_path / "uncapped")
+    assert uncapped.stats()["descriptors"]["max_open_files"] is None
+    resolver = FileLineageStore(tmp_path / "capped", max_open_files=0)
+    assert resolver.stats()["descriptors"]["max_open_files"] == 0
+    ledger = FileCaptureLedger(tmp_path / "ledger", max_open_files=2)
+    assert ledger.stats()["descriptors"]["max_open_files"] == 2
+
+
+def test_max_open_files_is_checked() -> None:
+    for bad in (True, 1.5, "3"):
+        with pytest.raises(TypeError):
+            check_max_open_files(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        check_max_open_files(-1)
+    with pytest.raises(ValueError):
+        TokenCaptureStore("/nonexistent-never-created", max_open_files=-1)
+
+
+def test_lowering_the_process_budget_closes_what_is_over_it(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    for r in range(6):
+        store.append(make_entry(f"r{r}", call=0))
+    assert store.stats()["descriptors"]["open_files"] >= 6
+    before = budget()["limit"]
+    try:
+        set_budget(3)
+        assert budget()["limit"] == 3
+        assert budget()["held"] <= 3
+        assert store.stats()["descriptors"]["open_files"] <= 3
+    finally:
+        set_budget(None)
+    assert budget()["limit"] == before
