@@ -2,7 +2,8 @@
 //! mapping, one file per domain: `errors` (exception classes, error mapping), `decode`
 //! (stored lines into Python objects), `bridge` (the async bridge: worker pool and
 //! completions), `store` (the `Store` class), `records` (digests, entry field checks,
-//! rollout-id validation), `lineage`, `ledger` and `columnar` (Arrow snapshots). This module
+//! rollout-id validation), `lineage`, `ledger`, `columnar` (Arrow snapshots) and `staging` (worker-owned staging:
+//! digests, rows, the file staging store). This module
 //! only registers them.
 //!
 //! Every call that touches a file, waits for a lock or hashes runs detached from the
@@ -17,6 +18,7 @@ mod errors;
 mod ledger;
 mod lineage;
 mod records;
+mod staging;
 mod store;
 
 #[pymodule]
@@ -33,5 +35,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     lineage::register(module)?;
     ledger::register(module)?;
     columnar::register(module)?;
+    staging::register(module)?;
     Ok(())
 }
