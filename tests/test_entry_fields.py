@@ -187,9 +187,9 @@ def _records() -> list[dict[str, Any]]:
 def test_entries_built_from_records_equal_model_construct(record: dict[str, Any]) -> None:
     """Readers build entries without `model_construct` when a record holds exactly the
     model's fields; the result must be indistinguishable from it."""
-    from tokencapture.store import _entry_from_record
+    from tokencapture.entries import entry_from_record
 
-    built = _entry_from_record(dict(record))
+    built = entry_from_record(dict(record))
     expected_values = dict(record)
     if expected_values.get("parent_resolution") is not None:
         expected_values["parent_resolution"] = ParentResolutionStatus(
@@ -204,7 +204,7 @@ def test_entries_built_from_records_equal_model_construct(record: dict[str, Any]
     assert built.model_dump_json() == expected.model_dump_json()
     assert built == expected
     # Each entry owns its bookkeeping: changing one leaves the next untouched.
-    again = _entry_from_record(dict(record))
+    again = entry_from_record(dict(record))
     built.model_call_id = "changed"
     assert again.model_call_id == record["model_call_id"]
     assert again.__pydantic_fields_set__ is not built.__pydantic_fields_set__

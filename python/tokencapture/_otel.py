@@ -20,6 +20,8 @@ from typing import Any
 
 from opentelemetry import metrics as otel_metrics
 
+from tokencapture.latency import BUCKET_BOUNDS_SECONDS
+
 __all__ = [
     "ATTR_BACKEND",
     "ATTR_ERROR_TYPE",
@@ -110,8 +112,6 @@ class _Instruments:
     __slots__ = ("counter", "histogram", "recorders")
 
     def __init__(self, provider: otel_metrics.MeterProvider | None) -> None:
-        from tokencapture.metrics import BUCKET_BOUNDS_SECONDS
-
         meter = otel_metrics.get_meter(METER_NAME, _package_version(), meter_provider=provider)
         self.recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
         description = "Duration of tokencapture store operations, as the caller experienced it."

@@ -120,7 +120,7 @@ def columns_of_lines(lines: Sequence[bytes]) -> _core.ColumnarEntries:
         raise ValueError(f"line {index} is not a valid entry: {message}") from None
 
 
-def _refusal(
+def columnar_refusal(
     exc: _core.ColumnarRecordError, path: object, object_read: Callable[[], object]
 ) -> Exception:
     """What to raise for a record the columnar decoder refused.

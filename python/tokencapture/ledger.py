@@ -55,29 +55,34 @@ from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from pydantic import BaseModel
-
 from tokencapture import _core
-from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
-from tokencapture.lineage import check_resolve_args
+from tokencapture.fingerprint import assistant_fingerprint
+from tokencapture.jobs import native_job, off_loop
+from tokencapture.ledger_rows import (
+    ROW_ERRORS,
+    commit_line,
+    conflict_error,
+    corrupt_row,
+    match_of,
+)
+from tokencapture.ledger_rows import CaptureLedgerConflictError as CaptureLedgerConflictError
+from tokencapture.ledger_rows import commit_row as commit_row
+from tokencapture.ledger_rows import commit_row_of as commit_row_of
+from tokencapture.ledger_rows import manifest_from_rows as manifest_from_rows
 from tokencapture.metrics import instrumented
 from tokencapture.protocols import (
-    LineageMatch,
     LineageResolution,
     RolloutRemovalPayload,
     TokenCaptureConflictError,
-    TokenCaptureCorruptionError,
 )
 from tokencapture.records import ParentResolutionStatus
-from tokencapture.staging.records import (
-    LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
-    LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
-    CallRecord,
-    CaptureLedgerCommit,
-    ManifestFailure,
-    RolloutManifest,
+from tokencapture.staging.records import CaptureLedgerCommit
+from tokencapture.validation import (
+    check_failure_args,
+    check_resolve_args,
+    validate_rollout_id,
+    validate_rollout_ids,
 )
-from tokencapture.store import _native_job, _off_loop, validate_rollout_id, validate_rollout_ids
 
 __all__ = [
     "DEFAULT_LEDGER_CACHED_ROLLOUTS",
@@ -96,202 +101,6 @@ _ROOT: Final[LineageResolution] = LineageResolution(ParentResolutionStatus.ROOT)
 _NO_MATCH: Final[LineageResolution] = LineageResolution(
     ParentResolutionStatus.UNRESOLVED, reason="no_match"
 )
-# What reading a row the way NeMo Gym reads it can raise on a row it cannot use.
-_ROW_ERRORS: Final[tuple[type[Exception], ...]] = (KeyError, TypeError, ValueError, ArithmeticError)
-
-
-class CaptureLedgerConflictError(ValueError):
-    """A model_call_id was recorded again with a different row; ledger rows are written once.
-
-    Nothing was written. Unlike the token store's conflict, the ledger is not changed: the
-    caller records a failure row if the call must poison its rollout.
-    """
-
-
-def _conflict(rollout_id: str, model_call_id: str) -> CaptureLedgerConflictError:
-    # NeMo Gym's words first ("conflicting lineage record for model call ..."), then ours.
-    return CaptureLedgerConflictError(
-        f"conflicting lineage record for model call {model_call_id}: model_call_id "
-        f"{model_call_id!r} of rollout {rollout_id!r} is already recorded with a different "
-        "row; ledger rows are written once"
-    )
-
-
-def _as_commit(commit: object) -> CaptureLedgerCommit:
-    """Our `CaptureLedgerCommit`, revalidated (models are mutable, so an instance may have been
-    changed since it was validated); NeMo Gym's model and a dict are accepted alike."""
-    if isinstance(commit, BaseModel):
-        return CaptureLedgerCommit.model_validate(commit.model_dump())
-    if isinstance(commit, Mapping):
-        return CaptureLedgerCommit.model_validate(dict(commit))
-    raise TypeError(
-        "expected a CaptureLedgerCommit, a pydantic model with its fields, or a dict; "
-        f"got {type(commit).__name__}"
-    )
-
-
-def _custody_columns(record: CallRecord, staging_chain: Sequence[str]) -> dict[str, Any]:
-    """The record's columns of a commit row (``staging_digest`` is the record's ``digest``)."""
-    return {
-        "parent_call_id": record.parent_call_id,
-        "staging_key": record.staging_key,
-        "weight_version": record.weight_version,
-        "prev_len": record.prev_len,
-        "delta_len": record.delta_len,
-        "cum_len": record.cum_len,
-        "staging_digest": record.digest,
-        "extras_digest": record.extras_digest,
-        "mode": record.mode,
-        "admitted_at": record.admitted_at,
-        "staging_chain": list(staging_chain),
-        "chain_hash": record.chain_hash,
-        "cumulative_hash": record.cumulative_hash,
-        "response_id": record.response_id,
-        "output_fingerprint": record.output_fingerprint or None,
-        "continuation_fingerprint": record.continuation_fingerprint or None,
-        "fingerprint_version": record.fingerprint_version,
-    }
-
-
-def commit_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
-    """The ledger row of a validated commit, as NeMo Gym 0.7.0's `FileLineageStore` builds it.
-
-    ``fingerprint_version`` is the record's own field (0 unless the framework set it), and only
-    rows of version 2 ever resolve: NeMo Gym's rule, kept so both read a row alike.
-    """
-    request = list(commit.request_items)
-    return {
-        "model_call_id": commit.record.model_call_id,
-        "fingerprint": assistant_fingerprint([*request, *commit.response_items]),
-        "context_len": len(request),
-        "context_digest": conversation_digest(request),
-        "digest": commit.record.cumulative_hash,
-        **_custody_columns(commit.record, commit.staging_chain),
-    }
-
-
-def commit_row_of(commit: object) -> tuple[str, dict[str, Any]]:
-    """Validate a commit (ours, NeMo Gym's or a dict) and build its row: `(rollout_id, row)`.
-    Raises `TypeError` / `ValueError` as `FileCaptureLedger.record` does when called."""
-    checked = _as_commit(commit)
-    return validate_rollout_id(checked.rollout_id), commit_row(checked)
-
-
-def _row_bytes(row: Mapping[str, Any]) -> bytes:
-    return json.dumps(row, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _commit_line(commit: object) -> tuple[str, str, bytes]:
-    """Validate a commit and build its row: `(rollout_id, model_call_id, line)`.
-
-    Raises before anything is written: `TypeError` for a wrong type, `ValueError` (pydantic's
-    `ValidationError` included) for a malformed commit or one whose text cannot be stored.
-    """
-    checked = _as_commit(commit)
-    rollout_id = validate_rollout_id(checked.rollout_id)
-    row = commit_row(checked)
-    # Every text of the row passed a strict-str check, which refuses lone surrogates, so the
-    # row encodes as UTF-8 and reads back.
-    call_id = checked.record.model_call_id
-    return rollout_id, call_id, _row_bytes(row)
-
-
-def _check_failure(rollout_id: str, model_call_id: str, reason: str) -> None:
-    validate_rollout_id(rollout_id)
-    for name, value in (("model_call_id", model_call_id), ("reason", reason)):
-        if not isinstance(value, str):
-            raise TypeError(f"{name} must be a str, not {type(value).__name__}")
-        if not value:
-            raise ValueError(f"{name} must not be empty")
-        try:
-            value.encode()
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"{name} is not valid Unicode (a lone surrogate): {exc}") from exc
-
-
-def _corrupt(path: Path, offset: int, exc: BaseException) -> TokenCaptureCorruptionError:
-    detail = " ".join(str(exc).split())  # one line, like every corruption message
-    return TokenCaptureCorruptionError(
-        f"{path}: ledger row cannot be read as NeMo Gym reads it ({type(exc).__name__}: "
-        f"{detail}) (byte offset {offset})"
-    )
-
-
-def _manifest_entry(row: dict[str, Any]) -> CallRecord | ManifestFailure | None:
-    """What one row contributes to the manifest, by NeMo Gym's rules (None: nothing)."""
-    if row.get("failure_reason") is not None:
-        return ManifestFailure(
-            model_call_id=str(row["model_call_id"]), reason=str(row["failure_reason"])
-        )
-    if row.get("staging_key") is None:
-        return None  # a lineage-only row: not part of a capture manifest
-    if not row.get("response_id"):
-        return ManifestFailure(
-            model_call_id=str(row["model_call_id"]), reason=LEDGER_ROW_MISSING_RESPONSE_ID_REASON
-        )
-    if not row.get("chain_hash") or not row.get("cumulative_hash"):
-        return ManifestFailure(
-            model_call_id=str(row["model_call_id"]), reason=LEDGER_ROW_MISSING_CHAIN_HASH_REASON
-        )
-    return CallRecord(
-        model_call_id=str(row["model_call_id"]),
-        parent_call_id=row.get("parent_call_id"),
-        prev_len=int(row["prev_len"]),
-        delta_len=int(row["delta_len"]),
-        cum_len=int(row["cum_len"]),
-        weight_version=int(row["weight_version"]),
-        digest=str(row["staging_digest"]),
-        extras_digest=str(row["extras_digest"]),
-        staging_key=str(row["staging_key"]),
-        mode=str(row["mode"]),
-        chain_hash=str(row["chain_hash"]),
-        cumulative_hash=str(row["cumulative_hash"]),
-        response_id=str(row["response_id"]),
-        admitted_at=row.get("admitted_at"),
-        output_fingerprint=row.get("output_fingerprint") or None,
-        continuation_fingerprint=row.get("continuation_fingerprint") or None,
-        fingerprint_version=int(row.get("fingerprint_version") or 0),
-    )
-
-
-def manifest_from_rows(
-    rollout_id: str, rows: Sequence[tuple[int, bytes]], path: Path
-) -> dict[str, Any]:
-    """The manifest payload of `(offset, row bytes)` rows, as NeMo Gym builds it.
-
-    Where NeMo Gym's manifest would raise on a row (a missing column, a value its model
-    refuses), this raises `TokenCaptureCorruptionError` naming the row's file and offset.
-    """
-    records: list[CallRecord] = []
-    failures: list[ManifestFailure] = []
-    for offset, line in rows:
-        try:
-            entry = _manifest_entry(json.loads(line))
-        except _ROW_ERRORS as exc:
-            raise _corrupt(path, offset, exc) from exc
-        if isinstance(entry, CallRecord):
-            records.append(entry)
-        elif entry is not None:
-            failures.append(entry)
-    manifest = RolloutManifest(rollout_id=rollout_id, records=records, failures=failures)
-    return manifest.model_dump(mode="json")
-
-
-def _match_of(row: dict[str, Any], items: list[Any]) -> LineageMatch | None:
-    """The parent a candidate row makes of this request, or None when its context differs."""
-    context_len = int(row["context_len"])
-    if len(items) < context_len:
-        return None
-    if conversation_digest(items[:context_len]) != row["context_digest"]:
-        return None
-    return LineageMatch(
-        model_call_id=str(row["model_call_id"]),
-        cumulative_token_ids=tuple(int(token) for token in row.get("cumulative_token_ids") or ()),
-        digest=str(row["digest"]),
-        staging_chain=tuple(row.get("staging_chain") or []),
-        prev_len=int(row.get("cum_len") or 0),
-        chain_hash=str(row.get("chain_hash") or ""),
-    )
 
 
 @instrumented(
@@ -355,7 +164,7 @@ class FileCaptureLedger:
     def record_now(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> bool:
         """Synchronous `record`. True when the row is stored (now or already), False when the
         rollout is retired and the row was discarded."""
-        rollout_id, _, line = _commit_line(commit)
+        rollout_id, _, line = commit_line(commit)
         return self._native.record(rollout_id, line)
 
     def record(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> Coroutine[Any, Any, None]:
@@ -365,22 +174,22 @@ class FileCaptureLedger:
         no-op; a different row for the same model_call_id raises `CaptureLedgerConflictError`.
         A retired rollout discards the row.
         """
-        rollout_id, call_id, line = _commit_line(commit)
+        rollout_id, call_id, line = commit_line(commit)
         return self._record(rollout_id, call_id, line)
 
     async def _record(self, rollout_id: str, call_id: str, line: bytes) -> None:
         try:
-            stored = await _native_job(self._native.submit_record, rollout_id, line)
+            stored = await native_job(self._native.submit_record, rollout_id, line)
         except TokenCaptureConflictError:
             # The worker pool reports core errors only; a ledger conflict arrives as the
             # store's conflict and is re-raised as the ledger's own (nothing was written).
-            raise _conflict(rollout_id, call_id) from None
+            raise conflict_error(rollout_id, call_id) from None
         if not stored:
             logger.debug("record of %r discarded: rollout %r is retired", call_id, rollout_id)
 
     def record_failure_now(self, rollout_id: str, model_call_id: str, reason: str) -> bool:
         """Synchronous `record_failure`; False when the retired rollout discarded the row."""
-        _check_failure(rollout_id, model_call_id, reason)
+        check_failure_args(rollout_id, model_call_id, reason)
         return self._native.record_failure(rollout_id, model_call_id, reason)
 
     def record_failure(
@@ -390,11 +199,11 @@ class FileCaptureLedger:
 
         The arguments are checked when this is called.
         """
-        _check_failure(rollout_id, model_call_id, reason)
+        check_failure_args(rollout_id, model_call_id, reason)
         return self._record_failure(rollout_id, model_call_id, reason)
 
     async def _record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
-        stored = await _native_job(
+        stored = await native_job(
             self._native.submit_record_failure, rollout_id, model_call_id, reason
         )
         if not stored:
@@ -416,7 +225,7 @@ class FileCaptureLedger:
         A retired rollout raises `RolloutRetiredError` instead of looking empty.
         """
         validate_rollout_id(rollout_id)
-        return _off_loop(self.manifest_now, rollout_id)
+        return off_loop(self.manifest_now, rollout_id)
 
     def has_rows_now(self, rollout_id: str) -> bool:
         """Synchronous `has_rows`."""
@@ -427,7 +236,7 @@ class FileCaptureLedger:
         """Whether any row exists (any JSON object row, as NeMo Gym counts them); a retired
         rollout raises `RolloutRetiredError`."""
         validate_rollout_id(rollout_id)
-        return _off_loop(self.has_rows_now, rollout_id)
+        return off_loop(self.has_rows_now, rollout_id)
 
     def resolve_now(
         self, rollout_id: str, request_items: list[dict[str, Any]]
@@ -442,9 +251,9 @@ class FileCaptureLedger:
             return _NO_MATCH
         offset, line = found
         try:
-            match = _match_of(json.loads(line), items)
-        except _ROW_ERRORS as exc:
-            raise _corrupt(self.path_for(rollout_id), offset, exc) from exc
+            match = match_of(json.loads(line), items)
+        except ROW_ERRORS as exc:
+            raise corrupt_row(self.path_for(rollout_id), offset, exc) from exc
         if match is None:
             return _NO_MATCH
         return LineageResolution(ParentResolutionStatus.RESOLVED, match=match)
@@ -460,7 +269,7 @@ class FileCaptureLedger:
         retired rollout resolves no parent.
         """
         items = check_resolve_args(rollout_id, request_items)
-        return _off_loop(self.resolve_now, rollout_id, items)
+        return off_loop(self.resolve_now, rollout_id, items)
 
     def is_process_shared(self) -> bool:
         return True
@@ -480,7 +289,7 @@ class FileCaptureLedger:
         invalid id a `ValueError`) and nothing changes if any id is refused.
         """
         ids = validate_rollout_ids(rollout_ids)
-        return _off_loop(self.retire_now, ids)
+        return off_loop(self.retire_now, ids)
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `delete`."""
@@ -494,7 +303,7 @@ class FileCaptureLedger:
         The batch is validated when this is called: a bare string is a `TypeError` at once.
         """
         ids = validate_rollout_ids(rollout_ids)
-        return _off_loop(self.delete_now, ids)
+        return off_loop(self.delete_now, ids)
 
     async def close(self) -> None:
         """Drop the cached rows and their descriptors. Idempotent; nothing is ever pending

@@ -33,31 +33,36 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from tokencapture import _core
+from tokencapture.entries import as_token_entry, canonical_line
 from tokencapture.fingerprint import (
     FINGERPRINT_VERSION,
     assistant_fingerprint,
     conversation_digest,
 )
+from tokencapture.jobs import native_job, off_loop
+from tokencapture.ledger import FileCaptureLedger
+from tokencapture.ledger_rows import (
+    commit_row_of,
+    conflict_error,
+    manifest_from_rows,
+    match_of,
+)
 from tokencapture.metrics import instrumented
 from tokencapture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload
 from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
+from tokencapture.resolution import DEFAULT_CACHED_ROLLOUTS as DEFAULT_CACHED_ROLLOUTS
+from tokencapture.resolution import DEFAULT_CACHED_TOKENS as DEFAULT_CACHED_TOKENS
+from tokencapture.resolution import resolution_of, resolve_in_python, resolve_native
 from tokencapture.staging.records import CaptureLedgerCommit
-from tokencapture.store import (
-    _as_token_entry,
-    _native_job,
-    _off_loop,
-    canonical_line,
-    validate_rollout_id,
-    validate_rollout_ids,
-)
-
-if TYPE_CHECKING:
-    from tokencapture.ledger import FileCaptureLedger
+from tokencapture.validation import check_cache_limits as check_cache_limits
+from tokencapture.validation import check_failure_args, validate_rollout_id, validate_rollout_ids
+from tokencapture.validation import check_resolve_args as check_resolve_args
+from tokencapture.validation import request_list as request_list
 
 __all__ = [
     "AMBIGUOUS_REASON",
@@ -75,8 +80,6 @@ __all__ = [
 
 NO_MATCH_REASON: Final[str] = "no_match"
 AMBIGUOUS_REASON: Final[str] = "ambiguous"
-DEFAULT_CACHED_ROLLOUTS: Final[int] = 256
-DEFAULT_CACHED_TOKENS: Final[int] = 4_000_000
 
 
 class LineageIntegrityError(ValueError):
@@ -86,9 +89,6 @@ class LineageIntegrityError(ValueError):
     match the winner's record, the chain has a cycle or a missing parent, or a token array is not
     a list of token ids.
     """
-
-
-_ROOT: Final[LineageResolution] = LineageResolution(ParentResolutionStatus.ROOT)
 
 
 def stamp_continuation(entry: TokenEntry, request_items: Sequence[Mapping[str, Any]]) -> TokenEntry:
@@ -111,82 +111,6 @@ def stamp_continuation(entry: TokenEntry, request_items: Sequence[Mapping[str, A
     entry.continuation_context_digest = digest
     entry.fingerprint_version = FINGERPRINT_VERSION
     return entry
-
-
-_Native = _core.FileLineage | _core.MemoryLineage
-
-
-def _resolution(raw: tuple[str, str | None, tuple[int, ...] | None, str, str]) -> LineageResolution:
-    status, call_id, tokens, digest, reason = raw
-    if status == "resolved":
-        assert call_id is not None and tokens is not None
-        return LineageResolution(
-            ParentResolutionStatus.RESOLVED, LineageMatch(call_id, tokens, digest)
-        )
-    if status == "root":
-        return _ROOT
-    return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=reason)
-
-
-def request_list(request_items: Iterable[Any]) -> list[Any]:
-    """The request items as a list (a list is used as is, any other iterable copied).
-
-    A falsy value (``None``, ``""``, ``{}``, ``0``, ...) is no items, as NeMo Gym 0.7.0's
-    resolvers read it (``messages or []``): such a request is a root. A non-empty `str`,
-    `bytes` or mapping is refused with `TypeError`: each is iterable, but iterating it yields
-    characters or keys, never request items.
-    """
-    if isinstance(request_items, list):
-        return request_items
-    if request_items is None or (
-        isinstance(request_items, str | bytes | bytearray | Mapping | int | float)
-        and not request_items
-    ):
-        return []
-    if isinstance(request_items, str | bytes | bytearray | Mapping) or not isinstance(
-        request_items, Iterable
-    ):
-        raise TypeError(
-            f"request_items must be a list of request items, not {type(request_items).__name__}"
-        )
-    return list(request_items)
-
-
-def check_resolve_args(rollout_id: str, request_items: Iterable[Any]) -> list[Any]:
-    """The checks of `resolve`'s arguments: a valid rollout id and a list of request items
-    (`TypeError` / `ValueError`); returns the items as `request_list` does."""
-    validate_rollout_id(rollout_id)
-    return request_list(request_items)
-
-
-def _resolve(native: _Native, rollout_id: str, items: list[Any]) -> LineageResolution:
-    """Resolve by the native matcher; the arguments are already checked (`check_resolve_args`)."""
-    raw = native.resolve(rollout_id, items)
-    if raw is not None:
-        return _resolution(raw)
-    return _resolve_in_python(native, rollout_id, items)
-
-
-def _resolve_in_python(native: _Native, rollout_id: str, items: list[Any]) -> LineageResolution:
-    """Items the native hashes do not cover: tokencapture.fingerprint decides (or raises)."""
-    fingerprint = assistant_fingerprint(items)
-    if not fingerprint:
-        return _ROOT
-    digests: dict[int, str] = {}
-    while True:
-        step = native.resolve_hashed(rollout_id, fingerprint, len(items), digests)
-        if isinstance(step, tuple):
-            return _resolution(step)
-        for length in step:
-            digests[length] = conversation_digest(items[:length])
-
-
-def check_cache_limits(max_cached_rollouts: int, max_cached_tokens: int) -> None:
-    """The cache bounds every durable-log resolver takes (file and PostgreSQL)."""
-    if max_cached_rollouts < 1:
-        raise ValueError("max_cached_rollouts must be at least 1")
-    if max_cached_tokens < 0:
-        raise ValueError("max_cached_tokens must not be negative")
 
 
 @instrumented("lineage", "file", {"resolve_now": "resolve", "resolve": "resolve"})
@@ -230,7 +154,7 @@ class FileLineageStore:
     ) -> LineageResolution:
         """Synchronous `resolve` (blocks on the rollout's shared lock and file reads)."""
         items = check_resolve_args(rollout_id, request_items)
-        resolution = _resolve(self._native, rollout_id, items)
+        resolution = resolve_native(self._native, rollout_id, items)
         if self._ledger_may_answer(rollout_id, resolution):
             return self._from_ledger(rollout_id, items, resolution)
         return resolution
@@ -251,14 +175,14 @@ class FileLineageStore:
         resolution: LineageResolution | None = None
         job = self._native.prepare(rollout_id, items)
         if job is not None:
-            await _native_job(self._native.submit, job)
+            await native_job(self._native.submit, job)
             raw = self._native.finish(job)
             if raw is not None:
-                resolution = _resolution(raw)
+                resolution = resolution_of(raw)
         if resolution is None:
-            resolution = await _off_loop(_resolve_in_python, self._native, rollout_id, items)
+            resolution = await off_loop(resolve_in_python, self._native, rollout_id, items)
         if self._ledger_may_answer(rollout_id, resolution):
-            return await _off_loop(self._from_ledger, rollout_id, items, resolution)
+            return await off_loop(self._from_ledger, rollout_id, items, resolution)
         return resolution
 
     def is_process_shared(self) -> bool:
@@ -273,8 +197,6 @@ class FileLineageStore:
     def _capture_ledger(self) -> FileCaptureLedger:
         with self._ledger_lock:
             if self._ledger is None:
-                from tokencapture.ledger import FileCaptureLedger
-
                 self._ledger = FileCaptureLedger(self._root)
             return self._ledger
 
@@ -411,7 +333,7 @@ class InMemoryLineageStore:
 
     def _check_put(self, entry: object) -> tuple[TokenEntry, bytes]:
         """Check an entry for `put`: its type, fields, canonical line and delta parent."""
-        token_entry = _as_token_entry(entry)
+        token_entry = as_token_entry(entry)
         rollout_id = validate_rollout_id(token_entry.rollout_id)
         line = canonical_line(token_entry)
         parent = token_entry.parent_call_id
@@ -426,9 +348,7 @@ class InMemoryLineageStore:
         if _indexed_by_nemo(token_entry) and token_entry.model_call_id in self._committed(
             rollout_id
         ):
-            from tokencapture.ledger import _conflict
-
-            raise _conflict(rollout_id, token_entry.model_call_id)
+            raise conflict_error(rollout_id, token_entry.model_call_id)
         return token_entry, line
 
     def _committed(self, rollout_id: str) -> set[str]:
@@ -490,7 +410,7 @@ class InMemoryLineageStore:
         return self._resolve_checked(rollout_id, items)
 
     def _resolve_checked(self, rollout_id: str, items: list[Any]) -> LineageResolution:
-        resolution = _with_parent_length(_resolve(self._native, rollout_id, items))
+        resolution = _with_parent_length(resolve_native(self._native, rollout_id, items))
         self._touch(rollout_id)
         return self._or_ledger(rollout_id, items, resolution)
 
@@ -513,13 +433,11 @@ class InMemoryLineageStore:
             return resolution
         if resolution.reason == AMBIGUOUS_REASON:
             return resolution  # more candidates never make distinct ones agree
-        from tokencapture.ledger import _match_of
-
         fingerprint = assistant_fingerprint(items)
         matches = [
             match
             for row in rows
-            if row["fingerprint"] == fingerprint and (match := _match_of(row, items)) is not None
+            if row["fingerprint"] == fingerprint and (match := match_of(row, items)) is not None
         ]
         if not matches:
             return resolution
@@ -538,24 +456,20 @@ class InMemoryLineageStore:
         """Keep a committed call's ledger row. Validated when called; the same row again is a
         no-op, another row for the same call (a failure row too) raises
         `CaptureLedgerConflictError`."""
-        from tokencapture.ledger import commit_row_of
-
         rollout_id, row = commit_row_of(commit)
         return self._record_job(rollout_id, row)
 
     async def _record_job(self, rollout_id: str, row: dict[str, Any]) -> None:
-        from tokencapture.ledger import _conflict
-
         custody = {key: value for key, value in row.items() if key not in _LOOKUP_COLUMNS}
         rows = self._ledgers.setdefault(rollout_id, [])
         call_id = row["model_call_id"]
         existing = next((kept for kept in rows if kept.get("model_call_id") == call_id), None)
         if existing is not None:
             if existing != custody:
-                raise _conflict(rollout_id, call_id)
+                raise conflict_error(rollout_id, call_id)
             return
         if call_id in self._indexed.get(rollout_id, ()):
-            raise _conflict(rollout_id, call_id)  # put as an entry already
+            raise conflict_error(rollout_id, call_id)  # put as an entry already
         if row["fingerprint"]:
             self._ledger_lookup.setdefault(rollout_id, []).append(row)
         rows.append(custody)
@@ -564,9 +478,7 @@ class InMemoryLineageStore:
         self, rollout_id: str, model_call_id: str, reason: str
     ) -> Coroutine[Any, Any, None]:
         """Keep a failure row (once per identical row); the arguments are checked when called."""
-        from tokencapture.ledger import _check_failure
-
-        _check_failure(rollout_id, model_call_id, reason)
+        check_failure_args(rollout_id, model_call_id, reason)
         return self._record_failure_job(rollout_id, model_call_id, reason)
 
     async def _record_failure_job(self, rollout_id: str, model_call_id: str, reason: str) -> None:
@@ -581,8 +493,6 @@ class InMemoryLineageStore:
         return self._manifest_job(rollout_id)
 
     async def _manifest_job(self, rollout_id: str) -> dict[str, Any]:
-        from tokencapture.ledger import manifest_from_rows
-
         rows = [
             (index, json.dumps(row).encode())
             for index, row in enumerate(self._ledgers.get(rollout_id, ()))

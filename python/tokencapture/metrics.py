@@ -29,6 +29,8 @@ from contextvars import ContextVar
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tokencapture.latency import BUCKET_BOUNDS_SECONDS as BUCKET_BOUNDS_SECONDS
+
 if TYPE_CHECKING:
     from tokencapture._otel import Recorder
 
@@ -41,9 +43,6 @@ __all__ = [
     "snapshot",
     "use_meter_provider",
 ]
-
-# Upper bounds of the histogram buckets: 16 µs doubling up to ~17 s, then +inf.
-BUCKET_BOUNDS_SECONDS: tuple[float, ...] = tuple(16e-6 * 2**i for i in range(21))
 
 
 class _Operation:

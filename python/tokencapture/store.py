@@ -6,52 +6,45 @@ payload digests, append + fdatasync, the state index, fences. The hot async writ
 begin_call, mark_incomplete) run on the native worker pool and complete through a batched
 event-loop reader; the rest (freeze, drop, retire, delete), which build Python objects, run on
 a thread pool. Either way the event loop never waits on a disk.
+
+What this store shares with the other backends (argument checks, entry conversion and the
+canonical line, the async bridge, operation logging) lives in the core modules below them
+(`tokencapture.validation`, `.entries`, `.jobs`, `.operations`; see docs/architecture.md); the
+names this module has always exported (`canonical_line`, `validate_rollout_id`, ...) are
+re-exported from there.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import inspect
-import itertools
-import json
 import logging
 import os
-import threading
-import weakref
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from time import perf_counter
 from time import time as wall_time
-from types import TracebackType
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any
 
 import orjson
-from pydantic import BaseModel
 
 from tokencapture import _core
 from tokencapture import columnar as _columnar
-from tokencapture.metrics import Metrics, Timed
+from tokencapture.entries import as_token_entry, marker_line
+from tokencapture.entries import canonical_line as canonical_line
+from tokencapture.entries import entries_from_records as entries_from_records
+from tokencapture.jobs import checked_when_called as checked_when_called
+from tokencapture.jobs import native_job, off_loop
+from tokencapture.metrics import Metrics
+from tokencapture.operations import Operation, log_failure
 from tokencapture.protocols import (
     RolloutRemovalPayload,
-    TokenCaptureConflictError,
-    TokenCaptureCorruptionError,
-    TokenCaptureFrozenError,
     TokenCaptureSnapshot,
 )
-from tokencapture.records import (
-    BOOL_FIELDS,
-    INT_FIELDS,
-    OPTIONAL_INT_FIELDS,
-    OPTIONAL_TEXT_FIELDS,
-    REQUIRED_FIELDS,
-    STATUS_VALUES,
-    TEXT_FIELDS,
-    ParentResolutionStatus,
-    TokenEntry,
-    check_entry_invariants,
-)
+from tokencapture.records import TokenEntry
+from tokencapture.validation import check_call_id as check_call_id
+from tokencapture.validation import check_snapshot_id as check_snapshot_id
+from tokencapture.validation import validate_rollout_id as validate_rollout_id
+from tokencapture.validation import validate_rollout_ids as validate_rollout_ids
+from tokencapture.validation import validated_batch as validated_batch
 
 __all__ = [
     "TokenCaptureStore",
@@ -61,344 +54,8 @@ __all__ = [
     "validate_rollout_ids",
 ]
 
+# NeMo Gym's module-level name; `tokencapture.operations` logs the stores' failures to it.
 logger = logging.getLogger(__name__)
-
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
-
-# Threads for the lifecycle calls (created on demand): enough that the fsyncs of freezes and
-# retirements of different rollouts overlap, since the disk rewards concurrency.
-_IO_THREADS = 64
-_executor: ThreadPoolExecutor | None = None
-_executor_pid = 0
-_executor_lock = threading.Lock()
-
-
-def _io_executor() -> ThreadPoolExecutor:
-    """The process-wide pool for blocking store calls (recreated in a forked child)."""
-    global _executor, _executor_pid
-    pid = os.getpid()
-    if _executor is None or _executor_pid != pid:
-        with _executor_lock:
-            if _executor is None or _executor_pid != pid:
-                _executor = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="tokencapture-io")
-                _executor_pid = pid
-    return _executor
-
-
-async def _off_loop(func: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
-    """Run a blocking call that builds Python objects (freeze, batches) on the thread pool."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_io_executor(), lambda: func(*args, **kwargs))
-
-
-_F = TypeVar("_F", bound=Callable[..., Coroutine[Any, Any, Any]])
-
-
-def checked_when_called(check: Callable[..., object]) -> Callable[[_F], _F]:
-    """Make an async method validate its arguments when it is called, not when it is awaited.
-
-    `check` takes some of the method's parameters, by the same names (for example
-    `validate_rollout_id(rollout_id)`), and raises on bad values; only then is the coroutine
-    created. So `obj.method(bad)` raises at once, even if its result is never awaited, and a
-    refused call leaves no coroutine behind. The decorated method is a plain function that
-    returns the coroutine: `await obj.method(...)` works as before.
-    """
-    wanted = tuple(inspect.signature(check).parameters)
-
-    def decorate(method: _F) -> _F:
-        signature = inspect.signature(method)
-
-        @functools.wraps(method)
-        def checked(*args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
-            arguments = signature.bind(*args, **kwargs)
-            arguments.apply_defaults()
-            check(**{name: arguments.arguments[name] for name in wanted})
-            return method(*args, **kwargs)
-
-        return cast(_F, checked)
-
-    return decorate
-
-
-class _LoopBridge:
-    """Completions of native jobs for one event loop.
-
-    The hot writes (put, begin_call, mark_incomplete) run on the Rust worker pool without the
-    GIL; each finished job is queued in `completions`, whose descriptor the loop watches. One
-    wake-up drains every job finished since the last one, so a put costs the loop a future and a
-    dictionary entry, not a thread hop.
-    """
-
-    __slots__ = ("__weakref__", "completions", "futures", "tokens")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.completions = _core.Completions()
-        self.futures: dict[int, asyncio.Future[Any]] = {}
-        self.tokens = itertools.count()
-        loop.add_reader(self.completions.fileno(), self._drain)
-
-    def _drain(self) -> None:
-        for token, value, failed in self.completions.drain():
-            future = self.futures.pop(token, None)
-            if future is None or future.done():  # the awaiting task was cancelled
-                continue
-            if failed:
-                future.set_exception(value)
-            else:
-                future.set_result(value)
-
-
-_bridges: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopBridge] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _native_job(start: Callable[..., None], *args: object) -> asyncio.Future[Any]:
-    """Start `start(completions, token, *args)` on the worker pool; a future for its result.
-
-    A cancelled await does not stop the job: a durable write either completes or fails whole.
-    """
-    loop = asyncio.get_running_loop()
-    bridge = _bridges.get(loop)
-    if bridge is None:
-        bridge = _bridges[loop] = _LoopBridge(loop)
-    token = next(bridge.tokens)
-    future = loop.create_future()
-    bridge.futures[token] = future
-    try:
-        start(bridge.completions, token, *args)
-    except BaseException:
-        del bridge.futures[token]
-        raise
-    return future
-
-
-def validate_rollout_id(rollout_id: str) -> str:
-    """Reject anything that could escape the store directory or index a bad file."""
-    if not isinstance(rollout_id, str):
-        raise TypeError(f"rollout_id must be a str, not {type(rollout_id).__name__}")
-    _core.validate_rollout_id(rollout_id)
-    return rollout_id
-
-
-def validate_rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
-    """Validate a whole batch before anything changes, and drop duplicates (first order kept).
-
-    A bare string is rejected (`TypeError`): it is a sequence of one-character rollout ids, and
-    NeMo Gym 0.7.0's synchronous `delete(rollout_id)` would otherwise silently do nothing.
-    """
-    return validated_batch(rollout_ids, validate_rollout_id)
-
-
-def validated_batch(rollout_ids: Sequence[str], validate_one: Callable[[str], str]) -> list[str]:
-    """`validate_rollout_ids` with the check of one id given (the reference store's is Python)."""
-    if isinstance(rollout_ids, str | bytes):
-        raise TypeError(
-            f"rollout_ids must be a sequence of rollout ids, not a single string "
-            f"({rollout_ids!r}); pass [{rollout_ids!r}]. NeMo Gym 0.7.0's synchronous "
-            "store.delete(rollout_id) is store.delete_now([rollout_id]) here"
-        )
-    if not isinstance(rollout_ids, Iterable):
-        raise TypeError(
-            f"rollout_ids must be a sequence of rollout ids, not {type(rollout_ids).__name__}"
-        )
-    return list(dict.fromkeys(validate_one(rollout_id) for rollout_id in rollout_ids))
-
-
-def check_snapshot_id(snapshot_id: object) -> str:
-    """A snapshot id is a str (`TypeError` otherwise)."""
-    if not isinstance(snapshot_id, str):
-        raise TypeError(f"snapshot_id must be a str, not {type(snapshot_id).__name__}")
-    return snapshot_id
-
-
-# What readers strip from both ends of an intents line (`bytes.strip()`, as NeMo Gym reads them).
-_LINE_SPACE = " \t\n\x0b\x0c\r"
-
-
-def check_call_id(call_id: object) -> str:
-    """A call id must be one line of the intents file: non-empty, no line break, UTF-8, and
-    without the surrounding whitespace readers strip (`TypeError` / `ValueError`)."""
-    if (
-        type(call_id) is str
-        and call_id.isascii()
-        and call_id.isprintable()  # printable ASCII: no line break, tab or surrogate
-        and call_id[:1] != " "
-        and call_id[-1:] != " "
-        and call_id
-    ):
-        return call_id
-    if not isinstance(call_id, str):
-        raise TypeError(f"model_call_id must be a str, not {type(call_id).__name__}")
-    if not call_id:
-        raise ValueError("model_call_id must not be empty")
-    if "\n" in call_id or "\r" in call_id:
-        raise ValueError(f"model_call_id {call_id!r} contains a line break")
-    if call_id != call_id.strip(_LINE_SPACE):
-        raise ValueError(
-            f"model_call_id {call_id!r} starts or ends with whitespace, which readers of the "
-            "intents file strip: its intent would not match its entry"
-        )
-    try:
-        call_id.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("model_call_id must be valid Unicode text (no lone surrogates)") from None
-    return call_id
-
-
-def _as_token_entry(entry: object) -> TokenEntry:
-    if isinstance(entry, TokenEntry):
-        return entry
-    if isinstance(entry, BaseModel):
-        # A foreign model with the same fields (NeMo Gym's own TokenEntry): revalidate its
-        # Python-mode values so nothing (NaN included) is converted before our checks. Its
-        # serializer is not asked to judge the values (`warnings=False`): NeMo Gym's
-        # `commit_entry` stamps a resolver's status onto its entry unvalidated, so with our
-        # resolver its enum field holds our `ParentResolutionStatus`, which its dump would warn
-        # about; the validation below checks every value anyway.
-        return TokenEntry.model_validate(entry.model_dump(warnings=False))
-    if isinstance(entry, Mapping):
-        return TokenEntry.model_validate(dict(entry))
-    raise TypeError(
-        "expected a TokenEntry, a pydantic model with TokenEntry's fields, or a dict; "
-        f"got {type(entry).__name__}"
-    )
-
-
-# The type rules of TokenEntry's fields, checked natively (see `records.check_field_types`).
-_ENTRY_FIELDS = _core.EntryFields(
-    required=REQUIRED_FIELDS,
-    text=TEXT_FIELDS,
-    optional_text=OPTIONAL_TEXT_FIELDS,
-    ints=INT_FIELDS,
-    optional_ints=OPTIONAL_INT_FIELDS,
-    bools=BOOL_FIELDS,
-    statuses=sorted(STATUS_VALUES),
-)
-
-
-# A record that holds exactly the model's fields (what every current writer stores) becomes an
-# entry by setting the four attributes `model_construct` would set, in its field order: ~1 us
-# instead of ~10 us per entry, a few percent of a freeze. Anything else (older records missing
-# defaulted fields, extra keys) goes through `model_construct`. tests/test_entry_fields.py
-# checks both give identical entries, so a pydantic upgrade that changes them is caught.
-_FIELD_ORDER = tuple(TokenEntry.model_fields)
-_FIELD_SET = frozenset(_FIELD_ORDER)
-_FAST_CONSTRUCT = (
-    not TokenEntry.__private_attributes__ and TokenEntry.model_config.get("extra") == "allow"
-)
-_set_attribute = object.__setattr__
-
-
-def _entry_from_record(record: dict[str, Any]) -> TokenEntry:
-    """Build an entry from a decoded, digest-verified record without a second full validation
-    (the field type checks and the model's invariants still run; the decoder already checked
-    the token arrays)."""
-    _ENTRY_FIELDS.check(record)
-    status = record.get("parent_resolution")
-    if status is not None:
-        record["parent_resolution"] = ParentResolutionStatus(status)
-    if _FAST_CONSTRUCT and record.keys() == _FIELD_SET:
-        entry = TokenEntry.__new__(TokenEntry)
-        _set_attribute(entry, "__dict__", {name: record[name] for name in _FIELD_ORDER})
-        _set_attribute(entry, "__pydantic_fields_set__", set(_FIELD_ORDER))
-        _set_attribute(entry, "__pydantic_extra__", {})
-        _set_attribute(entry, "__pydantic_private__", None)
-    else:
-        entry = TokenEntry.model_construct(**record)
-    check_entry_invariants(entry)
-    return entry
-
-
-def entries_from_records(
-    records: Sequence[dict[str, Any]], offsets: Sequence[int], where: str
-) -> tuple[TokenEntry, ...]:
-    """Entries from natively decoded records (any backend); a record that is not a valid entry
-    is corruption, reported with `where` (the log) and the line's byte offset."""
-    entries = []
-    for record, offset in zip(records, offsets, strict=True):
-        try:
-            entries.append(_entry_from_record(record))
-        except ValueError as exc:
-            raise TokenCaptureCorruptionError(
-                f"{where}: the line is not a valid entry: {exc} (byte offset {offset})"
-            ) from exc
-    return tuple(entries)
-
-
-def canonical_line(entry: TokenEntry) -> bytes:
-    """The stored form of an entry: `orjson.dumps(model_dump(mode="json"), OPT_SORT_KEYS)`.
-
-    Raises `ValueError`, before anything is written, for an entry that would not read back
-    (a value of the wrong type, a non-finite float, an integer beyond 64 bits, a non-string
-    key, nesting deeper than readers accept).
-    """
-    values = dict(entry.__dict__)
-    if entry.__pydantic_extra__:
-        values.update(entry.__pydantic_extra__)
-    status = values.get("parent_resolution")
-    if status is not None:
-        values["parent_resolution"] = str(status.value if hasattr(status, "value") else status)
-    try:
-        # One native call: the field types, then a walk for non-finite floats, nesting and
-        # token-array item types. It also says whether every value is plain JSON, which orjson
-        # serializes exactly as pydantic's JSON mode would, without a second copy of the arrays.
-        plain = _ENTRY_FIELDS.check(values, deep=True)
-        check_entry_invariants(entry)
-    except ValueError as exc:
-        raise ValueError(f"entry {values.get('model_call_id')!r} cannot be stored: {exc}") from exc
-    try:
-        payload = values if plain else entry.model_dump(mode="json")
-        return orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
-    except (orjson.JSONEncodeError, RecursionError) as exc:
-        raise ValueError(
-            f"entry {entry.model_call_id!r} of rollout {entry.rollout_id!r} cannot be stored as "
-            f"JSON that reads back: {exc}"
-        ) from exc
-
-
-def _marker_line(model_call_id: object) -> bytes:
-    """One line for the incomplete file, whatever the call id holds (it must never fail)."""
-    text = model_call_id if isinstance(model_call_id, str) else str(model_call_id)
-    if "\n" not in text and "\r" not in text:
-        try:
-            return text.encode("utf-8")
-        except UnicodeEncodeError:
-            pass
-    return json.dumps(text).encode("ascii")
-
-
-def _log_failure(name: str, rollout_id: object, exc: BaseException) -> None:
-    """Log the failures an operator must see (fenced refusals only at debug level)."""
-    if isinstance(exc, TokenCaptureFrozenError):
-        logger.debug("%s refused for fenced rollout %r", name, rollout_id)
-    elif isinstance(exc, TokenCaptureConflictError):
-        logger.warning("%s: %s", name, exc)
-    elif isinstance(exc, TokenCaptureCorruptionError):
-        logger.error("%s of rollout %r found corruption: %s", name, rollout_id, exc)
-    elif isinstance(exc, OSError):
-        logger.warning("%s of rollout %r failed: %s", name, rollout_id, exc)
-
-
-class _Operation(Timed):
-    """`Timed`, plus a log record for the failures an operator must see."""
-
-    __slots__ = ("rollout_id",)
-
-    def __init__(self, metrics: Metrics, name: str, rollout_id: object) -> None:
-        super().__init__(metrics, name)
-        self.rollout_id = rollout_id
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        super().__exit__(exc_type, exc, traceback)
-        if exc is not None:
-            _log_failure(self.operation, self.rollout_id, exc)
 
 
 class TokenCaptureStore:
@@ -416,9 +73,9 @@ class TokenCaptureStore:
         """Per-operation counts, failures and latency histograms (see `tokencapture.metrics`)."""
         return self._metrics.snapshot()
 
-    def _operation(self, name: str, rollout_id: object) -> _Operation:
+    def _operation(self, name: str, rollout_id: object) -> Operation:
         """Time one operation and log the failures an operator must see."""
-        return _Operation(self._metrics, name, rollout_id)
+        return Operation(self._metrics, name, rollout_id)
 
     def __repr__(self) -> str:
         return f"TokenCaptureStore({os.fspath(self._root)!r})"
@@ -458,7 +115,7 @@ class TokenCaptureStore:
         """Idempotently append one entry and fsync it before returning."""
         started = perf_counter()
         try:
-            token_entry = _as_token_entry(entry)
+            token_entry = as_token_entry(entry)
             line = canonical_line(token_entry)
             self._native.put(token_entry.rollout_id, token_entry.model_call_id, line)
         except BaseException as exc:
@@ -475,7 +132,7 @@ class TokenCaptureStore:
         """
         started = perf_counter()
         try:
-            token_entry = _as_token_entry(entry)
+            token_entry = as_token_entry(entry)
             line = canonical_line(token_entry)  # the field types, rollout_id a str included
             _core.validate_rollout_id(token_entry.rollout_id)
             check_call_id(token_entry.model_call_id)
@@ -485,12 +142,12 @@ class TokenCaptureStore:
         if type(self).append is not TokenCaptureStore.append:
             # A subclass that overrides `append` (NeMo Gym's store awaits `append` in a thread
             # from `put`, and subclasses rely on that) gets its own `append` here too.
-            return _off_loop(self.append, token_entry)
+            return off_loop(self.append, token_entry)
         return self._put_line(token_entry, line, started)
 
     async def _put_line(self, entry: TokenEntry, line: bytes, started: float) -> None:
         try:
-            await _native_job(self._native.submit_put, entry.rollout_id, entry.model_call_id, line)
+            await native_job(self._native.submit_put, entry.rollout_id, entry.model_call_id, line)
         except BaseException as exc:
             self._put_failed(entry, exc, started)
             raise
@@ -499,11 +156,11 @@ class TokenCaptureStore:
     def _refused(self, name: str, rollout_id: object, exc: BaseException) -> None:
         """Count and log a call refused before it started."""
         self._metrics.observe(name, 0.0, failed=True)
-        _log_failure(name, rollout_id, exc)
+        log_failure(name, rollout_id, exc)
 
     def _put_failed(self, entry: object, exc: BaseException, started: float) -> None:
         self._metrics.observe("put", perf_counter() - started, failed=True)
-        _log_failure("put", getattr(entry, "rollout_id", None), exc)
+        log_failure("put", getattr(entry, "rollout_id", None), exc)
 
     def _begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Synchronous `begin_call` (the reference's name)."""
@@ -526,12 +183,12 @@ class TokenCaptureStore:
 
     async def _begin_call_job(self, rollout_id: str, model_call_id: str) -> None:
         with self._operation("begin_call", rollout_id):
-            await _native_job(self._native.submit_begin_call, rollout_id, model_call_id)
+            await native_job(self._native.submit_begin_call, rollout_id, model_call_id)
 
     def _mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Synchronous `mark_incomplete` (the reference's name)."""
         with self._operation("mark_incomplete", rollout_id):
-            self._native.mark_incomplete(rollout_id, _marker_line(model_call_id))
+            self._native.mark_incomplete(rollout_id, marker_line(model_call_id))
 
     def mark_incomplete(
         self, rollout_id: str, model_call_id: str = ""
@@ -545,11 +202,11 @@ class TokenCaptureStore:
         except BaseException as exc:
             self._refused("mark_incomplete", rollout_id, exc)
             raise
-        return self._mark_incomplete_job(rollout_id, _marker_line(model_call_id))
+        return self._mark_incomplete_job(rollout_id, marker_line(model_call_id))
 
     async def _mark_incomplete_job(self, rollout_id: str, line: bytes) -> None:
         with self._operation("mark_incomplete", rollout_id):
-            await _native_job(self._native.submit_mark_incomplete, rollout_id, line)
+            await native_job(self._native.submit_mark_incomplete, rollout_id, line)
 
     # Reads and lifecycle -----------------------------------------------------------------
 
@@ -568,7 +225,7 @@ class TokenCaptureStore:
     def freeze(self, rollout_id: str) -> Coroutine[Any, Any, TokenCaptureSnapshot]:
         """Freeze the rollout off the event loop (the id is checked when this is called)."""
         validate_rollout_id(rollout_id)
-        return _off_loop(self.freeze_now, rollout_id)
+        return off_loop(self.freeze_now, rollout_id)
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The stored entries (a torn tail is ignored; nothing is created or changed)."""
@@ -587,7 +244,7 @@ class TokenCaptureStore:
                     self._native, rollout_id
                 )
             except _core.ColumnarRecordError as exc:
-                raise _columnar._refusal(
+                raise _columnar.columnar_refusal(
                     exc,
                     self.path_for(rollout_id),
                     lambda: self._entries(rollout_id, *self._native.freeze(rollout_id)[0]),
@@ -597,14 +254,14 @@ class TokenCaptureStore:
     def freeze_columns(self, rollout_id: str) -> Coroutine[Any, Any, _columnar.ColumnarSnapshot]:
         """`freeze`, with the entries as Arrow columns (validates `rollout_id` when called)."""
         validate_rollout_id(rollout_id)
-        return _off_loop(self.freeze_columns_now, rollout_id)
+        return off_loop(self.freeze_columns_now, rollout_id)
 
     def read_columns(self, rollout_id: str) -> _columnar.ColumnarEntries:
         """`read_entries` as Arrow columns (a torn tail is ignored; nothing changes)."""
         try:
             return _core.read_columns(self._native, rollout_id)
         except _core.ColumnarRecordError as exc:
-            raise _columnar._refusal(
+            raise _columnar.columnar_refusal(
                 exc, self.path_for(rollout_id), lambda: self.read_entries(rollout_id)
             ) from None
 
@@ -622,7 +279,7 @@ class TokenCaptureStore:
         """
         validate_rollout_id(rollout_id)
         check_snapshot_id(snapshot_id)
-        return _off_loop(self._drop, rollout_id, snapshot_id, version)
+        return off_loop(self._drop, rollout_id, snapshot_id, version)
 
     def retire_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `retire`: fence every rollout durably, then remove their records."""
@@ -637,7 +294,7 @@ class TokenCaptureStore:
         The batch is validated when this is called (a bare string is a `TypeError`).
         """
         ids = validate_rollout_ids(rollout_ids)
-        return _off_loop(self.retire_now, ids)
+        return off_loop(self.retire_now, ids)
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `delete`: remove records, fences and lock files."""
@@ -655,7 +312,7 @@ class TokenCaptureStore:
         `delete_now([rollout_id])`.
         """
         ids = validate_rollout_ids(rollout_ids)
-        return _off_loop(self.delete_now, ids)
+        return off_loop(self.delete_now, ids)
 
     def sweep_retired(self, older_than_seconds: float) -> int:
         """NeMo Gym 0.7.0's `sweep_retired`: remove the fences (state, lock, intents and

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 from tokencapture import _core
 from tokencapture import columnar as _columnar
+from tokencapture.entries import entries_from_records
 from tokencapture.protocols import TokenCaptureCorruptionError
 from tokencapture.records import TokenEntry
-from tokencapture.store import entries_from_records
 
 __all__ = ["FetchedLog", "decode_columns", "decode_entries"]
 
@@ -45,10 +45,12 @@ def decode_entries(log: FetchedLog, digests: Sequence[str], where: str) -> tuple
 
 def decode_columns(log: FetchedLog, digests: Sequence[str], where: str) -> _core.ColumnarEntries:
     """`decode_entries` as Arrow columns: the same checks, and a record the columns refuse is
-    refused with the words the object path uses for it (see `columnar._refusal`)."""
+    refused with the words the object path uses for it (see `columnar.columnar_refusal`)."""
     try:
         entries = _core.columns_of_log(log, digests, where)
     except _core.ColumnarRecordError as exc:
-        raise _columnar._refusal(exc, where, lambda: decode_entries(log, digests, where)) from None
+        raise _columnar.columnar_refusal(
+            exc, where, lambda: decode_entries(log, digests, where)
+        ) from None
     _one_line_per_call(where, len(entries), len(digests))
     return entries

@@ -18,18 +18,16 @@ from pathlib import Path
 from typing import Any, Final
 
 from tokencapture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
-from tokencapture.ledger import (
-    _ROW_ERRORS,
-    _as_commit,
-    _check_failure,
-    _conflict,
-    _corrupt,
-    _match_of,
-    _row_bytes,
+from tokencapture.ledger_rows import (
+    ROW_ERRORS,
+    as_commit,
     commit_row,
+    conflict_error,
+    corrupt_row,
     manifest_from_rows,
+    match_of,
+    row_bytes,
 )
-from tokencapture.lineage import check_resolve_args
 from tokencapture.metrics import instrumented
 from tokencapture.postgres._client import Client
 from tokencapture.protocols import (
@@ -39,7 +37,12 @@ from tokencapture.protocols import (
 )
 from tokencapture.records import ParentResolutionStatus
 from tokencapture.staging.records import CaptureLedgerCommit
-from tokencapture.store import validate_rollout_id, validate_rollout_ids
+from tokencapture.validation import (
+    check_failure_args,
+    check_resolve_args,
+    validate_rollout_id,
+    validate_rollout_ids,
+)
 
 __all__ = ["PostgresCaptureLedger"]
 
@@ -60,18 +63,18 @@ _Row = tuple[str, str, bool, bool, str | None, bytes]
 
 
 def _commit_args(commit: object) -> _Row:
-    checked = _as_commit(commit)
+    checked = as_commit(commit)
     rollout_id = validate_rollout_id(checked.rollout_id)
     row = commit_row(checked)
     version_ok = row["fingerprint_version"] == FINGERPRINT_VERSION
     fingerprint = row["fingerprint"] if version_ok and isinstance(row["fingerprint"], str) else None
     in_manifest = row.get("staging_key") is not None
-    return rollout_id, row["model_call_id"], False, in_manifest, fingerprint, _row_bytes(row)
+    return rollout_id, row["model_call_id"], False, in_manifest, fingerprint, row_bytes(row)
 
 
 def _failure_args(rollout_id: str, model_call_id: str, reason: str) -> _Row:
-    _check_failure(rollout_id, model_call_id, reason)
-    line = _row_bytes({"failure_reason": reason, "model_call_id": model_call_id})
+    check_failure_args(rollout_id, model_call_id, reason)
+    line = row_bytes({"failure_reason": reason, "model_call_id": model_call_id})
     return rollout_id, model_call_id, True, True, None, line
 
 
@@ -135,7 +138,7 @@ class PostgresCaptureLedger:
         rollout discarded it (`FileCaptureLedger`'s answer)."""
         status = await self._client.fetch("val", _RECORD, *args)
         if status == _CONFLICT:
-            raise _conflict(args[0], args[1])
+            raise conflict_error(args[0], args[1])
         if status == _DISCARDED:
             logger.debug("ledger row of %r discarded: rollout %r is retired", args[1], args[0])
             return False
@@ -197,9 +200,9 @@ class PostgresCaptureLedger:
         if line is None:
             return _NO_MATCH
         try:
-            match = _match_of(json.loads(line), items)
-        except _ROW_ERRORS as exc:
-            raise _corrupt(self._where(rollout_id), 0, exc) from exc
+            match = match_of(json.loads(line), items)
+        except ROW_ERRORS as exc:
+            raise corrupt_row(self._where(rollout_id), 0, exc) from exc
         if match is None:
             return _NO_MATCH
         return LineageResolution(ParentResolutionStatus.RESOLVED, match=match)

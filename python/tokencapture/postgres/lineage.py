@@ -16,16 +16,11 @@ from collections.abc import Coroutine
 from typing import Any
 
 from tokencapture import _core
-from tokencapture.lineage import (
-    DEFAULT_CACHED_ROLLOUTS,
-    DEFAULT_CACHED_TOKENS,
-    _resolve,
-    check_cache_limits,
-    check_resolve_args,
-)
 from tokencapture.metrics import instrumented
 from tokencapture.postgres._client import Client
 from tokencapture.protocols import LineageResolution
+from tokencapture.resolution import DEFAULT_CACHED_ROLLOUTS, DEFAULT_CACHED_TOKENS, resolve_native
+from tokencapture.validation import check_cache_limits, check_resolve_args
 
 __all__ = ["PostgresLineageStore"]
 
@@ -109,7 +104,7 @@ class PostgresLineageStore:
 
     async def _resolve(self, rollout_id: str, items: list[Any]) -> LineageResolution:
         await self._refresh(rollout_id)
-        return _resolve(self._native, rollout_id, items)
+        return resolve_native(self._native, rollout_id, items)
 
     def resolve_now(
         self, rollout_id: str, request_items: list[dict[str, Any]]

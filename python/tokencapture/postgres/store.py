@@ -19,7 +19,9 @@ from typing import Any
 
 from tokencapture import _core
 from tokencapture import columnar as _columnar
+from tokencapture.entries import as_token_entry, canonical_line, marker_line
 from tokencapture.metrics import Metrics
+from tokencapture.operations import Operation, log_failure
 from tokencapture.postgres._client import Client
 from tokencapture.postgres._decode import decode_columns, decode_entries
 from tokencapture.protocols import (
@@ -27,12 +29,7 @@ from tokencapture.protocols import (
     TokenCaptureSnapshot,
 )
 from tokencapture.records import TokenEntry
-from tokencapture.store import (
-    _as_token_entry,
-    _log_failure,
-    _marker_line,
-    _Operation,
-    canonical_line,
+from tokencapture.validation import (
     check_call_id,
     check_snapshot_id,
     validate_rollout_id,
@@ -185,20 +182,20 @@ class PostgresTokenCaptureStore:
         """Per-operation counts, failures and latency histograms (see `tokencapture.metrics`)."""
         return self._metrics.snapshot()
 
-    def _operation(self, name: str, rollout_id: object) -> _Operation:
-        return _Operation(self._metrics, name, rollout_id)
+    def _operation(self, name: str, rollout_id: object) -> Operation:
+        return Operation(self._metrics, name, rollout_id)
 
     def _refused(self, name: str, rollout_id: object, exc: BaseException) -> None:
         """Count and log a call refused before it started."""
         self._metrics.observe(name, 0.0, failed=True)
-        _log_failure(name, rollout_id, exc)
+        log_failure(name, rollout_id, exc)
 
     # Writes ------------------------------------------------------------------------------
 
     @staticmethod
     def _put_args(entry: object) -> _PutArgs:
         # The file store's checks, in its order (the same functions).
-        token_entry = _as_token_entry(entry)
+        token_entry = as_token_entry(entry)
         line = canonical_line(token_entry)
         rollout_id = validate_rollout_id(token_entry.rollout_id)
         call_id = check_call_id(token_entry.model_call_id).encode("utf-8")
@@ -245,7 +242,7 @@ class PostgresTokenCaptureStore:
 
     def _put_failed(self, entry: object, exc: BaseException, started: float) -> None:
         self._metrics.observe("put", perf_counter() - started, failed=True)
-        _log_failure("put", getattr(entry, "rollout_id", None), exc)
+        log_failure("put", getattr(entry, "rollout_id", None), exc)
 
     def begin_call(self, rollout_id: str, model_call_id: str) -> Coroutine[Any, Any, None]:
         """Durably record that a captured call is about to be dispatched. Validated when called.
@@ -282,7 +279,7 @@ class PostgresTokenCaptureStore:
         except BaseException as exc:
             self._refused("mark_incomplete", rollout_id, exc)
             raise
-        return self._mark_incomplete_async(rollout, _marker_line(model_call_id))
+        return self._mark_incomplete_async(rollout, marker_line(model_call_id))
 
     async def _mark_incomplete_async(self, rollout_id: str, marker: bytes) -> None:
         with self._operation("mark_incomplete", rollout_id):

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
+from tokencapture.jobs import off_loop
 from tokencapture.lineage import (
     AMBIGUOUS_REASON,
     NO_MATCH_REASON,
@@ -31,7 +32,7 @@ from tokencapture.lineage import (
 )
 from tokencapture.protocols import LineageMatch, LineageResolution, TokenCaptureCorruptionError
 from tokencapture.records import ParentResolutionStatus
-from tokencapture.store import _off_loop, validate_rollout_id
+from tokencapture.validation import validate_rollout_id
 
 __all__ = ["FileLineageStore", "token_digest"]
 
@@ -246,7 +247,7 @@ class FileLineageStore:
     ) -> Coroutine[Any, Any, LineageResolution]:
         """`resolve_now` off the event loop; the arguments are checked when this is called."""
         validate_rollout_id(rollout_id)
-        return _off_loop(self.resolve_now, rollout_id, request_list(request_items))
+        return off_loop(self.resolve_now, rollout_id, request_list(request_items))
 
     @staticmethod
     def _unresolved(reason: str) -> LineageResolution:

@@ -49,6 +49,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from tokencapture.entries import as_token_entry, marker_line
 from tokencapture.metrics import instrumented
 from tokencapture.protocols import (
     RolloutRemovalPayload,
@@ -59,10 +60,8 @@ from tokencapture.protocols import (
     TokenCaptureSnapshot,
 )
 from tokencapture.records import TokenEntry, check_entry_invariants, check_field_types
-from tokencapture.store import (
-    _LINE_SPACE,
-    _as_token_entry,
-    _marker_line,
+from tokencapture.validation import (
+    LINE_SPACE,
     check_call_id,
     check_snapshot_id,
     validated_batch,
@@ -711,7 +710,7 @@ class TokenCaptureStore:
     @staticmethod
     def _checked(entry: object) -> tuple[TokenEntry, bytes]:
         """The entry and its canonical line, or the error a put of it raises."""
-        token_entry = _as_token_entry(entry)
+        token_entry = as_token_entry(entry)
         line = canonical_line(token_entry)
         validate_rollout_id(token_entry.rollout_id)
         check_call_id(token_entry.model_call_id)
@@ -806,7 +805,7 @@ class TokenCaptureStore:
 
     def _mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Synchronous `mark_incomplete`."""
-        line = _marker_line(model_call_id)
+        line = marker_line(model_call_id)
         paths = self._paths(rollout_id)
         with self._locked(paths):
             state = self._read_state(paths) or _State()
@@ -855,7 +854,7 @@ class TokenCaptureStore:
             return False
         for _, line in _complete_lines(data, 0):
             try:
-                call_id = line.decode("utf-8").strip(_LINE_SPACE)  # matched as NeMo Gym does
+                call_id = line.decode("utf-8").strip(LINE_SPACE)  # matched as NeMo Gym does
             except UnicodeDecodeError:
                 return True
             if call_id and call_id not in state.entry_digests:
