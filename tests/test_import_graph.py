@@ -50,6 +50,8 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "tokencapture.fingerprint",
             "tokencapture.staging",
             "tokencapture.staging.records",
+            "tokencapture.staging.digest",
+            "tokencapture.staging.errors",
             "tokencapture.columnar",
         ),
     ),
@@ -66,6 +68,8 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "tokencapture.metrics",
             "tokencapture._otel",
             "tokencapture.operations",
+            "tokencapture.staging.attachments",
+            "tokencapture.staging.rows",
         ),
     ),
     (

@@ -86,6 +86,8 @@ from tokencapture.records import (
     cumulative_tokens,
     stamp_lineage,
 )
+from tokencapture.staging.errors import StagingKeyError, StagingKeyRetiredError
+from tokencapture.staging.store import FileStagingStore
 from tokencapture.store import (
     TokenCaptureStore,
     make_token_store,
@@ -111,6 +113,7 @@ __all__ = [
     "CaptureLedgerConflictError",
     "FileCaptureLedger",
     "FileLineageStore",
+    "FileStagingStore",
     "InMemoryLineageStore",
     "LineageIntegrityError",
     "LineageMatch",
@@ -119,6 +122,8 @@ __all__ = [
     "ParentResolutionStatus",
     "RolloutRemovalPayload",
     "RolloutRetiredError",
+    "StagingKeyError",
+    "StagingKeyRetiredError",
     "TokenCaptureConflictError",
     "TokenCaptureCorruptionError",
     "TokenCaptureFrozenError",

@@ -1,5 +1,7 @@
 """Type stubs for the native module `tokencapture._core` (Rust, PyO3)."""
 
+import os
+import pathlib
 from collections.abc import Sequence
 from typing import Any, final
 
@@ -14,6 +16,8 @@ __all__ = [
     "Ledger",
     "LineageJob",
     "MemoryLineage",
+    "StagedRow",
+    "StagingFileStore",
     "Store",
     "columns_of_lines",
     "columns_of_log",
@@ -25,6 +29,14 @@ __all__ = [
     "payload_digest",
     "read_columns",
     "set_descriptor_budget",
+    "staging_chain_hash",
+    "staging_decode",
+    "staging_decode_attachments",
+    "staging_digest",
+    "staging_encode",
+    "staging_encode_token_ids",
+    "staging_extras_digest",
+    "staging_hash_token_ids",
     "tokens_extend",
     "validate_rollout_id",
     "write_refusal",
@@ -206,3 +218,77 @@ class Ledger:
     def delete(self, rollout_ids: list[str]) -> tuple[list[str], list[str]]: ...
     def clear(self) -> None: ...
     def cached_rollouts(self) -> int: ...
+
+# ---- staging ----
+# NeMo Gym's staging digests, with its Python argument rules (rust/src/py/staging.rs).
+def staging_hash_token_ids(token_ids: Any) -> str: ...
+def staging_encode_token_ids(token_ids: Any) -> bytes: ...
+def staging_chain_hash(parent_chain_hash: Any, token_ids_delta: Any) -> str: ...
+def staging_extras_digest(extras: Any) -> str: ...
+def staging_digest(
+    *,
+    schema_version: Any,
+    digest_version: Any,
+    extras_digest_version: Any,
+    rollout_id: Any,
+    model_call_id: Any,
+    parent_call_id: Any,
+    mode: Any,
+    prev_len: Any,
+    delta_len: Any,
+    cum_len: Any,
+    weight_version: Any,
+    token_ids_delta: Any,
+    token_mask_delta: Any,
+    generation_log_probs_delta: Any,
+    extras_digest: Any,
+    chain_hash: Any,
+    cumulative_hash: Any,
+) -> str: ...
+
+# `(name, kind code, format, dtype, shape, [buffers])`, from tokencapture.staging.attachments.
+_EncodedAttachment = tuple[str, int, str, str, tuple[int, ...] | None, list[Any]]
+# `(name, kind, format, dtype, shape, [bytes])` as decoded.
+_DecodedAttachment = tuple[str, str, str, str, list[int] | None, list[bytes]]
+
+@final
+class StagedRow:
+    @property
+    def key(self) -> str: ...
+    @property
+    def rollout_id(self) -> str: ...
+    @property
+    def model_call_id(self) -> str: ...
+    @property
+    def row(self) -> bytes: ...
+    @property
+    def attachments(self) -> bytes: ...
+    @property
+    def content_digest(self) -> str: ...
+    @property
+    def has_attachments(self) -> bool: ...
+
+def staging_encode(
+    record: Any, attachments: Sequence[_EncodedAttachment] | None = None
+) -> StagedRow: ...
+def staging_decode(
+    rows: Sequence[bytes], keys: Sequence[str], with_extras: bool = False
+) -> list[dict[str, Any]]: ...
+def staging_decode_attachments(blob: bytes, key: str) -> list[_DecodedAttachment]: ...
+
+@final
+class StagingFileStore:
+    def __new__(cls, root: str | os.PathLike[str]) -> StagingFileStore: ...
+    def stage(
+        self, record: Any, attachments: Sequence[_EncodedAttachment] | None = None
+    ) -> str: ...
+    def fetch(self, keys: list[str], with_extras: bool = False) -> list[dict[str, Any]]: ...
+    def fetch_attachments(self, key: str) -> list[_DecodedAttachment]: ...
+    def retire(self, rollout_ids: list[str]) -> tuple[list[str], list[str]]: ...
+    def delete(self, rollout_ids: list[str]) -> tuple[list[str], list[str]]: ...
+    def keys(self, rollout_id: str | None = None) -> list[str]: ...
+    def stats(self) -> tuple[int, int, int]: ...
+    def segment_names(self) -> list[str]: ...
+    def release_cached_fds(self) -> None: ...
+    @property
+    def root(self) -> pathlib.Path: ...

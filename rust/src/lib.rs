@@ -40,6 +40,7 @@ pub mod lineage;
 pub mod lock;
 pub mod log;
 pub mod pool;
+pub mod staging;
 pub mod state;
 pub mod store;
 

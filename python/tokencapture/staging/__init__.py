@@ -1,9 +1,14 @@
-"""Wire models of framework-owned token staging and of the capture ledger.
+"""Worker-owned staging: the wire models, the digests and the file staging store.
 
 They are NeMo Gym 0.7.0's `staging.records` models, field for field (see
 `tokencapture.staging.records`), plus `RolloutRemoval`, what a ledger's ``retire`` and
 ``delete`` report.
+
+`FileStagingStore` lives in ``tokencapture.staging.store`` (a backend above this package) and is
+exported from ``tokencapture``; the digests are in
+`tokencapture.staging.digest`, the exceptions in `tokencapture.staging.errors`.
 """
+
 
 from tokencapture.staging.records import (
     CALL_RECORD_DIGEST_VERSION,
@@ -70,3 +75,4 @@ __all__ = [
     "compute_staging_digest",
     "staging_key",
 ]
+

@@ -2,7 +2,9 @@
 //! mapping, one file per domain: `errors` (exception classes, error mapping), `decode`
 //! (stored lines into Python objects), `bridge` (the async bridge: worker pool and
 //! completions), `store` (the `Store` class), `records` (digests, entry field checks,
-//! rollout-id validation), `descriptors` (the descriptor budget), `lineage`, `ledger` and `columnar` (Arrow snapshots). This module
+//! rollout-id validation), `descriptors` (the descriptor budget), `lineage`, `ledger`,
+//! `columnar` (Arrow snapshots) and `staging` (worker-owned staging: digests, rows, the file
+//! staging store). This module
 //! only registers them.
 //!
 //! Every call that touches a file, waits for a lock or hashes runs detached from the
@@ -18,6 +20,7 @@ mod errors;
 mod ledger;
 mod lineage;
 mod records;
+mod staging;
 mod store;
 
 #[pymodule]
@@ -35,5 +38,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     ledger::register(module)?;
     descriptors::register(module)?;
     columnar::register(module)?;
+    staging::register(module)?;
     Ok(())
 }

@@ -1,0 +1,158 @@
+"""`FileStagingStore`: a durable NeMo Gym ``StagingSink`` and ``StagingSource`` in a directory.
+
+Inference workers call `stage` from their completion threads; it returns only once the record
+(and its attachments) is durable. The trainer (or a worker resolving a ``staging_chain``)
+calls `fetch`. The format, its recovery rule and what a returned call promises are in
+docs/staging.md; the write path (group commit: many threads' records in one ``fdatasync``) is
+the Rust core's (``rust/src/staging/file.rs``).
+
+NeMo Gym constructs it as ``tokencapture:FileStagingStore`` with ``{"root": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokencapture import _core
+from tokencapture.protocols import RolloutRemovalPayload
+from tokencapture.staging.attachments import (
+    StagedAttachment,
+    decode_attachments,
+    encode_attachments,
+)
+from tokencapture.staging.rows import ModelsChoice, StagingModels, failure_reason
+
+__all__ = ["FileStagingStore"]
+
+# What a refused or failed stage raises inside; anything else is a bug and propagates.
+_STAGE_FAILURES = (ValueError, TypeError, OSError, RuntimeError, KeyError)
+
+
+class FileStagingStore:
+    """Worker-owned staging in a local directory (one host; see docs/staging.md).
+
+    * ``stage(record, *, attachments=None) -> StageResult``: thread-safe, synchronous, durable
+      before it returns ``ok=True``. The record is verified first (every digest recomputed);
+      a record that does not verify, a retired rollout, a key already staged with other
+      content, an attachment that cannot be stored or a storage failure return
+      ``ok=False`` with the reason. Staging the same record (and attachments) again is
+      idempotent.
+    * ``fetch(keys)``: one verified base snapshot per key, in order; an unknown key raises
+      `StagingKeyError` (a ``KeyError``), a retired one `StagingKeyRetiredError`, damaged
+      bytes `TokenCaptureCorruptionError`.
+    * ``fetch_records(keys)`` (with extras) and ``fetch_attachments(key)``.
+    * ``retire(rollout_ids)`` fences rollouts in every process; ``delete(rollout_ids)`` removes
+      their data and lifts the fence. Both are batched and return ``{"removed", "absent"}``;
+      ``retire_now``/``delete_now`` are the same calls under the token store's names, and
+      ``aretire``/``adelete`` run them off the event loop.
+
+    ``models`` picks the wire models fetches build (see `StagingModels.resolve`): by default
+    NeMo Gym's when NeMo Gym's staging records are imported in the process, ours otherwise. A
+    stage answers with the ``StageResult`` of its record's models.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, models: ModelsChoice = "auto") -> None:
+        self._models_choice = models
+        StagingModels.resolve(models)  # refuse a bad choice now
+        self._native = _core.StagingFileStore(Path(root))
+
+    def __repr__(self) -> str:
+        return f"FileStagingStore({str(self.root)!r})"
+
+    @property
+    def root(self) -> Path:
+        return self._native.root
+
+    def _models(self) -> StagingModels:
+        return StagingModels.resolve(self._models_choice)
+
+    # ---- StagingSink --------------------------------------------------------------------
+
+    def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
+        """Durably stage one call's token delta (and its attachments) before returning."""
+        models = StagingModels.of_record(record, self._models())
+        try:
+            encoded = encode_attachments(attachments)
+            key = self._native.stage(record, encoded)
+        except _STAGE_FAILURES as error:
+            return models.failed(failure_reason(error))
+        return models.ok(key)
+
+    # ---- StagingSource ------------------------------------------------------------------
+
+    def fetch(self, staging_keys: list[str]) -> list[Any]:
+        """One digest-verified base snapshot per key, in the order asked."""
+        keys = _keys(staging_keys)
+        build = self._models().base_snapshot.model_construct
+        return [build(**fields) for fields in self._native.fetch(keys, False)]
+
+    def fetch_records(self, staging_keys: list[str]) -> list[Any]:
+        """One digest-verified record (with its extras) per key, in the order asked."""
+        keys = _keys(staging_keys)
+        build = self._models().record.model_construct
+        return [build(**fields) for fields in self._native.fetch(keys, True)]
+
+    def fetch_attachments(self, staging_key: str) -> dict[str, StagedAttachment]:
+        """The attachments staged with one key (empty if it had none)."""
+        if type(staging_key) is not str:
+            raise TypeError(f"staging_key must be a str, not {type(staging_key).__name__}")
+        return decode_attachments(self._native.fetch_attachments(staging_key))
+
+    def keys(self, rollout_id: str | None = None) -> list[str]:
+        """Every staged key (of one rollout, or all), sorted."""
+        return self._native.keys(rollout_id)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Fence rollouts: their keys stop being fetchable and no later stage of them
+        succeeds, from any process. Durable before it returns."""
+        removed, absent = self._native.retire(_rollout_ids(rollout_ids))
+        return {"removed": removed, "absent": absent}
+
+    def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove rollouts' staged calls and any fence, so an id can be staged again."""
+        removed, absent = self._native.delete(_rollout_ids(rollout_ids))
+        return {"removed": removed, "absent": absent}
+
+    retire_now = retire
+    delete_now = delete
+
+    def aretire(self, rollout_ids: Sequence[str]) -> asyncio.Future[RolloutRemovalPayload]:
+        """`retire` off the event loop (arguments checked now)."""
+        ids = _rollout_ids(rollout_ids)
+        return asyncio.get_running_loop().run_in_executor(None, self.retire, ids)
+
+    def adelete(self, rollout_ids: Sequence[str]) -> asyncio.Future[RolloutRemovalPayload]:
+        """`delete` off the event loop (arguments checked now)."""
+        ids = _rollout_ids(rollout_ids)
+        return asyncio.get_running_loop().run_in_executor(None, self.delete, ids)
+
+    def commit_stats(self) -> tuple[int, int, int]:
+        """``(batches, frames, syncs)`` this instance committed: how far group commit shared
+        its syncs."""
+        return self._native.stats()
+
+
+def _keys(staging_keys: Sequence[str]) -> list[str]:
+    if isinstance(staging_keys, str):
+        raise TypeError("staging_keys must be a list of keys, not one str")
+    keys = list(staging_keys)
+    for key in keys:
+        if type(key) is not str:
+            raise TypeError(f"staging keys must be str, not {type(key).__name__}")
+    return keys
+
+
+def _rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
+    if isinstance(rollout_ids, str):
+        raise TypeError("rollout_ids must be a sequence of ids, not one str")
+    ids = list(rollout_ids)
+    for rollout_id in ids:
+        if type(rollout_id) is not str or not rollout_id:
+            raise ValueError(f"rollout ids must be non-empty str, got {rollout_id!r}")
+    return ids

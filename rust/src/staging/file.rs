@@ -1,0 +1,1350 @@
+//! The file staging store: append-only segments written by group commit.
+//!
+//! # Layout (one directory)
+//!
+//! | file | content |
+//! | --- | --- |
+//! | `control.log` | JSON lines: `{"op":"segment","name":N}` (a writer's segment exists), `{"op":"retire","rollout_id":R}`, `{"op":"delete","rollout_id":R}`, `{"op":"drop","name":N}` (a dead segment was removed) |
+//! | `seg-<uuid>.tcs` | one writer's frames: `SEGMENT_MAGIC`, then frames (below), appended only by the store instance that created it |
+//! | `store.lock` | the `flock` target: exclusive while a batch is checked, written and synced, or while the control log is appended; shared while a reader folds new bytes in |
+//!
+//! A frame is a 48-byte header (`FRAME_MAGIC`, `u32` row length, `u64` attachments length,
+//! `u64` epoch, 16 bytes of SHA-256 over row and attachments, 8 bytes of SHA-256 over the
+//! header before them) followed by the row and the attachments blob (`row.rs`). The *epoch*
+//! is the length of `control.log` when the frame was committed: a frame of rollout `R` is
+//! visible when its epoch is at least the end of `R`'s last retire/delete line and `R` is not
+//! retired, so a delete hides everything staged before it and nothing staged after it.
+//!
+//! # Commit (the write path)
+//!
+//! Each `stage` verifies and encodes its record on its own thread, then joins the store's
+//! queue. One thread at a time is the *leader*: it takes every queued frame, locks
+//! `store.lock` exclusively, folds in what other processes wrote (control lines, their
+//! segments' new frames), refuses frames of retired rollouts and keys already staged with other
+//! content, writes the rest in one `writev`, `fdatasync`s once, publishes them and wakes their
+//! threads. Callers queued meanwhile form the next batch: one sync covers many stages.
+//!
+//! # Recovery rule
+//!
+//! A segment is read frame by frame from its start. A frame is valid when its header and body
+//! are complete and both checksums match. The first invalid frame ends the segment: its writer
+//! died or failed while writing a batch it had not acknowledged (a batch is acknowledged only
+//! after its `fdatasync`, and a failed batch is truncated away), so the bytes from there on are
+//! a torn tail, ignored. Control lines follow the token store's JSONL rule: a final line
+//! without its newline is torn (ignored, truncated by the next appender), a complete line that
+//! is not an operation is corruption.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::{self, IoSlice, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
+
+use sha2::{Digest, Sha256};
+
+use super::row::{self, StagedCall};
+use super::StagingError;
+use crate::error::Error;
+use crate::lock::{FileId, LockMode, RolloutLock};
+use crate::log::reserve_past;
+use crate::store::RootDir;
+
+pub const SEGMENT_MAGIC: &[u8; 8] = b"TCSTAGE1";
+pub const FRAME_MAGIC: &[u8; 4] = b"TCF1";
+const HEADER_LEN: usize = 48;
+/// A segment stops taking batches past this size; the next batch starts a new one.
+pub const SEGMENT_ROTATE_BYTES: u64 = 256 << 20;
+/// Largest frame body accepted (a row plus its attachments).
+pub const MAX_FRAME_BODY: u64 = 1 << 32;
+
+type Result<T> = std::result::Result<T, StagingError>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn sha16(parts: &[&[u8]]) -> [u8; 16] {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update(p);
+    }
+    let full: [u8; 32] = h.finalize().into();
+    full[..16].try_into().expect("16")
+}
+
+/// One encoded stage, ready for a batch: the frame (header, row, attachments) and what the
+/// checks need.
+#[derive(Debug)]
+pub struct Frame {
+    pub key: String,
+    pub rollout_id: String,
+    pub model_call_id: String,
+    bytes: Vec<u8>,
+    row_len: usize,
+    content: [u8; 16],
+}
+
+impl Frame {
+    /// Encode a verified call and its attachments blob (the hashing runs here, on the
+    /// caller's thread, not in the leader's batch).
+    pub fn new(call: &StagedCall, attachments: &[u8]) -> Self {
+        let row = row::encode_row(call);
+        Self::from_parts(
+            call.key(),
+            call.fields.rollout_id.clone(),
+            call.fields.model_call_id.clone(),
+            &row,
+            attachments,
+        )
+    }
+
+    fn from_parts(
+        key: String,
+        rollout_id: String,
+        model_call_id: String,
+        row: &[u8],
+        attachments: &[u8],
+    ) -> Self {
+        let content = sha16(&[row, attachments]);
+        let mut bytes = Vec::with_capacity(HEADER_LEN + row.len() + attachments.len());
+        bytes.extend_from_slice(FRAME_MAGIC);
+        bytes.extend_from_slice(&(row.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&(attachments.len() as u64).to_le_bytes());
+        bytes.extend_from_slice(&0u64.to_le_bytes()); // epoch, set by the leader
+        bytes.extend_from_slice(&content);
+        bytes.extend_from_slice(&[0u8; 8]); // header check, set with the epoch
+        bytes.extend_from_slice(row);
+        bytes.extend_from_slice(attachments);
+        Frame {
+            key,
+            rollout_id,
+            model_call_id,
+            bytes,
+            row_len: row.len(),
+            content,
+        }
+    }
+
+    fn set_epoch(&mut self, epoch: u64) {
+        self.bytes[16..24].copy_from_slice(&epoch.to_le_bytes());
+        let check = sha16(&[&self.bytes[..40]]);
+        self.bytes[40..48].copy_from_slice(&check[..8]);
+    }
+
+    /// The frame's total size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+}
+
+/// A parsed frame header.
+struct Header {
+    row_len: u64,
+    att_len: u64,
+    epoch: u64,
+    content: [u8; 16],
+}
+
+fn parse_header(h: &[u8]) -> Option<Header> {
+    if h.len() < HEADER_LEN || &h[..4] != FRAME_MAGIC {
+        return None;
+    }
+    let check = sha16(&[&h[..40]]);
+    if check[..8] != h[40..48] {
+        return None;
+    }
+    Some(Header {
+        row_len: u64::from(u32::from_le_bytes(h[4..8].try_into().ok()?)),
+        att_len: u64::from_le_bytes(h[8..16].try_into().ok()?),
+        epoch: u64::from_le_bytes(h[16..24].try_into().ok()?),
+        content: h[24..40].try_into().ok()?,
+    })
+}
+
+/// Where a visible row lives.
+#[derive(Debug, Clone)]
+struct Loc {
+    segment: usize,
+    /// File offset of the row (just past the frame header).
+    offset: u64,
+    row_len: u64,
+    att_len: u64,
+    content: [u8; 16],
+    rollout_id: String,
+}
+
+#[derive(Debug, Default, Clone)]
+struct RolloutCtl {
+    /// End offset (in `control.log`) of the rollout's last retire or delete line.
+    fence_end: u64,
+    retired: bool,
+}
+
+#[derive(Debug)]
+struct SegmentView {
+    name: String,
+    path: PathBuf,
+    /// Bytes folded in (the end of the last valid frame).
+    scanned: u64,
+    /// Written by this store instance.
+    own: bool,
+    /// Dropped from the directory (its rows were all gone).
+    dropped: bool,
+    /// Visible rows it holds.
+    live: usize,
+}
+
+/// What this process knows of the directory: the control state, the segments and the index
+/// of visible rows.
+#[derive(Debug, Default)]
+struct View {
+    control_end: u64,
+    rollouts: HashMap<String, RolloutCtl>,
+    segments: Vec<SegmentView>,
+    by_name: HashMap<String, usize>,
+    keys: HashMap<String, Loc>,
+    by_rollout: HashMap<String, Vec<String>>,
+}
+
+impl View {
+    fn visible(&self, rollout_id: &str, epoch: u64) -> bool {
+        match self.rollouts.get(rollout_id) {
+            None => true,
+            Some(ctl) => !ctl.retired && epoch >= ctl.fence_end,
+        }
+    }
+
+    fn insert(&mut self, key: String, loc: Loc) {
+        self.segments[loc.segment].live += 1;
+        self.by_rollout
+            .entry(loc.rollout_id.clone())
+            .or_default()
+            .push(key.clone());
+        self.keys.insert(key, loc);
+    }
+
+    /// Hide every row of `rollout_id`; returns how many were visible.
+    fn hide_rollout(&mut self, rollout_id: &str) -> usize {
+        let Some(keys) = self.by_rollout.remove(rollout_id) else {
+            return 0;
+        };
+        let mut hidden = 0;
+        for key in keys {
+            if let Some(loc) = self.keys.remove(&key) {
+                self.segments[loc.segment].live -= 1;
+                hidden += 1;
+            }
+        }
+        hidden
+    }
+
+    fn retired_key<'k>(&self, key: &'k str) -> Option<&'k str> {
+        // A key is `rollout/call`; rollout ids may themselves hold '/'.
+        key.match_indices('/').find_map(|(at, _)| {
+            let rollout = &key[..at];
+            self.rollouts
+                .get(rollout)
+                .filter(|ctl| ctl.retired)
+                .map(|_| rollout)
+        })
+    }
+}
+
+/// The control log's operations.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase")]
+enum ControlOp {
+    Segment { name: String },
+    Retire { rollout_id: String },
+    Delete { rollout_id: String },
+    Drop { name: String },
+}
+
+/// A submitted stage waiting for its batch.
+struct Pending {
+    frame: Frame,
+    slot: Arc<Slot>,
+}
+
+#[derive(Default)]
+struct Slot {
+    result: Mutex<Option<Result<()>>>,
+}
+
+/// The writer side of this store instance (one leader at a time).
+struct Writer {
+    queue: Vec<Pending>,
+    leading: bool,
+    segment: Option<OwnSegment>,
+    /// The leader's kept `store.lock` descriptor (see `RolloutLock::unlock`).
+    kept_lock: Option<(File, FileId)>,
+}
+
+struct OwnSegment {
+    index: usize,
+    file: File,
+    len: u64,
+    reserved: Option<u64>,
+}
+
+/// Counters of the write path (for tests and the benchmark).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CommitStats {
+    pub batches: u64,
+    pub frames: u64,
+    pub syncs: u64,
+}
+
+/// The file staging store of one directory, shared by the threads of a process.
+pub struct FileStaging {
+    dir: RootDir,
+    control_path: PathBuf,
+    lock_path: PathBuf,
+    writer: Mutex<Writer>,
+    wake: Condvar,
+    view: RwLock<View>,
+    /// Serializes folding (so two threads never scan the same tail twice).
+    folding: Mutex<()>,
+    stats: Mutex<CommitStats>,
+}
+
+impl std::fmt::Debug for FileStaging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileStaging")
+            .field("root", &self.dir.path())
+            .finish()
+    }
+}
+
+/// What `retire` and `delete` report: ids that had something, ids that had nothing.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Removal {
+    pub removed: Vec<String>,
+    pub absent: Vec<String>,
+}
+
+fn is_emfile(err: &io::Error) -> bool {
+    matches!(err.raw_os_error(), Some(code) if code == 24 || code == 23)
+}
+
+impl FileStaging {
+    /// Open (creating if needed) a staging directory and fold in what it holds.
+    pub fn open(root: impl Into<PathBuf>) -> Result<Self> {
+        let dir = RootDir::open(root).map_err(StagingError::Io)?;
+        let control_path = dir.path().join("control.log");
+        let lock_path = dir.path().join("store.lock");
+        let store = FileStaging {
+            dir,
+            control_path,
+            lock_path,
+            writer: Mutex::new(Writer {
+                queue: Vec::new(),
+                leading: false,
+                segment: None,
+                kept_lock: None,
+            }),
+            wake: Condvar::new(),
+            view: RwLock::new(View::default()),
+            folding: Mutex::new(()),
+            stats: Mutex::new(CommitStats::default()),
+        };
+        store.refresh()?;
+        Ok(store)
+    }
+
+    pub fn root(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn stats(&self) -> CommitStats {
+        *lock(&self.stats)
+    }
+
+    fn view_read(&self) -> std::sync::RwLockReadGuard<'_, View> {
+        self.view.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn view_write(&self) -> std::sync::RwLockWriteGuard<'_, View> {
+        self.view.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Lock `store.lock`, retrying once after closing this store's kept descriptors when the
+    /// process is out of them (EMFILE/ENFILE).
+    fn lock_store(&self, mode: LockMode) -> Result<RolloutLock> {
+        match RolloutLock::acquire(&self.lock_path, mode) {
+            Err(Error::Io { source, .. }) if is_emfile(&source) => {
+                self.release_cached_fds();
+                RolloutLock::acquire(&self.lock_path, mode).map_err(StagingError::Io)
+            }
+            other => other.map_err(StagingError::Io),
+        }
+    }
+
+    /// Close the descriptors this store keeps between calls (the kept lock). The segment
+    /// being written stays open: it is the one descriptor a writer needs.
+    pub fn release_cached_fds(&self) {
+        // Never blocks on the writer's mutex for long: it is only held between batches.
+        if let Ok(mut writer) = self.writer.try_lock() {
+            writer.kept_lock = None;
+        }
+    }
+
+    /// Fold in new control lines and new frames of every segment, under the shared lock.
+    pub fn refresh(&self) -> Result<()> {
+        let _guard = lock(&self.folding);
+        let _lock = self.lock_store(LockMode::Shared)?;
+        self.fold_locked()
+    }
+
+    /// Fold while holding `store.lock` (either mode) and `folding`.
+    fn fold_locked(&self) -> Result<()> {
+        let (control_bytes, start) = {
+            let view = self.view_read();
+            let start = view.control_end;
+            (self.read_control_tail(start)?, start)
+        };
+        let mut view = self.view_write();
+        if !control_bytes.is_empty() {
+            self.apply_control(&mut view, &control_bytes, start)?;
+        }
+        for index in 0..view.segments.len() {
+            if view.segments[index].own || view.segments[index].dropped {
+                continue;
+            }
+            self.fold_segment(&mut view, index)?;
+        }
+        Ok(())
+    }
+
+    fn read_control_tail(&self, from: u64) -> Result<Vec<u8>> {
+        let file = match File::open(&self.control_path) {
+            Ok(file) => file,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(err) => {
+                return Err(StagingError::io(
+                    "open control log",
+                    &self.control_path,
+                    err,
+                ))
+            }
+        };
+        let len = file
+            .metadata()
+            .map_err(|e| StagingError::io("stat control log", &self.control_path, e))?
+            .len();
+        if len <= from {
+            return Ok(Vec::new());
+        }
+        let mut buf = vec![0u8; (len - from) as usize];
+        file.read_exact_at(&mut buf, from)
+            .map_err(|e| StagingError::io("read control log", &self.control_path, e))?;
+        Ok(buf)
+    }
+
+    fn apply_control(&self, view: &mut View, bytes: &[u8], base: u64) -> Result<()> {
+        for (offset, line) in crate::log::complete_lines(bytes, base) {
+            let end = offset + line.len() as u64 + 1;
+            let op: ControlOp = serde_json::from_slice(line).map_err(|err| {
+                StagingError::Corrupt(Error::corrupt(
+                    &self.control_path,
+                    offset,
+                    format!("not a staging control operation: {err}"),
+                ))
+            })?;
+            match op {
+                ControlOp::Segment { name } => {
+                    if !view.by_name.contains_key(&name) {
+                        let path = self.dir.path().join(&name);
+                        view.by_name.insert(name.clone(), view.segments.len());
+                        view.segments.push(SegmentView {
+                            name,
+                            path,
+                            scanned: 0,
+                            own: false,
+                            dropped: false,
+                            live: 0,
+                        });
+                    }
+                }
+                ControlOp::Retire { rollout_id } => {
+                    view.hide_rollout(&rollout_id);
+                    view.rollouts.insert(
+                        rollout_id,
+                        RolloutCtl {
+                            fence_end: end,
+                            retired: true,
+                        },
+                    );
+                }
+                ControlOp::Delete { rollout_id } => {
+                    view.hide_rollout(&rollout_id);
+                    view.rollouts.insert(
+                        rollout_id,
+                        RolloutCtl {
+                            fence_end: end,
+                            retired: false,
+                        },
+                    );
+                }
+                ControlOp::Drop { name } => {
+                    if let Some(&index) = view.by_name.get(&name) {
+                        view.segments[index].dropped = true;
+                    }
+                }
+            }
+            view.control_end = end;
+        }
+        Ok(())
+    }
+
+    /// Fold a foreign segment's new valid frames into the index.
+    fn fold_segment(&self, view: &mut View, index: usize) -> Result<()> {
+        let path = view.segments[index].path.clone();
+        let file = match File::open(&path) {
+            Ok(file) => file,
+            // Registered but not created yet (its writer died in between), or dropped.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(err) => return Err(StagingError::io("open segment", &path, err)),
+        };
+        let len = file
+            .metadata()
+            .map_err(|e| StagingError::io("stat segment", &path, e))?
+            .len();
+        let from = view.segments[index].scanned;
+        if len <= from {
+            return Ok(());
+        }
+        let mut buf = vec![0u8; (len - from) as usize];
+        file.read_exact_at(&mut buf, from)
+            .map_err(|e| StagingError::io("read segment", &path, e))?;
+        let mut at = 0usize;
+        if from == 0 {
+            if buf.len() < SEGMENT_MAGIC.len() {
+                return Ok(()); // torn at creation
+            }
+            if &buf[..SEGMENT_MAGIC.len()] != SEGMENT_MAGIC {
+                return Err(StagingError::Corrupt(Error::corrupt(
+                    &path,
+                    0,
+                    "not a staging segment (bad magic)",
+                )));
+            }
+            at = SEGMENT_MAGIC.len();
+        }
+        while let Some((header, body_end)) = valid_frame(&buf, at) {
+            let row_at = at + HEADER_LEN;
+            let row = &buf[row_at..row_at + header.row_len as usize];
+            let offset = from + row_at as u64;
+            if header.row_len > 0 {
+                self.index_frame(view, index, &path, row, offset, &header)?;
+            }
+            at = body_end;
+        }
+        view.segments[index].scanned = from + at as u64;
+        Ok(())
+    }
+
+    fn index_frame(
+        &self,
+        view: &mut View,
+        segment: usize,
+        path: &Path,
+        row: &[u8],
+        offset: u64,
+        header: &Header,
+    ) -> Result<()> {
+        let (rollout_id, call_id) = row_ids(row).ok_or_else(|| {
+            StagingError::Corrupt(Error::corrupt(path, offset, "a row without its ids"))
+        })?;
+        if !view.visible(&rollout_id, header.epoch) {
+            return Ok(());
+        }
+        let key = row::staging_key(&rollout_id, &call_id);
+        if let Some(existing) = view.keys.get(&key) {
+            if existing.content != header.content {
+                return Err(StagingError::Corrupt(Error::corrupt(
+                    path,
+                    offset,
+                    format!("key {key:?} is stored twice with different content"),
+                )));
+            }
+            return Ok(());
+        }
+        view.insert(
+            key,
+            Loc {
+                segment,
+                offset,
+                row_len: header.row_len,
+                att_len: header.att_len,
+                content: header.content,
+                rollout_id,
+            },
+        );
+        Ok(())
+    }
+
+    // ---- staging --------------------------------------------------------------------------
+
+    /// Stage one encoded frame: returns once it is durable (or refused).
+    pub fn stage(&self, frame: Frame) -> Result<()> {
+        if frame.bytes.len() as u64 - HEADER_LEN as u64 > MAX_FRAME_BODY {
+            return Err(StagingError::Invalid(format!(
+                "staged call {:?} is {} bytes with its attachments, over the {} byte limit",
+                frame.key,
+                frame.bytes.len(),
+                MAX_FRAME_BODY
+            )));
+        }
+        // Every check runs in the leader, under the exclusive lock and on a freshly folded view:
+        // a local view may be stale (another process may have retired or deleted the rollout).
+        let slot = Arc::new(Slot::default());
+        let mut writer = lock(&self.writer);
+        writer.queue.push(Pending {
+            frame,
+            slot: Arc::clone(&slot),
+        });
+        loop {
+            if let Some(result) = lock(&slot.result).take() {
+                return result;
+            }
+            if !writer.leading && !writer.queue.is_empty() {
+                writer.leading = true;
+                let batch = std::mem::take(&mut writer.queue);
+                let mut segment = writer.segment.take();
+                let kept = writer.kept_lock.take();
+                drop(writer);
+                let kept = self.commit(batch, &mut segment, kept);
+                writer = lock(&self.writer);
+                writer.segment = segment;
+                writer.kept_lock = kept;
+                writer.leading = false;
+                self.wake.notify_all();
+                continue;
+            }
+            writer = self
+                .wake
+                .wait(writer)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Lead one batch: lock, fold, check, write, sync, publish, fill every slot.
+    fn commit(
+        &self,
+        batch: Vec<Pending>,
+        segment: &mut Option<OwnSegment>,
+        kept: Option<(File, FileId)>,
+    ) -> Option<(File, FileId)> {
+        let locked = match kept {
+            Some((file, id)) => {
+                match RolloutLock::relock(file, id, &self.lock_path, LockMode::Exclusive) {
+                    Ok(Some(lock)) => Ok(lock),
+                    Ok(None) => self.lock_store(LockMode::Exclusive),
+                    Err(err) => Err(StagingError::Io(err)),
+                }
+            }
+            None => self.lock_store(LockMode::Exclusive),
+        };
+        let store_lock = match locked {
+            Ok(lock) => lock,
+            Err(err) => {
+                let message = err.to_string();
+                for pending in batch {
+                    *lock(&pending.slot.result) = Some(Err(StagingError::Failed(message.clone())));
+                }
+                return None;
+            }
+        };
+        let outcome = self.commit_locked(batch, segment);
+        for (slot, result) in outcome {
+            *lock(&slot.result) = Some(result);
+        }
+        store_lock.unlock()
+    }
+
+    fn commit_locked(
+        &self,
+        batch: Vec<Pending>,
+        segment: &mut Option<OwnSegment>,
+    ) -> Vec<(Arc<Slot>, Result<()>)> {
+        let mut results = Vec::with_capacity(batch.len());
+        {
+            let _guard = lock(&self.folding);
+            if let Err(err) = self.fold_locked() {
+                let message = err.to_string();
+                return batch
+                    .into_iter()
+                    .map(|p| (p.slot, Err(StagingError::Failed(message.clone()))))
+                    .collect();
+            }
+        }
+        // Check each frame against the folded view and the frames before it in the batch.
+        let mut accepted: Vec<Pending> = Vec::with_capacity(batch.len());
+        let mut duplicates: Vec<Pending> = Vec::new();
+        let epoch;
+        {
+            let view = self.view_read();
+            epoch = view.control_end;
+            let mut in_batch: HashMap<&str, [u8; 16]> = HashMap::new();
+            let mut keep = vec![0u8; batch.len()]; // 0 refuse, 1 write, 2 duplicate of a write
+            for (i, pending) in batch.iter().enumerate() {
+                let frame = &pending.frame;
+                if view
+                    .rollouts
+                    .get(&frame.rollout_id)
+                    .is_some_and(|ctl| ctl.retired)
+                {
+                    continue;
+                }
+                if let Some(loc) = view.keys.get(&frame.key) {
+                    keep[i] = if loc.content == frame.content { 3 } else { 0 };
+                    continue;
+                }
+                match in_batch.get(frame.key.as_str()) {
+                    Some(content) => keep[i] = if *content == frame.content { 2 } else { 0 },
+                    None => {
+                        in_batch.insert(&frame.key, frame.content);
+                        keep[i] = 1;
+                    }
+                }
+            }
+            let refusal = |frame: &Frame| {
+                if view
+                    .rollouts
+                    .get(&frame.rollout_id)
+                    .is_some_and(|ctl| ctl.retired)
+                {
+                    StagingError::Retired(frame.rollout_id.clone())
+                } else {
+                    StagingError::Conflict(frame.key.clone())
+                }
+            };
+            for (pending, mode) in batch.into_iter().zip(keep) {
+                match mode {
+                    0 => {
+                        let err = refusal(&pending.frame);
+                        results.push((pending.slot, Err(err)));
+                    }
+                    1 => accepted.push(pending),
+                    2 => duplicates.push(pending),
+                    _ => results.push((pending.slot, Ok(()))),
+                }
+            }
+        }
+        if accepted.is_empty() {
+            results.extend(duplicates.into_iter().map(|p| (p.slot, Ok(()))));
+            return results;
+        }
+        for pending in &mut accepted {
+            pending.frame.set_epoch(epoch);
+        }
+        match self.write_batch(&accepted, segment) {
+            Ok((index, start)) => {
+                let mut view = self.view_write();
+                let mut at = start;
+                for pending in &accepted {
+                    let frame = &pending.frame;
+                    view.insert(
+                        frame.key.clone(),
+                        Loc {
+                            segment: index,
+                            offset: at + HEADER_LEN as u64,
+                            row_len: frame.row_len as u64,
+                            att_len: (frame.bytes.len() - HEADER_LEN - frame.row_len) as u64,
+                            content: frame.content,
+                            rollout_id: frame.rollout_id.clone(),
+                        },
+                    );
+                    at += frame.bytes.len() as u64;
+                }
+                view.segments[index].scanned = at;
+                drop(view);
+                let mut stats = lock(&self.stats);
+                stats.batches += 1;
+                stats.syncs += 1;
+                stats.frames += accepted.len() as u64;
+                drop(stats);
+                results.extend(accepted.into_iter().map(|p| (p.slot, Ok(()))));
+                results.extend(duplicates.into_iter().map(|p| (p.slot, Ok(()))));
+            }
+            Err(err) => {
+                let message = err.to_string();
+                for pending in accepted.into_iter().chain(duplicates) {
+                    results.push((pending.slot, Err(StagingError::Failed(message.clone()))));
+                }
+            }
+        }
+        results
+    }
+
+    /// Append the frames to this instance's segment (creating or rotating it first) and sync.
+    /// On failure the segment is truncated back (or abandoned if that fails too).
+    fn write_batch(
+        &self,
+        frames: &[Pending],
+        segment: &mut Option<OwnSegment>,
+    ) -> Result<(usize, u64)> {
+        if segment
+            .as_ref()
+            .is_some_and(|s| s.len >= SEGMENT_ROTATE_BYTES)
+        {
+            if let Some(old) = segment.take() {
+                self.seal(old);
+            }
+        }
+        if segment.is_none() {
+            *segment = Some(self.new_segment()?);
+        }
+        let own = segment.as_mut().expect("segment just made");
+        let path = self.view_read().segments[own.index].path.clone();
+        let total: u64 = frames.iter().map(|p| p.frame.bytes.len() as u64).sum();
+        let start = own.len;
+        if own.reserved.is_some_and(|r| start + total > r) || own.reserved.is_none() {
+            own.reserved = reserve_past(&own.file, start, start + total);
+        }
+        let slices: Vec<IoSlice<'_>> = frames
+            .iter()
+            .map(|p| IoSlice::new(&p.frame.bytes))
+            .collect();
+        let written = write_all_vectored(&own.file, slices).and_then(|()| own.file.sync_data());
+        match written {
+            Ok(()) => {
+                own.len = start + total;
+                Ok((own.index, start))
+            }
+            Err(err) => {
+                // Nothing of a failed batch may come back: cut it off and make the cut durable.
+                let undone = own.file.set_len(start).and_then(|()| own.file.sync_data());
+                if undone.is_err() {
+                    // The file may hold part of the batch: never append after it again.
+                    *segment = None;
+                }
+                Err(StagingError::io("write staged batch to", &path, err))
+            }
+        }
+    }
+
+    /// Create this instance's next segment: the file (with its magic, synced), its directory
+    /// entry (synced), then its control line (so readers never look for a missing file).
+    fn new_segment(&self) -> Result<OwnSegment> {
+        let name = format!("seg-{}.tcs", uuid::Uuid::new_v4().simple());
+        let path = self.dir.path().join(&name);
+        let open = || {
+            OpenOptions::new()
+                .read(true)
+                .append(true)
+                .create_new(true)
+                .open(&path)
+        };
+        let mut file = match open() {
+            Err(err) if is_emfile(&err) => {
+                self.release_cached_fds();
+                open()
+            }
+            other => other,
+        }
+        .map_err(|e| StagingError::io("create segment", &path, e))?;
+        // The writer holds its segment locked while it lives: a segment nobody holds has no
+        // writer (see `collect_dead_segments`).
+        let made = file
+            .try_lock()
+            .map_err(|e| match e {
+                std::fs::TryLockError::Error(err) => err,
+                std::fs::TryLockError::WouldBlock => io::Error::other("new segment is locked"),
+            })
+            .and_then(|()| file.write_all(SEGMENT_MAGIC))
+            .and_then(|()| file.sync_data());
+        if let Err(err) = made {
+            let _ = std::fs::remove_file(&path);
+            return Err(StagingError::io("write segment", &path, err));
+        }
+        self.dir.sync().map_err(StagingError::Io)?;
+        self.append_control(&[ControlOp::Segment { name: name.clone() }])?;
+        let mut view = self.view_write();
+        let index = match view.by_name.get(&name) {
+            Some(&index) => index,
+            None => {
+                let index = view.segments.len();
+                view.by_name.insert(name.clone(), index);
+                view.segments.push(SegmentView {
+                    name,
+                    path,
+                    scanned: 0,
+                    own: true,
+                    dropped: false,
+                    live: 0,
+                });
+                view.segments.len() - 1
+            }
+        };
+        view.segments[index].own = true;
+        view.segments[index].scanned = SEGMENT_MAGIC.len() as u64;
+        Ok(OwnSegment {
+            index,
+            file,
+            len: SEGMENT_MAGIC.len() as u64,
+            reserved: None,
+        })
+    }
+
+    /// Stop writing a segment (it is complete; readers fold it like any other).
+    fn seal(&self, old: OwnSegment) {
+        let _ = old.file.set_len(old.len);
+        self.view_write().segments[old.index].own = false;
+    }
+
+    /// Append control operations durably (callers hold the exclusive lock and `folding` is
+    /// not needed: control lines are folded by the next `fold_locked`).
+    fn append_control(&self, ops: &[ControlOp]) -> Result<()> {
+        let mut bytes = Vec::new();
+        for op in ops {
+            serde_json::to_writer(&mut bytes, op).map_err(|e| {
+                StagingError::Invalid(format!("cannot encode a control operation: {e}"))
+            })?;
+            bytes.push(b'\n');
+        }
+        let created = !self.control_path.exists();
+        let file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(&self.control_path)
+            .map_err(|e| StagingError::io("open control log", &self.control_path, e))?;
+        // A torn final line (a crashed appender) is cut before anything is appended after it.
+        let len = file
+            .metadata()
+            .map_err(|e| StagingError::io("stat control log", &self.control_path, e))?
+            .len();
+        if len > 0 {
+            let tail_from = len.saturating_sub(64 << 10);
+            let mut tail = vec![0u8; (len - tail_from) as usize];
+            file.read_exact_at(&mut tail, tail_from)
+                .map_err(|e| StagingError::io("read control log", &self.control_path, e))?;
+            if tail.last() != Some(&b'\n') {
+                let keep = match memchr::memrchr(b'\n', &tail) {
+                    Some(at) => tail_from + at as u64 + 1,
+                    None if tail_from == 0 => 0,
+                    None => {
+                        return Err(StagingError::Corrupt(Error::corrupt(
+                            &self.control_path,
+                            tail_from,
+                            "a control line over 64 KiB",
+                        )))
+                    }
+                };
+                file.set_len(keep)
+                    .map_err(|e| StagingError::io("truncate control log", &self.control_path, e))?;
+            }
+        }
+        let mut writer = &file;
+        let written = writer.write_all(&bytes).and_then(|()| file.sync_data());
+        if let Err(err) = written {
+            let _ = file.set_len(len);
+            return Err(StagingError::io(
+                "append control log",
+                &self.control_path,
+                err,
+            ));
+        }
+        if created {
+            self.dir.sync().map_err(StagingError::Io)?;
+        }
+        Ok(())
+    }
+
+    // ---- lifecycle ------------------------------------------------------------------------
+
+    /// Fence rollouts: hide their rows and refuse later stages, from every process.
+    pub fn retire(&self, rollout_ids: &[String]) -> Result<Removal> {
+        self.remove(rollout_ids, true)
+    }
+
+    /// Hide rollouts' rows and lift any fence, so an id can be staged again from scratch.
+    pub fn delete(&self, rollout_ids: &[String]) -> Result<Removal> {
+        self.remove(rollout_ids, false)
+    }
+
+    fn remove(&self, rollout_ids: &[String], retire: bool) -> Result<Removal> {
+        if let Some(bad) = rollout_ids.iter().find(|id| id.is_empty()) {
+            let _ = bad;
+            return Err(StagingError::Invalid(
+                "rollout ids must be non-empty".into(),
+            ));
+        }
+        let mut ids: Vec<&String> = Vec::new();
+        for id in rollout_ids {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        if ids.is_empty() {
+            return Ok(Removal::default());
+        }
+        let _lock = self.lock_store(LockMode::Exclusive)?;
+        let _guard = lock(&self.folding);
+        self.fold_locked()?;
+        let had: Vec<bool> = {
+            let view = self.view_read();
+            ids.iter()
+                .map(|id| {
+                    let visible = view
+                        .by_rollout
+                        .get(id.as_str())
+                        .is_some_and(|k| !k.is_empty());
+                    let fenced = view.rollouts.get(id.as_str()).is_some_and(|c| c.retired);
+                    visible || (!retire && fenced)
+                })
+                .collect()
+        };
+        let ops: Vec<ControlOp> = ids
+            .iter()
+            .map(|id| {
+                let rollout_id = (*id).clone();
+                if retire {
+                    ControlOp::Retire { rollout_id }
+                } else {
+                    ControlOp::Delete { rollout_id }
+                }
+            })
+            .collect();
+        self.append_control(&ops)?;
+        self.fold_locked()?;
+        self.collect_dead_segments()?;
+        let mut removal = Removal::default();
+        for (id, had) in ids.into_iter().zip(had) {
+            if had {
+                removal.removed.push(id.clone());
+            } else {
+                removal.absent.push(id.clone());
+            }
+        }
+        Ok(removal)
+    }
+
+    /// Unlink segments that hold no visible row and that nobody writes any more (callers hold
+    /// the exclusive lock and `folding`).
+    fn collect_dead_segments(&self) -> Result<()> {
+        let candidates: Vec<(String, PathBuf)> = {
+            let view = self.view_read();
+            view.segments
+                .iter()
+                .filter(|s| !s.own && !s.dropped && s.live == 0)
+                .map(|s| (s.name.clone(), s.path.clone()))
+                .collect()
+        };
+        let mut dropped = Vec::new();
+        for (name, path) in candidates {
+            // Its writer holds the segment open with a lock while it lives; a segment we can
+            // lock exclusively has no writer.
+            let Ok(file) = File::open(&path) else {
+                continue;
+            };
+            if file.try_lock().is_err() {
+                continue;
+            }
+            if crate::store::remove_if_exists(&path).map_err(StagingError::Io)? {
+                dropped.push(ControlOp::Drop { name });
+            }
+        }
+        if !dropped.is_empty() {
+            self.dir.sync().map_err(StagingError::Io)?;
+            self.append_control(&dropped)?;
+            self.fold_locked()?;
+        }
+        Ok(())
+    }
+
+    // ---- reading --------------------------------------------------------------------------
+
+    fn locate(&self, keys: &[String]) -> Result<Vec<(Loc, PathBuf)>> {
+        let found = |view: &View| -> std::result::Result<Vec<(Loc, PathBuf)>, usize> {
+            keys.iter()
+                .enumerate()
+                .map(|(i, key)| {
+                    view.keys
+                        .get(key)
+                        .map(|loc| (loc.clone(), view.segments[loc.segment].path.clone()))
+                        .ok_or(i)
+                })
+                .collect()
+        };
+        if let Ok(locs) = found(&self.view_read()) {
+            return Ok(locs);
+        }
+        self.refresh()?;
+        let view = self.view_read();
+        found(&view).map_err(|i| {
+            let key = keys[i].clone();
+            match view.retired_key(&key).map(str::to_owned) {
+                Some(rollout_id) => StagingError::RetiredKey { key, rollout_id },
+                None => StagingError::UnknownKey(key),
+            }
+        })
+    }
+
+    fn read_span(
+        &self,
+        path: &Path,
+        offset: u64,
+        len: u64,
+        files: &mut HashMap<PathBuf, File>,
+    ) -> Result<Vec<u8>> {
+        if !files.contains_key(path) {
+            let file = match File::open(path) {
+                Err(err) if is_emfile(&err) => {
+                    files.clear();
+                    self.release_cached_fds();
+                    File::open(path)
+                }
+                other => other,
+            }
+            .map_err(|e| StagingError::io("open segment", path, e))?;
+            files.insert(path.to_path_buf(), file);
+        }
+        let file = &files[path];
+        let mut buf = vec![0u8; len as usize];
+        file.read_exact_at(&mut buf, offset)
+            .map_err(|e| StagingError::io("read segment", path, e))?;
+        Ok(buf)
+    }
+
+    /// The rows of `keys`, in order, each checked against its frame's content hash; the
+    /// caller decodes and verifies them. At most the segments these keys live in are opened,
+    /// and closed again before returning.
+    pub fn fetch_rows(&self, keys: &[String]) -> Result<Vec<Vec<u8>>> {
+        let locs = self.locate(keys)?;
+        let mut files: HashMap<PathBuf, File> = HashMap::new();
+        let mut rows = Vec::with_capacity(locs.len());
+        for ((loc, path), key) in locs.into_iter().zip(keys) {
+            let body = self.read_span(&path, loc.offset, loc.row_len + loc.att_len, &mut files)?;
+            if sha16(&[&body]) != loc.content {
+                return Err(StagingError::Corrupt(Error::corrupt(
+                    &path,
+                    loc.offset,
+                    format!("the stored bytes of {key:?} no longer match their checksum"),
+                )));
+            }
+            let mut body = body;
+            body.truncate(loc.row_len as usize);
+            rows.push(body);
+        }
+        Ok(rows)
+    }
+
+    /// The attachments blob of one key.
+    pub fn fetch_attachments_blob(&self, key: &str) -> Result<Vec<u8>> {
+        let keys = [key.to_owned()];
+        let (loc, path) = self.locate(&keys)?.remove(0);
+        let mut files = HashMap::new();
+        let body = self.read_span(&path, loc.offset, loc.row_len + loc.att_len, &mut files)?;
+        if sha16(&[&body]) != loc.content {
+            return Err(StagingError::Corrupt(Error::corrupt(
+                &path,
+                loc.offset,
+                format!("the stored bytes of {key:?} no longer match their checksum"),
+            )));
+        }
+        Ok(body[loc.row_len as usize..].to_vec())
+    }
+
+    /// Every visible key (of one rollout, or all), sorted.
+    pub fn keys(&self, rollout_id: Option<&str>) -> Result<Vec<String>> {
+        self.refresh()?;
+        let view = self.view_read();
+        let mut keys: Vec<String> = match rollout_id {
+            Some(id) => view.by_rollout.get(id).cloned().unwrap_or_default(),
+            None => view.keys.keys().cloned().collect(),
+        };
+        keys.sort();
+        Ok(keys)
+    }
+
+    /// The segment files this view knows and has not seen dropped.
+    pub fn segment_names(&self) -> Vec<String> {
+        self.view_read()
+            .segments
+            .iter()
+            .filter(|s| !s.dropped)
+            .map(|s| s.name.clone())
+            .collect()
+    }
+}
+
+impl Drop for FileStaging {
+    fn drop(&mut self) {
+        let writer = self
+            .writer
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(own) = writer.segment.take() {
+            // Cut the reservation beyond the data (fallocate KEEP_SIZE leaves the size alone,
+            // but a later reader need not see it either way).
+            let _ = own.file.set_len(own.len);
+        }
+    }
+}
+
+/// The ids at the start of a row (rollout, call), without decoding the rest.
+fn row_ids(row: &[u8]) -> Option<(String, String)> {
+    if row.len() < 7 || &row[..4] != row::ROW_MAGIC {
+        return None;
+    }
+    let mut at = 7;
+    let mut text = || -> Option<String> {
+        let len = u32::from_le_bytes(row.get(at..at + 4)?.try_into().ok()?) as usize;
+        at += 4;
+        let s = std::str::from_utf8(row.get(at..at + len)?).ok()?.to_owned();
+        at += len;
+        Some(s)
+    };
+    let rollout = text()?;
+    let call = text()?;
+    Some((rollout, call))
+}
+
+/// The frame at `at` if it is complete and both its checksums match: its header and the end
+/// of its body.
+fn valid_frame(buf: &[u8], at: usize) -> Option<(Header, usize)> {
+    let header = parse_header(buf.get(at..at + HEADER_LEN)?)?;
+    let body_len = usize::try_from(header.row_len.checked_add(header.att_len)?).ok()?;
+    let body_at = at + HEADER_LEN;
+    let body = buf.get(body_at..body_at.checked_add(body_len)?)?;
+    if sha16(&[body]) != header.content {
+        return None;
+    }
+    Some((header, body_at + body_len))
+}
+
+fn write_all_vectored(mut file: &File, mut slices: Vec<IoSlice<'_>>) -> io::Result<()> {
+    let mut pending: &mut [IoSlice<'_>] = &mut slices;
+    while !pending.is_empty() {
+        // IOV_MAX is 1024 on Linux.
+        let take = pending.len().min(1024);
+        match file.write_vectored(&pending[..take]) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "wrote 0 bytes")),
+            Ok(n) => IoSlice::advance_slices(&mut pending, n),
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(err) => return Err(err),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::staging::digest::{self, CallFields, Mode};
+
+    pub(crate) fn call(rollout: &str, call_id: &str, ids: Vec<u64>) -> StagedCall {
+        let n = ids.len();
+        let fields = CallFields {
+            schema_version: 2,
+            digest_version: 2,
+            extras_digest_version: 1,
+            rollout_id: rollout.into(),
+            model_call_id: call_id.into(),
+            parent_call_id: None,
+            mode: Mode::Text,
+            prev_len: 0,
+            delta_len: n as u64,
+            cum_len: n as u64,
+            weight_version: 1,
+            chain_hash: digest::chain_hash(None, &ids),
+            cumulative_hash: digest::hash_token_ids(&ids),
+            token_ids: ids,
+            token_mask: vec![1.0; n],
+            log_probs: vec![-0.5; n],
+            extras_digest: digest::empty_extras_digest(),
+        };
+        let d = digest::staging_digest(&fields).unwrap();
+        StagedCall {
+            fields,
+            digest: d,
+            extras: None,
+        }
+    }
+
+    #[test]
+    fn stage_fetch_across_instances_and_lifecycle() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = FileStaging::open(dir.path()).unwrap();
+        let c1 = call("r", "c1", vec![1, 2, 3]);
+        a.stage(Frame::new(&c1, b"")).unwrap();
+        // Idempotent, then a conflict.
+        a.stage(Frame::new(&c1, b"")).unwrap();
+        let other = call("r", "c1", vec![9]);
+        assert!(matches!(
+            a.stage(Frame::new(&other, b"")),
+            Err(StagingError::Conflict(_))
+        ));
+        // Another instance (as another process would) sees it and refuses the conflict too.
+        let b = FileStaging::open(dir.path()).unwrap();
+        let rows = b.fetch_rows(&["r/c1".to_string()]).unwrap();
+        assert_eq!(row::decode_verified(&rows[0]).unwrap(), c1);
+        assert!(matches!(
+            b.stage(Frame::new(&other, b"")),
+            Err(StagingError::Conflict(_))
+        ));
+        // Retire from b fences a.
+        let removal = b.retire(&["r".to_string(), "q".to_string()]).unwrap();
+        assert_eq!(removal.removed, vec!["r".to_string()]);
+        assert_eq!(removal.absent, vec!["q".to_string()]);
+        assert!(matches!(
+            a.stage(Frame::new(&call("r", "c2", vec![4]), b"")),
+            Err(StagingError::Retired(_))
+        ));
+        assert!(matches!(
+            a.fetch_rows(&["r/c1".to_string()]),
+            Err(StagingError::RetiredKey { .. })
+        ));
+        // Delete lifts the fence; the id starts empty.
+        b.delete(&["r".to_string()]).unwrap();
+        assert!(matches!(
+            a.fetch_rows(&["r/c1".to_string()]),
+            Err(StagingError::UnknownKey(_))
+        ));
+        a.stage(Frame::new(&other, b"")).unwrap();
+        let rows = b.fetch_rows(&["r/c1".to_string()]).unwrap();
+        assert_eq!(row::decode_verified(&rows[0]).unwrap(), other);
+    }
+
+    #[test]
+    fn a_torn_tail_is_ignored_and_many_threads_share_syncs() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FileStaging::open(dir.path()).unwrap());
+        let threads: Vec<_> = (0..16)
+            .map(|t| {
+                let store = Arc::clone(&store);
+                std::thread::spawn(move || {
+                    for i in 0..20 {
+                        let c = call(&format!("r{t}"), &format!("c{i}"), vec![t, i]);
+                        store.stage(Frame::new(&c, b"att")).unwrap();
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        let stats = store.stats();
+        assert_eq!(stats.frames, 320);
+        assert!(stats.syncs <= stats.frames);
+        let seg = store.segment_names()[0].clone();
+        drop(store);
+        // Tear the last frame: the rest stays readable, the torn key is not there.
+        let path = dir.path().join(&seg);
+        let len = std::fs::metadata(&path).unwrap().len();
+        let f = OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(len - 3).unwrap();
+        let reader = FileStaging::open(dir.path()).unwrap();
+        assert_eq!(reader.keys(None).unwrap().len(), 319);
+        assert_eq!(
+            reader.fetch_attachments_blob("r0/c0").unwrap(),
+            b"att".to_vec()
+        );
+    }
+}

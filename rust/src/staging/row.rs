@@ -1,0 +1,671 @@
+//! The stored form of one staged call: a *row* (the base columns, the digests and the
+//! extras) and an *attachments blob*, both self-describing little-endian binary. Every
+//! staging backend stores these bytes as they are (the file store in its segments, a database
+//! in two binary columns), so encoding, decoding and verification live here once.
+//!
+//! Row (`ROW_MAGIC`, then in order):
+//!
+//! | field | encoding |
+//! | --- | --- |
+//! | versions | `u8` schema, `u8` digest, `u8` extras digest |
+//! | rollout_id, model_call_id | `u32 len + UTF-8` |
+//! | parent_call_id | `u8` 0 (absent) or 1 + text |
+//! | mode | `u8` 0 text, 1 token_in |
+//! | prev_len, delta_len, cum_len, weight_version | `u64` each |
+//! | digest, extras_digest, chain_hash, cumulative_hash | 32 bytes each |
+//! | n | `u64`, the delta length |
+//! | token ids | `n x u64` |
+//! | masks | `n x u8`: 0 is `0.0`, 1 is `1.0`, 2 is `-0.0` (NeMo Gym's digest tells them apart) |
+//! | log-probabilities | `n x f64` (the caller's exact values; the digest hashes float32) |
+//! | extras | `u8` 0 (None) or 1 + a map, typed: `N`, `B u8`, `I i64`, `F f64`, `S text`, `L u32 n + items`, `D u32 n + (text key + value)`, keys in the caller's order |
+//!
+//! Attachments blob: `u32 count`, then per attachment `text name`, `u8 kind` (0 bytes, 1 a
+//! buffer-protocol export, 2 an Arrow array), `text format` (the buffer's struct format or the
+//! Arrow format string, empty if unknown), `text dtype` (e.g. numpy's `<f4`, empty if
+//! unknown), `u8` 0 or 1 + `u32 ndim + ndim x u64` (the shape), `u32 nbuffers` and per buffer
+//! `u64 len + bytes` (one buffer for bytes and buffers; validity then values for Arrow).
+//!
+//! Both end in a 16-byte checksum (the first half of the SHA-256 of the bytes before it): the
+//! staging digest covers log-probabilities only as float32 while the row keeps the caller's
+//! f64, so the checksum is what protects their low bits. A row is verified by its checksum and
+//! by recomputing its staging digest from the decoded columns (and, when the extras are read,
+//! the extras digest): a damaged row cannot pass as a valid one.
+
+use sha2::{Digest, Sha256};
+
+use super::digest::{self, CallFields, Digest32, DigestError, Extra, Mode};
+
+const CHECK_LEN: usize = 16;
+
+fn checksum(bytes: &[u8]) -> [u8; CHECK_LEN] {
+    let full: [u8; 32] = Sha256::digest(bytes).into();
+    full[..CHECK_LEN].try_into().expect("16")
+}
+
+fn seal(mut out: Vec<u8>) -> Vec<u8> {
+    let check = checksum(&out);
+    out.extend_from_slice(&check);
+    out
+}
+
+/// The bytes before a blob's checksum, if the checksum matches.
+fn unseal<'a>(blob: &'a [u8], what: &str) -> RowResult<&'a [u8]> {
+    if blob.len() < CHECK_LEN {
+        return bad(format!("{what} is shorter than its checksum"));
+    }
+    let (body, check) = blob.split_at(blob.len() - CHECK_LEN);
+    if checksum(body) != check {
+        return bad(format!("{what} does not match its checksum"));
+    }
+    Ok(body)
+}
+
+/// First bytes of every row (the `1` is the row layout's version).
+pub const ROW_MAGIC: &[u8; 4] = b"TCR1";
+/// Deepest nesting of extras a row may hold (deeper trees are refused when staged).
+pub const MAX_EXTRAS_DEPTH: usize = 256;
+
+/// A decoding or verification failure; the caller names the row (key, file, offset).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct RowError(pub String);
+
+type RowResult<T> = std::result::Result<T, RowError>;
+
+fn bad<T>(what: impl Into<String>) -> RowResult<T> {
+    Err(RowError(what.into()))
+}
+
+/// A staged call as a row holds it: the base columns, the call digest and the extras.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StagedCall {
+    pub fields: CallFields,
+    pub digest: Digest32,
+    pub extras: Option<Vec<(String, Extra)>>,
+}
+
+impl StagedCall {
+    /// NeMo Gym's `staging_key(rollout_id, model_call_id)`.
+    pub fn key(&self) -> String {
+        staging_key(&self.fields.rollout_id, &self.fields.model_call_id)
+    }
+
+    /// Recompute every digest the record carries (the staging digest and the extras digest)
+    /// and compare: what `stage` does before it writes anything.
+    pub fn verify(&self) -> std::result::Result<(), DigestError> {
+        let actual = digest::staging_digest(&self.fields)?;
+        if actual != self.digest {
+            return Err(DigestError::Value(
+                "digest does not match staged call contents".into(),
+            ));
+        }
+        let extras = digest::extras_digest(self.extras.as_deref())?;
+        if extras != self.fields.extras_digest {
+            return Err(DigestError::Value(
+                "extras_digest does not match extras".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// NeMo Gym's deterministic key: `"{rollout_id}/{model_call_id}"`.
+pub fn staging_key(rollout_id: &str, model_call_id: &str) -> String {
+    let mut key = String::with_capacity(rollout_id.len() + 1 + model_call_id.len());
+    key.push_str(rollout_id);
+    key.push('/');
+    key.push_str(model_call_id);
+    key
+}
+
+/// One attachment as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attachment {
+    pub name: String,
+    pub kind: AttachmentKind,
+    pub format: String,
+    pub dtype: String,
+    pub shape: Option<Vec<u64>>,
+    pub buffers: Vec<Vec<u8>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachmentKind {
+    Bytes = 0,
+    Buffer = 1,
+    Arrow = 2,
+}
+
+impl AttachmentKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttachmentKind::Bytes => "bytes",
+            AttachmentKind::Buffer => "buffer",
+            AttachmentKind::Arrow => "arrow",
+        }
+    }
+    fn from_u8(byte: u8) -> Option<Self> {
+        match byte {
+            0 => Some(AttachmentKind::Bytes),
+            1 => Some(AttachmentKind::Buffer),
+            2 => Some(AttachmentKind::Arrow),
+            _ => None,
+        }
+    }
+}
+
+// ---- writing ---------------------------------------------------------------------------
+
+struct Out(Vec<u8>);
+
+impl Out {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: usize) {
+        self.0.extend_from_slice(&(v as u32).to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn text(&mut self, s: &str) {
+        self.u32(s.len());
+        self.0.extend_from_slice(s.as_bytes());
+    }
+    fn raw(&mut self, b: &[u8]) {
+        self.0.extend_from_slice(b);
+    }
+    fn extra(&mut self, value: &Extra) {
+        match value {
+            Extra::Null => self.u8(b'N'),
+            Extra::Bool(b) => {
+                self.u8(b'B');
+                self.u8(u8::from(*b));
+            }
+            Extra::Int(i) => {
+                self.u8(b'I');
+                self.raw(&i.to_le_bytes());
+            }
+            Extra::Float(f) => {
+                self.u8(b'F');
+                self.raw(&f.to_bits().to_le_bytes());
+            }
+            Extra::Str(s) => {
+                self.u8(b'S');
+                self.text(s);
+            }
+            Extra::List(items) => {
+                self.u8(b'L');
+                self.u32(items.len());
+                items.iter().for_each(|item| self.extra(item));
+            }
+            Extra::Map(entries) => {
+                self.u8(b'D');
+                self.u32(entries.len());
+                for (key, item) in entries {
+                    self.text(key);
+                    self.extra(item);
+                }
+            }
+        }
+    }
+}
+
+fn mask_code(mask: f64) -> u8 {
+    if mask == 1.0 {
+        1
+    } else if mask.is_sign_negative() {
+        2
+    } else {
+        0
+    }
+}
+
+/// Encode a verified call as a row. Texts longer than `u32::MAX` bytes are refused by the
+/// caller's size limits long before this.
+pub fn encode_row(call: &StagedCall) -> Vec<u8> {
+    let f = &call.fields;
+    let n = f.token_ids.len();
+    let mut out = Out(Vec::with_capacity(
+        256 + f.rollout_id.len() + f.model_call_id.len() + n * 17,
+    ));
+    out.raw(ROW_MAGIC);
+    out.u8(f.schema_version as u8);
+    out.u8(f.digest_version as u8);
+    out.u8(f.extras_digest_version as u8);
+    out.text(&f.rollout_id);
+    out.text(&f.model_call_id);
+    match &f.parent_call_id {
+        None => out.u8(0),
+        Some(parent) => {
+            out.u8(1);
+            out.text(parent);
+        }
+    }
+    out.u8(match f.mode {
+        Mode::Text => 0,
+        Mode::TokenIn => 1,
+    });
+    for v in [f.prev_len, f.delta_len, f.cum_len, f.weight_version] {
+        out.u64(v);
+    }
+    out.raw(&call.digest);
+    out.raw(&f.extras_digest);
+    out.raw(&f.chain_hash);
+    out.raw(&f.cumulative_hash);
+    out.u64(n as u64);
+    for id in &f.token_ids {
+        out.u64(*id);
+    }
+    for m in &f.token_mask {
+        out.u8(mask_code(*m));
+    }
+    for lp in &f.log_probs {
+        out.raw(&lp.to_bits().to_le_bytes());
+    }
+    match &call.extras {
+        None => out.u8(0),
+        Some(entries) => {
+            out.u8(1);
+            out.extra(&Extra::Map(entries.clone()));
+        }
+    }
+    seal(out.0)
+}
+
+/// Encode attachments (in the given order) as one blob.
+pub fn encode_attachments(attachments: &[Attachment]) -> Vec<u8> {
+    let size: usize = attachments
+        .iter()
+        .map(|a| 64 + a.name.len() + a.buffers.iter().map(Vec::len).sum::<usize>())
+        .sum();
+    let mut out = Out(Vec::with_capacity(4 + size));
+    out.u32(attachments.len());
+    for a in attachments {
+        out.text(&a.name);
+        out.u8(a.kind as u8);
+        out.text(&a.format);
+        out.text(&a.dtype);
+        match &a.shape {
+            None => out.u8(0),
+            Some(shape) => {
+                out.u8(1);
+                out.u32(shape.len());
+                shape.iter().for_each(|d| out.u64(*d));
+            }
+        }
+        out.u32(a.buffers.len());
+        for buffer in &a.buffers {
+            out.u64(buffer.len() as u64);
+            out.raw(buffer);
+        }
+    }
+    seal(out.0)
+}
+
+// ---- reading ---------------------------------------------------------------------------
+
+struct In<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> In<'a> {
+    fn take(&mut self, n: usize) -> RowResult<&'a [u8]> {
+        match self.at.checked_add(n) {
+            Some(end) if end <= self.buf.len() => {
+                let out = &self.buf[self.at..end];
+                self.at = end;
+                Ok(out)
+            }
+            _ => bad(format!("row ends early (needs {n} bytes at {})", self.at)),
+        }
+    }
+    fn u8(&mut self) -> RowResult<u8> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> RowResult<usize> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize)
+    }
+    fn u64(&mut self) -> RowResult<u64> {
+        let b = self.take(8)?;
+        Ok(u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    }
+    fn d32(&mut self) -> RowResult<Digest32> {
+        Ok(self.take(32)?.try_into().expect("32 bytes"))
+    }
+    fn text(&mut self) -> RowResult<String> {
+        let len = self.u32()?;
+        let bytes = self.take(len)?;
+        match std::str::from_utf8(bytes) {
+            Ok(s) => Ok(s.to_owned()),
+            Err(_) => bad("a text field is not UTF-8"),
+        }
+    }
+    fn count(&mut self, each: usize) -> RowResult<usize> {
+        let n = self.u32()?;
+        // Every element takes at least `each` bytes: a count the rest cannot hold is damage
+        // (and must not size an allocation).
+        if n.saturating_mul(each) > self.buf.len() - self.at {
+            return bad(format!("a count of {n} exceeds the row"));
+        }
+        Ok(n)
+    }
+    fn extra(&mut self, depth: usize) -> RowResult<Extra> {
+        if depth > MAX_EXTRAS_DEPTH {
+            return bad("extras nest too deeply");
+        }
+        Ok(match self.u8()? {
+            b'N' => Extra::Null,
+            b'B' => match self.u8()? {
+                0 => Extra::Bool(false),
+                1 => Extra::Bool(true),
+                other => return bad(format!("bad boolean byte {other}")),
+            },
+            b'I' => Extra::Int(i64::from_le_bytes(self.take(8)?.try_into().expect("8"))),
+            b'F' => Extra::Float(f64::from_bits(u64::from_le_bytes(
+                self.take(8)?.try_into().expect("8"),
+            ))),
+            b'S' => Extra::Str(self.text()?),
+            b'L' => {
+                let n = self.count(1)?;
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(self.extra(depth + 1)?);
+                }
+                Extra::List(items)
+            }
+            b'D' => Extra::Map(self.map(depth)?),
+            other => return bad(format!("unknown extras tag {other}")),
+        })
+    }
+    fn map(&mut self, depth: usize) -> RowResult<Vec<(String, Extra)>> {
+        let n = self.count(5)?;
+        let mut entries = Vec::with_capacity(n);
+        for _ in 0..n {
+            let key = self.text()?;
+            entries.push((key, self.extra(depth + 1)?));
+        }
+        Ok(entries)
+    }
+}
+
+/// Where a row's extras start, after its base columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExtrasAt(usize);
+
+/// Decode a row's base columns and digest (the extras are left unread).
+pub fn decode_base(row: &[u8]) -> RowResult<(CallFields, Digest32, ExtrasAt)> {
+    let row = unseal(row, "the row")?;
+    let mut r = In { buf: row, at: 0 };
+    if r.take(4)? != ROW_MAGIC {
+        return bad("not a staged-call row (bad magic)");
+    }
+    let schema_version = u64::from(r.u8()?);
+    let digest_version = u64::from(r.u8()?);
+    let extras_digest_version = u64::from(r.u8()?);
+    let rollout_id = r.text()?;
+    let model_call_id = r.text()?;
+    let parent_call_id = match r.u8()? {
+        0 => None,
+        1 => Some(r.text()?),
+        other => return bad(format!("bad parent flag {other}")),
+    };
+    let mode = match r.u8()? {
+        0 => Mode::Text,
+        1 => Mode::TokenIn,
+        other => return bad(format!("bad mode byte {other}")),
+    };
+    let prev_len = r.u64()?;
+    let delta_len = r.u64()?;
+    let cum_len = r.u64()?;
+    let weight_version = r.u64()?;
+    let digest = r.d32()?;
+    let extras_digest = r.d32()?;
+    let chain_hash = r.d32()?;
+    let cumulative_hash = r.d32()?;
+    let n = r.u64()?;
+    let n = usize::try_from(n)
+        .ok()
+        .filter(|n| n.saturating_mul(17) <= row.len() - r.at);
+    let Some(n) = n else {
+        return bad("the token count exceeds the row");
+    };
+    let token_ids = r
+        .take(8 * n)?
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8")))
+        .collect();
+    let token_mask = r
+        .take(n)?
+        .iter()
+        .map(|code| match code {
+            0 => Ok(0.0),
+            1 => Ok(1.0),
+            2 => Ok(-0.0),
+            other => bad(format!("bad mask code {other}")),
+        })
+        .collect::<RowResult<Vec<f64>>>()?;
+    let log_probs = r
+        .take(8 * n)?
+        .chunks_exact(8)
+        .map(|c| f64::from_bits(u64::from_le_bytes(c.try_into().expect("8"))))
+        .collect();
+    let fields = CallFields {
+        schema_version,
+        digest_version,
+        extras_digest_version,
+        rollout_id,
+        model_call_id,
+        parent_call_id,
+        mode,
+        prev_len,
+        delta_len,
+        cum_len,
+        weight_version,
+        token_ids,
+        token_mask,
+        log_probs,
+        extras_digest,
+        chain_hash,
+        cumulative_hash,
+    };
+    Ok((fields, digest, ExtrasAt(r.at)))
+}
+
+/// Decode the extras of a row whose base columns ended at `at`.
+pub fn decode_extras(row: &[u8], at: ExtrasAt) -> RowResult<Option<Vec<(String, Extra)>>> {
+    let row = unseal(row, "the row")?;
+    let mut r = In { buf: row, at: at.0 };
+    let extras = match r.u8()? {
+        0 => None,
+        1 => match r.u8()? {
+            b'D' => Some(r.map(0)?),
+            other => return bad(format!("extras are not a map (tag {other})")),
+        },
+        other => return bad(format!("bad extras flag {other}")),
+    };
+    if r.at != row.len() {
+        return bad(format!("{} bytes after the row's end", row.len() - r.at));
+    }
+    Ok(extras)
+}
+
+/// Decode a row's base columns and check its staging digest against them.
+pub fn decode_verified_base(row: &[u8]) -> RowResult<(CallFields, Digest32, ExtrasAt)> {
+    let (fields, digest, at) = decode_base(row)?;
+    match digest::staging_digest(&fields) {
+        Ok(actual) if actual == digest => Ok((fields, digest, at)),
+        Ok(_) => bad("the staged digest does not match the stored columns"),
+        Err(err) => bad(format!(
+            "the stored columns are not a valid staged call: {err}"
+        )),
+    }
+}
+
+/// Decode a whole row and verify both digests.
+pub fn decode_verified(row: &[u8]) -> RowResult<StagedCall> {
+    let (fields, digest, at) = decode_verified_base(row)?;
+    let extras = decode_extras(row, at)?;
+    match digest::extras_digest(extras.as_deref()) {
+        Ok(actual) if actual == fields.extras_digest => Ok(StagedCall {
+            fields,
+            digest,
+            extras,
+        }),
+        Ok(_) => bad("the stored extras do not match their extras_digest"),
+        Err(err) => bad(format!("the stored extras cannot be digested: {err}")),
+    }
+}
+
+/// Decode an attachments blob.
+pub fn decode_attachments(blob: &[u8]) -> RowResult<Vec<Attachment>> {
+    if blob.is_empty() {
+        return Ok(Vec::new());
+    }
+    let blob = unseal(blob, "the attachments")?;
+    let mut r = In { buf: blob, at: 0 };
+    let n = r.count(14)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let name = r.text()?;
+        let Some(kind) = AttachmentKind::from_u8(r.u8()?) else {
+            return bad("unknown attachment kind");
+        };
+        let format = r.text()?;
+        let dtype = r.text()?;
+        let shape = match r.u8()? {
+            0 => None,
+            1 => {
+                let ndim = r.count(8)?;
+                Some(
+                    (0..ndim)
+                        .map(|_| r.u64())
+                        .collect::<RowResult<Vec<u64>>>()?,
+                )
+            }
+            other => return bad(format!("bad shape flag {other}")),
+        };
+        let nbuf = r.count(8)?;
+        let mut buffers = Vec::with_capacity(nbuf);
+        for _ in 0..nbuf {
+            let len = usize::try_from(r.u64()?).map_err(|_| RowError("huge buffer".into()))?;
+            buffers.push(r.take(len)?.to_vec());
+        }
+        out.push(Attachment {
+            name,
+            kind,
+            format,
+            dtype,
+            shape,
+            buffers,
+        });
+    }
+    if r.at != blob.len() {
+        return bad("bytes after the last attachment");
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::staging::digest::{chain_hash, hash_token_ids};
+
+    pub(crate) fn sample(extras: Option<Vec<(String, Extra)>>) -> StagedCall {
+        let token_ids = vec![1, 2, u64::MAX];
+        let extras_digest = digest::extras_digest(extras.as_deref()).unwrap();
+        let fields = CallFields {
+            schema_version: 2,
+            digest_version: 2,
+            extras_digest_version: 1,
+            rollout_id: "r/é".into(),
+            model_call_id: "c".into(),
+            parent_call_id: None,
+            mode: Mode::Text,
+            prev_len: 0,
+            delta_len: 3,
+            cum_len: 3,
+            weight_version: 9,
+            chain_hash: chain_hash(None, &token_ids),
+            cumulative_hash: hash_token_ids(&token_ids),
+            token_ids,
+            token_mask: vec![-0.0, 1.0, 1.0],
+            log_probs: vec![0.0, -0.1, -1e-300],
+            extras_digest,
+        };
+        let digest = digest::staging_digest(&fields).unwrap();
+        StagedCall {
+            fields,
+            digest,
+            extras,
+        }
+    }
+
+    #[test]
+    fn a_row_round_trips_exactly_and_verifies() {
+        let extras = vec![
+            (
+                "z".to_string(),
+                Extra::List(vec![Extra::Null, Extra::Bool(true)]),
+            ),
+            (
+                "a".to_string(),
+                Extra::Map(vec![("k".into(), Extra::Float(0.5))]),
+            ),
+            ("m".to_string(), Extra::Str("ü".into())),
+            ("i".to_string(), Extra::Int(i64::MIN)),
+        ];
+        for call in [sample(None), sample(Some(extras))] {
+            call.verify().unwrap();
+            let row = encode_row(&call);
+            let back = decode_verified(&row).unwrap();
+            assert_eq!(back, call);
+            assert!(back.fields.token_mask[0].is_sign_negative());
+        }
+    }
+
+    #[test]
+    fn any_flipped_byte_is_caught() {
+        let row = encode_row(&sample(Some(vec![("k".into(), Extra::Int(3))])));
+        for at in 0..row.len() {
+            let mut damaged = row.clone();
+            damaged[at] ^= 0x40;
+            assert!(
+                decode_verified(&damaged).is_err(),
+                "byte {at} flipped passed"
+            );
+        }
+        assert!(decode_verified(&row[..row.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn attachments_round_trip() {
+        let list = vec![
+            Attachment {
+                name: "pixels".into(),
+                kind: AttachmentKind::Buffer,
+                format: "<f".into(),
+                dtype: "<f4".into(),
+                shape: Some(vec![2, 1]),
+                buffers: vec![vec![0, 0, 128, 63, 0, 0, 0, 64]],
+            },
+            Attachment {
+                name: "raw".into(),
+                kind: AttachmentKind::Bytes,
+                format: String::new(),
+                dtype: String::new(),
+                shape: None,
+                buffers: vec![Vec::new()],
+            },
+        ];
+        let blob = encode_attachments(&list);
+        assert_eq!(decode_attachments(&blob).unwrap(), list);
+        assert_eq!(
+            decode_attachments(&encode_attachments(&[])).unwrap(),
+            vec![]
+        );
+        assert!(decode_attachments(&blob[..blob.len() - 1]).is_err());
+    }
+}
