@@ -198,17 +198,32 @@ class _ForgettingSource:
         await self._store.close()
 
 
-async def test_in_memory_lineage_passes(tmp_path: Path) -> None:
+async def test_in_memory_lineage_passes_all_but_the_delta_chain(tmp_path: Path) -> None:
+    """The in-memory resolver refuses delta entries at put, as NeMo Gym 0.7.0's does (it keeps
+    no token log to rebuild a chain from), so the one lineage check that stores a delta fails
+    with NeMo Gym's error; every other check passes."""
     index = InMemoryLineageStore()
     try:
-        passed = await run_conformance(
-            lambda: _IndexingSink(TokenCaptureStore(tmp_path), index),
-            lambda: _ForgettingSource(TokenCaptureStore(tmp_path), index),
-            lambda: _SharedIndexView(index),
-        )
+        outcomes = {}
+        for check in CHECKS:
+            try:
+                outcomes[check] = await run_check(
+                    check,
+                    lambda: _IndexingSink(TokenCaptureStore(tmp_path), index),
+                    lambda: _ForgettingSource(TokenCaptureStore(tmp_path), index),
+                    lambda: _SharedIndexView(index),
+                )
+            except ConformanceError as error:
+                outcomes[check] = str(error)
     finally:
         await index.close()
-    assert passed == STORE_CHECKS + LINEAGE_CHECKS
+    delta_check = "lineage_visible_to_existing_and_fresh"
+    assert outcomes.pop(delta_check) == (
+        f"conformance check {delta_check!r} failed: the implementation raised ValueError: "
+        "delta records require a durable-log-backed lineage store"
+    )
+    passed = [check for check, outcome in outcomes.items() if outcome is True]
+    assert passed == [check for check in STORE_CHECKS + LINEAGE_CHECKS if check != delta_check]
 
 
 async def test_file_ledger_passes(tmp_path: Path) -> None:

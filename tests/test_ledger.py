@@ -1,4 +1,9 @@
-"""`FileCaptureLedger`: write-once rows, manifests, fences, parent resolution, bad input."""
+"""`FileCaptureLedger`: write-once rows, manifests, fences, parent resolution, bad input.
+
+Every test taking the `ledger` fixture runs twice: on `FileCaptureLedger` and on
+`FileLineageStore`, which presents the same capture-ledger surface over the same files (NeMo
+Gym configures its `FileLineageStore` as the `CaptureLedger`), with the same semantics.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from tokencapture import (
     TokenCaptureStore,
 )
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
+from tokencapture.lineage import FileLineageStore
 from tokencapture.protocols import (
     CaptureLedger,
     LineageMatch,
@@ -141,7 +147,9 @@ def failure_line(call: str, reason: str) -> bytes:
 
 
 def listing(root: Path) -> list[str]:
-    return sorted(path.name for path in root.iterdir())
+    """The directory's file names (none before it exists: `FileLineageStore` creates it on its
+    first ledger write, `FileCaptureLedger` when it is made)."""
+    return sorted(path.name for path in root.iterdir()) if root.exists() else []
 
 
 def validated(manifest: dict[str, Any]) -> RolloutManifest:
@@ -155,15 +163,34 @@ def root(tmp_path: Path) -> Path:
     return tmp_path / "ledger"
 
 
-@pytest.fixture
-def ledger(root: Path) -> FileCaptureLedger:
-    return FileCaptureLedger(root)
+Ledger = FileCaptureLedger | FileLineageStore
+
+
+@pytest.fixture(params=[FileCaptureLedger, FileLineageStore])
+def ledger(root: Path, request: pytest.FixtureRequest) -> Ledger:
+    surface: Ledger = request.param(root)
+    return surface
+
+
+def rows_path(ledger: Ledger, rollout_id: str) -> Path:
+    """The rollout's ledger rows, `R.lineage.jsonl`."""
+    return Path(ledger.root) / f"{rollout_id}.lineage.jsonl"
+
+
+def fence_path(ledger: Ledger, rollout_id: str) -> Path:
+    """The rollout's fence, `R.lineage.retired`."""
+    return Path(ledger.root) / f"{rollout_id}.lineage.retired"
+
+
+def lock_path(ledger: Ledger, rollout_id: str) -> Path:
+    """The per-rollout lock shared with the token store, `R.tokens.lock`."""
+    return Path(ledger.root) / f"{rollout_id}.tokens.lock"
 
 
 # ---- protocol, rows, replay ------------------------------------------------------------------
 
 
-async def test_implements_the_capture_ledger_protocol(ledger: FileCaptureLedger) -> None:
+async def test_implements_the_capture_ledger_protocol(ledger: Ledger) -> None:
     assert isinstance(ledger, CaptureLedger)
     assert ledger.is_process_shared() is True
     await ledger.close()
@@ -173,12 +200,12 @@ async def test_implements_the_capture_ledger_protocol(ledger: FileCaptureLedger)
 
 
 async def test_record_writes_one_sorted_compact_row_and_a_token_free_manifest(
-    ledger: FileCaptureLedger, root: Path
+    ledger: Ledger, root: Path
 ) -> None:
     commit = make_commit(staging_chain=("stage-a", "stage-b"))
     assert not await ledger.has_rows("r1")
     await ledger.record(commit)
-    assert ledger.path_for("r1").read_bytes() == row_line(commit) + b"\n"
+    assert rows_path(ledger, "r1").read_bytes() == row_line(commit) + b"\n"
     assert listing(root) == ["r1.lineage.jsonl", "r1.tokens.lock"]
     manifest = await ledger.manifest("r1")
     assert manifest == {
@@ -192,13 +219,13 @@ async def test_record_writes_one_sorted_compact_row_and_a_token_free_manifest(
 
 
 async def test_identical_replay_is_a_no_op_and_a_different_row_conflicts(
-    ledger: FileCaptureLedger,
+    ledger: Ledger,
 ) -> None:
     commit = make_commit()
     await ledger.record(commit)
     await ledger.record(commit)
     assert ledger.record_now(commit) is True
-    before = ledger.path_for("r1").read_bytes()
+    before = rows_path(ledger, "r1").read_bytes()
     assert before.count(b"\n") == 1
 
     different = make_commit(response_id="another-response")
@@ -207,19 +234,19 @@ async def test_identical_replay_is_a_no_op_and_a_different_row_conflicts(
     with pytest.raises(CaptureLedgerConflictError):
         ledger.record_now(different)
     assert issubclass(CaptureLedgerConflictError, ValueError)
-    assert ledger.path_for("r1").read_bytes() == before
+    assert rows_path(ledger, "r1").read_bytes() == before
     # The conflict changed nothing: the first row still resolves.
     found = await ledger.resolve("r1", [user("question"), assistant("answer of c1"), user("more")])
     assert found.match is not None and found.match.model_call_id == "c1"
 
 
 async def test_failure_rows_are_listed_deduplicated_and_never_resolve(
-    ledger: FileCaptureLedger,
+    ledger: Ledger,
 ) -> None:
     await ledger.record_failure("r1", "c1", UNCOMMITTED_CALL_REASON)
     await ledger.record_failure("r1", "c1", UNCOMMITTED_CALL_REASON)  # no-op
     assert ledger.record_failure_now("r1", "c1", "staging_lost") is True
-    assert ledger.path_for("r1").read_bytes() == (
+    assert rows_path(ledger, "r1").read_bytes() == (
         failure_line("c1", UNCOMMITTED_CALL_REASON)
         + b"\n"
         + failure_line("c1", "staging_lost")
@@ -247,7 +274,7 @@ async def test_failure_rows_are_listed_deduplicated_and_never_resolve(
     assert [f["model_call_id"] for f in manifest["failures"]] == ["c1", "c1", "c2"]
     # Non-ASCII text is escaped as Python's json.dumps escapes it.
     await ledger.record_failure("r1", "c3", "d\u00e9j\u00e0 \U0001f600")
-    last = ledger.path_for("r1").read_bytes().splitlines()[-1]
+    last = rows_path(ledger, "r1").read_bytes().splitlines()[-1]
     assert last == b'{"failure_reason":"d\\u00e9j\\u00e0 \\ud83d\\ude00","model_call_id":"c3"}'
 
 
@@ -273,7 +300,7 @@ def changed_row(call: str, **changes: Any) -> dict[str, Any]:
     return row
 
 
-async def test_rows_are_read_by_nemo_gyms_rules(ledger: FileCaptureLedger) -> None:
+async def test_rows_are_read_by_nemo_gyms_rules(ledger: Ledger) -> None:
     lineage_only = {
         "model_call_id": "local",
         "fingerprint": sha("x"),
@@ -294,7 +321,7 @@ async def test_rows_are_read_by_nemo_gyms_rules(ledger: FileCaptureLedger) -> No
         {"model_call_id": 7, "failure_reason": 404},  # listed through str()
         changed_row("null-staging", staging_key=None, failure_reason=None),
     ]
-    write_rows(ledger.path_for("r1"), rows)
+    write_rows(rows_path(ledger, "r1"), rows)
     assert await ledger.has_rows("r1")
     parsed = validated(await ledger.manifest("r1"))
     assert [r.model_call_id for r in parsed.records] == ["float-lengths", "good"]
@@ -315,32 +342,34 @@ async def test_rows_are_read_by_nemo_gyms_rules(ledger: FileCaptureLedger) -> No
     assert poisoned.match is not None and poisoned.match.chain_hash == ""
 
 
-async def test_a_row_the_manifest_cannot_read_is_corruption(ledger: FileCaptureLedger) -> None:
+async def test_a_row_the_manifest_cannot_read_is_corruption(ledger: Ledger) -> None:
     good = row_line(make_commit("c1"))
     bad = json.dumps(changed_row("c2", cum_len=99), sort_keys=True).encode()
-    ledger.path_for("r1").parent.mkdir(parents=True, exist_ok=True)
-    ledger.path_for("r1").write_bytes(good + b"\n" + bad + b"\n")
+    rows_path(ledger, "r1").parent.mkdir(parents=True, exist_ok=True)
+    rows_path(ledger, "r1").write_bytes(good + b"\n" + bad + b"\n")
     offset = len(good) + 1
     with pytest.raises(TokenCaptureCorruptionError, match=rf"r1\.lineage\.jsonl.*offset {offset}"):
         await ledger.manifest("r1")
     # Its own continuation cannot be read either (no context_len: NeMo Gym raises KeyError).
-    write_rows(ledger.path_for("r2"), [changed_row("c3", context_len=...)])
+    write_rows(rows_path(ledger, "r2"), [changed_row("c3", context_len=...)])
     with pytest.raises(TokenCaptureCorruptionError, match="context_len"):
         await ledger.resolve("r2", [user("question"), assistant("answer of c3")])
 
 
 async def test_torn_final_line_is_ignored_then_truncated_by_the_next_write(
-    ledger: FileCaptureLedger,
+    ledger: Ledger,
 ) -> None:
     first = make_commit("c1")
     torn = row_line(make_commit("c-torn"))[:40]
-    ledger.path_for("r1").parent.mkdir(parents=True, exist_ok=True)
-    ledger.path_for("r1").write_bytes(row_line(first) + b"\n" + torn)
+    rows_path(ledger, "r1").parent.mkdir(parents=True, exist_ok=True)
+    rows_path(ledger, "r1").write_bytes(row_line(first) + b"\n" + torn)
     manifest = await ledger.manifest("r1")
     assert [r["model_call_id"] for r in manifest["records"]] == ["c1"]
     second = make_commit("c2")
     await ledger.record(second)
-    assert ledger.path_for("r1").read_bytes() == row_line(first) + b"\n" + row_line(second) + b"\n"
+    assert (
+        rows_path(ledger, "r1").read_bytes() == row_line(first) + b"\n" + row_line(second) + b"\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -355,17 +384,17 @@ async def test_torn_final_line_is_ignored_then_truncated_by_the_next_write(
     ],
 )
 async def test_a_corrupt_complete_line_raises_and_blocks_writes(
-    ledger: FileCaptureLedger, line: bytes
+    ledger: Ledger, line: bytes
 ) -> None:
     good = row_line(make_commit("c1"))
     content = good + b"\n" + line + b"\n"
-    write_rows(ledger.path_for("r1"), [])
-    ledger.path_for("r1").write_bytes(content)
+    write_rows(rows_path(ledger, "r1"), [])
+    rows_path(ledger, "r1").write_bytes(content)
     with pytest.raises(TokenCaptureCorruptionError, match=r"r1\.lineage\.jsonl.*offset"):
         await ledger.manifest("r1")
     with pytest.raises(TokenCaptureCorruptionError):
         await ledger.record(make_commit("c2"))
-    assert ledger.path_for("r1").read_bytes() == content
+    assert rows_path(ledger, "r1").read_bytes() == content
 
 
 # ---- visibility across processes -------------------------------------------------------------
@@ -384,7 +413,7 @@ RECORD_IN_CHILD = textwrap.dedent(
 
 
 def test_a_record_in_another_process_is_visible_to_an_existing_ledger(
-    ledger: FileCaptureLedger, root: Path
+    ledger: Ledger, root: Path
 ) -> None:
     # The parent's ledger has already read (and cached) the rollout before the child writes.
     ledger.record_now(make_commit("c0"))
@@ -422,19 +451,19 @@ def test_concurrent_processes_write_each_row_once(root: Path) -> None:
     assert (root / "shared.lineage.jsonl").read_bytes().count(b"\n") == 31
 
 
-async def test_concurrent_async_records_in_one_process(ledger: FileCaptureLedger) -> None:
+async def test_concurrent_async_records_in_one_process(ledger: Ledger) -> None:
     commits = [make_commit(f"c{n}", f"r{n % 3}") for n in range(30)]
     await asyncio.gather(*(ledger.record(c) for c in commits + commits))
     for rollout in ("r0", "r1", "r2"):
         manifest = validated(await ledger.manifest(rollout))
         assert len(manifest.records) == 10
-        assert ledger.path_for(rollout).read_bytes().count(b"\n") == 10
+        assert rows_path(ledger, rollout).read_bytes().count(b"\n") == 10
 
 
 # ---- parent resolution -----------------------------------------------------------------------
 
 
-async def test_resolution_returns_a_token_free_match(ledger: FileCaptureLedger) -> None:
+async def test_resolution_returns_a_token_free_match(ledger: Ledger) -> None:
     turn1 = [user("solve it")]
     out1 = [assistant("thinking"), {"type": "function_call", "call_id": "t1", "name": "calc"}]
     root_commit = make_commit("c1", request=turn1, response=out1, staging_chain=("s1",))
@@ -469,7 +498,7 @@ async def test_resolution_returns_a_token_free_match(ledger: FileCaptureLedger) 
 
 
 async def test_a_request_without_model_history_is_root_and_reads_nothing(
-    ledger: FileCaptureLedger, root: Path
+    ledger: Ledger, root: Path
 ) -> None:
     before = listing(root)
     found = await ledger.resolve("never-written", [user("hello"), {"role": "system"}])
@@ -477,7 +506,7 @@ async def test_a_request_without_model_history_is_root_and_reads_nothing(
     assert listing(root) == before
 
 
-async def test_context_must_be_verified(ledger: FileCaptureLedger) -> None:
+async def test_context_must_be_verified(ledger: Ledger) -> None:
     await ledger.record(make_commit("c1", request=[user("q1"), user("q1b")]))
     # Same model-authored history, different earlier context: no match.
     changed = [user("q1"), user("DIFFERENT"), assistant("answer of c1")]
@@ -492,7 +521,7 @@ async def test_context_must_be_verified(ledger: FileCaptureLedger) -> None:
     assert (await ledger.resolve("r1", exact)).status is RESOLVED
 
 
-async def test_a_fingerprint_on_several_rows_resolves_nothing(ledger: FileCaptureLedger) -> None:
+async def test_a_fingerprint_on_several_rows_resolves_nothing(ledger: Ledger) -> None:
     # NeMo Gym's rule: exactly one row may carry the fingerprint; identical retries do not
     # collapse and several rows are "no_match", not "ambiguous".
     request, response = [user("q")], [assistant("same output")]
@@ -507,7 +536,7 @@ async def test_a_fingerprint_on_several_rows_resolves_nothing(ledger: FileCaptur
     assert (found.status, found.reason) == (UNRESOLVED, "no_match")
 
 
-async def test_only_current_fingerprint_versions_resolve(ledger: FileCaptureLedger) -> None:
+async def test_only_current_fingerprint_versions_resolve(ledger: Ledger) -> None:
     await ledger.record(make_commit("c1", fingerprint_version=0))
     request = [user("question"), assistant("answer of c1")]
     assert (await ledger.resolve("r1", request)).reason == "no_match"
@@ -520,7 +549,7 @@ async def test_only_current_fingerprint_versions_resolve(ledger: FileCaptureLedg
     assert found.match is not None and found.match.model_call_id == "c2"
 
 
-async def test_resolution_hashes_non_plain_items_in_python(ledger: FileCaptureLedger) -> None:
+async def test_resolution_hashes_non_plain_items_in_python(ledger: Ledger) -> None:
     class Text(str):
         pass
 
@@ -533,15 +562,15 @@ async def test_resolution_hashes_non_plain_items_in_python(ledger: FileCaptureLe
 # ---- retire and delete -----------------------------------------------------------------------
 
 
-async def test_retire_fences_the_rollout(ledger: FileCaptureLedger, root: Path) -> None:
+async def test_retire_fences_the_rollout(ledger: Ledger, root: Path) -> None:
     await ledger.record(make_commit("c1"))
     await ledger.record_failure("r2", "x", "boom")
     removal = await ledger.retire(["r1", "r2", "r1", "never"])
     assert removal == {"removed": ["r1", "r2"], "absent": ["never"]}
     RolloutRemoval.model_validate(removal)
-    assert not ledger.path_for("r1").exists()
-    assert ledger.fence_path_for("r1").read_bytes() == b""
-    assert ledger.fence_path_for("never").exists()
+    assert not rows_path(ledger, "r1").exists()
+    assert fence_path(ledger, "r1").read_bytes() == b""
+    assert fence_path(ledger, "never").exists()
 
     with pytest.raises(RolloutRetiredError, match="retired"):
         await ledger.manifest("r1")
@@ -562,11 +591,11 @@ async def test_retire_fences_the_rollout(ledger: FileCaptureLedger, root: Path) 
 
 
 async def test_a_fence_left_with_rows_by_a_crash_still_reads_as_retired(
-    ledger: FileCaptureLedger,
+    ledger: Ledger,
 ) -> None:
     # A crash between retire's phases: the fence is durable, the rows not yet removed.
     await ledger.record(make_commit("c1"))
-    ledger.fence_path_for("r1").touch()
+    fence_path(ledger, "r1").touch()
     with pytest.raises(RolloutRetiredError):
         await ledger.manifest("r1")
     assert ledger.record_now(make_commit("c2")) is False
@@ -574,7 +603,7 @@ async def test_a_fence_left_with_rows_by_a_crash_still_reads_as_retired(
 
 
 async def test_delete_clears_rows_and_fences_so_the_id_can_be_reused(
-    ledger: FileCaptureLedger, root: Path
+    ledger: Ledger, root: Path
 ) -> None:
     await ledger.record(make_commit("c1"))
     await ledger.retire(["r1"])
@@ -599,7 +628,7 @@ async def test_shares_the_directory_and_lock_with_the_token_store(root: Path) ->
     ledger = FileCaptureLedger(root)
     await store.put(make_entry("r1", call=1))
     await ledger.record(make_commit("c1"))
-    assert ledger.lock_path_for("r1") == store.lock_path_for("r1")
+    assert lock_path(ledger, "r1") == store.lock_path_for("r1")
     await ledger.delete(["r1"])
     # The token store's files (and their lock) are untouched.
     assert listing(root) == ["r1.tokens.jsonl", "r1.tokens.lock", "r1.tokens.state.json"]
@@ -609,7 +638,7 @@ async def test_shares_the_directory_and_lock_with_the_token_store(root: Path) ->
 # ---- bad input -------------------------------------------------------------------------------
 
 
-def bad_calls(ledger: FileCaptureLedger) -> list[tuple[type[Exception], Any]]:
+def bad_calls(ledger: Ledger) -> list[tuple[type[Exception], Any]]:
     valid = make_commit()
     invalid_record = CaptureLedgerCommit.model_construct(
         rollout_id="r1",
@@ -650,9 +679,7 @@ def bad_calls(ledger: FileCaptureLedger) -> list[tuple[type[Exception], Any]]:
     ]
 
 
-async def test_bad_input_is_refused_and_writes_nothing(
-    ledger: FileCaptureLedger, root: Path
-) -> None:
+async def test_bad_input_is_refused_and_writes_nothing(ledger: Ledger, root: Path) -> None:
     await ledger.record(make_commit("existing", "r0"))
     await ledger.retire(["retired"])
     before = {path.name: path.read_bytes() for path in root.iterdir()}
@@ -674,11 +701,11 @@ async def test_bad_input_is_refused_and_writes_nothing(
     assert {path.name: path.read_bytes() for path in root.iterdir()} == before
 
 
-def test_a_foreign_model_or_a_dict_is_revalidated(ledger: FileCaptureLedger) -> None:
+def test_a_foreign_model_or_a_dict_is_revalidated(ledger: Ledger) -> None:
     commit = make_commit()
     assert ledger.record_now(commit.model_dump()) is True
     assert ledger.record_now(commit.model_dump(mode="json")) is True  # same row: a no-op
-    assert ledger.path_for("r1").read_bytes().count(b"\n") == 1
+    assert rows_path(ledger, "r1").read_bytes().count(b"\n") == 1
 
 
 async def test_passes_the_ledger_conformance_checks(root: Path) -> None:

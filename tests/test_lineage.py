@@ -31,6 +31,7 @@ from tokencapture import _core
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
 from tokencapture.lineage import (
     AMBIGUOUS_REASON,
+    DELTA_REFUSED,
     NO_MATCH_REASON,
     FileLineageStore,
     InMemoryLineageStore,
@@ -550,6 +551,8 @@ async def test_conversations_resolve_turn_by_turn(
     stores: tuple[TokenCaptureStore, list[Resolver]], dialect: str, delta: bool
 ) -> None:
     store, resolvers = stores
+    if delta:  # the in-memory resolver refuses delta entries (NeMo Gym's rule), so not it
+        resolvers = [r for r in resolvers if not isinstance(r, InMemoryLineageStore)]
     native = resolvers[0]
     rng = random.Random(dialect)
     request: Items = [
@@ -774,7 +777,9 @@ def test_encode_delta_only_when_the_prompt_extends_the_parent() -> None:
 # ---- integrity ------------------------------------------------------------------------------
 
 
-def chain_entries(rollout: str = "r") -> tuple[list[TokenEntry], Items]:
+def chain_entries(rollout: str = "r", *, delta: bool = True) -> tuple[list[TokenEntry], Items]:
+    """Three stamped calls, each continuing the last: stored as deltas, or with full prompts
+    (what an in-memory resolver takes: it refuses delta entries, as NeMo Gym's does)."""
     request: Items = [{"role": "user", "content": "go"}]
     entries = []
     parent: LineageMatch | None = None
@@ -794,8 +799,10 @@ def chain_entries(rollout: str = "r") -> tuple[list[TokenEntry], Items]:
         )
         if parent is None:
             entry = stamp_lineage(entry, None, parent_resolution=ROOT)
-        else:
+        elif delta:
             entry = encode_delta(entry, parent)
+        else:
+            entry = stamp_lineage(entry, parent.model_call_id, parent_resolution=RESOLVED)
         entries.append(entry)
         parent = LineageMatch(entry.model_call_id, tuple([*prompt, 20 + i]), entry.digest or "")
         request = [*request, *output, *follow]
@@ -821,17 +828,22 @@ async def test_corrupted_chains_raise(tmp_path: Path, corruption: str) -> None:
         )
     store = TokenCaptureStore(tmp_path)
     memory = InMemoryLineageStore()
-    # The in-memory store refuses, at put, a delta entry whose parent it does not hold.
-    parentless = corruption in ("missing_parent", "cycle")
+    # The in-memory store refuses every delta entry at put (NeMo Gym's rule), so a broken chain
+    # never reaches it.
     for entry in entries:
         store.append(entry)
-        if parentless:
-            with pytest.raises(ValueError, match="durable-log-backed lineage store"):
+        if entry.prompt_is_delta:
+            with pytest.raises(ValueError, match=f"^{DELTA_REFUSED}$"):
                 memory.put_now(entry)
         else:
             memory.put_now(entry)
+    assert memory.stored_tokens() == sum(
+        len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+        for entry in entries
+        if not entry.prompt_is_delta
+    )
     reference = ReferenceLineageStore(tmp_path)
-    resolvers = (FileLineageStore(tmp_path), reference, *(() if parentless else (memory,)))
+    resolvers = (FileLineageStore(tmp_path), reference)
     for resolver in resolvers:
         with pytest.raises(LineageIntegrityError):
             await resolver.resolve("r", request)
@@ -934,8 +946,9 @@ async def test_retire_and_delete_are_handled(
         assert (await resolver.resolve("r", request)).reason == NO_MATCH_REASON
     memory = resolvers[1]
     assert isinstance(memory, InMemoryLineageStore)
-    for entry in entries:
+    for entry in chain_entries(delta=False)[0]:
         memory.put_now(entry)
+    assert summary(await memory.resolve("r", request))[1] == "c2"
     assert memory.delete_now(["r", "gone"]) == {"removed": ["r"], "absent": ["gone"]}
     assert (await memory.resolve("r", request)).reason == NO_MATCH_REASON
 
@@ -968,7 +981,7 @@ async def test_protocol_surface(tmp_path: Path) -> None:
 
 
 async def test_in_memory_store_conflicts_and_bounds() -> None:
-    entries, request = chain_entries()
+    entries, request = chain_entries(delta=False)
     memory = InMemoryLineageStore(max_rollouts=2, max_tokens=1)
     assert memory.put_now(entries[0]) is True
     assert memory.put_now(entries[0]) is False
@@ -980,7 +993,7 @@ async def test_in_memory_store_conflicts_and_bounds() -> None:
     with pytest.raises(TokenCaptureConflictError):
         memory.put_now(changed)
     assert (await memory.resolve("r", request)).reason == NO_MATCH_REASON
-    other, _ = chain_entries("s")
+    other, _ = chain_entries("s", delta=False)
     memory.put_now(other[0])
     assert memory.rollout_count() == 1 and memory.stored_tokens() == 2
     await memory.close()
@@ -1029,8 +1042,11 @@ async def test_concurrent_resolves_and_puts(tmp_path: Path) -> None:
 # ---- differential: native against the reference --------------------------------------------
 
 
-def random_rollout(rng: random.Random, rollout: str) -> tuple[list[TokenEntry], list[Items]]:
-    """Branching conversations with retries, collisions, deltas and unstamped entries."""
+def random_rollout(
+    rng: random.Random, rollout: str, *, deltas: bool = True
+) -> tuple[list[TokenEntry], list[Items]]:
+    """Branching conversations with retries, collisions, deltas (unless `deltas` is false) and
+    unstamped entries."""
     entries: list[TokenEntry] = []
     queries: list[Items] = [[{"role": "user", "content": "root"}]]
     frontier: list[tuple[Items, list[int], str | None]] = [
@@ -1062,7 +1078,7 @@ def random_rollout(rng: random.Random, rollout: str) -> tuple[list[TokenEntry], 
             stamp_continuation(entry, request)
         if parent is None:
             stamp_lineage(entry, None, parent_resolution=ROOT)
-        elif rng.random() < 0.5:
+        elif deltas and rng.random() < 0.5:
             entry = encode_delta(
                 entry, LineageMatch(parent, tuple(cumulative), compute_digest(cumulative))
             )
@@ -1130,21 +1146,33 @@ def test_differential_against_the_reference(
     reference = ReferenceLineageStore(root)
     try:
         for rollout in ("a", "b"):
-            entries, queries = random_rollout(rng, rollout)
+            # The in-memory resolver refuses delta entries (NeMo Gym's rule): it is compared on
+            # the rollouts stored with full prompts, and refuses the stamped deltas of the rest.
+            deltas = rng.random() < 0.5
+            entries, queries = random_rollout(rng, rollout, deltas=deltas)
+            resolvers = (native,) if deltas else (native, memory)
             order = list(range(len(entries)))
             for position, index in enumerate(order):
                 entry = entries[index]
                 store.append(entry)
-                memory.put_now(entry)
+                if (
+                    entry.prompt_is_delta
+                    and entry.continuation_fingerprint
+                    and entry.fingerprint_version in (None, 2)
+                ):
+                    with pytest.raises(ValueError, match=f"^{DELTA_REFUSED}$"):
+                        memory.put_now(entry)
+                else:
+                    memory.put_now(entry)
                 if rng.random() < 0.5 or position == len(order) - 1:
                     for request in rng.sample(queries, min(4, len(queries))):
                         expected = outcome(reference, rollout, request)
-                        assert outcome(native, rollout, request) == expected
-                        assert outcome(memory, rollout, request) == expected
+                        for resolver in resolvers:
+                            assert outcome(resolver, rollout, request) == expected
             for request in queries:
                 expected = outcome(reference, rollout, request)
-                assert outcome(native, rollout, request) == expected
-                assert outcome(memory, rollout, request) == expected
+                for resolver in resolvers:
+                    assert outcome(resolver, rollout, request) == expected
     finally:
         asyncio.run(reference.close())
 

@@ -10,6 +10,7 @@ from running NeMo Gym's code on the same values, never from constants worked out
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -421,26 +422,53 @@ def delta_chain() -> tuple[TokenEntry, TokenEntry]:
     )
 
 
-async def test_in_memory_put_refuses_a_delta_without_its_parent_in_nemos_words() -> None:
+async def _refusal(call: Any, *args: Any) -> tuple[str, str] | None:
+    """What `call(*args)` raises when called, as (type name, words); None when it does not (an
+    awaitable it returns is then awaited, and must not raise either)."""
+    try:
+        result = call(*args)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    if inspect.isawaitable(result):
+        await result
+    return None
+
+
+async def test_in_memory_put_refuses_a_delta_entry_as_nemos_does() -> None:
+    """NeMo Gym's in-memory resolver keeps no token log, so its `put` refuses every delta entry
+    it would index, its parent held or not; ours refuses the same entries with the same
+    exception and words (when `put` is called rather than when it is awaited), and takes the
+    same others. Nothing refused is indexed."""
     parent, child = delta_chain()
-    nemo_store = nemo_lineage.InMemoryLineageStore()
-    with pytest.raises(ValueError) as nemo_error:
-        await nemo_store.put(NemoEntry.model_validate(child.model_dump()))
-    ours = InMemoryLineageStore()
-    with pytest.raises(ValueError) as our_error:
-        ours.put(child).close()  # refused when called, before anything is indexed
-    assert str(nemo_error.value) in str(our_error.value)
-    assert "'c0'" in str(our_error.value)
-    with pytest.raises(ValueError, match=re.escape(str(nemo_error.value))):
-        ours.put_now(child)
-    assert ours.stored_tokens() == 0
-    # Our addition: with its parent held, the delta is indexed and resolves through it.
-    await ours.put(parent)
-    await ours.put(child)
-    assert ours.stored_tokens() > 0
-    await ours.delete(["r"])
-    with pytest.raises(ValueError, match="durable-log-backed"):
-        ours.put_now(child)  # a deleted rollout's calls are gone
+    unstamped = child.model_copy(update={"continuation_fingerprint": ""})
+    other_version = child.model_copy(update={"fingerprint_version": 1})
+    unversioned = child.model_copy(update={"fingerprint_version": None})
+    for entry, refused in (
+        (parent, False),
+        (child, True),
+        (unversioned, True),
+        (unstamped, False),
+        (other_version, False),
+    ):
+        nemo_store = nemo_lineage.InMemoryLineageStore()
+        await nemo_store.put(NemoEntry.model_validate(parent.model_dump()))  # the parent is held
+        try:
+            await nemo_store.put(NemoEntry.model_validate(entry.model_dump()))
+            nemo: tuple[str, str] | None = None
+        except Exception as exc:
+            nemo = type(exc).__name__, str(exc)
+        ours = InMemoryLineageStore()
+        await ours.put(parent)
+        before = ours.stored_tokens()
+        assert (nemo is not None) is refused, entry.model_call_id
+        assert await _refusal(ours.put, entry) == nemo  # when called
+        assert await _refusal(ours.put_now, entry) == nemo
+        if refused:
+            assert nemo == (
+                "ValueError",
+                "delta records require a durable-log-backed lineage store",
+            )
+            assert ours.stored_tokens() == before
 
 
 async def test_in_memory_resolve_answers_as_nemos_in_memory_resolver() -> None:

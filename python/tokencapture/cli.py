@@ -385,53 +385,17 @@ def _duration(text: str) -> float:
     return float(match["value"]) * _UNIT_SECONDS[match["unit"] or "s"]
 
 
-_PG_SWEEP = """
-SELECT r.rollout_id FROM tokencapture.rollouts r
-WHERE r.retired AND r.retired_at <= now() - make_interval(secs => $1)
-  AND NOT EXISTS (SELECT 1 FROM tokencapture.entries e WHERE e.rollout_id = r.rollout_id)
-  AND NOT EXISTS (SELECT 1 FROM tokencapture.intents i WHERE i.rollout_id = r.rollout_id)
-  AND NOT EXISTS (
-      SELECT 1 FROM tokencapture.incomplete_marks m WHERE m.rollout_id = r.rollout_id)
-ORDER BY r.rollout_id
-"""
-
-
-def _sweep_postgres(dsn: str, older_than: float, dry_run: bool) -> list[str]:
-    store = _pg_store(dsn)
-    try:
-        swept = [row["rollout_id"] for row in _pg_query(store, _PG_SWEEP, older_than)]
-        if swept and not dry_run:
-            store.delete_now(swept)
-        return swept
-    finally:
-        store.close_sync()
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
+    """`sweep_retired` of the store (file or PostgreSQL), listing what it removes."""
     if _is_dsn(args.dir):
-        swept = _sweep_postgres(args.dir, args.older_than, args.dry_run)
-        payload = {"swept": swept, "dry_run": args.dry_run}
-        verb = "would remove" if args.dry_run else "removed"
-        _emit(args, payload, lambda p: f"{verb} {len(p['swept'])} retired fence(s)")
-        return 0
-    root = _existing_dir(args.dir)
-    store = TokenCaptureStore(root)
-    now = time.time()
-    swept = []
-    for rollout_id, paths in _rollouts_in(root).items():
-        state_path = store.state_path_for(rollout_id)
-        if not state_path.exists():
-            continue
-        state = json.loads(state_path.read_bytes() or b"{}")
-        has_records = any(p.suffix in (".jsonl", ".intents", ".incomplete") for p in paths)
-        if (
-            state.get("retired")
-            and not has_records
-            and now - state_path.stat().st_mtime >= args.older_than
-        ):
-            swept.append(rollout_id)
-    if swept and not args.dry_run:
-        store.delete_now(swept)
+        pg = _pg_store(args.dir)
+        try:
+            swept = pg.sweep_retired_ids(args.older_than, dry_run=args.dry_run)
+        finally:
+            pg.close_sync()
+    else:
+        store = TokenCaptureStore(_existing_dir(args.dir))
+        swept = store.sweep_retired_ids(args.older_than, dry_run=args.dry_run)
     payload = {"swept": swept, "dry_run": args.dry_run}
     verb = "would remove" if args.dry_run else "removed"
     _emit(args, payload, lambda p: f"{verb} {len(p['swept'])} retired fence(s)")

@@ -26,7 +26,7 @@ from typing import Any, Final
 from pydantic import BaseModel
 
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
-from tokencapture.protocols import LineageMatch, TokenCaptureCorruptionError
+from tokencapture.protocols import LineageMatch, RolloutRetiredError, TokenCaptureCorruptionError
 from tokencapture.staging.records import (
     LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
     LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
@@ -50,6 +50,7 @@ __all__ = [
     "manifest_entry",
     "manifest_from_rows",
     "match_of",
+    "retired_error",
     "row_bytes",
 ]
 
@@ -76,6 +77,15 @@ def conflict_error(rollout_id: str, model_call_id: str) -> CaptureLedgerConflict
         f"conflicting lineage record for model call {model_call_id}: model_call_id "
         f"{model_call_id!r} of rollout {rollout_id!r} is already recorded with a different "
         "row; ledger rows are written once"
+    )
+
+
+def retired_error(rollout_id: str) -> RolloutRetiredError:
+    """What reading a retired rollout's ledger raises (the file ledger's words, which its
+    native core writes)."""
+    return RolloutRetiredError(
+        f'rollout "{rollout_id}" was retired: its ledger is gone, not empty (delete the rollout '
+        "to reuse its id)"
     )
 
 

@@ -52,13 +52,14 @@ from tokencapture.ledger_rows import (
     conflict_error,
     manifest_from_rows,
     match_of,
+    retired_error,
 )
 from tokencapture.metrics import instrumented
 from tokencapture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload
 from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokencapture.resolution import DEFAULT_CACHED_ROLLOUTS as DEFAULT_CACHED_ROLLOUTS
 from tokencapture.resolution import DEFAULT_CACHED_TOKENS as DEFAULT_CACHED_TOKENS
-from tokencapture.resolution import resolution_of, resolve_in_python, resolve_native
+from tokencapture.resolution import ROOT, resolution_of, resolve_in_python, resolve_native
 from tokencapture.staging.records import CaptureLedgerCommit
 from tokencapture.validation import check_cache_limits as check_cache_limits
 from tokencapture.validation import check_failure_args, validate_rollout_id, validate_rollout_ids
@@ -69,6 +70,7 @@ __all__ = [
     "AMBIGUOUS_REASON",
     "DEFAULT_CACHED_ROLLOUTS",
     "DEFAULT_CACHED_TOKENS",
+    "DELTA_REFUSED",
     "NO_MATCH_REASON",
     "FileLineageStore",
     "InMemoryLineageStore",
@@ -80,6 +82,11 @@ __all__ = [
 ]
 
 NO_MATCH_REASON: Final[str] = "no_match"
+DELTA_REFUSED: Final[str] = "delta records require a durable-log-backed lineage store"
+"""`InMemoryLineageStore.put`'s refusal of a delta entry (NeMo Gym 0.7.0's words)."""
+_NO_MATCH: Final[LineageResolution] = LineageResolution(
+    ParentResolutionStatus.UNRESOLVED, reason=NO_MATCH_REASON
+)
 AMBIGUOUS_REASON: Final[str] = "ambiguous"
 
 
@@ -164,7 +171,7 @@ class FileLineageStore:
         resolution = resolve_native(self._native, rollout_id, items)
         if self._ledger_may_answer(rollout_id, resolution):
             return self._from_ledger(rollout_id, items, resolution)
-        return resolution
+        return self._fenced(rollout_id, resolution)
 
     def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
@@ -190,7 +197,7 @@ class FileLineageStore:
             resolution = await off_loop(resolve_in_python, self._native, rollout_id, items)
         if self._ledger_may_answer(rollout_id, resolution):
             return await off_loop(self._from_ledger, rollout_id, items, resolution)
-        return resolution
+        return self._fenced(rollout_id, resolution)
 
     def is_process_shared(self) -> bool:
         return True
@@ -200,6 +207,15 @@ class FileLineageStore:
     # byte for byte, so these delegate to one over the same directory (made on first use; a
     # resolver that never meets a ledger creates nothing). A continuation the token entries
     # leave UNRESOLVED is then looked up among the ledger's committed rows, as NeMo Gym does.
+
+    def _fenced(self, rollout_id: str, resolution: LineageResolution) -> LineageResolution:
+        """A parent found among token entries of a rollout whose ledger is retired is not
+        answered: a retired rollout resolves nothing (`FileCaptureLedger`'s rule)."""
+        if resolution.status is ParentResolutionStatus.RESOLVED and os.path.exists(
+            os.path.join(self._root, f"{rollout_id}.lineage.retired")
+        ):
+            return _NO_MATCH
+        return resolution
 
     def _capture_ledger(self) -> FileCaptureLedger:
         with self._ledger_lock:
@@ -218,9 +234,17 @@ class FileLineageStore:
         found = self._capture_ledger().resolve_now(rollout_id, items)
         return found if found.status is ParentResolutionStatus.RESOLVED else resolution
 
+    def record_now(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> bool:
+        """`FileCaptureLedger.record_now` over this directory."""
+        return self._capture_ledger().record_now(commit)
+
     def record(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> Coroutine[Any, Any, None]:
         """`FileCaptureLedger.record` over this directory (checked when called)."""
         return self._capture_ledger().record(commit)
+
+    def record_failure_now(self, rollout_id: str, model_call_id: str, reason: str) -> bool:
+        """`FileCaptureLedger.record_failure_now` over this directory."""
+        return self._capture_ledger().record_failure_now(rollout_id, model_call_id, reason)
 
     def record_failure(
         self, rollout_id: str, model_call_id: str, reason: str
@@ -228,14 +252,45 @@ class FileLineageStore:
         """`FileCaptureLedger.record_failure` over this directory (checked when called)."""
         return self._capture_ledger().record_failure(rollout_id, model_call_id, reason)
 
+    def manifest_now(self, rollout_id: str) -> dict[str, Any]:
+        """`FileCaptureLedger.manifest_now` over this directory."""
+        return self._capture_ledger().manifest_now(rollout_id)
+
     def manifest(self, rollout_id: str) -> Coroutine[Any, Any, dict[str, Any]]:
         """`FileCaptureLedger.manifest` over this directory."""
         return self._capture_ledger().manifest(rollout_id)
+
+    def has_rows_now(self, rollout_id: str) -> bool:
+        """`FileCaptureLedger.has_rows_now` over this directory."""
+        return self._capture_ledger().has_rows_now(rollout_id)
 
     def has_rows(self, rollout_id: str) -> Coroutine[Any, Any, bool]:
         """`FileCaptureLedger.has_rows` over this directory (ledger rows, not token entries,
         as NeMo Gym's `FileLineageStore` counts them)."""
         return self._capture_ledger().has_rows(rollout_id)
+
+    def retire_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """`FileCaptureLedger.retire_now` over this directory."""
+        return self._capture_ledger().retire_now(rollout_ids)
+
+    def retire(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """`FileCaptureLedger.retire` over this directory: fence the rollouts' ledgers durably,
+        then remove their rows (`removed`: the rollouts that had rows). A retired rollout
+        discards later ledger writes, its `manifest` and `has_rows` raise `RolloutRetiredError`
+        and it resolves nothing, from its token entries neither, until it is deleted. The token
+        store's files are not touched: retiring those is its source's `retire`. The batch is
+        validated when this is called."""
+        return self._capture_ledger().retire(rollout_ids)
+
+    def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """`FileCaptureLedger.delete_now` over this directory."""
+        return self._capture_ledger().delete_now(rollout_ids)
+
+    def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """`FileCaptureLedger.delete` over this directory: remove the rollouts' ledger rows and
+        fences, so a reused id starts empty (the token store's files are its source's to
+        delete). The batch is validated when this is called."""
+        return self._capture_ledger().delete(rollout_ids)
 
     def cached_tokens(self) -> int:
         """Tokens held by the materialized-sequence cache."""
@@ -294,6 +349,8 @@ def _with_parent_length(resolution: LineageResolution) -> LineageResolution:
         "put": "put",
         "resolve_now": "resolve",
         "resolve": "resolve",
+        "retire_now": "retire",
+        "retire": "retire",
         "delete_now": "delete",
         "delete": "delete",
     },
@@ -307,10 +364,19 @@ class InMemoryLineageStore:
     (default: a quarter of `max_tokens`). Reusing a model_call_id with a different payload raises
     `TokenCaptureConflictError` and removes that call from resolution.
 
-    It is also a capture ledger kept in memory (`record`, `record_failure`, `manifest`,
-    `has_rows`), by NeMo Gym 0.7.0's in-memory rules: a call id is a put entry or a committed
-    ledger row, not both (the second raises `CaptureLedgerConflictError`), and `resolve` takes
-    put entries and committed calls as one candidate set.
+    It is also a capture ledger kept in memory (the whole `CaptureLedger` protocol: `record`,
+    `record_failure`, `manifest`, `has_rows`, `retire`, `delete`), by NeMo Gym 0.7.0's
+    in-memory rules: a call id is a put entry or a committed ledger row, not both (the second
+    raises `CaptureLedgerConflictError`), and `resolve` takes put entries and committed calls
+    as one candidate set. `retire` fences a rollout as `FileCaptureLedger` does: its rows and
+    entries are forgotten, later writes (ledger rows and puts) are discarded, it resolves
+    nothing and `manifest`/`has_rows` raise `RolloutRetiredError`, until `delete`. Fences are
+    kept outside the LRU (a forgotten fence would let a retired rollout come back), one id
+    each, until `delete` or `close`.
+
+    As NeMo Gym's, it keeps no token log, so `put` refuses every delta entry it would index
+    (`prompt_is_delta` with a continuation fingerprint of version 2 or none) with NeMo Gym's
+    `ValueError`: a delta's parent could be evicted, and its tokens never rebuilt.
     """
 
     def __init__(
@@ -328,10 +394,10 @@ class InMemoryLineageStore:
         if cached < 0:
             raise ValueError("max_cached_tokens must not be negative")
         self._native = _core.MemoryLineage(max_rollouts, max_tokens, cached)
-        # The call ids put per rollout, for the delta-parent check of `put` (the native index
-        # cannot be asked). Kept for up to 4x the native LRU's rollouts, touched on every put
-        # and resolve, so it holds at least every rollout the native index still holds.
-        self._seen: OrderedDict[str, set[str]] = OrderedDict()
+        # The rollouts put to, LRU: the bound of `_indexed` below. Kept for up to 4x the native
+        # LRU's rollouts, touched on every put and resolve, so it holds at least every rollout
+        # the native index still holds.
+        self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_rollouts = 4 * max_rollouts
         # Capture-ledger rows per rollout (NeMo Gym's in-memory store has this surface for
         # tests and single-process development): unbounded, outside the LRU, as NeMo Gym's.
@@ -342,25 +408,20 @@ class InMemoryLineageStore:
         # fingerprint of version 2 or none), per rollout in `_seen`: they count for `has_rows`,
         # and a call id is either put or committed to the ledger, never both.
         self._indexed: dict[str, set[str]] = {}
+        # Retired rollouts (the fence): unbounded, outside the LRU, until delete or close.
+        self._retired: set[str] = set()
 
     def _check_put(self, entry: object) -> tuple[TokenEntry, bytes]:
-        """Check an entry for `put`: its type, fields, canonical line and delta parent."""
+        """Check an entry for `put`: its type, fields, canonical line, and NeMo Gym's refusals
+        (a delta entry it would index; a call id already committed to the ledger)."""
         token_entry = as_token_entry(entry)
         rollout_id = validate_rollout_id(token_entry.rollout_id)
         line = canonical_line(token_entry)
-        parent = token_entry.parent_call_id
-        if token_entry.prompt_is_delta and parent not in self._seen.get(rollout_id, ()):
-            raise ValueError(
-                "delta records require a durable-log-backed lineage store: entry "
-                f"{token_entry.model_call_id!r} of rollout {rollout_id!r} stores its prompt as "
-                f"a delta of {parent!r}, which this in-memory store does not hold (never put, "
-                "deleted or evicted), so its tokens could never be rebuilt. Put the parent "
-                "first, or resolve over a FileLineageStore"
-            )
-        if _indexed_by_nemo(token_entry) and token_entry.model_call_id in self._committed(
-            rollout_id
-        ):
-            raise conflict_error(rollout_id, token_entry.model_call_id)
+        if _indexed_by_nemo(token_entry):
+            if token_entry.prompt_is_delta:
+                raise ValueError(DELTA_REFUSED)
+            if token_entry.model_call_id in self._committed(rollout_id):
+                raise conflict_error(rollout_id, token_entry.model_call_id)
         return token_entry, line
 
     def _committed(self, rollout_id: str) -> set[str]:
@@ -373,16 +434,18 @@ class InMemoryLineageStore:
 
     def _index(self, entry: TokenEntry, line: bytes) -> bool:
         rollout_id = entry.rollout_id
+        if entry.prompt_is_delta and not _indexed_by_nemo(entry):
+            return False  # invisible to resolution, and NeMo Gym's index ignores it too
+        if rollout_id in self._retired:
+            return False  # the fence discards it, as the ledger's discards a late row
         added = self._native.put(rollout_id, line)
-        seen = self._seen.get(rollout_id)
-        if seen is None:
-            seen = self._seen[rollout_id] = set()
+        if rollout_id not in self._seen:
+            self._seen[rollout_id] = None
             while len(self._seen) > self._seen_rollouts:
                 evicted, _ = self._seen.popitem(last=False)
                 self._indexed.pop(evicted, None)
         else:
             self._seen.move_to_end(rollout_id)
-        seen.add(entry.model_call_id)
         if _indexed_by_nemo(entry):
             self._indexed.setdefault(rollout_id, set()).add(entry.model_call_id)
         return added
@@ -392,10 +455,11 @@ class InMemoryLineageStore:
             self._seen.move_to_end(rollout_id)
 
     def put_now(self, entry: TokenEntry) -> bool:
-        """Index one entry; False when the identical entry was already indexed.
+        """Index one entry; False when it was not added (already indexed, an unstamped delta
+        entry, which nothing resolves to, or a retired rollout).
 
-        A delta entry (`prompt_is_delta`) whose parent this store does not hold is refused
-        with `ValueError`, as NeMo Gym's in-memory store refuses delta entries.
+        A delta entry it would index (`prompt_is_delta`, stamped) is refused with NeMo Gym's
+        `ValueError` ("delta records require a durable-log-backed lineage store").
         """
         return self._index(*self._check_put(entry))
 
@@ -422,6 +486,8 @@ class InMemoryLineageStore:
         return self._resolve_checked(rollout_id, items)
 
     def _resolve_checked(self, rollout_id: str, items: list[Any]) -> LineageResolution:
+        if rollout_id in self._retired:
+            return ROOT if not assistant_fingerprint(items) else _NO_MATCH
         resolution = _with_parent_length(resolve_native(self._native, rollout_id, items))
         self._touch(rollout_id)
         return self._or_ledger(rollout_id, items, resolution)
@@ -472,6 +538,8 @@ class InMemoryLineageStore:
         return self._record_job(rollout_id, row)
 
     async def _record_job(self, rollout_id: str, row: dict[str, Any]) -> None:
+        if rollout_id in self._retired:
+            return  # the fence discards it
         custody = {key: value for key, value in row.items() if key not in _LOOKUP_COLUMNS}
         rows = self._ledgers.setdefault(rollout_id, [])
         call_id = row["model_call_id"]
@@ -494,6 +562,8 @@ class InMemoryLineageStore:
         return self._record_failure_job(rollout_id, model_call_id, reason)
 
     async def _record_failure_job(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        if rollout_id in self._retired:
+            return  # the fence discards it
         row = {"model_call_id": model_call_id, "failure_reason": reason}
         rows = self._ledgers.setdefault(rollout_id, [])
         if row not in rows:
@@ -505,6 +575,8 @@ class InMemoryLineageStore:
         return self._manifest_job(rollout_id)
 
     async def _manifest_job(self, rollout_id: str) -> dict[str, Any]:
+        if rollout_id in self._retired:
+            raise retired_error(rollout_id)
         rows = [
             (index, json.dumps(row).encode())
             for index, row in enumerate(self._ledgers.get(rollout_id, ()))
@@ -517,17 +589,54 @@ class InMemoryLineageStore:
         return self._has_rows_job(rollout_id)
 
     async def _has_rows_job(self, rollout_id: str) -> bool:
+        if rollout_id in self._retired:
+            raise retired_error(rollout_id)
         return bool(self._ledgers.get(rollout_id)) or bool(self._indexed.get(rollout_id))
 
-    def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
-        """Forget rollouts, so a reused id starts empty."""
-        removed, absent = self._native.delete(validate_rollout_ids(rollout_ids))
-        for rollout_id in (*removed, *absent):
+    def _forget(self, rollout_ids: list[str]) -> list[str]:
+        """Forget the rollouts' entries and rows; the ids that had any."""
+        removed, _ = self._native.delete(rollout_ids)
+        had = set(removed)
+        for rollout_id in rollout_ids:
             self._seen.pop(rollout_id, None)
-            self._ledgers.pop(rollout_id, None)
             self._ledger_lookup.pop(rollout_id, None)
             self._indexed.pop(rollout_id, None)
-        return {"removed": removed, "absent": absent}
+            if self._ledgers.pop(rollout_id, None):
+                had.add(rollout_id)
+        return [rollout_id for rollout_id in rollout_ids if rollout_id in had]
+
+    def retire_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Fence rollouts, then forget their rows and entries (`FileCaptureLedger.retire`'s
+        rules: `removed` lists the rollouts that held rows or entries, `absent` the others;
+        retiring again is a no-op reporting every id as absent)."""
+        ids = validate_rollout_ids(rollout_ids)
+        self._retired.update(ids)
+        had = set(self._forget(ids))
+        return {
+            "removed": [rollout_id for rollout_id in ids if rollout_id in had],
+            "absent": [rollout_id for rollout_id in ids if rollout_id not in had],
+        }
+
+    def retire(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """`retire_now` when awaited; the batch is validated when this is called."""
+        return self._retire_job(validate_rollout_ids(rollout_ids))
+
+    async def _retire_job(self, rollout_ids: list[str]) -> RolloutRemovalPayload:
+        return self.retire_now(rollout_ids)
+
+    def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Forget rollouts and their fences, so a reused id starts empty (`removed`: the
+        rollouts that held rows, entries or a fence)."""
+        ids = validate_rollout_ids(rollout_ids)
+        had = set(self._forget(ids))
+        for rollout_id in ids:
+            if rollout_id in self._retired:
+                self._retired.discard(rollout_id)
+                had.add(rollout_id)
+        return {
+            "removed": [rollout_id for rollout_id in ids if rollout_id in had],
+            "absent": [rollout_id for rollout_id in ids if rollout_id not in had],
+        }
 
     def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
         """`delete_now` when awaited; the batch is validated when this is called."""
@@ -555,6 +664,7 @@ class InMemoryLineageStore:
         self._ledgers.clear()
         self._ledger_lookup.clear()
         self._indexed.clear()
+        self._retired.clear()
 
 
 def encode_delta(entry: TokenEntry, parent: LineageResolution | LineageMatch) -> TokenEntry:

@@ -41,6 +41,7 @@ from tokencapture.protocols import (
     TokenCaptureSnapshot,
 )
 from tokencapture.records import TokenEntry
+from tokencapture.validation import check_age
 from tokencapture.validation import check_call_id as check_call_id
 from tokencapture.validation import check_snapshot_id as check_snapshot_id
 from tokencapture.validation import validate_rollout_id as validate_rollout_id
@@ -335,30 +336,23 @@ class TokenCaptureStore:
 
     def sweep_retired(self, older_than_seconds: float) -> int:
         """NeMo Gym 0.7.0's `sweep_retired`: remove the fences (state, lock, intents and
-        incomplete files) of rollouts retired at least `older_than_seconds` ago (by the state
-        file's modification time), and return how many were removed. Synchronous, as NeMo
-        Gym's is. Rollouts that are not retired are never touched."""
-        if isinstance(older_than_seconds, bool) or not isinstance(older_than_seconds, int | float):
-            raise TypeError(
-                f"older_than_seconds must be a number, not {type(older_than_seconds).__name__}"
-            )
-        cutoff = wall_time() - older_than_seconds
-        suffix = ".tokens.state.json"
-        retired = []
-        for state_path in self.root.glob(f"*{suffix}"):
-            rollout_id = state_path.name[: -len(suffix)]
-            try:
-                _core.validate_rollout_id(rollout_id)
-                if state_path.stat().st_mtime > cutoff:
-                    continue
-                state = orjson.loads(state_path.read_bytes() or b"{}")
-            except (OSError, ValueError):
-                continue  # not a rollout's state, or gone meanwhile
-            if isinstance(state, dict) and state.get("retired") is True:
-                retired.append(rollout_id)
-        if not retired:
-            return 0
-        return len(self.delete_now(retired)["removed"])
+        incomplete files) of rollouts retired at least `older_than_seconds` ago, and return how
+        many were removed. Synchronous, as NeMo Gym's is. See `sweep_retired_ids`."""
+        return len(self.sweep_retired_ids(older_than_seconds))
+
+    def sweep_retired_ids(self, older_than_seconds: float, *, dry_run: bool = False) -> list[str]:
+        """The rollouts `sweep_retired` removes, sorted (with `dry_run`, only listed).
+
+        A rollout is swept when its state says retired and the state file was last modified at
+        least `older_than_seconds` ago (`mtime <= now - older_than_seconds`, NeMo Gym's
+        cutoff; a negative age reaches into the future, so every retired rollout goes). The
+        check and the removal run under the rollout's exclusive lock, so a rollout deleted
+        and reused meanwhile is never touched; rollouts that are not retired never are.
+        `older_than_seconds` must be a real number (`TypeError`), not NaN (`ValueError`).
+        """
+        cutoff = wall_time() - check_age(older_than_seconds)
+        with self._operation("sweep_retired", None):
+            return self._native.sweep_retired(cutoff, dry_run)
 
     def inspect(self, rollout_id: str) -> dict[str, Any] | None:
         """The rollout's state as a reader sees it, or None when it has no files.

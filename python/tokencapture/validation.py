@@ -10,6 +10,7 @@ is refused with the same words everywhere. See docs/architecture.md for the laye
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
@@ -17,6 +18,7 @@ from tokencapture import _core
 
 __all__ = [
     "LINE_SPACE",
+    "check_age",
     "check_cache_limits",
     "check_call_id",
     "check_failure_args",
@@ -63,6 +65,21 @@ def validated_batch(rollout_ids: Sequence[str], validate_one: Callable[[str], st
             f"rollout_ids must be a sequence of rollout ids, not {type(rollout_ids).__name__}"
         )
     return list(dict.fromkeys(validate_one(rollout_id) for rollout_id in rollout_ids))
+
+
+def check_age(seconds: object, name: str = "older_than_seconds") -> float:
+    """An age in seconds (`sweep_retired`'s cutoff): a real number (`TypeError` for anything
+    else, `bool` included), not NaN and within a float's range (`ValueError`). Negative and
+    infinite ages are allowed (a negative age reaches into the future)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise TypeError(f"{name} must be a number, not {type(seconds).__name__}")
+    try:
+        value = float(seconds)
+    except OverflowError:
+        raise ValueError(f"{name} is out of a float's range: {seconds}") from None
+    if math.isnan(value):
+        raise ValueError(f"{name} must not be NaN")
+    return value
 
 
 def check_snapshot_id(snapshot_id: object) -> str:

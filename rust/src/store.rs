@@ -1153,6 +1153,57 @@ impl Store {
         Ok(removal)
     }
 
+    /// NeMo Gym's `sweep_retired`: remove every retired rollout whose state file was last
+    /// modified at or before `cutoff` (seconds since the Unix epoch), with `delete`'s removals
+    /// (state, records, lock). The check and the removal happen under the rollout's exclusive
+    /// lock, so a rollout deleted and reused meanwhile is never touched. A state file that
+    /// cannot be read is not a retired rollout's and is left alone. With `dry_run` nothing
+    /// changes. Returns the swept rollout ids, sorted.
+    pub fn sweep_retired(&self, cutoff: f64, dry_run: bool) -> Result<Vec<String>> {
+        const SUFFIX: &str = ".tokens.state.json";
+        let root = self.dir.path();
+        let mut candidates = Vec::new();
+        for item in std::fs::read_dir(root).ctx("list", root)? {
+            let item = item.ctx("list", root)?;
+            let name = item.file_name();
+            let Some(id) = name.to_str().and_then(|name| name.strip_suffix(SUFFIX)) else {
+                continue;
+            };
+            if validate_rollout_id(id).is_ok() {
+                candidates.push(id.to_owned());
+            }
+        }
+        candidates.sort_unstable();
+        let mut swept = Vec::new();
+        for id in candidates {
+            let paths = self.paths(&id);
+            let Some(lock) = self.lock_existing(&paths, LockMode::Exclusive)? else {
+                continue;
+            };
+            let modified = path_metadata(&paths.state)?
+                .and_then(|meta| meta.modified().ok())
+                .and_then(|at| at.duration_since(SystemTime::UNIX_EPOCH).ok());
+            let old = modified.is_some_and(|since| since.as_secs_f64() <= cutoff);
+            let retired = old
+                && matches!(state::open_and_read(&paths.state), Ok(Some((_, state))) if state.retired);
+            if retired && !dry_run {
+                self.forget(&id);
+                self.remove_records(&paths)?;
+                remove_if_exists(&paths.state)?;
+                // Unlink the lock while holding it; a waiter on the old inode notices and retries.
+                remove_if_exists(&paths.lock)?;
+            }
+            drop(lock);
+            if retired {
+                swept.push(id);
+            }
+        }
+        if !swept.is_empty() && !dry_run {
+            self.sync_dir()?;
+        }
+        Ok(swept)
+    }
+
     /// The stored incomplete flag (a call in flight is not a hole until freeze judges it).
     pub fn is_incomplete(&self, rollout_id: &str) -> Result<bool> {
         validate_rollout_id(rollout_id)?;
@@ -1562,6 +1613,27 @@ mod tests {
                 (built, walk.unwrap())
             })
             .unzip()
+    }
+
+    #[test]
+    fn sweep_retired_removes_old_fences_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        store.retire(&["b", "a"]).unwrap();
+        store.begin_call("live", "c1").unwrap();
+        // No fence was written before the epoch.
+        assert!(store.sweep_retired(0.0, false).unwrap().is_empty());
+        let later = f64::INFINITY;
+        assert_eq!(store.sweep_retired(later, true).unwrap(), ["a", "b"]);
+        assert!(store.paths("a").state.exists(), "a dry run changes nothing");
+        assert_eq!(store.sweep_retired(later, false).unwrap(), ["a", "b"]);
+        for id in ["a", "b"] {
+            let paths = store.paths(id);
+            assert!(!paths.state.exists() && !paths.lock.exists());
+        }
+        let live = store.paths("live");
+        assert!(live.intents.exists() && live.lock.exists());
+        assert!(store.sweep_retired(later, false).unwrap().is_empty());
     }
 
     #[test]

@@ -26,6 +26,7 @@ from tokencapture.ledger_rows import (
     corrupt_row,
     manifest_from_rows,
     match_of,
+    retired_error,
     row_bytes,
 )
 from tokencapture.metrics import instrumented
@@ -33,7 +34,6 @@ from tokencapture.postgres._client import Client
 from tokencapture.protocols import (
     LineageResolution,
     RolloutRemovalPayload,
-    RolloutRetiredError,
 )
 from tokencapture.records import ParentResolutionStatus
 from tokencapture.staging.records import CaptureLedgerCommit
@@ -76,13 +76,6 @@ def _failure_args(rollout_id: str, model_call_id: str, reason: str) -> _Row:
     check_failure_args(rollout_id, model_call_id, reason)
     line = row_bytes({"failure_reason": reason, "model_call_id": model_call_id})
     return rollout_id, model_call_id, True, True, None, line
-
-
-def _retired(rollout_id: str) -> RolloutRetiredError:
-    return RolloutRetiredError(
-        f'rollout "{rollout_id}" was retired: its ledger is gone, not empty (delete the rollout '
-        "to reuse its id)"
-    )
 
 
 @instrumented(
@@ -163,7 +156,7 @@ class PostgresCaptureLedger:
     async def _manifest(self, rollout_id: str) -> dict[str, Any]:
         row = await self._client.fetch("row", _MANIFEST, rollout_id)
         if row["retired"]:
-            raise _retired(rollout_id)
+            raise retired_error(rollout_id)
         rows = list(enumerate(row["lines"]))
         return manifest_from_rows(rollout_id, rows, self._where(rollout_id))
 
@@ -174,7 +167,7 @@ class PostgresCaptureLedger:
     async def _has_rows(self, rollout_id: str) -> bool:
         row = await self._client.fetch("row", _MANIFEST, rollout_id)
         if row["retired"]:
-            raise _retired(rollout_id)
+            raise retired_error(rollout_id)
         return bool(row["row_count"])
 
     def manifest_now(self, rollout_id: str) -> dict[str, Any]:

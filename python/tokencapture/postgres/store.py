@@ -30,6 +30,7 @@ from tokencapture.protocols import (
 )
 from tokencapture.records import TokenEntry
 from tokencapture.validation import (
+    check_age,
     check_call_id,
     check_snapshot_id,
     validate_rollout_id,
@@ -55,6 +56,19 @@ _PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
 _PUT_BATCH = "SELECT tokencapture.put_batch($1, $2, $3, $4)"
 _BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
 _MARK_INCOMPLETE = "SELECT tokencapture.mark_incomplete($1, $2)"
+# `sweep_retired`: lock the old fences, then delete them in the same statement (`delete`'s
+# removals). `extract(epoch ...)` keeps infinite ages exact (no interval to overflow).
+_SWEEP_RETIRED = """
+WITH swept AS (
+    SELECT rollout_id FROM tokencapture.rollouts
+    WHERE retired AND extract(epoch FROM now() - retired_at)::float8 >= $1::float8
+    ORDER BY rollout_id
+    FOR UPDATE
+), ids AS (
+    SELECT coalesce(array_agg(rollout_id ORDER BY rollout_id), '{}'::text[]) AS ids FROM swept
+)
+SELECT CASE WHEN $2::boolean THEN ids ELSE (tokencapture.delete(ids)).removed END FROM ids
+"""
 # The lines come back as rows (see freeze_lines in sql/001_store.sql); a freeze's first row
 # is its outcome.
 _FREEZE = "SELECT * FROM tokencapture.freeze_lines($1, $2)"
@@ -432,6 +446,28 @@ class PostgresTokenCaptureStore:
 
     def retire_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         return self._client.run_sync(self.retire(rollout_ids))
+
+    def sweep_retired(self, older_than_seconds: float) -> int:
+        """NeMo Gym 0.7.0's `sweep_retired` (synchronous, as NeMo Gym's is): remove the fences of
+        rollouts retired at least `older_than_seconds` ago and return how many were removed.
+        See `sweep_retired_ids`."""
+        return len(self.sweep_retired_ids(older_than_seconds))
+
+    def sweep_retired_ids(self, older_than_seconds: float, *, dry_run: bool = False) -> list[str]:
+        """The rollouts `sweep_retired` removes, sorted (with `dry_run`, only listed).
+
+        A rollout is swept when it is retired and was retired at least `older_than_seconds`
+        ago by the server's clock (`now() - retired_at >= older_than_seconds`; a negative age
+        sweeps every retired rollout). The rows are locked, checked and deleted in one
+        statement, so a rollout deleted and reused meanwhile is never touched. The argument is
+        checked as the file store checks it (`TypeError` / `ValueError`)."""
+        age = check_age(older_than_seconds)
+        return self._client.run_sync(self._sweep(age, dry_run))
+
+    async def _sweep(self, age: float, dry_run: bool) -> list[str]:
+        with self._operation("sweep_retired", None):
+            ids = await self._client.fetch("val", _SWEEP_RETIRED, age, dry_run)
+        return list(ids)
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         return self._client.run_sync(self.delete(rollout_ids))

@@ -207,6 +207,14 @@ impl PyStore {
         batch_removal(py, || self.inner.delete(&rollout_ids))
     }
 
+    /// Remove the retired rollouts whose state was last modified at or before `cutoff` (Unix
+    /// seconds); the swept ids, sorted (`dry_run`: only listed).
+    #[pyo3(signature = (cutoff, dry_run = false))]
+    fn sweep_retired(&self, py: Python<'_>, cutoff: f64, dry_run: bool) -> PyResult<Vec<String>> {
+        py.detach(|| self.inner.sweep_retired(cutoff, dry_run))
+            .map_err(|e| to_pyerr(py, e))
+    }
+
     fn is_incomplete(&self, py: Python<'_>, rollout_id: &Bound<'_, PyString>) -> PyResult<bool> {
         let rollout_id = text(rollout_id, "rollout_id")?;
         py.detach(|| self.inner.is_incomplete(rollout_id))
