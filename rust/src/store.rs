@@ -1978,7 +1978,7 @@ mod tests {
         let parent = file.try_clone().unwrap();
         parent.lock().unwrap();
         let kept = KeptLock {
-            file,
+            file: store.cache.account().keep(file),
             id,
             pid: std::process::id().wrapping_add(1),
         };
@@ -2008,6 +2008,7 @@ mod tests {
         let kept = |lock: RolloutLock| {
             let (file, id) = lock.unlock().unwrap();
             let pid = std::process::id();
+            let file = store.cache.account().keep(file);
             (KeptLock { file, id, pid }, id)
         };
         let (first, first_id) =

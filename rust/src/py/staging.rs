@@ -621,6 +621,16 @@ fn call_of_record(record: &Bound<'_, PyAny>) -> PyResult<StagedCall> {
 
 /// Attachments prepared by `tokencapture.staging.attachments.encode_attachments`:
 /// `(name, kind, format, dtype, shape or None, [buffers])` tuples.
+/// One attachment as Python hands it over: (name, kind, format, dtype, shape, buffers).
+type AttachmentTuple<'py> = (
+    String,
+    u8,
+    String,
+    String,
+    Option<Vec<u64>>,
+    Vec<Bound<'py, PyAny>>,
+);
+
 fn attachments_of(value: &Bound<'_, PyAny>) -> PyResult<Option<Vec<Attachment>>> {
     if value.is_none() {
         return Ok(None);
@@ -628,14 +638,7 @@ fn attachments_of(value: &Bound<'_, PyAny>) -> PyResult<Option<Vec<Attachment>>>
     let mut out = Vec::new();
     for item in value.try_iter()? {
         let item = item?;
-        let (name, kind, format, dtype, shape, buffers): (
-            String,
-            u8,
-            String,
-            String,
-            Option<Vec<u64>>,
-            Vec<Bound<'_, PyAny>>,
-        ) = item.extract()?;
+        let (name, kind, format, dtype, shape, buffers): AttachmentTuple<'_> = item.extract()?;
         let kind = match kind {
             0 => AttachmentKind::Bytes,
             1 => AttachmentKind::Buffer,
