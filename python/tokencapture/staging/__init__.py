@@ -9,7 +9,6 @@ exported from ``tokencapture``; the digests are in
 `tokencapture.staging.digest`, the exceptions in `tokencapture.staging.errors`.
 """
 
-
 from tokencapture.staging.records import (
     CALL_RECORD_DIGEST_VERSION,
     CALL_RECORD_EXTRAS_DIGEST_VERSION,
@@ -75,4 +74,3 @@ __all__ = [
     "compute_staging_digest",
     "staging_key",
 ]
-
