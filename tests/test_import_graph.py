@@ -60,6 +60,7 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         "core",
         (
             "tokencapture.latency",
+            "tokencapture.descriptors",
             "tokencapture.validation",
             "tokencapture.entries",
             "tokencapture.jobs",
