@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 from tests.fake_upstream import start_gateway
-from tests.vllm_engine import VllmEngine, post_json, post_stream
+from tests.vllm_engine import TOOLS, VllmEngine, post_json, post_stream
 
 from tokencapture import ParentResolutionStatus, TokenCaptureStore
 from tokencapture.gateway import GatewayConfig, create_app, open_backend
@@ -26,20 +26,6 @@ from tokencapture.gateway.tito import Bridge
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
 
 
 class Through:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.vllm_engine import VllmEngine, post_json, post_stream
+from tests.vllm_engine import TOOLS, VllmEngine, post_json, post_stream
 
 SAMPLES = Path(__file__).resolve().parent / "engine" / "samples"
 MAX_TOKENS = 6
@@ -23,20 +23,6 @@ MAX_TOKENS = 6
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris today?"},
-]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
 ]
 # A tool loop: an assistant tool call (its arguments a compact JSON string, as a client may send
 # back what it received), its result, the assistant's answer, a new question.

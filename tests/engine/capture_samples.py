@@ -19,27 +19,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.vllm_engine import VllmEngine, post_json, post_stream  # noqa: E402
+from tests.vllm_engine import TOOLS, VllmEngine, post_json, post_stream  # noqa: E402
 
 SAMPLES = Path(__file__).resolve().parent / "samples"
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris today?"},
-]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
 ]
 
 
