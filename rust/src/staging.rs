@@ -5,7 +5,7 @@
 //!   digest and token-id framing, byte for byte.
 //! * [`row`]: the binary row and attachments blob every staging backend stores, and their
 //!   verification.
-//! * [`file`]: the file backend: append-only segments written by group commit, a control log
+//! * [`file`](mod@file): the file backend: append-only segments written by group commit, a control log
 //!   for segments and fences, and the recovery rule.
 
 pub mod digest;
