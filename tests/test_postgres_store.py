@@ -1010,3 +1010,22 @@ async def test_a_pooled_connection_the_server_closed_is_replaced(pg_dsn: str) ->
     (await client.pool())._max_idle = 300.0
     assert await client.fetch("val", "SELECT pg_backend_pid()") == third
     await client.close()
+
+
+async def test_a_coordinator_reporting_its_postmaster_gone_is_unavailable(pg_dsn: str) -> None:
+    # A Citus coordinator whose postmaster dies under a delegated call answers with an ERROR
+    # (XX000 "postmaster was shut down, exiting") while the worker may have committed: the
+    # outcome is unknown, so it must read as an unavailable server (an OSError callers retry),
+    # not as a refusal. Any other internal error still reaches the caller as it is.
+    import asyncpg
+
+    from tokencapture.postgres._client import Client
+
+    client = Client(pg_dsn, pool_size=1, install_schema=True)
+    raise_sql = "DO $$ BEGIN RAISE EXCEPTION '{}' USING ERRCODE = 'XX000'; END $$"
+    with pytest.raises(PostgresUnavailableError, match="postmaster was shut down"):
+        await client.fetch("val", raise_sql.format("postmaster was shut down, exiting"))
+    with pytest.raises(asyncpg.exceptions.InternalServerError, match="something else"):
+        await client.fetch("val", raise_sql.format("something else"))
+    assert await client.fetch("val", "SELECT 1") == 1
+    await client.close()

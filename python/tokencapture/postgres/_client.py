@@ -61,6 +61,18 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.InsufficientResourcesError,  # class 53: too many connections
     asyncpg.exceptions.InternalClientError,  # a protocol state broken by a cut connection
 )
+
+
+class _PostmasterGone(ConnectionError):
+    """A Citus coordinator whose own postmaster died under a delegated call: the backend
+    reports it as an ERROR (XX000, "postmaster was shut down, exiting"), not as a lost
+    connection, yet the worker may have committed the call, so its outcome is unknown."""
+
+
+def _postmaster_gone(exc: asyncpg.exceptions.InternalServerError) -> bool:
+    return "postmaster was shut down" in str(exc)
+
+
 # Failures after which a connection's state is unknown: it is closed, not reused.
 _BREAKS_CONNECTION: tuple[type[BaseException], ...] = (*_UNAVAILABLE, asyncio.CancelledError)
 # Answers after which the same call can simply run again (nothing was committed).
@@ -369,6 +381,12 @@ class Client:
                     # cancelled await): close it rather than reset it for the next caller.
                     connection.terminate()
                     raise
+                except asyncpg.exceptions.InternalServerError as exc:
+                    if not _postmaster_gone(exc):
+                        raise
+                    connection.terminate()
+                    # An OSError, so it is retried and reported as any unavailable server is.
+                    raise _PostmasterGone(str(exc)) from exc
                 finally:
                     pool.release(connection)
             except _RETRYABLE:
