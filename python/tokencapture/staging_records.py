@@ -14,14 +14,12 @@ addition, not in NeMo Gym) is what ``retire``/``delete`` report.
 
 The staged-call models (`StagedCallBaseSnapshot` and its subclasses) check their ``digest``
 against `compute_staging_digest` and their ``extras_digest`` against `compute_extras_digest`,
-both defined here with NeMo Gym's byte layouts.
+NeMo Gym's byte layouts computed by the Rust core (`tokencapture.staging_digest`, re-exported
+here).
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-import struct
 from collections.abc import ItemsView, KeysView, Mapping, Sequence
 from typing import Annotated, Any, Final, Literal, Self
 
@@ -36,6 +34,11 @@ from pydantic import (
 )
 
 from tokencapture.records import UNCOMMITTED_CALL_REASON, UNRESOLVED_PARENT_REASON
+from tokencapture.staging_digest import (
+    EMPTY_EXTRAS_DIGEST,
+    compute_extras_digest,
+    compute_staging_digest,
+)
 
 __all__ = [
     "CALL_RECORD_DIGEST_VERSION",
@@ -93,176 +96,9 @@ LEDGER_SCHEMA_VERSION: Final[int] = STAGING_SCHEMA_VERSION
 CALL_RECORD_DIGEST_VERSION: Final[int] = STAGING_DIGEST_VERSION
 CALL_RECORD_EXTRAS_DIGEST_VERSION: Final[int] = EXTRAS_DIGEST_VERSION
 
-_CALL_DOMAIN = b"nemo-gym-staging-call-v2"
-_EXTRAS_DOMAIN = b"nemo-gym-staging-extras-v1"
-_U64_MAX = 2**64 - 1
 
-
-def _length_prefixed(data: bytes) -> bytes:
-    return struct.pack(">Q", len(data)) + data
-
-
-def _text_bytes(value: str) -> bytes:
-    if not isinstance(value, str):
-        raise TypeError(f"expected text, got {type(value).__name__}")
-    return _length_prefixed(value.encode("utf-8"))
-
-
-def _u64(value: int, *, field: str) -> bytes:
-    if type(value) is not int or not 0 <= value <= _U64_MAX:
-        raise ValueError(f"{field} must be an unsigned 64-bit integer, got {value!r}")
-    return struct.pack(">Q", value)
-
-
-def _check_hex_digest(value: object, *, field: str) -> None:
-    if not isinstance(value, str) or len(value) != 64 or value.strip("0123456789abcdef"):
-        raise ValueError(f"{field} must be a lowercase SHA-256 hex digest")
-
-
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    parts = [_u64(len(token_ids), field="token_ids length")]
-    parts.extend(_u64(token, field="token_id") for token in token_ids)
-    return b"".join(parts)
-
-
-def _float32_bytes(values: Sequence[float], *, field: str) -> bytes:
-    parts = [_u64(len(values), field=f"{field} length")]
-    for value in values:
-        if type(value) is not float or not math.isfinite(value):
-            raise ValueError(f"{field} values must be finite Python floats, got {value!r}")
-        try:
-            packed = struct.pack(">f", value)
-        except (OverflowError, struct.error) as exc:
-            raise ValueError(f"{field} value cannot be represented as float32: {value!r}") from exc
-        if not math.isfinite(struct.unpack(">f", packed)[0]):
-            raise ValueError(f"{field} value overflows float32: {value!r}")
-        parts.append(packed)
-    return b"".join(parts)
-
-
-def _extra_bytes(value: object) -> bytes:
-    kind = type(value)
-    if value is None:
-        return b"N"
-    if kind is bool:
-        return b"B\x01" if value else b"B\x00"
-    if kind is int:
-        assert isinstance(value, int)
-        if not -(2**63) <= value < 2**63:
-            raise ValueError(f"extras integer is outside signed 64-bit range: {value}")
-        return b"I" + struct.pack(">q", value)
-    if kind is float:
-        assert isinstance(value, float)
-        if not math.isfinite(value):
-            raise ValueError(f"extras floats must be finite, got {value!r}")
-        return b"F" + struct.pack(">d", value)
-    if kind is str:
-        assert isinstance(value, str)
-        return b"S" + _text_bytes(value)
-    if kind is list:
-        assert isinstance(value, list)
-        body = b"".join(_extra_bytes(item) for item in value)
-        return b"L" + _u64(len(value), field="extras list length") + body
-    if kind is dict:
-        assert isinstance(value, dict)
-        if not all(type(key) is str for key in value):
-            raise TypeError("extras mappings must have string keys")
-        ordered = sorted(value, key=lambda key: key.encode("utf-8"))
-        body = b"".join(_text_bytes(key) + _extra_bytes(value[key]) for key in ordered)
-        return b"D" + _u64(len(ordered), field="extras mapping length") + body
-    raise TypeError(f"extras contain unsupported value type {kind.__name__}")
-
-
-def compute_extras_digest(extras: Mapping[str, Any] | None) -> str:
-    """Digest of a staged call's JSON-like ``extras`` (NeMo Gym's typed binary encoding, v1).
-
-    Accepts None, exact bool/int/float/str, lists and str-keyed dicts; anything else (tuples,
-    numpy scalars, NaN, infinities, ints beyond 64 bits) raises rather than being coerced.
-    """
-    if extras is not None and not isinstance(extras, Mapping):
-        raise TypeError(f"extras must be a mapping or None, got {type(extras).__name__}")
-    body = _extra_bytes(None if extras is None else dict(extras))
-    return hashlib.sha256(_EXTRAS_DOMAIN + bytes([EXTRAS_DIGEST_VERSION]) + body).hexdigest()
-
-
-EMPTY_EXTRAS_DIGEST: Final[str] = compute_extras_digest(None)
-
-
-def compute_staging_digest(
-    *,
-    schema_version: int,
-    digest_version: int,
-    extras_digest_version: int,
-    rollout_id: str,
-    model_call_id: str,
-    parent_call_id: str | None,
-    mode: str,
-    prev_len: int,
-    delta_len: int,
-    cum_len: int,
-    weight_version: int,
-    token_ids_delta: Sequence[int],
-    token_mask_delta: Sequence[float],
-    generation_log_probs_delta: Sequence[float],
-    extras_digest: str,
-    chain_hash: str,
-    cumulative_hash: str,
-) -> str:
-    """The v2 digest of one staged call delta (NeMo Gym's layout), after its sanity checks."""
-    for name, value, expected in (
-        ("staging schema", schema_version, STAGING_SCHEMA_VERSION),
-        ("staging digest", digest_version, STAGING_DIGEST_VERSION),
-        ("extras digest", extras_digest_version, EXTRAS_DIGEST_VERSION),
-    ):
-        if type(value) is not int or value != expected:
-            raise ValueError(f"unsupported {name} version {value}")
-    if not rollout_id or not model_call_id:
-        raise ValueError("rollout_id and model_call_id must be non-empty")
-    if parent_call_id == "":
-        raise ValueError("parent_call_id must be non-empty when present")
-    if mode not in ("text", "token_in"):
-        raise ValueError(f"unsupported capture mode {mode!r}")
-    if parent_call_id is None and (prev_len != 0 or mode != "text"):
-        raise ValueError("a parentless call must be a text-mode root with prev_len == 0")
-    if parent_call_id is not None and (prev_len == 0 or mode != "token_in"):
-        raise ValueError("a child call must use token_in mode with prev_len > 0")
-    if delta_len == 0:
-        raise ValueError("a staged call delta must contain at least one token")
-    if delta_len != len(token_ids_delta):
-        raise ValueError(f"delta_len {delta_len} does not match {len(token_ids_delta)} token IDs")
-    if not len(token_ids_delta) == len(token_mask_delta) == len(generation_log_probs_delta):
-        raise ValueError("token IDs, masks, and log probabilities must have equal lengths")
-    _check_masks(token_mask_delta, generation_log_probs_delta)
-    if cum_len != prev_len + delta_len:
-        raise ValueError(
-            f"cum_len {cum_len} does not equal prev_len + delta_len ({prev_len + delta_len})"
-        )
-    _check_hex_digest(extras_digest, field="extras_digest")
-    parts = [
-        bytes([schema_version, digest_version, extras_digest_version]),
-        _text_bytes(rollout_id),
-        _text_bytes(model_call_id),
-        b"\x00" if parent_call_id is None else b"\x01" + _text_bytes(parent_call_id),
-        _text_bytes(mode),
-        _u64(prev_len, field="prev_len"),
-        _u64(delta_len, field="delta_len"),
-        _u64(cum_len, field="cum_len"),
-        _u64(weight_version, field="weight_version"),
-        _length_prefixed(_token_bytes(token_ids_delta)),
-        _length_prefixed(_float32_bytes(token_mask_delta, field="token_mask_delta")),
-        _length_prefixed(
-            _float32_bytes(generation_log_probs_delta, field="generation_log_probs_delta")
-        ),
-        bytes.fromhex(extras_digest),
-    ]
-    for name, text in (("chain_hash", chain_hash), ("cumulative_hash", cumulative_hash)):
-        if not isinstance(text, str):
-            raise TypeError(f"{name} must be a digest string")
-        _check_hex_digest(text, field=name)
-        parts.append(b"\x01" + bytes.fromhex(text))
-    return hashlib.sha256(_CALL_DOMAIN + b"".join(parts)).hexdigest()
-
-
+# The digests are the Rust core's (`tokencapture.staging_digest`): NeMo Gym's algorithms, checked
+# against its golden vectors and its own module by tests/test_staging_digest.py.
 def _check_masks(masks: Sequence[float], log_probs: Sequence[float]) -> None:
     if any(mask not in (0.0, 1.0) for mask in masks):
         raise ValueError("token_mask_delta must contain only 0.0 or 1.0")
