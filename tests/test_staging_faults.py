@@ -74,7 +74,7 @@ def test_sigkill_while_staging_from_32_threads_loses_nothing_acknowledged(
         # A fresh store (the next process) sees every acknowledged key, whole.
         assert_everything_visible_is_whole(FileStagingStore(tmp_path), acknowledged)
     assert not refused, refused[:3]
-    assert len(acknowledged) > 100  # the kills landed mid-stream, not before staging began
+    assert len(acknowledged) > 30  # the kills landed mid-stream, not before staging began
 
 
 def run_script(faultfs: Path, root: Path, steps: list[Any]) -> list[Any]:  # noqa: F811
@@ -188,7 +188,7 @@ def test_processes_racing_retire_fence_every_stager(tmp_path: Path) -> None:
     marker = tmp_path / "retired"
     stagers = [
         subprocess.Popen(
-            [*CHILD, "race", str(root), "hot", str(marker), "3"],
+            [*CHILD, "race", str(root), "hot", str(marker), "1"],
             stdout=subprocess.PIPE,
             cwd=REPO_ROOT,
             env=child_env(),
@@ -204,7 +204,10 @@ def test_processes_racing_retire_fence_every_stager(tmp_path: Path) -> None:
         )
         for _ in range(3)
     ]
-    time.sleep(1.5)  # the stagers are running
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("retired.ready-*"))) < len(stagers):  # every stager staged
+        assert time.monotonic() < deadline, "the stagers never staged"
+        time.sleep(0.05)
     Path(str(marker) + ".go").touch()
     removals = [json.loads(p.communicate(timeout=60)[0]) for p in retirers]
     summaries = [json.loads(p.communicate(timeout=60)[0]) for p in stagers]

@@ -75,3 +75,34 @@ def test_zeros_mid_segment_are_reported_never_read_as_its_end(tmp_path: Path) ->
     assert [s.model_call_id for s in fresh.fetch(["r/call-4", "r/call-0"])] == ["call-4", "call-0"]
     with pytest.raises(TokenCaptureCorruptionError, match="damaged"):
         fresh.fetch(["r/call-2"])
+
+
+def test_kept_descriptors_count_in_the_process_budget(tmp_path: Path) -> None:
+    from tokencapture.conformance_staging import build_chain
+    from tokencapture.descriptors import budget
+
+    records = build_chain(nemo_records, "r", 2)
+    store = FileStagingStore(tmp_path / "a")
+    before = budget()["held"]
+    assert store.stats()["descriptors"]["open_files"] == 0
+    assert store.stage(records[0]).ok
+    stats = store.stats()
+    # The segment being written and the kept store lock, both in the process's account.
+    assert stats["descriptors"]["open_files"] == 2
+    assert stats["descriptors"]["max_open_files"] is None
+    assert budget()["held"] == before + 2
+    assert stats["commits"] == {"batches": 1, "frames": 1, "syncs": 1}
+    capped = FileStagingStore(tmp_path / "b", max_open_files=1)
+    assert capped.stage(records[0]).ok and capped.stage(records[1]).ok
+    assert capped.stats()["descriptors"] == {
+        **capped.stats()["descriptors"],
+        "open_files": 1,
+        "max_open_files": 1,
+    }
+    del store
+    import gc
+
+    gc.collect()
+    assert budget()["held"] == before + 1  # only the capped store's segment is left
+    with pytest.raises(ValueError):
+        FileStagingStore(tmp_path / "c", max_open_files=-1)

@@ -11,9 +11,10 @@ Modes:
         ``["arm", {faultfs control}]``, ``["disarm"]``, ``["stage", ROLLOUT, CALLS, ATT_BYTES]``
         (the chain's calls, each with an attachment of ATT_BYTES bytes; answers
         ``[[ok, error], ...]``), ``["fetch", [KEYS]]`` (answers the call ids), ``["reopen"]``.
-    ``race ROOT ROLLOUT MARKER SECONDS``: stage calls of ROLLOUT in a loop for SECONDS; a call
-        started after MARKER exists and acknowledged is a fence violation. Prints a JSON
-        summary ``{"ok_before", "ok_after_marker", "refused"}``.
+    ``race ROOT ROLLOUT MARKER SECONDS``: stage calls of ROLLOUT in a loop until SECONDS after
+        MARKER appeared (``MARKER.ready-<pid>`` once one was acknowledged); a call started
+        after MARKER exists and acknowledged is a fence violation. Prints a JSON summary
+        ``{"ok_before", "ok_after_marker", "refused"}``.
     ``retire ROOT MARKER ROLLOUTS...``: wait for the go file ``MARKER.go``, retire ROLLOUTS,
         then create MARKER; prints the removal as JSON.
 """
@@ -101,17 +102,21 @@ def script(root: str) -> None:
 
 
 def race(root: str, rollout_id: str, marker: str, seconds: float) -> None:
+    """Stage until SECONDS after MARKER appeared; ``MARKER.ready-<pid>`` after a first stage."""
     store = FileStagingStore(root)
     summary = {"ok_before": 0, "ok_after_marker": 0, "refused": 0}
-    deadline = time.monotonic() + seconds
+    ready = Path(f"{marker}.ready-{os.getpid()}")
+    seen_marker: float | None = None
     n = 0
-    while time.monotonic() < deadline:
+    while seen_marker is None or time.monotonic() < seen_marker + seconds:
         (record,) = build_chain(ours, rollout_id, 1, variant=0)
         record = ours.StagedCallRecord.model_validate(
             {**record.model_dump(), "model_call_id": f"call-{os.getpid()}-{n}"}
             | _redigest(record, f"call-{os.getpid()}-{n}")
         )
         after_marker = os.path.exists(marker)
+        if after_marker and seen_marker is None:
+            seen_marker = time.monotonic()
         result = store.stage(record)
         if not result.ok:
             summary["refused"] += 1
@@ -119,6 +124,7 @@ def race(root: str, rollout_id: str, marker: str, seconds: float) -> None:
             summary["ok_after_marker"] += 1
         else:
             summary["ok_before"] += 1
+            ready.touch()
         n += 1
     print(json.dumps(summary))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tokencapture import _core
+from tokencapture.descriptors import check_max_open_files, descriptor_stats
 from tokencapture.protocols import RolloutRemovalPayload
 from tokencapture.staging_attachments import (
     StagedAttachment,
@@ -50,15 +51,27 @@ class FileStagingStore:
       ``retire_now``/``delete_now`` are the same calls under the token store's names, and
       ``aretire``/``adelete`` run them off the event loop.
 
+    Descriptors: between calls an instance keeps the segment it writes (which it must hold)
+    and the store lock, counted in the process descriptor budget (`tokencapture.descriptors`);
+    ``max_open_files`` caps what it keeps (below 2 the store lock is reopened per batch).
+    `stats` reports them.
+
     ``models`` picks the wire models fetches build (see `StagingModels.resolve`): by default
     NeMo Gym's when NeMo Gym's staging records are imported in the process, ours otherwise. A
     stage answers with the ``StageResult`` of its record's models.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, models: ModelsChoice = "auto") -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        models: ModelsChoice = "auto",
+        max_open_files: int | None = None,
+    ) -> None:
         self._models_choice = models
         StagingModels.resolve(models)  # refuse a bad choice now
-        self._native = _core.StagingFileStore(Path(root))
+        check_max_open_files(max_open_files)
+        self._native = _core.StagingFileStore(Path(root), max_open_files)
 
     def __repr__(self) -> str:
         return f"FileStagingStore({str(self.root)!r})"
@@ -138,6 +151,17 @@ class FileStagingStore:
         on a healthy store. While any is known, a fetch of a key the store does not hold raises
         `TokenCaptureCorruptionError` (it may have been there) instead of `StagingKeyError`."""
         return self._native.damage()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Under ``"descriptors"``, what this store keeps open between calls (the segment it
+        writes, its store lock) beside the process budget
+        (`tokencapture.descriptors.descriptor_stats`); under ``"commits"``, its group-commit
+        counters."""
+        batches, frames, syncs = self._native.stats()
+        return {
+            "descriptors": descriptor_stats(self._native),
+            "commits": {"batches": batches, "frames": frames, "syncs": syncs},
+        }
 
     def commit_stats(self) -> tuple[int, int, int]:
         """``(batches, frames, syncs)`` this instance committed: how far group commit shared

@@ -905,9 +905,10 @@ pub(super) struct PyStagingFileStore {
 #[pymethods]
 impl PyStagingFileStore {
     #[new]
-    fn new(py: Python<'_>, root: PathBuf) -> PyResult<Self> {
+    #[pyo3(signature = (root, max_open_files = None))]
+    fn new(py: Python<'_>, root: PathBuf, max_open_files: Option<usize>) -> PyResult<Self> {
         let inner = py
-            .detach(|| FileStaging::open(root))
+            .detach(|| FileStaging::open_with(root, max_open_files))
             .map_err(|e| staging_err(py, e))?;
         Ok(PyStagingFileStore {
             inner: Arc::new(inner),
@@ -1009,6 +1010,16 @@ impl PyStagingFileStore {
     fn stats(&self) -> (u64, u64, u64) {
         let s = self.inner.stats();
         (s.batches, s.frames, s.syncs)
+    }
+
+    /// Descriptors this store keeps between calls (its segment, its store lock).
+    fn open_files(&self) -> usize {
+        self.inner.open_files()
+    }
+
+    /// This store's own cap on kept descriptors; None when only the process budget applies.
+    fn max_open_files(&self) -> Option<usize> {
+        self.inner.max_open_files()
     }
 
     /// Damaged ranges of acknowledged frames: `(segment, start, end)` byte offsets.

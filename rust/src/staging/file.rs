@@ -61,6 +61,7 @@ use sha2::{Digest, Sha256};
 
 use super::row::{self, StagedCall};
 use super::StagingError;
+use crate::descriptors::{FdCache, Kept};
 use crate::error::Error;
 use crate::lock::{FileId, LockMode, RolloutLock};
 use crate::log::reserve_past;
@@ -315,12 +316,14 @@ struct Writer {
     leading: bool,
     segment: Option<OwnSegment>,
     /// The leader's kept `store.lock` descriptor (see `RolloutLock::unlock`).
-    kept_lock: Option<(File, FileId)>,
+    kept_lock: Option<(Kept<File>, FileId)>,
 }
 
 struct OwnSegment {
     index: usize,
-    file: File,
+    /// Counted in the process descriptor budget; never closed while this instance writes
+    /// (its `flock` tells other processes the segment has a live writer).
+    file: Kept<File>,
     len: u64,
     reserved: Option<u64>,
 }
@@ -344,6 +347,9 @@ pub struct FileStaging {
     /// Serializes folding (so two threads never scan the same tail twice).
     folding: Mutex<()>,
     stats: Mutex<CommitStats>,
+    /// The account of the descriptors kept between calls (the segment being written and the
+    /// store lock), registered with the process budget (`crate::descriptors`).
+    fds: Arc<FdCache<()>>,
 }
 
 impl std::fmt::Debug for FileStaging {
@@ -368,6 +374,12 @@ fn is_emfile(err: &io::Error) -> bool {
 impl FileStaging {
     /// Open (creating if needed) a staging directory and fold in what it holds.
     pub fn open(root: impl Into<PathBuf>) -> Result<Self> {
+        Self::open_with(root, None)
+    }
+
+    /// [`FileStaging::open`] keeping at most `max_open_files` descriptors between calls (the
+    /// segment being written, then the store lock; `None`: only the process budget applies).
+    pub fn open_with(root: impl Into<PathBuf>, max_open_files: Option<usize>) -> Result<Self> {
         let dir = RootDir::open(root).map_err(StagingError::Io)?;
         let control_path = dir.path().join("control.log");
         let lock_path = dir.path().join("store.lock");
@@ -385,6 +397,7 @@ impl FileStaging {
             view: RwLock::new(View::default()),
             folding: Mutex::new(()),
             stats: Mutex::new(CommitStats::default()),
+            fds: FdCache::new(1, max_open_files),
         };
         store.refresh()?;
         Ok(store)
@@ -396,6 +409,23 @@ impl FileStaging {
 
     pub fn stats(&self) -> CommitStats {
         *lock(&self.stats)
+    }
+
+    /// Descriptors this instance keeps between calls (its segment, its store lock).
+    pub fn open_files(&self) -> usize {
+        self.fds.held()
+    }
+
+    /// This instance's own cap on kept descriptors, `None` when only the process budget applies.
+    pub fn max_open_files(&self) -> Option<usize> {
+        self.fds.max_open()
+    }
+
+    /// Keep the store lock's descriptor for the next batch, within this instance's cap (the
+    /// segment being written comes first).
+    fn keep_lock(&self, file: File, id: FileId) -> Option<(Kept<File>, FileId)> {
+        let room = self.fds.max_open().is_none_or(|cap| self.fds.held() < cap);
+        room.then(|| (self.fds.account().keep(file), id))
     }
 
     fn view_read(&self) -> std::sync::RwLockReadGuard<'_, View> {
@@ -671,12 +701,12 @@ impl FileStaging {
                 writer.leading = true;
                 let batch = std::mem::take(&mut writer.queue);
                 let mut segment = writer.segment.take();
-                let kept = writer.kept_lock.take();
+                let kept = writer.kept_lock.take().map(|(f, id)| (f.into_inner(), id));
                 drop(writer);
                 let kept = self.commit(batch, &mut segment, kept);
                 writer = lock(&self.writer);
                 writer.segment = segment;
-                writer.kept_lock = kept;
+                writer.kept_lock = kept.and_then(|(f, id)| self.keep_lock(f, id));
                 writer.leading = false;
                 self.wake.notify_all();
                 continue;
@@ -942,7 +972,7 @@ impl FileStaging {
         view.segments[index].scanned = SEGMENT_MAGIC.len() as u64;
         Ok(OwnSegment {
             index,
-            file,
+            file: self.fds.account().keep(file),
             len: SEGMENT_MAGIC.len() as u64,
             reserved: None,
         })
