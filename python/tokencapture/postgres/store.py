@@ -22,7 +22,7 @@ from tokencapture import columnar as _columnar
 from tokencapture.entries import as_token_entry, canonical_line, marker_line
 from tokencapture.metrics import Metrics
 from tokencapture.operations import Operation, log_failure
-from tokencapture.postgres._client import Client
+from tokencapture.postgres._client import CallBatcher, Client
 from tokencapture.postgres._decode import decode_columns, decode_entries
 from tokencapture.protocols import (
     RolloutRemovalPayload,
@@ -88,75 +88,6 @@ def _log_of(rows: Sequence[Any]) -> tuple[list[bytes], list[str]]:
     return [row["line"] for row in rows], [row["digest"] for row in rows]
 
 
-def _copy_error(exc: BaseException) -> BaseException:
-    """A failure of a shared batch, as one exception object per waiting put."""
-    try:
-        copy = type(exc)(*exc.args)
-    except Exception:
-        return exc
-    copy.__cause__ = exc.__cause__ or exc
-    return copy
-
-
-class _PutBatcher:
-    """Puts waiting on one event loop, sent together: whenever a connection is free, every
-    put queued since the last call (up to `max_batch`) goes in one `put_batch` call."""
-
-    __slots__ = ("client", "flushing", "loop", "max_batch", "pending", "scheduled")
-
-    def __init__(self, client: Client, loop: asyncio.AbstractEventLoop, max_batch: int) -> None:
-        self.client = client
-        self.loop = loop
-        self.max_batch = max_batch
-        self.pending: list[tuple[_PutArgs, asyncio.Future[int]]] = []
-        self.flushing = 0
-        self.scheduled = False
-
-    def submit(self, args: _PutArgs) -> asyncio.Future[int]:
-        future: asyncio.Future[int] = self.loop.create_future()
-        self.pending.append((args, future))
-        self._schedule()
-        return future
-
-    def _schedule(self) -> None:
-        if not self.scheduled and self.flushing < self.client.pool_size:
-            self.scheduled = True
-            self.loop.call_soon(self._start)
-
-    def _start(self) -> None:
-        self.scheduled = False
-        while self.pending and self.flushing < self.client.pool_size:
-            batch = self.pending[: self.max_batch]
-            del self.pending[: self.max_batch]
-            self.flushing += 1
-            self.loop.create_task(self._flush(batch))
-
-    async def _flush(self, batch: list[tuple[_PutArgs, asyncio.Future[int]]]) -> None:
-        try:
-            statuses = await self.client.fetch(
-                "val",
-                _PUT_BATCH,
-                [args[0] for args, _ in batch],
-                [args[1] for args, _ in batch],
-                [args[2] for args, _ in batch],
-                [args[3] for args, _ in batch],
-            )
-        except BaseException as exc:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(_copy_error(exc))
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            for (_, future), status in zip(batch, statuses, strict=True):
-                if not future.done():  # the awaiting task was cancelled; the put stands
-                    future.set_result(status)
-        finally:
-            self.flushing -= 1
-            if self.pending:
-                self._schedule()
-
-
 class PostgresTokenCaptureStore:
     """Durable, rollout-keyed sink and source for `TokenEntry` records on PostgreSQL.
 
@@ -181,7 +112,7 @@ class PostgresTokenCaptureStore:
         self._metrics = Metrics("postgres")
         self._batch_puts = batch_puts
         self._put_batch_size = put_batch_size
-        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _PutBatcher] = (
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CallBatcher] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -234,7 +165,7 @@ class PostgresTokenCaptureStore:
                 loop = asyncio.get_running_loop()
                 batcher = self._batchers.get(loop)
                 if batcher is None:
-                    batcher = _PutBatcher(self._client, loop, self._put_batch_size)
+                    batcher = CallBatcher(self._client, loop, self._put_batch_size, _PUT_BATCH)
                     self._batchers[loop] = batcher
                 status = await batcher.submit(args)
             else:
