@@ -56,19 +56,10 @@ _PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
 _PUT_BATCH = "SELECT tokencapture.put_batch($1, $2, $3, $4)"
 _BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
 _MARK_INCOMPLETE = "SELECT tokencapture.mark_incomplete($1, $2)"
-# `sweep_retired`: lock the old fences, then delete them in the same statement (`delete`'s
-# removals). `extract(epoch ...)` keeps infinite ages exact (no interval to overflow).
-_SWEEP_RETIRED = """
-WITH swept AS (
-    SELECT rollout_id FROM tokencapture.rollouts
-    WHERE retired AND extract(epoch FROM now() - retired_at)::float8 >= $1::float8
-    ORDER BY rollout_id
-    FOR UPDATE
-), ids AS (
-    SELECT coalesce(array_agg(rollout_id ORDER BY rollout_id), '{}'::text[]) AS ids FROM swept
-)
-SELECT CASE WHEN $2::boolean THEN ids ELSE (tokencapture.delete(ids)).removed END FROM ids
-"""
+# `sweep_retired`: lock the old fences one rollout at a time, then delete them in the same call
+# (`delete`'s removals); see sql/005_staging.sql (one FOR UPDATE over many rollouts is refused
+# by Citus).
+_SWEEP_RETIRED = "SELECT tokencapture.sweep_retired($1::float8, $2::boolean)"
 # The lines come back as rows (see freeze_lines in sql/001_store.sql); a freeze's first row
 # is its outcome.
 _FREEZE = "SELECT * FROM tokencapture.freeze_lines($1, $2)"
@@ -389,8 +380,9 @@ class PostgresTokenCaptureStore:
 
         A rollout is swept when it is retired and was retired at least `older_than_seconds`
         ago by the server's clock (`now() - retired_at >= older_than_seconds`; a negative age
-        sweeps every retired rollout). The rows are locked, checked and deleted in one
-        statement, so a rollout deleted and reused meanwhile is never touched. The argument is
+        sweeps every retired rollout). Each candidate is locked (one rollout at a time, so it
+        runs on Citus too), checked again and deleted in one transaction, so a rollout deleted
+        and reused meanwhile is never touched. The argument is
         checked as the file store checks it (`TypeError` / `ValueError`)."""
         age = check_age(older_than_seconds)
         return self._client.run_sync(self._sweep(age, dry_run))

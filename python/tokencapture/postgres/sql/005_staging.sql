@@ -154,3 +154,37 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- Also in version 5, for the token store: `sweep_retired` as a function that locks one rollout
+-- at a time (its single statement of version 1 locks every candidate with one FOR UPDATE,
+-- which Citus refuses: FOR UPDATE needs equality on the distribution column). The candidates
+-- are read first, then each is locked in id order and checked again (a rollout deleted and
+-- reused meanwhile is not retired any more and is left alone); the locked ones are deleted
+-- (`delete`'s removals) unless `p_dry_run`. Ages are compared in float8 seconds, so infinite
+-- ages stay exact.
+CREATE FUNCTION tokencapture.sweep_retired(p_age float8, p_dry_run boolean)
+RETURNS text[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    id text;
+    swept text[] := '{}';
+BEGIN
+    FOR id IN
+        SELECT rollout_id FROM tokencapture.rollouts
+        WHERE retired AND extract(epoch FROM now() - retired_at)::float8 >= p_age
+        ORDER BY rollout_id
+    LOOP
+        PERFORM 1 FROM tokencapture.rollouts
+            WHERE rollout_id = id AND retired
+              AND extract(epoch FROM now() - retired_at)::float8 >= p_age
+            FOR UPDATE;
+        IF FOUND THEN
+            swept := swept || id;
+        END IF;
+    END LOOP;
+    IF p_dry_run OR cardinality(swept) = 0 THEN
+        RETURN swept;
+    END IF;
+    RETURN (SELECT d.removed FROM tokencapture.delete(swept) AS d);
+END
+$$;
