@@ -642,8 +642,15 @@ def start_fake(log_dir: Path, *, drift: bool = False) -> Server:
     return Server(argv, port, log_dir / f"fake-{port}.log").start()
 
 
-def start_gateway(upstream: str, store: Path, log_dir: Path, *extra: str) -> Server:
+def start_gateway(upstream: str, store: Path | str, log_dir: Path, *extra: str) -> Server:
+    """`tokencapture gateway` on a free port over `store`: a directory, or a PostgreSQL DSN
+    (a `postgresql://` string)."""
     port = free_port()
+    where = (
+        ["--dsn", store]
+        if isinstance(store, str) and store.startswith(("postgresql://", "postgres://"))
+        else ["--store", str(store)]
+    )
     argv = [
         sys.executable,
         "-m",
@@ -651,8 +658,7 @@ def start_gateway(upstream: str, store: Path, log_dir: Path, *extra: str) -> Ser
         "gateway",
         "--upstream",
         upstream,
-        "--store",
-        str(store),
+        *where,
         "--port",
         str(port),
         *extra,

@@ -86,8 +86,8 @@ from tokencapture.records import (
     cumulative_tokens,
     stamp_lineage,
 )
-from tokencapture.staging.errors import StagingKeyError, StagingKeyRetiredError
 from tokencapture.staging.store import FileStagingStore
+from tokencapture.staging_errors import StagingKeyError, StagingKeyRetiredError
 from tokencapture.store import (
     TokenCaptureStore,
     make_token_store,

@@ -19,12 +19,12 @@ from typing import Any
 
 from tokencapture import _core
 from tokencapture.protocols import RolloutRemovalPayload
-from tokencapture.staging.attachments import (
+from tokencapture.staging_attachments import (
     StagedAttachment,
     decode_attachments,
     encode_attachments,
 )
-from tokencapture.staging.rows import ModelsChoice, StagingModels, failure_reason
+from tokencapture.staging_rows import ModelsChoice, StagingModels, failure_reason
 
 __all__ = ["FileStagingStore"]
 
