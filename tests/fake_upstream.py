@@ -48,6 +48,18 @@ from tests.accounts import Account
 IM_START, IM_END, TOOL_START, TOOL_END = 1, 2, 3, 4
 OFFSET = 16
 MODEL = "fake-tiny"
+# The chat tokens a sampling "model" never emits as text (tokenizer mode).
+QWEN3_SPECIALS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
 
 
 def encode(text: str) -> list[int]:
@@ -102,6 +114,36 @@ def render_chat(messages: list[dict[str, Any]]) -> list[int]:
     return [*ids, IM_START, *encode("assistant\n")]
 
 
+def _tool_call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _chat_logprobs(ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+    """A chat choice's (or delta's) `logprobs`, as vLLM sends them."""
+    return {
+        "content": [
+            {"token": f"token_id:{t}", "logprob": lp, "bytes": [t % 256], "top_logprobs": []}
+            for t, lp in zip(ids, logprobs, strict=True)
+        ]
+    }
+
+
+def _usage(prompt: list[int], ids: list[int]) -> dict[str, int]:
+    return {
+        "prompt_tokens": len(prompt),
+        "total_tokens": len(prompt) + len(ids),
+        "completion_tokens": len(ids),
+    }
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
 class FakeUpstream:
     """The fake engine; `app` is its ASGI application. Counts the calls it answered."""
 
@@ -120,6 +162,9 @@ class FakeUpstream:
         self.max_tokens = max_tokens
         self.calls = 0
         self.requests: list[dict[str, Any]] = []
+        # Streams sent to the end, and streams that stopped early (the reader went away).
+        self.streams_done = 0
+        self.streams_cut = 0
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -158,12 +203,7 @@ class FakeUpstream:
             arguments = orjson.dumps({"k": k}).decode()
             body = f'{{"name":"{name}","arguments":{arguments}}}'
             ids = [TOOL_START, *encode(body), TOOL_END, IM_END]
-            call = {
-                "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-            return ids, "", call
+            return ids, "", _tool_call(name, arguments)
         text = f"  reply {k} " if self.drift else f"reply {k}"
         return [*encode(text), IM_END], text, None
 
@@ -191,33 +231,26 @@ class FakeUpstream:
     def _sample(self, prompt: list[int]) -> tuple[list[int], str, dict[str, Any] | None]:
         """Tokenizer mode: pseudo-random token ids (as a random-weight model samples them),
         and every other turn a Hermes-style tool call to `lookup`."""
-        tokenizer, renderer = self.bridge.tokenizer, self.bridge.renderer
-        special = {
-            renderer._im_start,
-            renderer._im_end,
-            renderer._endoftext,
-            renderer._tool_call,
-            renderer._tool_call_end,
-            renderer._tool_response,
-            renderer._tool_response_end,
-            renderer._think_end,
-            tokenizer.convert_tokens_to_ids("<think>"),
-        }
+        tokenizer = self.bridge.tokenizer
+        # Qwen3's special tokens, by name (the renderer's own ids are its internals).
+        special = dict(
+            zip(
+                QWEN3_SPECIALS,
+                tokenizer.convert_tokens_to_ids(list(QWEN3_SPECIALS)),
+                strict=True,
+            )
+        )
         rng = random.Random(zlib.crc32(orjson.dumps(prompt)))
-        vocab = [t for t in range(tokenizer._tokenizer.get_vocab_size()) if t not in special]
+        vocab = [t for t in range(tokenizer.vocab_size) if t not in special.values()]
         ids = [rng.choice(vocab) for _ in range(6)]
         text = tokenizer.decode(ids)
         call = None
         if rng.random() < 0.5:
             arguments = orjson.dumps({"k": rng.randrange(100)}).decode()
             block = f'\n{{"name": "lookup", "arguments": {arguments}}}\n'
-            ids += [renderer._tool_call, *tokenizer.encode(block), renderer._tool_call_end]
-            call = {
-                "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
-                "type": "function",
-                "function": {"name": "lookup", "arguments": arguments},
-            }
-        return [*ids, renderer._im_end], text, call
+            ids += [special["<tool_call>"], *tokenizer.encode(block), special["</tool_call>"]]
+            call = _tool_call("lookup", arguments)
+        return [*ids, special["<|im_end|>"]], text, call
 
     async def chat(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
@@ -251,18 +284,20 @@ class FakeUpstream:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.get("stream"):
             return StreamingResponse(
-                self._chat_stream(
-                    rid,
-                    prompt,
-                    ids,
-                    logprobs,
-                    text,
-                    call,
-                    finish,
-                    want_ids,
-                    want_lp,
-                    body.get("fake_break_after"),
-                    body,
+                self._tracked(
+                    self._chat_stream(
+                        rid,
+                        prompt,
+                        ids,
+                        logprobs,
+                        text,
+                        call,
+                        finish,
+                        want_ids,
+                        want_lp,
+                        body.get("fake_break_after"),
+                        body,
+                    )
                 ),
                 media_type="text/event-stream",
             )
@@ -279,19 +314,7 @@ class FakeUpstream:
         choice = {
             "index": 0,
             "message": message,
-            "logprobs": {
-                "content": [
-                    {
-                        "token": f"token_id:{t}",
-                        "logprob": lp,
-                        "bytes": [t % 256],
-                        "top_logprobs": [],
-                    }
-                    for t, lp in zip(ids, logprobs, strict=True)
-                ]
-            }
-            if want_lp
-            else None,
+            "logprobs": _chat_logprobs(ids, logprobs) if want_lp else None,
             "finish_reason": finish,
             "stop_reason": None,
             "token_ids": ids if want_ids and not no_ids else None,
@@ -304,17 +327,21 @@ class FakeUpstream:
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": None,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "total_tokens": len(prompt) + len(ids),
-                "completion_tokens": len(ids),
-                "prompt_tokens_details": None,
-            },
+            "usage": {**_usage(prompt, ids), "prompt_tokens_details": None},
             "prompt_logprobs": None,
             "prompt_token_ids": prompt if want_ids and not no_ids else None,
             "kv_transfer_params": None,
         }
         return Response(orjson.dumps(answer), media_type="application/json")
+
+    async def _tracked(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in stream:
+                yield chunk
+        except BaseException:
+            self.streams_cut += 1
+            raise
+        self.streams_done += 1
 
     async def _chat_stream(
         self,
@@ -341,7 +368,7 @@ class FakeUpstream:
                 "choices": [choice],
                 **top,
             }
-            return b"data: " + orjson.dumps(data) + b"\n\n"
+            return _event(data)
 
         sent = 0
         first = {
@@ -384,19 +411,7 @@ class FakeUpstream:
                 {
                     "index": 0,
                     "delta": delta,
-                    "logprobs": {
-                        "content": [
-                            {
-                                "token": f"token_id:{t}",
-                                "logprob": lp,
-                                "bytes": [t % 256],
-                                "top_logprobs": [],
-                            }
-                            for t, lp in zip(piece_ids, lps, strict=True)
-                        ]
-                    }
-                    if want_lp
-                    else None,
+                    "logprobs": _chat_logprobs(piece_ids, lps) if want_lp else None,
                     "finish_reason": None,
                     "token_ids": piece_ids if want_ids else None,
                 }
@@ -408,34 +423,23 @@ class FakeUpstream:
             {
                 "index": 0,
                 "delta": {"content": ""},
-                "logprobs": {
-                    "content": [
-                        {"token": f"token_id:{t}", "logprob": lp, "bytes": [], "top_logprobs": []}
-                        for t, lp in zip(last, lps, strict=True)
-                    ]
-                }
-                if want_lp
-                else None,
+                "logprobs": _chat_logprobs(last, lps) if want_lp else None,
                 "finish_reason": finish,
                 "stop_reason": None,
                 "token_ids": last if want_ids else None,
             }
         )
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(ids),
-                "total_tokens": len(prompt) + len(ids),
-            }
-            data = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": MODEL,
-                "choices": [],
-                "usage": usage,
-            }
-            yield b"data: " + orjson.dumps(data) + b"\n\n"
+            yield _event(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": MODEL,
+                    "choices": [],
+                    "usage": _usage(prompt, ids),
+                }
+            )
         await asyncio.sleep(float(body.get("fake_done_delay") or 0))
         yield b"data: [DONE]\n\n"
 
@@ -465,7 +469,9 @@ class FakeUpstream:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.get("stream"):
             return StreamingResponse(
-                self._completion_stream(rid, prompt, ids, logprobs, want_ids, want_lp),
+                self._tracked(
+                    self._completion_stream(rid, prompt, ids, logprobs, want_ids, want_lp)
+                ),
                 media_type="text/event-stream",
             )
         choice = {
@@ -491,11 +497,7 @@ class FakeUpstream:
             "created": int(time.time()),
             "model": MODEL,
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "total_tokens": len(prompt) + len(ids),
-                "completion_tokens": len(ids),
-            },
+            "usage": _usage(prompt, ids),
             "kv_transfer_params": None,
         }
         return Response(orjson.dumps(answer), media_type="application/json")
@@ -519,7 +521,7 @@ class FakeUpstream:
                 "model": MODEL,
                 "choices": [choice],
             }
-            return b"data: " + orjson.dumps(data) + b"\n\n"
+            return _event(data)
 
         yield chunk(
             {

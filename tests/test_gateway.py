@@ -353,6 +353,45 @@ async def test_stream_final_chunk_and_done_wait_for_the_put(tmp_path: Path) -> N
     assert ("delta", 0) in stored_at  # some deltas reached the client before the put
 
 
+async def test_client_disconnect_mid_stream_drops_the_upstream_stream(tmp_path: Path) -> None:
+    """A client that goes away mid-stream: the call is marked incomplete and the gateway drops
+    its upstream connection (the engine stops generating) rather than reading the rest."""
+    root = tmp_path / "store"
+    fake = FakeUpstream()
+    upstream = ThreadServer(fake.app)
+    server = ThreadServer(
+        create_app(open_backend(store_dir=root), GatewayConfig(upstream.url)), lifespan="on"
+    )
+    store = TokenCaptureStore(root)
+    try:
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=30) as client,
+            client.stream(
+                "POST",
+                "/rollouts/r1/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": [_user("a slow stream")],
+                    "stream": True,
+                    "fake_chunk_delay": 0.1,
+                },
+                headers={"x-model-call-id": "gone"},
+            ) as answer,
+        ):
+            async for line in answer.aiter_lines():
+                if line.startswith("data: "):
+                    break
+        deadline = asyncio.get_running_loop().time() + 15
+        while not (fake.streams_cut and store.is_incomplete("r1")):
+            assert asyncio.get_running_loop().time() < deadline, "not cut or not marked"
+            await asyncio.sleep(0.05)
+    finally:
+        server.stop()
+        upstream.stop()
+    assert (fake.streams_cut, fake.streams_done) == (1, 0)
+    assert store.read_entries("r1") == []
+
+
 async def test_answer_without_token_ids_is_502_not_captured(gw: Harness) -> None:
     answer = await gw.chat("r1", [_user("x")], fake_no_token_ids=True)
     assert answer.status_code == 502
