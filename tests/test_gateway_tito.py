@@ -119,6 +119,32 @@ async def loops(tmp_path: Path, tokenizer_dir: Path) -> AsyncIterator[tuple[Loop
 ROLLOUTS, TURNS = 8, 5
 
 
+def test_tito_rests_on_renderers_public_api_at_the_pinned_version(tokenizer_dir: Path) -> None:
+    """The bridge is made of renderers' public pieces (its `Tokenizer` and `Renderer`
+    protocols), and the installed renderers is the one the gateway extra pins (a 0.x release
+    may change that API: see pyproject.toml)."""
+    import tomllib
+    from importlib.metadata import version
+
+    import renderers
+    from packaging.requirements import Requirement
+
+    bridge = Bridge.from_tokenizer_dir(tokenizer_dir, "qwen3")
+    assert isinstance(bridge.tokenizer, renderers.Tokenizer)
+    assert isinstance(bridge.renderer, renderers.Renderer)
+    assert isinstance(bridge.renderer, renderers.Qwen3Renderer)
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["gateway"]
+    [pin] = [Requirement(r) for r in extra if Requirement(r).name == "renderers"]
+    assert pin.specifier.contains(version("renderers")), (pin, version("renderers"))
+    assert not pin.specifier.contains("0.2.0")  # held below the next 0.x minor
+    # The tokenizer's vocabulary as the fake upstream's sampler reads it: added tokens counted.
+    assert (
+        bridge.tokenizer.vocab_size
+        == max(bridge.tokenizer.convert_tokens_to_ids(["</think>", "<|im_end|>"])) + 1
+    )
+
+
 async def test_agent_loop_drifts_through_chat_and_not_with_tito(loops: tuple[Loop, Loop]) -> None:
     chat, tito = loops
     for index in range(ROLLOUTS):
