@@ -36,9 +36,9 @@ from tokencapture.protocols import (
     TokenCaptureConflictError,
     TokenCaptureRetiredError,
 )
-from tokencapture.staging.attachments import StagedAttachment
-from tokencapture.staging.errors import StagingKeyError, StagingKeyRetiredError
-from tokencapture.staging.rows import (
+from tokencapture.staging_attachments import StagedAttachment
+from tokencapture.staging_errors import StagingKeyError, StagingKeyRetiredError
+from tokencapture.staging_rows import (
     ModelsChoice,
     StagingModels,
     attachments_from_blob,
