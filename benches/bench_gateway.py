@@ -264,7 +264,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     upstreams: list[tuple[str, str, Any]] = []
     fake = start_fake(work)
-    upstreams.append(("fake", fake.url, "fake-tiny"))
+    if not args.skip_fake:
+        upstreams.append(("fake", fake.url, "fake-tiny"))
     engine = None
     if args.vllm:
         from tests.vllm_engine import VllmEngine
@@ -408,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         help="python of a venv with rllm-model-gateway (measured beside ours)",
     )
     parser.add_argument("--vllm", action="store_true", help="also against the tiny vLLM")
+    parser.add_argument(
+        "--skip-fake", action="store_true", help="with --vllm: only against the tiny vLLM"
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     print(
