@@ -44,22 +44,14 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from tests import accounts
 from tests.accounts import Account
+from tests.engine.tiny_model import ADDED, SPECIAL
 
 IM_START, IM_END, TOOL_START, TOOL_END = 1, 2, 3, 4
 OFFSET = 16
 MODEL = "fake-tiny"
-# The chat tokens a sampling "model" never emits as text (tokenizer mode).
-QWEN3_SPECIALS = (
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|endoftext|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "<think>",
-    "</think>",
-)
+# The chat tokens a sampling "model" never emits as text (tokenizer mode): Qwen3's, as the
+# tests' tiny model has them.
+QWEN3_SPECIALS = (*SPECIAL, *ADDED)
 
 
 def encode(text: str) -> list[int]:

@@ -7,6 +7,7 @@ the gateway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -303,33 +304,43 @@ async def test_intent_is_durable_before_the_upstream_sees_the_call(tmp_path: Pat
     assert seen == [True]
 
 
+@contextlib.contextmanager
+def _served(root: Path, fake: FakeUpstream) -> Iterator[ThreadServer]:
+    """The gateway over `root` in front of `fake`, both served on loopback sockets from
+    threads (an in-process client would buffer a whole stream)."""
+    upstream = ThreadServer(fake.app)
+    server = ThreadServer(
+        create_app(open_backend(store_dir=root), GatewayConfig(upstream.url)), lifespan="on"
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+        upstream.stop()
+
+
+def _slow_stream(client: httpx.AsyncClient, call: str, **knobs: Any) -> Any:
+    return client.stream(
+        "POST",
+        "/rollouts/r1/v1/chat/completions",
+        json={"model": MODEL, "messages": [_user("a slow stream")], "stream": True, **knobs},
+        headers={"x-model-call-id": call},
+    )
+
+
 async def test_stream_final_chunk_and_done_wait_for_the_put(tmp_path: Path) -> None:
     """Over a real socket (an in-process client buffers the whole stream): when the chunk that
     finishes the generation, and `[DONE]`, reach the client, the entry is stored; the chunks
     before it arrive while the call is still in flight (passed through, not buffered)."""
     root = tmp_path / "store"
-    upstream = ThreadServer(FakeUpstream().app)
-    app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
-    server = ThreadServer(app, lifespan="on")
     store = TokenCaptureStore(root)
     stored_at: list[tuple[str, int]] = []
-    try:
+    with _served(root, FakeUpstream()) as server:
         async with (
             httpx.AsyncClient(base_url=server.url, timeout=30) as client,
-            client.stream(
-                "POST",
-                "/rollouts/r1/v1/chat/completions",
-                json={
-                    "model": MODEL,
-                    "messages": [_user("a slow stream")],
-                    "stream": True,
-                    "fake_chunk_delay": 0.02,
-                    # The engine pauses between its final chunk and [DONE]: a gateway that let
-                    # the final chunk through before the put is seen doing so.
-                    "fake_done_delay": 0.3,
-                },
-                headers={"x-model-call-id": "s1"},
-            ) as answer,
+            # The engine pauses between its final chunk and [DONE]: a gateway that let the
+            # final chunk through before the put is seen doing so.
+            _slow_stream(client, "s1", fake_chunk_delay=0.02, fake_done_delay=0.3) as answer,
         ):
             assert answer.status_code == 200
             async for line in answer.aiter_lines():
@@ -343,9 +354,6 @@ async def test_stream_final_chunk_and_done_wait_for_the_put(tmp_path: Path) -> N
                 else:
                     kind = "delta"
                 stored_at.append((kind, len(store.read_entries("r1"))))
-    finally:
-        server.stop()
-        upstream.stop()
     kinds = [kind for kind, _ in stored_at]
     assert kinds[-2:] == ["final", "done"]
     assert kinds.count("delta") >= 3
@@ -358,25 +366,11 @@ async def test_client_disconnect_mid_stream_drops_the_upstream_stream(tmp_path: 
     its upstream connection (the engine stops generating) rather than reading the rest."""
     root = tmp_path / "store"
     fake = FakeUpstream()
-    upstream = ThreadServer(fake.app)
-    server = ThreadServer(
-        create_app(open_backend(store_dir=root), GatewayConfig(upstream.url)), lifespan="on"
-    )
     store = TokenCaptureStore(root)
-    try:
+    with _served(root, fake) as server:
         async with (
             httpx.AsyncClient(base_url=server.url, timeout=30) as client,
-            client.stream(
-                "POST",
-                "/rollouts/r1/v1/chat/completions",
-                json={
-                    "model": MODEL,
-                    "messages": [_user("a slow stream")],
-                    "stream": True,
-                    "fake_chunk_delay": 0.1,
-                },
-                headers={"x-model-call-id": "gone"},
-            ) as answer,
+            _slow_stream(client, "gone", fake_chunk_delay=0.1) as answer,
         ):
             async for line in answer.aiter_lines():
                 if line.startswith("data: "):
@@ -385,9 +379,6 @@ async def test_client_disconnect_mid_stream_drops_the_upstream_stream(tmp_path: 
         while not (fake.streams_cut and store.is_incomplete("r1")):
             assert asyncio.get_running_loop().time() < deadline, "not cut or not marked"
             await asyncio.sleep(0.05)
-    finally:
-        server.stop()
-        upstream.stop()
     assert (fake.streams_cut, fake.streams_done) == (1, 0)
     assert store.read_entries("r1") == []
 

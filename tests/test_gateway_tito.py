@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.engine.tiny_model import ADDED, SPECIAL
 from tests.fake_upstream import FakeUpstream, ThreadServer
 
 from tokencapture import ParentResolutionStatus, TokenCaptureStore
@@ -37,10 +38,9 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(
         vocab_size=600,
-        special_tokens=special,
+        special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     corpus = [
@@ -49,16 +49,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "system user assistant tool the a number look up reply hello world",
     ] * 50
     tokenizer.train_from_iterator(corpus, trainer)
-    tokenizer.add_tokens(
-        [
-            "<tool_call>",
-            "</tool_call>",
-            "<tool_response>",
-            "</tool_response>",
-            "<think>",
-            "</think>",
-        ]
-    )
+    tokenizer.add_tokens(ADDED)
     root = tmp_path_factory.mktemp("tokenizer")
     tokenizer.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
