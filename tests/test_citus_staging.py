@@ -5,6 +5,7 @@ all or nothing; the workers' synchronous_commit is checked; the token store's sw
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -190,3 +191,10 @@ def test_sweep_retired_on_the_cluster(
         assert store.sweep_retired(-1) == 1
     finally:
         store.close_sync()
+
+
+def test_staging_conformance_on_the_cluster(citus_dsn: str) -> None:
+    from tokencapture.conformance import STAGING_CHECKS, run_staging_conformance
+
+    factory = functools.partial(PostgresStagingStore, citus_dsn)
+    assert tuple(run_staging_conformance(factory, process_factory=factory)) == STAGING_CHECKS

@@ -5,6 +5,7 @@ schema upgrade, server-side damage, durability settings, an unavailable server a
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,7 +156,7 @@ def test_async_lifecycle_checks_arguments_when_called(staging: Store) -> None:
         assert await staging.aretire(["r"]) == {"removed": ["r"], "absent": []}
         assert await staging.adelete(["r"]) == {"removed": ["r"], "absent": []}
         if isinstance(staging, PostgresStagingStore):
-            await staging.close()  # this loop's connections
+            await staging.aclose()  # this loop's connections
 
     asyncio.run(run())
 
@@ -364,6 +365,21 @@ def test_async_stage_and_fetch(dsn: str) -> None:  # noqa: F811
         assert fetched.model_dump() == records[0].model_dump()
         with pytest.raises(TypeError):
             store.afetch("r/c0")  # type: ignore[arg-type]
-        await store.close()
+        await store.aclose()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("models", ["nemo_gym", "tokencapture"])
+def test_staging_conformance(dsn: str, models: str) -> None:  # noqa: F811
+    """tokencapture.conformance's staging checks, every one (across processes too), with NeMo
+    Gym's models and ours."""
+    from tests.nemo_oracle import import_nemo
+
+    from tokencapture.conformance import STAGING_CHECKS, run_staging_conformance
+    from tokencapture.staging import records as ours
+
+    module = import_nemo("staging.records") if models == "nemo_gym" else ours
+    factory = functools.partial(PostgresStagingStore, dsn)
+    passed = run_staging_conformance(factory, process_factory=factory, records_module=module)
+    assert tuple(passed) == STAGING_CHECKS

@@ -21,20 +21,26 @@ CREATE TABLE tokencapture.staging_rollouts (
 
 CREATE TABLE tokencapture.staged_calls (
     rollout_id     text        NOT NULL,
-    staging_key    text        NOT NULL,
+    staging_key    text        COLLATE "C" NOT NULL,
     -- SHA-256 of row and attachments (StagedRow.content_digest): what idempotency compares.
     content_digest text        NOT NULL,
     row_bytes      bytea       NOT NULL,
     -- NULL when the call was staged without attachments.
     attachments    bytea,
     staged_at      timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (rollout_id, staging_key)
+    -- Key first: fetches name keys, not rollouts (a key's rollout id cannot be split off it:
+    -- both may hold '/'); the rollout id is in it because Citus needs the distribution column
+    -- in every unique index. The one index serves fetches, conflicts, and a rollout's rows
+    -- too: its keys are exactly those in [rollout_id || '/', rollout_id || '0') in byte order
+    -- ('0' follows '/'), which the "C" collation makes the index's order.
+    PRIMARY KEY (staging_key, rollout_id)
 );
--- Fetches name keys, not rollouts (a key's rollout id cannot be split off it: both may hold '/').
-CREATE INDEX staged_calls_key ON tokencapture.staged_calls (staging_key);
 -- The rows are verified token data with little redundancy: compression costs CPU for little.
+-- A W1 row (320 tokens) is ~5.6 kB: kept in the heap page rather than cut into TOAST chunks
+-- (three more tuples and index entries per stage) up to the largest target PostgreSQL allows.
 ALTER TABLE tokencapture.staged_calls ALTER COLUMN row_bytes SET STORAGE EXTERNAL;
 ALTER TABLE tokencapture.staged_calls ALTER COLUMN attachments SET STORAGE EXTERNAL;
+ALTER TABLE tokencapture.staged_calls SET (toast_tuple_target = 8160);
 
 -- One stage: fence checked under the rollout's KEY SHARE lock, then the row stored once.
 CREATE FUNCTION tokencapture.stage_call(
@@ -56,7 +62,7 @@ BEGIN
     INSERT INTO tokencapture.staged_calls
         (rollout_id, staging_key, content_digest, row_bytes, attachments)
         VALUES (p_rollout, p_key, p_digest, p_row, p_attachments)
-        ON CONFLICT (rollout_id, staging_key) DO NOTHING;
+        ON CONFLICT (staging_key, rollout_id) DO NOTHING;
     IF FOUND THEN RETURN 0; END IF;
     SELECT content_digest INTO known FROM tokencapture.staged_calls
         WHERE rollout_id = p_rollout AND staging_key = p_key;
@@ -117,7 +123,8 @@ BEGIN
     FOREACH id IN ARRAY p_rollouts LOOP
         UPDATE tokencapture.staging_rollouts SET retired = true, retired_at = now()
             WHERE rollout_id = id AND NOT retired;
-        DELETE FROM tokencapture.staged_calls WHERE rollout_id = id;
+        DELETE FROM tokencapture.staged_calls
+            WHERE rollout_id = id AND staging_key >= id || '/' AND staging_key < id || '0';
         IF FOUND THEN
             removed := removed || id;
         ELSE
@@ -142,7 +149,8 @@ BEGIN
         PERFORM 1 FROM tokencapture.staging_rollouts WHERE rollout_id = id FOR UPDATE;
     END LOOP;
     FOREACH id IN ARRAY p_rollouts LOOP
-        DELETE FROM tokencapture.staged_calls WHERE rollout_id = id;
+        DELETE FROM tokencapture.staged_calls
+            WHERE rollout_id = id AND staging_key >= id || '/' AND staging_key < id || '0';
         had := FOUND;
         DELETE FROM tokencapture.staging_rollouts WHERE rollout_id = id AND retired;
         IF had OR FOUND THEN
