@@ -70,11 +70,17 @@ def test_verify_finds_a_broken_chain(location: str, capsys: pytest.CaptureFixtur
     ) or FileStagingStore(location)
     orphan = make_record("solo", "late", [5, 6], parent=chain("elsewhere", 1)[0])
     assert store.stage(orphan).ok
+    # A call whose digests verify but whose cumulative hash covers only its own delta.
+    last = chain("a/b", 3)[-1]
+    assert store.stage(make_record("a/b", "c3", [1, 2], parent=last, prefix=[])).ok
     if hasattr(store, "close"):
         store.close()
     code, verified = run(capsys, "verify", location)
     assert code == 1 and not verified["ok"]
-    assert verified["problems"] == {"solo": ["solo/late: parent 'c0' is not staged"]}
+    assert verified["problems"] == {
+        "a/b": ["a/b/c3: cumulative_hash is not the hash of its chain's tokens"],
+        "solo": ["solo/late: parent 'c0' is not staged"],
+    }
 
 
 def test_verify_reports_damage_per_key(

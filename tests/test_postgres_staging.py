@@ -198,10 +198,14 @@ def test_both_backends_answer_alike(
     records = [*chain("x/y", 3), *chain("z", 2)]
     conflicting = make_record("z", "c0", [7, 7, 7, 7])
     quoted = make_record('q"\n\t', "c")
+    # One key from two rollouts ("s" + "t/u" and "s/t" + "u"): the second conflicts.
+    split = [make_record("s", "t/u"), make_record("s/t", "u")]
 
     def script(store: Store) -> list[Any]:
         out: list[Any] = [store.stage(r).model_dump() for r in records]
         out.append(store.stage(conflicting).model_dump())
+        out.extend(store.stage(r).model_dump() for r in split)
+        out.append([s.rollout_id for s in store.fetch(["s/t/u"])])
         out.append(store.stage(quoted).model_dump())
         out.append(store.retire(['q"\n\t']))
         out.append(store.stage(quoted).model_dump())

@@ -350,16 +350,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
         store.close_sync()
     payload = {"rollouts": len(rollouts), "problems": problems, "ok": not problems}
 
+    return _verified(args, payload, f"ok: {len(rollouts)} rollout(s) verified")
+
+
+def _verified(args: argparse.Namespace, payload: dict[str, Any], ok_line: str) -> int:
+    """Report a verification (`payload["problems"]`: rollout -> problems); exit 1 on any."""
+
     def render(p: dict[str, Any]) -> str:
         if p["ok"]:
-            return f"ok: {p['rollouts']} rollout(s) verified"
+            return ok_line
         lines = [f"{sum(len(v) for v in p['problems'].values())} problem(s):"]
         for rollout_id, found in p["problems"].items():
             lines.extend(f"  {rollout_id}: {problem}" for problem in found)
         return "\n".join(lines)
 
     _emit(args, payload, render)
-    return 0 if not problems else 1
+    return 0 if payload["ok"] else 1
 
 
 def _removal(args: argparse.Namespace, operation: str) -> Any:
@@ -711,16 +717,8 @@ def _staging_verify(args: argparse.Namespace) -> int:
         "ok": not problems,
     }
 
-    def render(p: dict[str, Any]) -> str:
-        if p["ok"]:
-            return f"ok: {p['keys']} staged call(s) of {p['rollouts']} rollout(s) verified"
-        lines = [f"{sum(len(v) for v in p['problems'].values())} problem(s):"]
-        for rollout_id, found in p["problems"].items():
-            lines.extend(f"  {rollout_id}: {problem}" for problem in found)
-        return "\n".join(lines)
-
-    _emit(args, payload, render)
-    return 0 if not problems else 1
+    ok_line = f"ok: {len(keys)} staged call(s) of {len(grouped)} rollout(s) verified"
+    return _verified(args, payload, ok_line)
 
 
 def _staging_removal(args: argparse.Namespace, operation: str) -> Any:

@@ -28,12 +28,13 @@ CREATE TABLE tokencapture.staged_calls (
     -- NULL when the call was staged without attachments.
     attachments    bytea,
     staged_at      timestamptz NOT NULL DEFAULT now(),
-    -- Key first: fetches name keys, not rollouts (a key's rollout id cannot be split off it:
-    -- both may hold '/'); the rollout id is in it because Citus needs the distribution column
-    -- in every unique index. The one index serves fetches, conflicts, and a rollout's rows
-    -- too: its keys are exactly those in [rollout_id || '/', rollout_id || '0') in byte order
-    -- ('0' follows '/'), which the "C" collation makes the index's order.
-    PRIMARY KEY (staging_key, rollout_id)
+    -- Unique by key, as in the file store: two rollouts whose ids split one key differently
+    -- ('a' + 'b/c', 'a/b' + 'c') cannot both stage it. The one index serves fetches (by key: a
+    -- key's rollout id cannot be split off it) and a rollout's rows too: its keys are exactly
+    -- those in [rollout_id || '/', rollout_id || '0') in byte order ('0' follows '/'), which
+    -- the "C" collation makes the index's order. (On Citus the key is (staging_key,
+    -- rollout_id): sql/citus/005_staging.sql.)
+    PRIMARY KEY (staging_key)
 );
 -- The rows are verified token data with little redundancy: compression costs CPU for little.
 -- A W1 row (320 tokens) is ~5.6 kB: kept in the heap page rather than cut into TOAST chunks
@@ -62,8 +63,9 @@ BEGIN
     INSERT INTO tokencapture.staged_calls
         (rollout_id, staging_key, content_digest, row_bytes, attachments)
         VALUES (p_rollout, p_key, p_digest, p_row, p_attachments)
-        ON CONFLICT (staging_key, rollout_id) DO NOTHING;
+        ON CONFLICT DO NOTHING;
     IF FOUND THEN RETURN 0; END IF;
+    -- Not stored: the key is there, of this rollout (the same content or not) or of another.
     SELECT content_digest INTO known FROM tokencapture.staged_calls
         WHERE rollout_id = p_rollout AND staging_key = p_key;
     IF known = p_digest THEN RETURN 1; END IF;
