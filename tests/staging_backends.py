@@ -19,16 +19,21 @@ def make_record(
     generated: int = 1,
     extras: dict[str, Any] | None = None,
     parent: StagedCallRecord | None = None,
+    prefix: list[int] | None = None,
     weight_version: int = 1,
 ) -> StagedCallRecord:
     """One verified staged call: `tokens` as its delta (the last `generated` of them generated,
-    the rest carried prompt), chained to `parent` when given."""
+    the rest carried prompt), chained to `parent` when given, whose cumulative tokens are
+    `prefix` (the parent's delta when not given)."""
     ids = list(tokens if tokens is not None else [1, 2, 3])
     carried = len(ids) - generated
     masks = [0.0] * carried + [1.0] * generated
     log_probs = [0.0] * carried + [-0.25 - i / 8 for i in range(generated)]
     prev_len = parent.cum_len if parent is not None else 0
     prefix_hash = parent.chain_hash if parent is not None else None
+    before = (
+        [] if parent is None else list(prefix if prefix is not None else parent.token_ids_delta)
+    )
     fields: dict[str, Any] = {
         "schema_version": 2,
         "digest_version": 2,
@@ -46,8 +51,7 @@ def make_record(
         "generation_log_probs_delta": log_probs,
         "extras_digest": digest.compute_extras_digest(extras),
         "chain_hash": digest.compute_chain_hash(prefix_hash, ids),
-        # Only the delta is known here; a test chain's cumulative hash covers the delta.
-        "cumulative_hash": digest.hash_token_ids(ids),
+        "cumulative_hash": digest.hash_token_ids([*before, *ids]),
     }
     return StagedCallRecord(digest=digest.compute_staging_digest(**fields), extras=extras, **fields)
 
@@ -55,8 +59,10 @@ def make_record(
 def chain(rollout_id: str, calls: int, size: int = 8) -> list[StagedCallRecord]:
     """`calls` chained calls of one rollout, each with a delta of `size` tokens."""
     records: list[StagedCallRecord] = []
+    cumulative: list[int] = []
     for n in range(calls):
         parent = records[-1] if records else None
         tokens = [(n * size + i) % 50_000 for i in range(size)]
-        records.append(make_record(rollout_id, f"c{n}", tokens, parent=parent))
+        records.append(make_record(rollout_id, f"c{n}", tokens, parent=parent, prefix=cumulative))
+        cumulative = [*cumulative, *tokens]
     return records

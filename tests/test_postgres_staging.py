@@ -5,6 +5,7 @@ schema upgrade, server-side damage, durability settings, an unavailable server a
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,7 +156,7 @@ def test_async_lifecycle_checks_arguments_when_called(staging: Store) -> None:
         assert await staging.aretire(["r"]) == {"removed": ["r"], "absent": []}
         assert await staging.adelete(["r"]) == {"removed": ["r"], "absent": []}
         if isinstance(staging, PostgresStagingStore):
-            await staging.close()  # this loop's connections
+            await staging.aclose()  # this loop's connections
 
     asyncio.run(run())
 
@@ -197,10 +198,14 @@ def test_both_backends_answer_alike(
     records = [*chain("x/y", 3), *chain("z", 2)]
     conflicting = make_record("z", "c0", [7, 7, 7, 7])
     quoted = make_record('q"\n\t', "c")
+    # One key from two rollouts ("s" + "t/u" and "s/t" + "u"): the second conflicts.
+    split = [make_record("s", "t/u"), make_record("s/t", "u")]
 
     def script(store: Store) -> list[Any]:
         out: list[Any] = [store.stage(r).model_dump() for r in records]
         out.append(store.stage(conflicting).model_dump())
+        out.extend(store.stage(r).model_dump() for r in split)
+        out.append([s.rollout_id for s in store.fetch(["s/t/u"])])
         out.append(store.stage(quoted).model_dump())
         out.append(store.retire(['q"\n\t']))
         out.append(store.stage(quoted).model_dump())
@@ -364,6 +369,21 @@ def test_async_stage_and_fetch(dsn: str) -> None:  # noqa: F811
         assert fetched.model_dump() == records[0].model_dump()
         with pytest.raises(TypeError):
             store.afetch("r/c0")  # type: ignore[arg-type]
-        await store.close()
+        await store.aclose()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("models", ["nemo_gym", "tokencapture"])
+def test_staging_conformance(dsn: str, models: str) -> None:  # noqa: F811
+    """tokencapture.conformance's staging checks, every one (across processes too), with NeMo
+    Gym's models and ours."""
+    from tests.nemo_oracle import import_nemo
+
+    from tokencapture.conformance import STAGING_CHECKS, run_staging_conformance
+    from tokencapture.staging import records as ours
+
+    module = import_nemo("staging.records") if models == "nemo_gym" else ours
+    factory = functools.partial(PostgresStagingStore, dsn)
+    passed = run_staging_conformance(factory, process_factory=factory, records_module=module)
+    assert tuple(passed) == STAGING_CHECKS

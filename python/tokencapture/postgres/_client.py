@@ -439,16 +439,31 @@ class Client:
                 ) from exc
         raise AssertionError("unreachable")
 
-    def run_sync(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        """Run a coroutine of this client on its own loop thread, from synchronous code."""
+    def _loop_thread(self) -> _LoopThread:
+        """This client's loop thread (started on first use; a forked child starts its own)."""
         if self._pid != os.getpid():
             self._thread = None
             self._pid = os.getpid()
-        if self._thread is None:
+        thread = self._thread
+        if thread is None:
             with self._thread_lock:
                 if self._thread is None:
                     self._thread = _LoopThread()
-        return self._thread.run(coro)
+                thread = self._thread
+        return thread
+
+    def run_sync(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run a coroutine of this client on its own loop thread, from synchronous code."""
+        return self._loop_thread().run(coro)
+
+    def call_in_thread(
+        self, callback: Callable[..., object], *args: Any
+    ) -> asyncio.AbstractEventLoop:
+        """Schedule `callback(loop, *args)` on this client's loop thread (from any thread),
+        without the task a coroutine would need; the loop it will run on."""
+        loop = self._loop_thread().loop
+        loop.call_soon_threadsafe(callback, loop, *args)
+        return loop
 
     async def close(self) -> None:
         """Close this loop's pool and the loop thread's; terminate pools of other loops."""
@@ -503,12 +518,22 @@ def _copy_error(exc: BaseException) -> BaseException:
 
 
 class CallBatcher:
-    """Calls waiting on one event loop, sent together: whenever a connection is free, every
-    call queued since the last flush (up to `max_batch`) goes in one call of `sql`, whose
+    """Calls waiting on one event loop, sent together: whenever a flush may start (fewer than
+    `max_flushing` in flight), every call queued since the last one (up to `max_batch`) goes
+    in one call of `sql`, whose
     parameters are the queued calls' arguments as arrays (one array per argument) and whose
     answer is one status per call. `tokencapture.put_batch` and `tokencapture.stage_batch`."""
 
-    __slots__ = ("client", "flushing", "loop", "max_batch", "pending", "scheduled", "sql")
+    __slots__ = (
+        "client",
+        "flushing",
+        "loop",
+        "max_batch",
+        "max_flushing",
+        "pending",
+        "scheduled",
+        "sql",
+    )
 
     def __init__(
         self,
@@ -516,11 +541,15 @@ class CallBatcher:
         loop: asyncio.AbstractEventLoop,
         max_batch: int,
         sql: str,
+        max_flushing: int | None = None,
     ) -> None:
         self.client = client
         self.loop = loop
         self.max_batch = max_batch
         self.sql = sql
+        # Calls in flight at once (at most the pool's connections): fewer, larger batches
+        # cost the server less per call; what waits meanwhile joins the next batch.
+        self.max_flushing = min(max_flushing or client.pool_size, client.pool_size)
         self.pending: list[tuple[tuple[Any, ...], asyncio.Future[int]]] = []
         self.flushing = 0
         self.scheduled = False
@@ -532,13 +561,13 @@ class CallBatcher:
         return future
 
     def _schedule(self) -> None:
-        if not self.scheduled and self.flushing < self.client.pool_size:
+        if not self.scheduled and self.flushing < self.max_flushing:
             self.scheduled = True
             self.loop.call_soon(self._start)
 
     def _start(self) -> None:
         self.scheduled = False
-        while self.pending and self.flushing < self.client.pool_size:
+        while self.pending and self.flushing < self.max_flushing:
             batch = self.pending[: self.max_batch]
             del self.pending[: self.max_batch]
             self.flushing += 1

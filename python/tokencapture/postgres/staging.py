@@ -9,12 +9,14 @@ and, on Citus, on every worker) instead of a group-committed ``fdatasync``. The 
 Threads. ``stage`` is synchronous and is called from many completion threads at once. Each
 caller verifies and encodes its record in its own thread (`tokencapture._core.staging_encode`,
 the GIL released for the hashing), then hands the encoded row to the store's one event-loop
-thread (the loop every synchronous method of the PostgreSQL classes runs on) and blocks, GIL
-released, on the answer. On that loop the stages waiting for a connection are gathered into
-one ``tokencapture.stage_batch`` call: one round trip and one commit (one WAL flush) for all of
-them, each with its own status; at most ``pool_size`` such calls are in flight. So asyncpg's
-connections are only ever touched from the thread that owns them, any number of threads may
-stage, and a burst of stages costs about one commit per connection, not one per stage. On a
+thread (the loop every synchronous method of the PostgreSQL classes runs on; a callback
+scheduled with ``call_soon_threadsafe``, no task per stage) and blocks, GIL released, on a
+``concurrent.futures.Future``. On that loop the stages that arrive while earlier batches are
+in flight are gathered into one ``tokencapture.stage_batch`` call: one round trip and one
+commit (one WAL flush) for all of them, each with its own status; at most ``stage_flushes``
+(3) such calls are in flight. So asyncpg's connections are only ever touched from the thread
+that owns them, any number of threads may stage, and a burst of stages costs a few commits,
+not one per stage. On a
 Citus cluster each stage is its own call, delegated to the worker that owns its rollout (a
 batch would run on the coordinator and tie every stage in it to every worker it spans).
 
@@ -24,6 +26,7 @@ NeMo Gym constructs it as ``tokencapture:PostgresStagingStore`` with ``{"dsn": .
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import weakref
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
@@ -65,7 +68,11 @@ _RETIRED_AMONG = (
     "SELECT rollout_id FROM tokencapture.staging_rollouts WHERE retired AND rollout_id = ANY($1)"
 )
 _KEYS_ALL = "SELECT staging_key FROM tokencapture.staged_calls"
-_KEYS_OF = "SELECT staging_key FROM tokencapture.staged_calls WHERE rollout_id = $1"
+# A rollout's keys are those in [id || '/', id || '0') (the "C" collation: sql/005_staging.sql).
+_KEYS_OF = (
+    "SELECT staging_key FROM tokencapture.staged_calls WHERE rollout_id = $1 "
+    "AND staging_key >= $1 || '/' AND staging_key < $1 || '0'"
+)
 _RETIRE = "SELECT * FROM tokencapture.retire_staging($1)"
 _DELETE = "SELECT * FROM tokencapture.delete_staging($1)"
 
@@ -113,6 +120,11 @@ def _refusal(status: int, args: _StageArgs) -> Exception:
             f"staging key {_quoted(args[1])} is already staged with different content"
         )
     raise AssertionError(f"unexpected status {status} from the server")
+
+
+def _check_status(status: int, args: _StageArgs) -> None:
+    if status not in (_STORED, _DUPLICATE):
+        raise _refusal(status, args)
 
 
 def _unknown(key: str, retired_rollout: str | None) -> StagingKeyError:
@@ -164,8 +176,10 @@ class PostgresStagingStore:
       ``astage``, ``afetch``, ``afetch_records``) run on the caller's event loop.
 
     Options: ``models`` (as for `FileStagingStore`), ``batch_stages`` (default True: stages
-    waiting for a connection share one call and one commit) and ``stage_batch_size`` (at most
-    64 per call by default), and the connection options of every PostgreSQL class
+    that wait share one call and one commit), ``stage_batch_size`` (at most 256 stages per
+    call), ``stage_flushes`` (at most 3 such calls in flight at once, each on its own
+    connection: fewer, larger batches cost the server less per stage; measured in
+    benches/bench_staging_pg.py), and the connection options of every PostgreSQL class
     (``pool_size``, ``connect_timeout``, ``statement_timeout``, ``synchronous_commit``,
     ``allow_unflushed_commits``, ``install_schema``, ``statement_cache_size``; see
     docs/postgres.md).
@@ -180,18 +194,24 @@ class PostgresStagingStore:
         *,
         models: ModelsChoice = "auto",
         batch_stages: bool = True,
-        stage_batch_size: int = 64,
+        stage_batch_size: int = 256,
+        stage_flushes: int = 3,
         **options: Any,
     ) -> None:
         if isinstance(stage_batch_size, bool) or not isinstance(stage_batch_size, int):
             raise TypeError("stage_batch_size must be an int")
         if stage_batch_size < 1:
             raise ValueError("stage_batch_size must be at least 1")
+        if isinstance(stage_flushes, bool) or not isinstance(stage_flushes, int):
+            raise TypeError("stage_flushes must be an int")
+        if stage_flushes < 1:
+            raise ValueError("stage_flushes must be at least 1")
         StagingModels.resolve(models)  # refuse a bad choice now
         self._models_choice = models
         self._client = Client(dsn, **options)
         self._batch_stages = batch_stages
         self._stage_batch_size = stage_batch_size
+        self._stage_flushes = stage_flushes
         self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CallBatcher] = (
             weakref.WeakKeyDictionary()
         )
@@ -223,10 +243,46 @@ class PostgresStagingStore:
         models = StagingModels.of_record(record, self._models())
         try:
             args = self._stage_args(record, attachments)
-            self._client.run_sync(self._store(args))
+            if self._batch_stages and self._client.distributed is False:
+                # The hot path: straight into the loop thread's batcher (no task per stage).
+                answer: concurrent.futures.Future[int] = concurrent.futures.Future()
+                self._client.call_in_thread(self._submit, args, answer)
+                _check_status(answer.result(), args)
+            else:
+                self._client.run_sync(self._store(args))
         except _STAGE_FAILURES as error:
             return models.failed(failure_reason(error))
         return models.ok(args[1])
+
+    def _batcher(self, loop: asyncio.AbstractEventLoop) -> CallBatcher:
+        batcher = self._batchers.get(loop)
+        if batcher is None:
+            batcher = CallBatcher(
+                self._client, loop, self._stage_batch_size, _STAGE_BATCH, self._stage_flushes
+            )
+            self._batchers[loop] = batcher
+        return batcher
+
+    def _submit(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        args: _StageArgs,
+        answer: concurrent.futures.Future[int],
+    ) -> None:
+        """On the loop thread: queue one stage; its status (or failure) goes to `answer`."""
+
+        def settle(done: asyncio.Future[int]) -> None:
+            if done.cancelled():
+                answer.cancel()
+            elif (error := done.exception()) is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(done.result())
+
+        try:
+            self._batcher(loop).submit(args).add_done_callback(settle)
+        except BaseException as error:
+            answer.set_exception(error)
 
     def astage(
         self, record: Any, *, attachments: Mapping[str, Any] | None = None
@@ -255,16 +311,10 @@ class PostgresStagingStore:
         """Store one encoded stage (batched with others waiting, unless on Citus: there a
         stage alone is delegated to its rollout's worker); raises the refusal."""
         if self._batch_stages and self._client.distributed is False:
-            loop = asyncio.get_running_loop()
-            batcher = self._batchers.get(loop)
-            if batcher is None:
-                batcher = CallBatcher(self._client, loop, self._stage_batch_size, _STAGE_BATCH)
-                self._batchers[loop] = batcher
-            status = await batcher.submit(args)
+            status = await self._batcher(asyncio.get_running_loop()).submit(args)
         else:
             status = await self._client.fetch("val", _STAGE, *args)
-        if status not in (_STORED, _DUPLICATE):
-            raise _refusal(status, args)
+        _check_status(status, args)
 
     # ---- StagingSource ------------------------------------------------------------------
 
@@ -379,9 +429,13 @@ class PostgresStagingStore:
 
     # ---- connections --------------------------------------------------------------------
 
-    async def close(self) -> None:
-        """Close this store's connections (idempotent)."""
-        await self._client.close()
-
-    def close_sync(self) -> None:
+    def close(self) -> None:
+        """Close this store's connections (idempotent). Synchronous, as the staging protocols
+        are (the other PostgreSQL classes' `close` is a coroutine; here that is `aclose`)."""
         self._client.close_sync()
+
+    close_sync = close
+
+    async def aclose(self) -> None:
+        """`close` from a coroutine: this loop's connections closed without blocking it."""
+        await self._client.close()

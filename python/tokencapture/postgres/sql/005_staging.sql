@@ -21,20 +21,27 @@ CREATE TABLE tokencapture.staging_rollouts (
 
 CREATE TABLE tokencapture.staged_calls (
     rollout_id     text        NOT NULL,
-    staging_key    text        NOT NULL,
+    staging_key    text        COLLATE "C" NOT NULL,
     -- SHA-256 of row and attachments (StagedRow.content_digest): what idempotency compares.
     content_digest text        NOT NULL,
     row_bytes      bytea       NOT NULL,
     -- NULL when the call was staged without attachments.
     attachments    bytea,
     staged_at      timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (rollout_id, staging_key)
+    -- Unique by key, as in the file store: two rollouts whose ids split one key differently
+    -- ('a' + 'b/c', 'a/b' + 'c') cannot both stage it. The one index serves fetches (by key: a
+    -- key's rollout id cannot be split off it) and a rollout's rows too: its keys are exactly
+    -- those in [rollout_id || '/', rollout_id || '0') in byte order ('0' follows '/'), which
+    -- the "C" collation makes the index's order. (On Citus the key is (staging_key,
+    -- rollout_id): sql/citus/005_staging.sql.)
+    PRIMARY KEY (staging_key)
 );
--- Fetches name keys, not rollouts (a key's rollout id cannot be split off it: both may hold '/').
-CREATE INDEX staged_calls_key ON tokencapture.staged_calls (staging_key);
 -- The rows are verified token data with little redundancy: compression costs CPU for little.
+-- A W1 row (320 tokens) is ~5.6 kB: kept in the heap page rather than cut into TOAST chunks
+-- (three more tuples and index entries per stage) up to the largest target PostgreSQL allows.
 ALTER TABLE tokencapture.staged_calls ALTER COLUMN row_bytes SET STORAGE EXTERNAL;
 ALTER TABLE tokencapture.staged_calls ALTER COLUMN attachments SET STORAGE EXTERNAL;
+ALTER TABLE tokencapture.staged_calls SET (toast_tuple_target = 8160);
 
 -- One stage: fence checked under the rollout's KEY SHARE lock, then the row stored once.
 CREATE FUNCTION tokencapture.stage_call(
@@ -56,8 +63,9 @@ BEGIN
     INSERT INTO tokencapture.staged_calls
         (rollout_id, staging_key, content_digest, row_bytes, attachments)
         VALUES (p_rollout, p_key, p_digest, p_row, p_attachments)
-        ON CONFLICT (rollout_id, staging_key) DO NOTHING;
+        ON CONFLICT DO NOTHING;
     IF FOUND THEN RETURN 0; END IF;
+    -- Not stored: the key is there, of this rollout (the same content or not) or of another.
     SELECT content_digest INTO known FROM tokencapture.staged_calls
         WHERE rollout_id = p_rollout AND staging_key = p_key;
     IF known = p_digest THEN RETURN 1; END IF;
@@ -117,7 +125,8 @@ BEGIN
     FOREACH id IN ARRAY p_rollouts LOOP
         UPDATE tokencapture.staging_rollouts SET retired = true, retired_at = now()
             WHERE rollout_id = id AND NOT retired;
-        DELETE FROM tokencapture.staged_calls WHERE rollout_id = id;
+        DELETE FROM tokencapture.staged_calls
+            WHERE rollout_id = id AND staging_key >= id || '/' AND staging_key < id || '0';
         IF FOUND THEN
             removed := removed || id;
         ELSE
@@ -142,7 +151,8 @@ BEGIN
         PERFORM 1 FROM tokencapture.staging_rollouts WHERE rollout_id = id FOR UPDATE;
     END LOOP;
     FOREACH id IN ARRAY p_rollouts LOOP
-        DELETE FROM tokencapture.staged_calls WHERE rollout_id = id;
+        DELETE FROM tokencapture.staged_calls
+            WHERE rollout_id = id AND staging_key >= id || '/' AND staging_key < id || '0';
         had := FOUND;
         DELETE FROM tokencapture.staging_rollouts WHERE rollout_id = id AND retired;
         IF had OR FOUND THEN
