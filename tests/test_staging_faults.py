@@ -188,7 +188,7 @@ def test_processes_racing_retire_fence_every_stager(tmp_path: Path) -> None:
     marker = tmp_path / "retired"
     stagers = [
         subprocess.Popen(
-            [*CHILD, "race", str(root), "hot", str(marker), "3"],
+            [*CHILD, "race", str(root), "hot", str(marker), "1"],
             stdout=subprocess.PIPE,
             cwd=REPO_ROOT,
             env=child_env(),
@@ -204,7 +204,12 @@ def test_processes_racing_retire_fence_every_stager(tmp_path: Path) -> None:
         )
         for _ in range(3)
     ]
-    time.sleep(1.5)  # the stagers are running
+    # Retire only once every stager has an acknowledged stage (imports can take seconds here).
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("retired.ready.*"))) < len(stagers):
+        assert time.monotonic() < deadline, "the stagers never staged"
+        assert all(p.poll() is None for p in stagers), "a stager exited before staging"
+        time.sleep(0.01)
     Path(str(marker) + ".go").touch()
     removals = [json.loads(p.communicate(timeout=60)[0]) for p in retirers]
     summaries = [json.loads(p.communicate(timeout=60)[0]) for p in stagers]

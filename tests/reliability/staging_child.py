@@ -101,17 +101,28 @@ def script(root: str) -> None:
 
 
 def race(root: str, rollout_id: str, marker: str, seconds: float) -> None:
+    """Stage fresh calls until ``seconds`` after the retire marker appeared (at most a minute).
+
+    ``<marker>.ready.<pid>`` appears once this process has an acknowledged stage, so the test
+    starts the retirers only when every stager is really staging (a loaded machine can take
+    seconds to import)."""
     store = FileStagingStore(root)
     summary = {"ok_before": 0, "ok_after_marker": 0, "refused": 0}
-    deadline = time.monotonic() + seconds
+    give_up = time.monotonic() + 60.0
+    marker_seen: float | None = None
+    ready = Path(f"{marker}.ready.{os.getpid()}")
     n = 0
-    while time.monotonic() < deadline:
+    while time.monotonic() < give_up:
+        if marker_seen is not None and time.monotonic() - marker_seen >= seconds:
+            break
         (record,) = build_chain(ours, rollout_id, 1, variant=0)
         record = ours.StagedCallRecord.model_validate(
             {**record.model_dump(), "model_call_id": f"call-{os.getpid()}-{n}"}
             | _redigest(record, f"call-{os.getpid()}-{n}")
         )
         after_marker = os.path.exists(marker)
+        if after_marker and marker_seen is None:
+            marker_seen = time.monotonic()
         result = store.stage(record)
         if not result.ok:
             summary["refused"] += 1
@@ -119,6 +130,7 @@ def race(root: str, rollout_id: str, marker: str, seconds: float) -> None:
             summary["ok_after_marker"] += 1
         else:
             summary["ok_before"] += 1
+            ready.touch()
         n += 1
     print(json.dumps(summary))
 
