@@ -32,6 +32,7 @@ import asyncio
 import functools
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -318,6 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fake.stop()
         if engine is not None:
             engine.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
     results["summary"] = summarize(results["runs"])
     return results
 

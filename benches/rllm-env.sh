@@ -6,9 +6,8 @@
 #
 #     python benches/bench_gateway.py --rllm-python "$(bash benches/rllm-env.sh)"
 #
-# The venv lives in the machine-level cache the engine's venv uses (scripts/vllm-env.sh):
-# /var/cache/tokencapture/rllm-model-gateway-<version> as root, else
-# ${XDG_CACHE_HOME:-~/.cache}/tokencapture/...; TOKENCAPTURE_CACHE_DIR overrides the parent.
+# The venv lives in the machine-level cache the engine's venv uses (scripts/cache-dir.sh:
+# /var/cache/tokencapture as root), as rllm-model-gateway-<version>.
 # Installed once (a few seconds with a warm pip cache), then only checked: the stamp file
 # `.installed`, written last, holds the version, so an interrupted install is redone.
 set -euo pipefail
@@ -16,13 +15,7 @@ umask 022
 
 version="${RLLM_GATEWAY_VERSION:-0.1.0}"
 
-if [ -n "${TOKENCAPTURE_CACHE_DIR:-}" ]; then
-    cache="$TOKENCAPTURE_CACHE_DIR"
-elif [ "$(id -u)" = 0 ]; then
-    cache=/var/cache/tokencapture
-else
-    cache="${XDG_CACHE_HOME:-$HOME/.cache}/tokencapture"
-fi
+cache="$(bash "$(cd "$(dirname "$0")" && pwd)/../scripts/cache-dir.sh")"
 venv="$cache/rllm-model-gateway-$version"
 stamp="$venv/.installed"
 key="rllm-model-gateway $version"

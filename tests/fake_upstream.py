@@ -671,53 +671,106 @@ _runner: tuple[Account, list[str]] | None = None
 RUNNER_REASON = ""  # why the servers run as the tests' own user, when they are root
 
 
+def _servers_venv(python: str) -> Path:
+    """A venv of the gateway's runtime dependencies (pyproject's, with the gateway and
+    postgres extras) for the servers' account, from the system interpreter `python`: made once
+    in the machine-level cache beside the engine's (/var/cache/tokencapture), keyed by the
+    requirement list, for a test environment (CI's) whose packages live under /root."""
+    import fcntl
+    import hashlib
+    import tomllib
+
+    project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    requirements = [*project["dependencies"], *extras["gateway"], *extras["postgres"]]
+    key = hashlib.sha256("\n".join([python, *requirements]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("TOKENCAPTURE_CACHE_DIR") or "/var/cache/tokencapture")
+    venv = cache / f"test-servers-{Path(python).name}-{key}"
+    stamp = venv / ".installed"
+    if stamp.exists():
+        return venv
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".test-servers.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stamp.exists():
+            subprocess.run([python, "-m", "venv", "--clear", str(venv)], check=True)
+            subprocess.run(
+                [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *requirements],
+                check=True,
+            )
+            subprocess.run(["chmod", "-R", "a+rX", str(venv)], check=True)
+            stamp.write_text(key)
+    return venv
+
+
+def _probe(runner: Account, python: str, prelude: str) -> str:
+    """'' when `python -c prelude...` imports the gateway and this module as `runner`, else
+    its error."""
+    probe = subprocess.run(
+        [python, "-c", prelude + "import tokencapture.gateway.server, tests.fake_upstream"],
+        capture_output=True,
+        check=False,
+        cwd="/",
+        **runner.popen(),
+    )
+    return "" if probe.returncode == 0 else probe.stderr.decode(errors="replace")[-500:]
+
+
 def server_runner() -> tuple[Account, list[str]]:
     """The account the test servers run as and the argv that runs a module or a script as it
     (`[*prefix, "tokencapture", ...]` or `[*prefix, "path/to/script.py", ...]`).
 
-    As root: `tokencapture-test`, with the system's python3 loading this venv's site-packages
-    (this venv's own interpreter may live under /root, which the account cannot read), when a
-    probe shows that it imports the gateway as that account; otherwise (and when not root) the
-    tests' own user and interpreter, and `RUNNER_REASON` says why.
+    As root: `tokencapture-test`, with the system's python3 of our minor version (our own
+    interpreter may live under /root, which the account cannot read) loading this
+    environment's site-packages, or, when the account cannot read those either, a venv of the
+    runtime dependencies made for it (`_servers_venv`) and this checkout's `python/`; each
+    after a probe that it imports the gateway as the account. Otherwise (and when not root)
+    the tests' own user and interpreter, and `RUNNER_REASON` says why.
     """
     global _runner, RUNNER_REASON
     if _runner is not None:
         return _runner
     root_path = f"import sys; sys.path.insert(0, {str(_ROOT)!r}); "
     ours = (accounts.current(), [sys.executable, "-c", root_path + _RUN])
+    _runner = ours
     if os.geteuid() != 0:
-        _runner = ours
         return _runner
     import sysconfig
 
-    prelude = (
-        f"import site, sys; site.addsitedir({sysconfig.get_paths()['purelib']!r}); "
-        f"sys.path.insert(0, {str(_ROOT)!r}); "
-    )
-    reason = "no system python3 of this minor version"
     try:
         runner = accounts.account(SERVER_ACCOUNT, create=True)
     except accounts.AccountUnavailable as exc:
         RUNNER_REASON = str(exc)
-        _runner = ours
         return _runner
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    for python in (f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"):
-        if not Path(python).exists():
-            continue
-        probe = subprocess.run(
-            [python, "-c", prelude + "import tokencapture.gateway.server, tests.fake_upstream"],
-            capture_output=True,
-            check=False,
-            cwd="/",
-            **runner.popen(),
-        )
-        if probe.returncode == 0:
-            _runner = (runner, [python, "-c", prelude + _RUN])
-            return _runner
-        reason = f"{python} as {SERVER_ACCOUNT}: {probe.stderr.decode(errors='replace')[-500:]}"
-    RUNNER_REASON = reason
-    _runner = ours
+    pythons = [
+        python
+        for python in (f"/usr/bin/python{version}", f"/usr/local/bin/python{version}")
+        if Path(python).exists()
+    ]
+    if not pythons:
+        RUNNER_REASON = f"no system python{version} to run the servers as {SERVER_ACCOUNT}"
+        return _runner
+    python = pythons[0]
+    ours_site = (
+        f"import site, sys; site.addsitedir({sysconfig.get_paths()['purelib']!r}); " + root_path
+    )
+    error = _probe(runner, python, ours_site)
+    if not error:
+        _runner = (runner, [python, "-c", ours_site + _RUN])
+        return _runner
+    try:
+        venv = _servers_venv(python)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        RUNNER_REASON = f"{error}; and no venv for the servers: {exc}"
+        return _runner
+    checkout = f"import sys; sys.path[:0] = [{str(_ROOT / 'python')!r}, {str(_ROOT)!r}]; "
+    venv_python = str(venv / "bin" / "python")
+    venv_error = _probe(runner, venv_python, checkout)
+    if venv_error:
+        RUNNER_REASON = f"{error}; with {venv}: {venv_error}"
+        return _runner
+    _runner = (runner, [venv_python, "-c", checkout + _RUN])
     return _runner
 
 

@@ -1,6 +1,6 @@
-"""SIGKILLs of a `tokencapture gateway` process under concurrent agent sessions: the load and
-the bookkeeping that tests/test_gateway_process.py (fake upstream) and
-tests/test_gateway_vllm.py (the real engine) share.
+"""Gateway processes under test: SIGKILLs of a `tokencapture gateway` under concurrent agent
+sessions (the load and the bookkeeping that tests/test_gateway_process.py, fake upstream, and
+tests/test_gateway_vllm.py, the real engine, share) and the fake upstream as a process.
 
 Each round starts a gateway on the same store, runs `sessions` closed-loop multi-turn chats
 through it, SIGKILLs it at a random moment, and keeps every answer that reached a client
@@ -11,19 +11,28 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-from tests.fake_upstream import Server, start_gateway
+import pytest
+from tests.fake_upstream import Server, start_fake, start_gateway
 
 from tokencapture import TokenCaptureStore, TokenEntry
 
-__all__ = ["KillRun", "run_kills"]
+__all__ = ["KillRun", "fake", "run_kills"]
 
 Key = tuple[str, str]
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The fake upstream as a process of its own, for a module's gateway processes."""
+    server = start_fake(tmp_path_factory.mktemp("fake"))
+    yield server
+    server.stop()
 
 
 @dataclass

@@ -13,20 +13,14 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.fake_upstream import MODEL, Server, render_chat, start_fake, start_gateway
+from tests.fake_upstream import MODEL, Server, render_chat, start_gateway
+from tests.gateway_kills import fake
 from tests.postgres_fixture import dsn, execute, fetch, pg_dsn, pg_server
 
 from tokencapture import ParentResolutionStatus
 from tokencapture.postgres import PostgresTokenCaptureStore
 
-__all__ = ["dsn", "pg_dsn", "pg_server"]
-
-
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_fake(tmp_path_factory.mktemp("fake"))
-    yield server
-    server.stop()
+__all__ = ["dsn", "fake", "pg_dsn", "pg_server"]
 
 
 @pytest.fixture

@@ -20,19 +20,13 @@ from tests.fake_upstream import (
     render_chat,
     server_dir,
     server_runner,
-    start_fake,
     start_gateway,
 )
-from tests.gateway_kills import run_kills
+from tests.gateway_kills import fake, run_kills
 
 from tokencapture import TokenCaptureStore
 
-
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_fake(tmp_path_factory.mktemp("fake"))
-    yield server
-    server.stop()
+__all__ = ["fake"]  # the module-scoped fake upstream process (a fixture)
 
 
 @pytest.fixture
