@@ -100,8 +100,20 @@ pub fn read_at(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
 /// Only bytes beyond what `buf` already holds are zeroed first: a recycled whole-log buffer
 /// would otherwise be cleared in full (megabytes) just to be overwritten.
 pub fn read_into(file: &File, offset: u64, len: usize, buf: &mut Vec<u8>) -> io::Result<()> {
-    buf.resize(len, 0);
+    zeroed_to(buf, len);
     file.read_exact_at(buf, offset)
+}
+
+/// Make `buf` `len` bytes long, to be overwritten. An empty buffer becomes a fresh zeroed
+/// allocation (for megabytes, pages the kernel zeroes as they are first touched: no memset of
+/// the whole log before it is read over); a reused one grows in place, keeping its pages
+/// (zeroing only what it adds).
+pub fn zeroed_to(buf: &mut Vec<u8>, len: usize) {
+    if buf.capacity() == 0 {
+        *buf = vec![0u8; len];
+    } else {
+        buf.resize(len, 0);
+    }
 }
 
 /// Fill `buf` from the start of `file` in chunks, handing each complete line to `each_line`

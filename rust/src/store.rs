@@ -680,7 +680,7 @@ impl Store {
     /// The spare buffer (see `read_whole_log`), `len` bytes long, to be overwritten.
     fn spare_buffer(&self, len: usize) -> Vec<u8> {
         let mut buf = std::mem::take(&mut *self.spare());
-        buf.resize(len, 0);
+        crate::log::zeroed_to(&mut buf, len);
         buf
     }
 
