@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,13 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.fake_upstream import Server, free_port, start_fake, start_gateway  # noqa: E402
+from tests.fake_upstream import (  # noqa: E402
+    Server,
+    free_port,
+    server_dir,
+    start_fake,
+    start_gateway,
+)
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -247,7 +252,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """`--rounds` rounds; in each, for every upstream and concurrency, the direct baseline
     and then every target, in an order rotated from round to round (the machine's noise
     falls on all of them alike)."""
-    work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    # As root the gateway runs as the tests' unprivileged account: its stores live where that
+    # account can write (tests/fake_upstream.py's server_dir).
+    work = server_dir("bench-gateway-")
     results: dict[str, Any] = {
         "load_average": os.getloadavg(),
         "cpus": os.cpu_count(),
@@ -257,7 +264,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     upstreams: list[tuple[str, str, Any]] = []
     fake = start_fake(work)
-    upstreams.append(("fake", fake.url, "fake-tiny"))
+    if not args.skip_fake:
+        upstreams.append(("fake", fake.url, "fake-tiny"))
     engine = None
     if args.vllm:
         from tests.vllm_engine import VllmEngine
@@ -401,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         help="python of a venv with rllm-model-gateway (measured beside ours)",
     )
     parser.add_argument("--vllm", action="store_true", help="also against the tiny vLLM")
+    parser.add_argument(
+        "--skip-fake", action="store_true", help="with --vllm: only against the tiny vLLM"
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     print(

@@ -132,6 +132,13 @@ class FileStagingStore:
         ids = _rollout_ids(rollout_ids)
         return asyncio.get_running_loop().run_in_executor(None, self.delete, ids)
 
+    def damage(self) -> list[tuple[str, int, int]]:
+        """Damaged ranges of acknowledged frames, ``(segment file, start, end)``: bytes that
+        no longer read back, found mid-segment (see docs/staging.md, the recovery rule). Empty
+        on a healthy store. While any is known, a fetch of a key the store does not hold raises
+        `TokenCaptureCorruptionError` (it may have been there) instead of `StagingKeyError`."""
+        return self._native.damage()
+
     def commit_stats(self) -> tuple[int, int, int]:
         """``(batches, frames, syncs)`` this instance committed: how far group commit shared
         its syncs."""
