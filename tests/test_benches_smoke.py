@@ -95,3 +95,26 @@ def test_compare_adds_a_nemo_gym_column_where_nemo_gym_imports(tmp_path: Path) -
     assert report["medians"]["W3"]["nemo-gym"]["ms_per_freeze"] > 0
     assert report["ratios"]["W3 nemo-gym ms / tokencapture ms"] > 0
     assert "W1 tokencapture/nemo-gym puts/s" in proc.stdout
+
+
+def test_staging_bench_quick_reports_every_backend(tmp_path: Path) -> None:
+    """`benches/bench_staging.py --quick --runs 1`: every backend that imports, every case, and
+    the fetch-versus-freeze figure, in its JSON report."""
+    out = tmp_path / "staging.json"
+    bench = COMPARE.parent / "bench_staging.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--runs", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(COMPARE.parents[1] / "python")},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert sorted(report["cases"]) == sorted(f"W{w}x{t}" for w in (1, 2) for t in (1, 8, 32))
+    for case in report["cases"].values():
+        assert {"file", "memory"} <= set(case)
+        assert case["file"]["stages_per_s"]["median"] > 0
+        assert case["file"]["p99_ms"] >= case["file"]["p50_ms"]
+    assert report["fetch"]["fetch_ms"]["median"] > 0
