@@ -387,3 +387,49 @@ def test_staging_conformance(dsn: str, models: str) -> None:  # noqa: F811
     factory = functools.partial(PostgresStagingStore, dsn)
     passed = run_staging_conformance(factory, process_factory=factory, records_module=module)
     assert tuple(passed) == STAGING_CHECKS
+
+
+def test_stage_batch_statuses(dsn: str) -> None:  # noqa: F811
+    """The server's batch function, called directly with every case one batch can hold; the
+    statuses are written out by hand (0 stored, 1 duplicate, 2 conflict, 4 retired)."""
+    store = PostgresStagingStore(dsn)
+    try:
+        assert store.stage(make_record("old", "c1")).ok
+        assert store.stage(make_record("s", "t/u")).ok
+        assert store.stage(make_record("fenced", "c1")).ok
+        store.retire(["fenced"])
+    finally:
+        store.close()
+    from tokencapture.staging_rows import encode_stage
+
+    def row(record: Any) -> tuple[str, str, str, bytes, bytes | None]:
+        encoded = encode_stage(record)
+        return encoded.rollout_id, encoded.key, encoded.content_digest, encoded.row, None
+
+    batch = [
+        row(make_record("new", "a")),  # stored
+        row(make_record("new", "b")),  # stored
+        row(make_record("new", "b")),  # the same again in the batch: duplicate
+        row(make_record("twice", "x", [1])),  # stored
+        row(make_record("twice", "x", [2])),  # the same key, other content: conflict
+        row(make_record("old", "c1")),  # stored before, same content: duplicate
+        row(make_record("old", "c1", [4, 4])),  # stored before, other content: conflict
+        row(make_record("s/t", "u")),  # the key "s/t/u" is another rollout's: conflict
+        row(make_record("fenced", "c2")),  # retired
+    ]
+    columns = [list(column) for column in zip(*batch, strict=True)]
+    statuses = fetch(dsn, "SELECT tokencapture.stage_batch($1, $2, $3, $4, $5) AS s", *columns)
+    assert statuses[0]["s"] == [0, 0, 1, 0, 2, 1, 2, 2, 4]
+    stored = fetch(dsn, "SELECT staging_key, rollout_id FROM tokencapture.staged_calls ORDER BY 1")
+    assert [(r["staging_key"], r["rollout_id"]) for r in stored] == [
+        ("new/a", "new"),
+        ("new/b", "new"),
+        ("old/c1", "old"),
+        ("s/t/u", "s"),
+        ("twice/x", "twice"),
+    ]
+    store = PostgresStagingStore(dsn)
+    try:
+        assert store.fetch(["twice/x"])[0].token_ids_delta == [1]
+    finally:
+        store.close()

@@ -5,6 +5,7 @@ staging conformance helpers accepting our sink and source."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from tests.nemo_oracle import import_nemo
@@ -77,3 +78,35 @@ def test_nemo_capture_stages_a_token_in_chain(staging: PostgresStagingStore, dsn
     assert not staging.stage(records[1]).ok
     with pytest.raises(StagingKeyRetiredError):
         staging.fetch([coords[0].staging_key])
+
+
+@pytest.mark.parametrize(
+    "test_name",
+    [
+        "test_worker_path_rows_equal_nemo_gyms_in_memory_double",
+        "test_a_retired_rollout_poisons_the_next_call_not_the_completion",
+    ],
+)
+def test_nemo_worker_path_with_the_postgres_store(
+    test_name: str, dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file store's NeMo worker-path tests (tests/test_staging_worker_path.py: NeMo's
+    install_capture and RolloutTokenCapture staging multi-turn token_in chains from many
+    rollouts at once, workers resolving staging_chain prefixes by fetch, NeMo's rebuild of the
+    rows against our source), run as they are with every store they open on PostgreSQL."""
+    from tests import test_staging_worker_path as worker_path
+
+    opened: list[PostgresStagingStore] = []
+
+    def on_postgres(_root: object) -> PostgresStagingStore:
+        store = PostgresStagingStore(dsn)
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(worker_path, "FileStagingStore", on_postgres)
+    try:
+        getattr(worker_path, test_name)(tmp_path)
+    finally:
+        for store in opened:
+            store.close()
+    assert opened  # the test ran on PostgreSQL stores
