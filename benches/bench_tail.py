@@ -33,6 +33,7 @@ import contextvars
 import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -475,6 +476,10 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     args.scratch.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="tail-", dir=args.scratch))
     samples: list[dict[str, Any]] = []
+    # Every sample as it comes (one JSON line each): a run stopped midway keeps its samples,
+    # and `--summarize` turns them into the report.
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    partial = args.json.with_suffix(".samples.jsonl").open("w")
     try:
         for condition in args.conditions:
             with neighbours(condition, scratch):
@@ -503,6 +508,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                                     "loadavg_1m": os.getloadavg()[0],
                                 }
                             )
+                            partial.write(json.dumps(samples[-1]) + "\n")
+                            partial.flush()
                             if not args.silent:
                                 lat = result["latency_ms"]
                                 print(
@@ -512,7 +519,17 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                                     flush=True,
                                 )
     finally:
+        partial.close()
         shutil.rmtree(scratch, ignore_errors=True)
+    return report(samples, args, stores, points)
+
+
+def report(
+    samples: list[dict[str, Any]],
+    args: argparse.Namespace,
+    stores: Sequence[str],
+    points: Sequence[Sequence[int]],
+) -> dict[str, Any]:
     summary = summarize(samples)
     checks = targets(summary)
     return {
@@ -520,7 +537,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             "commit": _git_commit(),
             "quick": args.quick,
             "repeats": args.repeats,
-            "conditions": list(args.conditions),
+            "conditions": list(dict.fromkeys(s["condition"] for s in samples)),
             "points": [point_name(p) for p in points],
             "stores": stores,
             "cpus": os.cpu_count(),
@@ -550,6 +567,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--points", nargs="+", help="only these points (e.g. r64x16@128)")
     parser.add_argument("--raw", action="store_true", help=f"add {RAW}, the disk's own floor")
     parser.add_argument(
+        "--summarize",
+        type=Path,
+        help="write the report of a samples file (JSON lines, as a run writes beside --json) "
+        "instead of measuring",
+    )
+    parser.add_argument(
         "--phases",
         action="store_true",
         help="profile ours: split each put into Python / native + doorbell / task resume",
@@ -565,10 +588,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
-    report = drive(args)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(render(report["summary"], report["targets"]))
+    if args.summarize is not None:
+        lines = args.summarize.read_text().splitlines()
+        samples = [json.loads(line) for line in lines if line.strip()]
+        stores = list(dict.fromkeys(sample["store"] for sample in samples))
+        names = list(dict.fromkeys(sample["point"] for sample in samples))
+        points = [tuple(int(x) for x in re.split("[rx@]", n)[1:]) for n in names]
+        full = report(samples, args, stores, points)
+        full["meta"]["summarized_from"] = os.fspath(args.summarize)
+    else:
+        full = drive(args)
+    args.json.write_text(json.dumps(full, indent=1) + "\n")
+    print(render(full["summary"], full["targets"]))
     return 0
 
 

@@ -92,7 +92,9 @@ fn a_batch_decides_each_put_as_if_it_ran_alone_in_order() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path(), 16).unwrap();
     let outcomes = Outcomes::default();
-    let batch = first(&store, &outcomes, "a", &line("a", "1"));
+    // The writer's first batch is its own put; everything queued behind it is the second.
+    let batch = first(&store, &outcomes, "w", &line("w", "0"));
+    queue(&store, &outcomes, "a", "a", &line("a", "1"));
     queue(&store, &outcomes, "a again", "a", &line("a", "1")); // same call, same bytes
     queue(&store, &outcomes, "b", "b", &line("b", "2"));
     queue(&store, &outcomes, "a changed", "a", &line("a", "9")); // same call, other bytes
@@ -113,6 +115,7 @@ fn a_batch_decides_each_put_as_if_it_ran_alone_in_order() {
         summary,
         [
             "bad: invalid", // answered at once, before the writer ran
+            "w: Appended",
             "a: Appended",
             "a again: Duplicate",
             "b: Appended",
@@ -124,7 +127,12 @@ fn a_batch_decides_each_put_as_if_it_ran_alone_in_order() {
     // is incomplete, and the put after the conflict still stored its line.
     assert_eq!(
         log_of(dir.path(), "r"),
-        lines(&[line("a", "1"), line("b", "2"), line("c", "3")])
+        lines(&[
+            line("w", "0"),
+            line("a", "1"),
+            line("b", "2"),
+            line("c", "3")
+        ])
     );
     let snapshot = store.freeze("r").unwrap();
     assert!(snapshot.incomplete);
