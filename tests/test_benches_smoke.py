@@ -1,7 +1,9 @@
-"""Smoke test of the comparison command: `benches/compare.py --quick --repeats 1` end to end.
+"""Smoke tests of the benchmark commands, end to end at tiny sizes: the comparison
+(`benches/compare.py --quick --repeats 1`) and the put latency tail (`benches/bench_tail.py
+--quick`).
 
-Tiny sizes, every column, every workload, in fresh subprocesses; checks that the JSON report
-carries every column's figures. The real comparison is `python benches/compare.py`.
+Every column or store, in fresh subprocesses; checks that the JSON reports carry every
+figure. The real runs are `python benches/compare.py` and `python benches/bench_tail.py`.
 """
 
 from __future__ import annotations
@@ -57,8 +59,18 @@ def test_compare_quick_writes_every_column(tmp_path: Path) -> None:
             assert medians["W4"][column]["us_per_resolve"] > 0, column
     else:
         assert "W4" not in medians
+    # The read workloads: our columnar and object trainer reads, the long rollout.
+    trainer = medians["W3C"]["tokencapture"]
+    assert trainer["ms_per_trainer_read"] > 0 and trainer["ms_per_object_trainer_read"] > 0
+    long = medians["W5"]["tokencapture"]
+    assert long["freeze_gb_per_s"] > 0 and long["ms_last_resolve"] > 0 and long["log_mb"] > 0
     assert {target["status"] for target in report["targets"]} <= {"PASS", "MISS", "N/A"}
-    assert len(report["targets"]) == 7
+    # The seven against the reference, and the three of issue 24 that need no NeMo Gym or
+    # PostgreSQL column (W3C columns against objects, W5's freeze rate and last resolve).
+    names = [target["target"] for target in report["targets"]]
+    assert len(names) == (7 + 3 if "nemo-gym" not in report["meta"]["columns"] else 7 + 7)
+    assert "W5 freeze >= 1 GB/s of log" in names
+    assert not any("1.5x files" in name for name in names)
     assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())
 
 
@@ -118,3 +130,53 @@ def test_staging_bench_quick_reports_every_backend(tmp_path: Path) -> None:
         assert case["file"]["stages_per_s"]["median"] > 0
         assert case["file"]["p99_ms"] >= case["file"]["p50_ms"]
     assert report["fetch"]["fetch_ms"]["median"] > 0
+
+
+TAIL = Path(__file__).resolve().parents[1] / "benches" / "bench_tail.py"
+
+
+def test_bench_tail_quick_reports_every_percentile_and_target(tmp_path: Path) -> None:
+    """`benches/bench_tail.py --quick` beside two CPU-bound neighbours: every point, every
+    store (NeMo Gym's where it imports, and the raw fdatasync floor), a percentile ladder."""
+    out = tmp_path / "tail.json"
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(TAIL), "--quick", "--repeats", "1", "--silent"),
+            *("--conditions", "cpu", "--json", str(out), "--raw"),
+            *("--scratch", str(tmp_path / "scratch")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    stores = report["meta"]["stores"]
+    assert stores[0] == "tokencapture" and "raw-fdatasync" in stores
+    for condition in ("cpu",):
+        points = report["summary"][condition]
+        assert sorted(points) == sorted(report["meta"]["points"])
+        for point, by_store in points.items():
+            assert sorted(by_store) == sorted(stores), point
+            for figures in by_store.values():
+                ladder = [figures[k]["median"] for k in ("p50", "p90", "p99", "p99.9", "max")]
+                assert ladder[0] > 0 and ladder == sorted(ladder), (point, ladder)
+                assert figures["puts_per_s"]["median"] > 0
+    # One sample per (point, store), and the scratch directory left empty.
+    assert len(report["samples"]) == len(report["meta"]["points"]) * len(stores)
+    assert {check["status"] for check in report["targets"]} <= {"PASS", "MISS"}
+    assert not any((tmp_path / "scratch").iterdir())
+
+
+def test_bench_tail_percentiles_are_nearest_rank() -> None:
+    sys.path.insert(0, str(TAIL.parent))
+    try:
+        from bench_tail import latency_summary, percentile
+    finally:
+        sys.path.remove(str(TAIL.parent))
+    values = [float(v) for v in range(1, 1001)]  # 1 .. 1000
+    assert [percentile(values, q) for q in (50, 90, 99, 99.9, 100)] == [500, 900, 990, 999, 1000]
+    assert percentile([7.0], 99.9) == 7.0
+    summary = latency_summary([0.004, 0.001, 0.003, 0.002])  # seconds, unsorted
+    assert (summary["p50"], summary["p99"], summary["max"]) == (2.0, 4.0, 4.0)

@@ -204,10 +204,12 @@ def test_processes_racing_retire_fence_every_stager(tmp_path: Path) -> None:
         )
         for _ in range(3)
     ]
-    deadline = time.monotonic() + 120
-    while len(list(tmp_path.glob("retired.ready-*"))) < len(stagers):  # every stager staged
+    # Retire only once every stager has an acknowledged stage (imports can take seconds here).
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("retired.ready.*"))) < len(stagers):
         assert time.monotonic() < deadline, "the stagers never staged"
-        time.sleep(0.05)
+        assert all(p.poll() is None for p in stagers), "a stager exited before staging"
+        time.sleep(0.01)
     Path(str(marker) + ".go").touch()
     removals = [json.loads(p.communicate(timeout=60)[0]) for p in retirers]
     summaries = [json.loads(p.communicate(timeout=60)[0]) for p in stagers]

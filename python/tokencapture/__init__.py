@@ -155,7 +155,12 @@ __all__ = [
 # The PostgreSQL backend, imported on first access so that `import tokencapture` never needs
 # its driver (`pip install tokencapture[postgres]`); not in __all__ for the same reason.
 _POSTGRES_NAMES = frozenset(
-    {"PostgresCaptureLedger", "PostgresLineageStore", "PostgresTokenCaptureStore"}
+    {
+        "PostgresCaptureLedger",
+        "PostgresLineageStore",
+        "PostgresStagingStore",
+        "PostgresTokenCaptureStore",
+    }
 )
 
 

@@ -1315,22 +1315,27 @@ impl FileLineage {
         // Read in windows, so a long log costs bounded memory; a line longer than a window
         // widens it. Every byte read was acknowledged before `len` was taken under the lock.
         let mut window = self.read_window;
+        // One buffer for every window: a fresh allocation is zeroed by the kernel as it is
+        // first touched, a reused one is overwritten (no memset of megabytes per window).
+        let mut buf = Vec::new();
         while state.cursor < len {
             let start = state.cursor;
             let want = (len - start).min(window as u64) as usize;
-            let mut chunk = vec![0u8; want];
-            log.file
-                .read_exact_at(&mut chunk, start)
-                .ctx("read log", &paths.log)?;
-            if complete_prefix_len(&chunk) == 0 {
+            if buf.len() < want {
+                buf = vec![0u8; want];
+            }
+            let chunk = &mut buf[..want];
+            read_exact_at_split(&log.file, chunk, start).ctx("read log", &paths.log)?;
+            let chunk = &*chunk;
+            if complete_prefix_len(chunk) == 0 {
                 if start + want as u64 == len {
                     break; // a torn final line: left for a later look
                 }
                 window = window.saturating_mul(2);
                 continue;
             }
-            Self::fold(&mut state.index, &log.file, &paths.log, &chunk, start)?;
-            state.cursor = start + complete_prefix_len(&chunk) as u64;
+            Self::fold(&mut state.index, &log.file, &paths.log, chunk, start)?;
+            state.cursor = start + complete_prefix_len(chunk) as u64;
         }
         drop(guard);
         Ok(())
@@ -1344,8 +1349,13 @@ impl FileLineage {
         chunk: &[u8],
         start: u64,
     ) -> Result<()> {
-        for (offset, line) in complete_lines(chunk, start) {
-            let meta = scan_line(line).map_err(|e| Error::corrupt(path, offset, e))?;
+        let lines: Vec<(u64, &[u8])> = complete_lines(chunk, start).collect();
+        // Scanning is pure and per line: a large window's lines are scanned on two threads
+        // (split by bytes), then indexed in file order, the first refusal in file order
+        // reported as a line-by-line fold would report it.
+        let metas = scan_lines_split(&lines, chunk.len());
+        for (&(offset, line), meta) in lines.iter().zip(metas) {
+            let meta = meta.map_err(|e| Error::corrupt(path, offset, e))?;
             let loc = Loc::File {
                 offset,
                 len: line.len(),
@@ -1368,6 +1378,50 @@ impl FileLineage {
         }
         Ok(())
     }
+}
+
+/// Windows (and scans) at least this large are split over two threads.
+const SPLIT_BYTES: usize = 1 << 20;
+
+/// `FileExt::read_exact_at` of a large `buf` as two halves read at once (two threads: the
+/// copies out of the page cache are a fresh resolver's largest cost after the scan).
+fn read_exact_at_split(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    if buf.len() < SPLIT_BYTES {
+        return file.read_exact_at(buf, offset);
+    }
+    let mid = buf.len() / 2;
+    let (first, second) = buf.split_at_mut(mid);
+    std::thread::scope(|scope| {
+        let other = scope.spawn(|| file.read_exact_at(second, offset + mid as u64));
+        let here = file.read_exact_at(first, offset);
+        let there = other.join().expect("log reader thread");
+        here.and(there)
+    })
+}
+
+/// `scan_line` of every line, in order; when the lines span `bytes >= SPLIT_BYTES`, the lines
+/// past the byte midpoint are scanned on a second thread.
+fn scan_lines_split(
+    lines: &[(u64, &[u8])],
+    bytes: usize,
+) -> Vec<std::result::Result<LineMeta, String>> {
+    let scan = |part: &[(u64, &[u8])]| -> Vec<_> {
+        part.iter().map(|&(_, line)| scan_line(line)).collect()
+    };
+    if bytes < SPLIT_BYTES || lines.len() < 2 {
+        return scan(lines);
+    }
+    let base = lines[0].0;
+    let split = lines
+        .partition_point(|&(offset, _)| ((offset - base) as usize) < bytes / 2)
+        .clamp(1, lines.len() - 1);
+    let (first, second) = lines.split_at(split);
+    std::thread::scope(|scope| {
+        let other = scope.spawn(|| scan(second));
+        let mut metas = scan(first);
+        metas.extend(other.join().expect("log scanner thread"));
+        metas
+    })
 }
 
 /// Whether the byte before `cursor` is the newline that ended the last line we indexed.

@@ -41,9 +41,19 @@ pub fn complete_lines(buf: &[u8], base: u64) -> impl Iterator<Item = (u64, &[u8]
 
 /// Append `line` and a newline in one vectored write (no copy of large lines), retrying short
 /// writes until everything is written.
-pub fn append_line(mut file: &File, line: &[u8]) -> io::Result<()> {
+pub fn append_line(file: &File, line: &[u8]) -> io::Result<()> {
+    append_lines(file, &[line])
+}
+
+/// Append each of `lines` followed by a newline, in as few vectored writes as the kernel takes
+/// (no copy of the lines), retrying short writes until everything is written. A group commit
+/// writes its puts' lines this way before its one fdatasync.
+pub fn append_lines(mut file: &File, lines: &[&[u8]]) -> io::Result<()> {
     let newline = [b'\n'];
-    let mut slices = [IoSlice::new(line), IoSlice::new(&newline)];
+    let mut slices: Vec<IoSlice<'_>> = lines
+        .iter()
+        .flat_map(|line| [IoSlice::new(line), IoSlice::new(&newline)])
+        .collect();
     let mut pending: &mut [IoSlice<'_>] = &mut slices;
     while !pending.is_empty() {
         match file.write_vectored(pending) {
@@ -90,8 +100,20 @@ pub fn read_at(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
 /// Only bytes beyond what `buf` already holds are zeroed first: a recycled whole-log buffer
 /// would otherwise be cleared in full (megabytes) just to be overwritten.
 pub fn read_into(file: &File, offset: u64, len: usize, buf: &mut Vec<u8>) -> io::Result<()> {
-    buf.resize(len, 0);
+    zeroed_to(buf, len);
     file.read_exact_at(buf, offset)
+}
+
+/// Make `buf` `len` bytes long, to be overwritten. An empty buffer becomes a fresh zeroed
+/// allocation (for megabytes, pages the kernel zeroes as they are first touched: no memset of
+/// the whole log before it is read over); a reused one grows in place, keeping its pages
+/// (zeroing only what it adds).
+pub fn zeroed_to(buf: &mut Vec<u8>, len: usize) {
+    if buf.capacity() == 0 {
+        *buf = vec![0u8; len];
+    } else {
+        buf.resize(len, 0);
+    }
 }
 
 /// Fill `buf` from the start of `file` in chunks, handing each complete line to `each_line`

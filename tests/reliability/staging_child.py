@@ -11,10 +11,9 @@ Modes:
         ``["arm", {faultfs control}]``, ``["disarm"]``, ``["stage", ROLLOUT, CALLS, ATT_BYTES]``
         (the chain's calls, each with an attachment of ATT_BYTES bytes; answers
         ``[[ok, error], ...]``), ``["fetch", [KEYS]]`` (answers the call ids), ``["reopen"]``.
-    ``race ROOT ROLLOUT MARKER SECONDS``: stage calls of ROLLOUT in a loop until SECONDS after
-        MARKER appeared (``MARKER.ready-<pid>`` once one was acknowledged); a call started
-        after MARKER exists and acknowledged is a fence violation. Prints a JSON summary
-        ``{"ok_before", "ok_after_marker", "refused"}``.
+    ``race ROOT ROLLOUT MARKER SECONDS``: stage calls of ROLLOUT in a loop for SECONDS; a call
+        started after MARKER exists and acknowledged is a fence violation. Prints a JSON
+        summary ``{"ok_before", "ok_after_marker", "refused"}``.
     ``retire ROOT MARKER ROLLOUTS...``: wait for the go file ``MARKER.go``, retire ROLLOUTS,
         then create MARKER; prints the removal as JSON.
 """
@@ -102,21 +101,28 @@ def script(root: str) -> None:
 
 
 def race(root: str, rollout_id: str, marker: str, seconds: float) -> None:
-    """Stage until SECONDS after MARKER appeared; ``MARKER.ready-<pid>`` after a first stage."""
+    """Stage fresh calls until ``seconds`` after the retire marker appeared (at most a minute).
+
+    ``<marker>.ready.<pid>`` appears once this process has an acknowledged stage, so the test
+    starts the retirers only when every stager is really staging (a loaded machine can take
+    seconds to import)."""
     store = FileStagingStore(root)
     summary = {"ok_before": 0, "ok_after_marker": 0, "refused": 0}
-    ready = Path(f"{marker}.ready-{os.getpid()}")
-    seen_marker: float | None = None
+    give_up = time.monotonic() + 60.0
+    marker_seen: float | None = None
+    ready = Path(f"{marker}.ready.{os.getpid()}")
     n = 0
-    while seen_marker is None or time.monotonic() < seen_marker + seconds:
+    while time.monotonic() < give_up:
+        if marker_seen is not None and time.monotonic() - marker_seen >= seconds:
+            break
         (record,) = build_chain(ours, rollout_id, 1, variant=0)
         record = ours.StagedCallRecord.model_validate(
             {**record.model_dump(), "model_call_id": f"call-{os.getpid()}-{n}"}
             | _redigest(record, f"call-{os.getpid()}-{n}")
         )
         after_marker = os.path.exists(marker)
-        if after_marker and seen_marker is None:
-            seen_marker = time.monotonic()
+        if after_marker and marker_seen is None:
+            marker_seen = time.monotonic()
         result = store.stage(record)
         if not result.ok:
             summary["refused"] += 1

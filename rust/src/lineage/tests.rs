@@ -859,6 +859,60 @@ fn a_corrupt_line_raises_with_its_offset() {
         .is_err());
 }
 
+/// A log of `turns` (full prompts) with "not json" lines inserted before the lines at
+/// `bad_before`; its bytes and the offset of each bad line.
+fn log_with_bad_lines(turns: &[Turn], bad_before: &[usize]) -> (Vec<u8>, Vec<u64>) {
+    let mut log = Vec::new();
+    let mut bad = Vec::new();
+    for (i, turn) in turns.iter().enumerate() {
+        if bad_before.contains(&i) {
+            bad.push(log.len() as u64);
+            log.extend_from_slice(b"not json\n");
+        }
+        log.extend_from_slice(&turn.line(None, None));
+        log.push(b'\n');
+    }
+    (log, bad)
+}
+
+#[test]
+fn a_large_window_scanned_on_two_threads_reports_the_first_corrupt_line() {
+    let turns = conversation(300, "big");
+    let (whole, _) = log_with_bad_lines(&turns, &[]);
+    assert!(
+        whole.len() > SPLIT_BYTES,
+        "the log must be split: {}",
+        whole.len()
+    );
+    let last = turns.len() - 1;
+    // One bad line in the second half (the second thread's), then one in each half: the
+    // refusal names the first in file order, whichever thread scanned it.
+    for bad_before in [vec![last - 5], vec![40, last - 5]] {
+        let dir = tempfile::tempdir().unwrap();
+        let (log, bad) = log_with_bad_lines(&turns, &bad_before);
+        std::fs::write(dir.path().join("r.tokens.jsonl"), &log).unwrap();
+        let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
+        match resolve_file(&lineage, "r", &turns[last].next_request("n")) {
+            Err(LineageError::Store(Error::Corrupt { offset, .. })) => {
+                assert_eq!(offset, bad[0], "bad lines at {bad:?}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // Whole, every call resolves to its own tokens, from one window and from windows that
+    // split the log anywhere.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("r.tokens.jsonl"), &whole).unwrap();
+    for window in [whole.len(), SPLIT_BYTES + 12_345] {
+        for turn in [&turns[0], &turns[150], &turns[last]] {
+            let lineage = FileLineage::new(dir.path(), 8, 0).with_read_window(window);
+            let outcome = resolve_file(&lineage, "r", &turn.next_request("n")).unwrap();
+            assert_eq!(resolved(&outcome).0, turn.call_id, "window {window}");
+            assert_eq!(resolved(&outcome).1, turn.cumulative().as_slice());
+        }
+    }
+}
+
 #[test]
 fn small_read_windows_fold_the_same_lines() {
     let dir = tempfile::tempdir().unwrap();
