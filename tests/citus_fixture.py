@@ -36,6 +36,8 @@ TABLES = (
     "tokencapture.incomplete_marks",
     "tokencapture.ledger_rollouts",
     "tokencapture.ledger_rows",
+    "tokencapture.staging_rollouts",
+    "tokencapture.staged_calls",
 )
 
 

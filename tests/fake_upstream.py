@@ -33,7 +33,7 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,16 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from tests import accounts
+from tests.accounts import Account
+from tests.engine.tiny_model import ADDED, SPECIAL
 
 IM_START, IM_END, TOOL_START, TOOL_END = 1, 2, 3, 4
 OFFSET = 16
 MODEL = "fake-tiny"
+# The chat tokens a sampling "model" never emits as text (tokenizer mode): Qwen3's, as the
+# tests' tiny model has them.
+QWEN3_SPECIALS = (*SPECIAL, *ADDED)
 
 
 def encode(text: str) -> list[int]:
@@ -100,15 +106,57 @@ def render_chat(messages: list[dict[str, Any]]) -> list[int]:
     return [*ids, IM_START, *encode("assistant\n")]
 
 
+def _tool_call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _chat_logprobs(ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+    """A chat choice's (or delta's) `logprobs`, as vLLM sends them."""
+    return {
+        "content": [
+            {"token": f"token_id:{t}", "logprob": lp, "bytes": [t % 256], "top_logprobs": []}
+            for t, lp in zip(ids, logprobs, strict=True)
+        ]
+    }
+
+
+def _usage(prompt: list[int], ids: list[int]) -> dict[str, int]:
+    return {
+        "prompt_tokens": len(prompt),
+        "total_tokens": len(prompt) + len(ids),
+        "completion_tokens": len(ids),
+    }
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
 class FakeUpstream:
     """The fake engine; `app` is its ASGI application. Counts the calls it answered."""
 
-    def __init__(self, *, drift: bool = False, max_tokens: int = 64, bridge: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        drift: bool = False,
+        max_tokens: int = 64,
+        bridge: Any = None,
+        on_request: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.drift = drift
+        # Called with each request's body as it arrives (a test looks at the store then).
+        self.on_request = on_request
         self.bridge = bridge
         self.max_tokens = max_tokens
         self.calls = 0
         self.requests: list[dict[str, Any]] = []
+        # Streams sent to the end, and streams that stopped early (the reader went away).
+        self.streams_done = 0
+        self.streams_cut = 0
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -147,12 +195,7 @@ class FakeUpstream:
             arguments = orjson.dumps({"k": k}).decode()
             body = f'{{"name":"{name}","arguments":{arguments}}}'
             ids = [TOOL_START, *encode(body), TOOL_END, IM_END]
-            call = {
-                "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-            return ids, "", call
+            return ids, "", _tool_call(name, arguments)
         text = f"  reply {k} " if self.drift else f"reply {k}"
         return [*encode(text), IM_END], text, None
 
@@ -180,37 +223,32 @@ class FakeUpstream:
     def _sample(self, prompt: list[int]) -> tuple[list[int], str, dict[str, Any] | None]:
         """Tokenizer mode: pseudo-random token ids (as a random-weight model samples them),
         and every other turn a Hermes-style tool call to `lookup`."""
-        tokenizer, renderer = self.bridge.tokenizer, self.bridge.renderer
-        special = {
-            renderer._im_start,
-            renderer._im_end,
-            renderer._endoftext,
-            renderer._tool_call,
-            renderer._tool_call_end,
-            renderer._tool_response,
-            renderer._tool_response_end,
-            renderer._think_end,
-            tokenizer.convert_tokens_to_ids("<think>"),
-        }
+        tokenizer = self.bridge.tokenizer
+        # Qwen3's special tokens, by name (the renderer's own ids are its internals).
+        special = dict(
+            zip(
+                QWEN3_SPECIALS,
+                tokenizer.convert_tokens_to_ids(list(QWEN3_SPECIALS)),
+                strict=True,
+            )
+        )
         rng = random.Random(zlib.crc32(orjson.dumps(prompt)))
-        vocab = [t for t in range(tokenizer._tokenizer.get_vocab_size()) if t not in special]
+        vocab = [t for t in range(tokenizer.vocab_size) if t not in special.values()]
         ids = [rng.choice(vocab) for _ in range(6)]
         text = tokenizer.decode(ids)
         call = None
         if rng.random() < 0.5:
             arguments = orjson.dumps({"k": rng.randrange(100)}).decode()
             block = f'\n{{"name": "lookup", "arguments": {arguments}}}\n'
-            ids += [renderer._tool_call, *tokenizer.encode(block), renderer._tool_call_end]
-            call = {
-                "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
-                "type": "function",
-                "function": {"name": "lookup", "arguments": arguments},
-            }
-        return [*ids, renderer._im_end], text, call
+            ids += [special["<tool_call>"], *tokenizer.encode(block), special["</tool_call>"]]
+            call = _tool_call("lookup", arguments)
+        return [*ids, special["<|im_end|>"]], text, call
 
     async def chat(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
         self.requests.append(body)
+        if self.on_request is not None:
+            self.on_request(body)
         refused = await self._knobs(body)
         if refused is not None:
             return refused
@@ -238,18 +276,20 @@ class FakeUpstream:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.get("stream"):
             return StreamingResponse(
-                self._chat_stream(
-                    rid,
-                    prompt,
-                    ids,
-                    logprobs,
-                    text,
-                    call,
-                    finish,
-                    want_ids,
-                    want_lp,
-                    body.get("fake_break_after"),
-                    body,
+                self._tracked(
+                    self._chat_stream(
+                        rid,
+                        prompt,
+                        ids,
+                        logprobs,
+                        text,
+                        call,
+                        finish,
+                        want_ids,
+                        want_lp,
+                        body.get("fake_break_after"),
+                        body,
+                    )
                 ),
                 media_type="text/event-stream",
             )
@@ -266,19 +306,7 @@ class FakeUpstream:
         choice = {
             "index": 0,
             "message": message,
-            "logprobs": {
-                "content": [
-                    {
-                        "token": f"token_id:{t}",
-                        "logprob": lp,
-                        "bytes": [t % 256],
-                        "top_logprobs": [],
-                    }
-                    for t, lp in zip(ids, logprobs, strict=True)
-                ]
-            }
-            if want_lp
-            else None,
+            "logprobs": _chat_logprobs(ids, logprobs) if want_lp else None,
             "finish_reason": finish,
             "stop_reason": None,
             "token_ids": ids if want_ids and not no_ids else None,
@@ -291,17 +319,21 @@ class FakeUpstream:
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": None,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "total_tokens": len(prompt) + len(ids),
-                "completion_tokens": len(ids),
-                "prompt_tokens_details": None,
-            },
+            "usage": {**_usage(prompt, ids), "prompt_tokens_details": None},
             "prompt_logprobs": None,
             "prompt_token_ids": prompt if want_ids and not no_ids else None,
             "kv_transfer_params": None,
         }
         return Response(orjson.dumps(answer), media_type="application/json")
+
+    async def _tracked(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in stream:
+                yield chunk
+        except BaseException:
+            self.streams_cut += 1
+            raise
+        self.streams_done += 1
 
     async def _chat_stream(
         self,
@@ -328,7 +360,7 @@ class FakeUpstream:
                 "choices": [choice],
                 **top,
             }
-            return b"data: " + orjson.dumps(data) + b"\n\n"
+            return _event(data)
 
         sent = 0
         first = {
@@ -371,19 +403,7 @@ class FakeUpstream:
                 {
                     "index": 0,
                     "delta": delta,
-                    "logprobs": {
-                        "content": [
-                            {
-                                "token": f"token_id:{t}",
-                                "logprob": lp,
-                                "bytes": [t % 256],
-                                "top_logprobs": [],
-                            }
-                            for t, lp in zip(piece_ids, lps, strict=True)
-                        ]
-                    }
-                    if want_lp
-                    else None,
+                    "logprobs": _chat_logprobs(piece_ids, lps) if want_lp else None,
                     "finish_reason": None,
                     "token_ids": piece_ids if want_ids else None,
                 }
@@ -395,39 +415,31 @@ class FakeUpstream:
             {
                 "index": 0,
                 "delta": {"content": ""},
-                "logprobs": {
-                    "content": [
-                        {"token": f"token_id:{t}", "logprob": lp, "bytes": [], "top_logprobs": []}
-                        for t, lp in zip(last, lps, strict=True)
-                    ]
-                }
-                if want_lp
-                else None,
+                "logprobs": _chat_logprobs(last, lps) if want_lp else None,
                 "finish_reason": finish,
                 "stop_reason": None,
                 "token_ids": last if want_ids else None,
             }
         )
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(ids),
-                "total_tokens": len(prompt) + len(ids),
-            }
-            data = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": MODEL,
-                "choices": [],
-                "usage": usage,
-            }
-            yield b"data: " + orjson.dumps(data) + b"\n\n"
+            yield _event(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": MODEL,
+                    "choices": [],
+                    "usage": _usage(prompt, ids),
+                }
+            )
+        await asyncio.sleep(float(body.get("fake_done_delay") or 0))
         yield b"data: [DONE]\n\n"
 
     async def completions(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
         self.requests.append(body)
+        if self.on_request is not None:
+            self.on_request(body)
         refused = await self._knobs(body)
         if refused is not None:
             return refused
@@ -449,7 +461,9 @@ class FakeUpstream:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.get("stream"):
             return StreamingResponse(
-                self._completion_stream(rid, prompt, ids, logprobs, want_ids, want_lp),
+                self._tracked(
+                    self._completion_stream(rid, prompt, ids, logprobs, want_ids, want_lp)
+                ),
                 media_type="text/event-stream",
             )
         choice = {
@@ -475,11 +489,7 @@ class FakeUpstream:
             "created": int(time.time()),
             "model": MODEL,
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "total_tokens": len(prompt) + len(ids),
-                "completion_tokens": len(ids),
-            },
+            "usage": _usage(prompt, ids),
             "kv_transfer_params": None,
         }
         return Response(orjson.dumps(answer), media_type="application/json")
@@ -503,7 +513,7 @@ class FakeUpstream:
                 "model": MODEL,
                 "choices": [choice],
             }
-            return b"data: " + orjson.dumps(data) + b"\n\n"
+            return _event(data)
 
         yield chunk(
             {
@@ -544,19 +554,27 @@ def free_port() -> int:
 
 class Server:
     """A server process on a loopback port: the fake upstream or a gateway, started, waited
-    for (its TCP port accepts), stopped or SIGKILLed. Its output goes to `log`.
-
-    It runs as the test's own user: the interpreter of this venv may live under a home
-    directory no other account can read.
+    for (its TCP port accepts), stopped or SIGKILLed. Its output goes to `log`. It runs as
+    `runner` (tests/accounts.py) when given one: `start_fake` and `start_gateway` drop root.
     """
 
     def __init__(
-        self, argv: list[str], port: int, log: Path, env: dict[str, str] | None = None
+        self,
+        argv: list[str],
+        port: int,
+        log: Path,
+        env: dict[str, str] | None = None,
+        runner: Account | None = None,
     ) -> None:
         self.argv = argv
         self.port = port
         self.log = log
         self.env = {**os.environ, **(env or {})}
+        if runner is not None and runner.drops_root:
+            # Nothing of root's: its home (asyncpg looks for ~/.postgresql/ there) and a TMPDIR
+            # under it are not readable to the account.
+            self.env.update(HOME="/nonexistent", TMPDIR="/tmp")
+        self.runner = runner
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -572,6 +590,7 @@ class Server:
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 start_new_session=True,
+                **(self.runner.popen() if self.runner is not None else {}),
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -604,7 +623,7 @@ class ThreadServer:
     """An ASGI app served by uvicorn on a loopback port from a thread of this process (its
     state, such as a `FakeUpstream`'s request log, stays inspectable)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, lifespan: str = "off") -> None:
         import threading
 
         import uvicorn
@@ -616,7 +635,7 @@ class ThreadServer:
             port=self.port,
             log_level="warning",
             access_log=False,
-            lifespan="off",
+            lifespan=lifespan,  # type: ignore[arg-type]
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -636,28 +655,164 @@ class ThreadServer:
         self.thread.join(10)
 
 
+# Servers the tests start run as this account when the tests are root (CI is): the gateway
+# writes its store as it, as a deployment would.
+SERVER_ACCOUNT = "tokencapture-test"
+_ROOT = Path(__file__).resolve().parent.parent
+# Runs the module or script named by the first argument as `python -m` / `python script`
+# would. Another interpreter gets a prelude that loads this venv's packages (its .pth files
+# included: the editable tokencapture is one) and the repository root.
+_RUN = (
+    "import runpy, sys; target = sys.argv.pop(1); sys.argv[0] = target; "
+    "runpy.run_path(target, run_name='__main__') if target.endswith('.py') "
+    "else runpy.run_module(target, run_name='__main__', alter_sys=True)"
+)
+_runner: tuple[Account, list[str]] | None = None
+RUNNER_REASON = ""  # why the servers run as the tests' own user, when they are root
+
+
+def _servers_venv(python: str) -> Path:
+    """A venv of the gateway's runtime dependencies (pyproject's, with the gateway and
+    postgres extras) for the servers' account, from the system interpreter `python`: made once
+    in the machine-level cache beside the engine's (/var/cache/tokencapture), keyed by the
+    requirement list, for a test environment (CI's) whose packages live under /root."""
+    import fcntl
+    import hashlib
+    import tomllib
+
+    project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    requirements = [*project["dependencies"], *extras["gateway"], *extras["postgres"]]
+    key = hashlib.sha256("\n".join([python, *requirements]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("TOKENCAPTURE_CACHE_DIR") or "/var/cache/tokencapture")
+    venv = cache / f"test-servers-{Path(python).name}-{key}"
+    stamp = venv / ".installed"
+    if stamp.exists():
+        return venv
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".test-servers.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stamp.exists():
+            subprocess.run([python, "-m", "venv", "--clear", str(venv)], check=True)
+            subprocess.run(
+                [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *requirements],
+                check=True,
+            )
+            subprocess.run(["chmod", "-R", "a+rX", str(venv)], check=True)
+            stamp.write_text(key)
+    return venv
+
+
+def _probe(runner: Account, python: str, prelude: str) -> str:
+    """'' when `python -c prelude...` imports the gateway and this module as `runner`, else
+    its error."""
+    probe = subprocess.run(
+        [python, "-c", prelude + "import tokencapture.gateway.server, tests.fake_upstream"],
+        capture_output=True,
+        check=False,
+        cwd="/",
+        **runner.popen(),
+    )
+    return "" if probe.returncode == 0 else probe.stderr.decode(errors="replace")[-500:]
+
+
+def server_runner() -> tuple[Account, list[str]]:
+    """The account the test servers run as and the argv that runs a module or a script as it
+    (`[*prefix, "tokencapture", ...]` or `[*prefix, "path/to/script.py", ...]`).
+
+    As root: `tokencapture-test`, with the system's python3 of our minor version (our own
+    interpreter may live under /root, which the account cannot read) loading this
+    environment's site-packages, or, when the account cannot read those either, a venv of the
+    runtime dependencies made for it (`_servers_venv`) and this checkout's `python/`; each
+    after a probe that it imports the gateway as the account. Otherwise (and when not root)
+    the tests' own user and interpreter, and `RUNNER_REASON` says why.
+    """
+    global _runner, RUNNER_REASON
+    if _runner is not None:
+        return _runner
+    root_path = f"import sys; sys.path.insert(0, {str(_ROOT)!r}); "
+    ours = (accounts.current(), [sys.executable, "-c", root_path + _RUN])
+    _runner = ours
+    if os.geteuid() != 0:
+        return _runner
+    import sysconfig
+
+    try:
+        runner = accounts.account(SERVER_ACCOUNT, create=True)
+    except accounts.AccountUnavailable as exc:
+        RUNNER_REASON = str(exc)
+        return _runner
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    pythons = [
+        python
+        for python in (f"/usr/bin/python{version}", f"/usr/local/bin/python{version}")
+        if Path(python).exists()
+    ]
+    if not pythons:
+        RUNNER_REASON = f"no system python{version} to run the servers as {SERVER_ACCOUNT}"
+        return _runner
+    python = pythons[0]
+    ours_site = (
+        f"import site, sys; site.addsitedir({sysconfig.get_paths()['purelib']!r}); " + root_path
+    )
+    error = _probe(runner, python, ours_site)
+    if not error:
+        _runner = (runner, [python, "-c", ours_site + _RUN])
+        return _runner
+    try:
+        venv = _servers_venv(python)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        RUNNER_REASON = f"{error}; and no venv for the servers: {exc}"
+        return _runner
+    checkout = f"import sys; sys.path[:0] = [{str(_ROOT / 'python')!r}, {str(_ROOT)!r}]; "
+    venv_python = str(venv / "bin" / "python")
+    venv_error = _probe(runner, venv_python, checkout)
+    if venv_error:
+        RUNNER_REASON = f"{error}; with {venv}: {venv_error}"
+        return _runner
+    _runner = (runner, [venv_python, "-c", checkout + _RUN])
+    return _runner
+
+
+def server_dir(prefix: str = "tokencapture-srv-") -> Path:
+    """A new directory the test servers' account owns (for a gateway's store); remove it with
+    `shutil.rmtree` when done."""
+    runner, _ = server_runner()
+    path = accounts.shared_tmpdir(prefix)
+    runner.own(path)
+    return path
+
+
 def start_fake(log_dir: Path, *, drift: bool = False) -> Server:
     port = free_port()
-    argv = [sys.executable, str(Path(__file__)), str(port), *(["--drift"] if drift else [])]
-    return Server(argv, port, log_dir / f"fake-{port}.log").start()
+    runner, python = server_runner()
+    argv = [*python, str(Path(__file__)), str(port), *(["--drift"] if drift else [])]
+    return Server(argv, port, log_dir / f"fake-{port}.log", runner=runner).start()
 
 
-def start_gateway(upstream: str, store: Path, log_dir: Path, *extra: str) -> Server:
+def start_gateway(upstream: str, store: Path | str, log_dir: Path, *extra: str) -> Server:
+    """`tokencapture gateway` on a free port over `store`: a directory (which the servers'
+    account must be able to write: see `server_dir`), or a PostgreSQL DSN (a `postgresql://`
+    string)."""
     port = free_port()
+    runner, python = server_runner()
+    where = (
+        ["--dsn", store]
+        if isinstance(store, str) and store.startswith(("postgresql://", "postgres://"))
+        else ["--store", str(store)]
+    )
     argv = [
-        sys.executable,
-        "-m",
+        *python,
         "tokencapture",
         "gateway",
         "--upstream",
         upstream,
-        "--store",
-        str(store),
+        *where,
         "--port",
         str(port),
         *extra,
     ]
-    return Server(argv, port, log_dir / f"gateway-{port}.log").start()
+    return Server(argv, port, log_dir / f"gateway-{port}.log", runner=runner).start()
 
 
 def main(argv: list[str]) -> None:

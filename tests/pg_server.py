@@ -16,16 +16,17 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import pwd
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tests.accounts import AccountUnavailable, account, children, processes
 
 __all__ = [
     "CITUS_SETTINGS",
@@ -60,29 +61,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _processes() -> Iterator[tuple[int, list[str]]]:
-    """Every live process: its pid and its stat(5) fields from the state on (field 3 is [0])."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # The command name is in parentheses and may contain spaces: split after the last ')'.
-        yield int(entry), stat[stat.rindex(")") + 2 :].split()
-
-
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (read from /proc)."""
-    return [child for child, fields in _processes() if int(fields[1]) == pid]
-
-
 def server_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of the postmaster `pid` and its reaped children (backends that
     exited), plus its live children's own: one pass over /proc. The benchmarks' server CPU."""
     total = 0
-    for process, fields in _processes():
+    for process, fields in processes():
         # utime, stime, cutime, cstime: fields 14-17 of stat(5) (11-14 here).
         if process == pid:
             total += sum(int(value) for value in fields[11:15])
@@ -141,18 +124,12 @@ class PgServer:
         self.log = self.base / "server.log"
         self.port = _free_port()
         self.process: subprocess.Popen[bytes] | None = None
-        self._run_as: dict[str, Any] = {}
-        if os.geteuid() == 0:
-            try:
-                account = pwd.getpwnam("postgres")
-            except KeyError as exc:
-                raise PgServerUnavailable(
-                    "running as root and there is no `postgres` account to run the server as"
-                ) from exc
-            self._run_as = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
-            self._uid, self._gid = account.pw_uid, account.pw_gid
-        else:
-            self._uid, self._gid = os.getuid(), os.getgid()
+        try:
+            runner = account("postgres")
+        except AccountUnavailable as exc:
+            raise PgServerUnavailable(str(exc)) from exc
+        self._run_as: dict[str, Any] = runner.popen()
+        self._uid, self._gid = runner.uid, runner.gid
         self._prepare_base()
         if standby_of is None:
             self._run_tool(
@@ -327,17 +304,17 @@ class PgServer:
         if self.process is None:
             return
         pid = self.process.pid
-        children = _children(pid)
+        below = children(pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        for child in children:
+        for child in below:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
         self.process.wait()
         # Children re-parented after the postmaster died: kill any that are still alive.
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            alive = [child for child in children if Path(f"/proc/{child}").exists()]
+            alive = [child for child in below if Path(f"/proc/{child}").exists()]
             alive = [child for child in alive if not _is_zombie(child)]
             if not alive:
                 return

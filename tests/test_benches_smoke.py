@@ -1,7 +1,9 @@
-"""Smoke test of the comparison command: `benches/compare.py --quick --repeats 1` end to end.
+"""Smoke tests of the benchmark commands, end to end at tiny sizes: the comparison
+(`benches/compare.py --quick --repeats 1`) and the put latency tail (`benches/bench_tail.py
+--quick`).
 
-Tiny sizes, every column, every workload, in fresh subprocesses; checks that the JSON report
-carries every column's figures. The real comparison is `python benches/compare.py`.
+Every column or store, in fresh subprocesses; checks that the JSON reports carry every
+figure. The real runs are `python benches/compare.py` and `python benches/bench_tail.py`.
 """
 
 from __future__ import annotations
@@ -105,3 +107,76 @@ def test_compare_adds_a_nemo_gym_column_where_nemo_gym_imports(tmp_path: Path) -
     assert report["medians"]["W3"]["nemo-gym"]["ms_per_freeze"] > 0
     assert report["ratios"]["W3 nemo-gym ms / tokencapture ms"] > 0
     assert "W1 tokencapture/nemo-gym puts/s" in proc.stdout
+
+
+def test_staging_bench_quick_reports_every_backend(tmp_path: Path) -> None:
+    """`benches/bench_staging.py --quick --runs 1`: every backend that imports, every case, and
+    the fetch-versus-freeze figure, in its JSON report."""
+    out = tmp_path / "staging.json"
+    bench = COMPARE.parent / "bench_staging.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--runs", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(COMPARE.parents[1] / "python")},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert sorted(report["cases"]) == sorted(f"W{w}x{t}" for w in (1, 2) for t in (1, 8, 32))
+    for case in report["cases"].values():
+        assert {"file", "memory"} <= set(case)
+        assert case["file"]["stages_per_s"]["median"] > 0
+        assert case["file"]["p99_ms"] >= case["file"]["p50_ms"]
+    assert report["fetch"]["fetch_ms"]["median"] > 0
+
+
+TAIL = Path(__file__).resolve().parents[1] / "benches" / "bench_tail.py"
+
+
+def test_bench_tail_quick_reports_every_percentile_and_target(tmp_path: Path) -> None:
+    """`benches/bench_tail.py --quick` beside two CPU-bound neighbours: every point, every
+    store (NeMo Gym's where it imports, and the raw fdatasync floor), a percentile ladder."""
+    out = tmp_path / "tail.json"
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(TAIL), "--quick", "--repeats", "1", "--silent"),
+            *("--conditions", "cpu", "--json", str(out), "--raw"),
+            *("--scratch", str(tmp_path / "scratch")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    stores = report["meta"]["stores"]
+    assert stores[0] == "tokencapture" and "raw-fdatasync" in stores
+    for condition in ("cpu",):
+        points = report["summary"][condition]
+        assert sorted(points) == sorted(report["meta"]["points"])
+        for point, by_store in points.items():
+            assert sorted(by_store) == sorted(stores), point
+            for figures in by_store.values():
+                ladder = [figures[k]["median"] for k in ("p50", "p90", "p99", "p99.9", "max")]
+                assert ladder[0] > 0 and ladder == sorted(ladder), (point, ladder)
+                assert figures["puts_per_s"]["median"] > 0
+    # One sample per (point, store), and the scratch directory left empty.
+    assert len(report["samples"]) == len(report["meta"]["points"]) * len(stores)
+    assert {check["status"] for check in report["targets"]} <= {"PASS", "MISS"}
+    assert not any((tmp_path / "scratch").iterdir())
+
+
+def test_bench_tail_percentiles_are_nearest_rank() -> None:
+    sys.path.insert(0, str(TAIL.parent))
+    try:
+        from bench_tail import latency_summary, percentile
+    finally:
+        sys.path.remove(str(TAIL.parent))
+    values = [float(v) for v in range(1, 1001)]  # 1 .. 1000
+    assert [percentile(values, q) for q in (50, 90, 99, 99.9, 100)] == [500, 900, 990, 999, 1000]
+    assert percentile([7.0], 99.9) == 7.0
+    summary = latency_summary([0.004, 0.001, 0.003, 0.002])  # seconds, unsorted
+    assert (summary["p50"], summary["p99"], summary["max"]) == (2.0, 4.0, 4.0)

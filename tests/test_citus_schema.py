@@ -36,6 +36,8 @@ ROLLOUT_TABLES = {
     "incomplete_marks",
     "ledger_rollouts",
     "ledger_rows",
+    "staging_rollouts",
+    "staged_calls",
 }
 DELEGATED = {
     "put",
@@ -52,6 +54,7 @@ DELEGATED = {
     "record_ledger_row",
     "ledger_manifest",
     "ledger_candidate",
+    "stage_call",
 }
 
 
@@ -205,7 +208,11 @@ def test_an_older_distributed_schema_is_upgraded_in_place(citus_cluster: CitusCl
     fetch(dsn, "SELECT tokencapture.put('kept', '\\x31'::bytea, 'd', '\\x7b7d'::bytea)")
     done = db_init(dsn)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["applied"] == ["003_ledger.sql", "004_lineage_rows.sql"]
+    assert json.loads(done.stdout)["applied"] == [
+        "003_ledger.sql",
+        "004_lineage_rows.sql",
+        "005_staging.sql",
+    ]
     tables = fetch(
         dsn,
         "SELECT count(*) FROM pg_dist_partition WHERE logicalrelid::text LIKE 'tokencapture.%'",

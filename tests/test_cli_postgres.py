@@ -14,7 +14,7 @@ from tests.postgres_fixture import execute, pg_dsn, pg_server
 from tests.test_postgres_store import SCHEMA_FILES
 
 from tokencapture.cli import main
-from tokencapture.postgres import PostgresTokenCaptureStore, install_schema_sync
+from tokencapture.postgres import SCHEMA_VERSION, PostgresTokenCaptureStore, install_schema_sync
 from tokencapture.postgres.transfer import export_from_directory
 from tokencapture.protocols import TokenCaptureRetiredError
 from tokencapture.store import TokenCaptureStore, canonical_line
@@ -34,7 +34,7 @@ def test_db_init_installs_then_reports_current(
     code, first = run(capsys, "db", "init", pg_dsn)
     assert code == 0 and first["applied"] == SCHEMA_FILES
     code, second = run(capsys, "db", "init", pg_dsn)
-    assert code == 0 and second == {"applied": [], "schema_version": 4}
+    assert code == 0 and second == {"applied": [], "schema_version": SCHEMA_VERSION}
 
 
 def _varied(store: TokenCaptureStore) -> None:

@@ -33,7 +33,7 @@ API_MODULES = (
     "store",
     "lineage",
     "ledger",
-    "staging.records",
+    "staging_records",
     "fingerprint",
     "conformance",
     "config",

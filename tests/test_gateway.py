@@ -7,6 +7,7 @@ the gateway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -287,6 +288,101 @@ async def test_upstream_timeout_is_504_and_marked(tmp_path: Path, fake_server: S
     )
 
 
+async def test_intent_is_durable_before_the_upstream_sees_the_call(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    seen: list[bool] = []
+    intents = TokenCaptureStore(root).intents_path_for("r1")
+
+    def check(body: dict[str, Any]) -> None:
+        seen.append(intents.exists() and b"c1" in intents.read_bytes())
+
+    harness = Harness(root, FakeUpstream(on_request=check))
+    try:
+        assert (await harness.chat("r1", [_user("x")], call="c1")).status_code == 200
+    finally:
+        await harness.close()
+    assert seen == [True]
+
+
+@contextlib.contextmanager
+def _served(root: Path, fake: FakeUpstream) -> Iterator[ThreadServer]:
+    """The gateway over `root` in front of `fake`, both served on loopback sockets from
+    threads (an in-process client would buffer a whole stream)."""
+    upstream = ThreadServer(fake.app)
+    server = ThreadServer(
+        create_app(open_backend(store_dir=root), GatewayConfig(upstream.url)), lifespan="on"
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+        upstream.stop()
+
+
+def _slow_stream(client: httpx.AsyncClient, call: str, **knobs: Any) -> Any:
+    return client.stream(
+        "POST",
+        "/rollouts/r1/v1/chat/completions",
+        json={"model": MODEL, "messages": [_user("a slow stream")], "stream": True, **knobs},
+        headers={"x-model-call-id": call},
+    )
+
+
+async def test_stream_final_chunk_and_done_wait_for_the_put(tmp_path: Path) -> None:
+    """Over a real socket (an in-process client buffers the whole stream): when the chunk that
+    finishes the generation, and `[DONE]`, reach the client, the entry is stored; the chunks
+    before it arrive while the call is still in flight (passed through, not buffered)."""
+    root = tmp_path / "store"
+    store = TokenCaptureStore(root)
+    stored_at: list[tuple[str, int]] = []
+    with _served(root, FakeUpstream()) as server:
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=30) as client,
+            # The engine pauses between its final chunk and [DONE]: a gateway that let the
+            # final chunk through before the put is seen doing so.
+            _slow_stream(client, "s1", fake_chunk_delay=0.02, fake_done_delay=0.3) as answer,
+        ):
+            assert answer.status_code == 200
+            async for line in answer.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    kind = "done"
+                elif orjson.loads(data)["choices"][0].get("finish_reason") is not None:
+                    kind = "final"
+                else:
+                    kind = "delta"
+                stored_at.append((kind, len(store.read_entries("r1"))))
+    kinds = [kind for kind, _ in stored_at]
+    assert kinds[-2:] == ["final", "done"]
+    assert kinds.count("delta") >= 3
+    assert stored_at[-2:] == [("final", 1), ("done", 1)]
+    assert ("delta", 0) in stored_at  # some deltas reached the client before the put
+
+
+async def test_client_disconnect_mid_stream_drops_the_upstream_stream(tmp_path: Path) -> None:
+    """A client that goes away mid-stream: the call is marked incomplete and the gateway drops
+    its upstream connection (the engine stops generating) rather than reading the rest."""
+    root = tmp_path / "store"
+    fake = FakeUpstream()
+    store = TokenCaptureStore(root)
+    with _served(root, fake) as server:
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=30) as client,
+            _slow_stream(client, "gone", fake_chunk_delay=0.1) as answer,
+        ):
+            async for line in answer.aiter_lines():
+                if line.startswith("data: "):
+                    break
+        deadline = asyncio.get_running_loop().time() + 15
+        while not (fake.streams_cut and store.is_incomplete("r1")):
+            assert asyncio.get_running_loop().time() < deadline, "not cut or not marked"
+            await asyncio.sleep(0.05)
+    assert (fake.streams_cut, fake.streams_done) == (1, 0)
+    assert store.read_entries("r1") == []
+
+
 async def test_answer_without_token_ids_is_502_not_captured(gw: Harness) -> None:
     answer = await gw.chat("r1", [_user("x")], fake_no_token_ids=True)
     assert answer.status_code == 502
@@ -367,6 +463,15 @@ async def test_bad_json_and_body_limit(tmp_path: Path) -> None:
     try:
         big = await harness.chat("r1", [_user("x" * 2000)])
         assert big.status_code == 413
+        body = orjson.dumps({"model": MODEL, "messages": [_user("y" * 2000)]})
+
+        async def chunked() -> AsyncIterator[bytes]:  # no content-length: counted as read
+            for start in range(0, len(body), 256):
+                yield body[start : start + 256]
+
+        streamed = await harness.client.post("/rollouts/r1/v1/chat/completions", content=chunked())
+        assert "content-length" not in streamed.request.headers
+        assert streamed.status_code == 413
         bad = await harness.client.post("/rollouts/r1/v1/chat/completions", content=b"{nope")
         assert bad.status_code == 400
         assert harness.fake.calls == 0

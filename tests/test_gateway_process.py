@@ -3,9 +3,9 @@ the CLI, a client that disconnects mid-stream, and SIGKILLs under 16 concurrent 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import random
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,24 +13,61 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.fake_upstream import MODEL, Server, render_chat, start_fake, start_gateway
+from tests import fake_upstream
+from tests.fake_upstream import (
+    MODEL,
+    Server,
+    render_chat,
+    server_dir,
+    server_runner,
+    start_gateway,
+)
+from tests.gateway_kills import fake, run_kills
 
 from tokencapture import TokenCaptureStore
 
-
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_fake(tmp_path_factory.mktemp("fake"))
-    yield server
-    server.stop()
+__all__ = ["fake"]  # the module-scoped fake upstream process (a fixture)
 
 
 @pytest.fixture
-def gateway(fake: Server, tmp_path: Path) -> Iterator[tuple[Server, Path]]:
-    store = tmp_path / "store"
-    server = start_gateway(fake.url, store, tmp_path)
-    yield server, store
+def store_dir() -> Iterator[Path]:
+    """A store directory the servers' account can write (tests/accounts.py)."""
+    path = server_dir()
+    yield path / "store"
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def gateway(fake: Server, store_dir: Path, tmp_path: Path) -> Iterator[tuple[Server, Path]]:
+    server = start_gateway(fake.url, store_dir, tmp_path)
+    yield server, store_dir
     server.stop()
+
+
+def _uid(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    [line] = [line for line in status.splitlines() if line.startswith("Uid:")]
+    return int(line.split()[2])  # the effective uid
+
+
+def test_servers_drop_root(fake: Server, gateway: tuple[Server, Path]) -> None:
+    """As root (CI), the gateway and the fake upstream run as the unprivileged test account,
+    and the store the gateway writes is that account's."""
+    server, store_dir = gateway
+    assert fake.process is not None and server.process is not None
+    if os.geteuid() != 0:
+        assert _uid(server.process.pid) == os.geteuid()
+        return
+    runner, _ = server_runner()
+    assert runner.drops_root, f"the servers run as root: {fake_upstream.RUNNER_REASON}"
+    assert _uid(server.process.pid) == runner.uid
+    assert _uid(fake.process.pid) == runner.uid
+    answer = httpx.post(
+        f"{server.url}/rollouts/who/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert answer.status_code == 200
+    assert (store_dir / "who.tokens.jsonl").stat().st_uid == runner.uid
 
 
 def _wait_for(check: Any, timeout: float = 10.0) -> None:
@@ -121,83 +158,26 @@ KILLS = 20
 
 
 def test_sigkill_under_concurrent_sessions_loses_no_acknowledged_call(
-    fake: Server, tmp_path: Path
+    fake: Server, store_dir: Path, tmp_path: Path
 ) -> None:
     """Every call whose answer reached the client is stored with exactly the answer's tokens;
     every other call is whole (its tokens are the engine's for its request) or absent."""
-    store_dir = tmp_path / "store"
-    rng = random.Random(26)
-    acknowledged: dict[tuple[str, str], dict[str, Any]] = {}
-    sent: dict[tuple[str, str], list[dict[str, Any]]] = {}
-
-    async def session(
-        client: httpx.AsyncClient, index: int, stop: asyncio.Event, round_: int
-    ) -> None:
-        rollout = f"k{index}"
-        messages: list[dict[str, Any]] = [{"role": "user", "content": f"session {index}"}]
-        turn = 0
-        while not stop.is_set():
-            call_id = f"r{round_}-t{turn}"
-            sent[(rollout, call_id)] = list(messages)
-            try:
-                answer = await client.post(
-                    f"/rollouts/{rollout}/v1/chat/completions",
-                    json={"model": MODEL, "messages": messages, "return_token_ids": True},
-                    headers={"x-model-call-id": call_id},
-                )
-            except httpx.HTTPError:
-                return
-            if answer.status_code != 200:
-                return
-            body = answer.json()
-            acknowledged[(rollout, call_id)] = body
-            messages = [
-                *messages,
-                body["choices"][0]["message"],
-                {"role": "user", "content": f"turn {turn}"},
-            ]
-            turn += 1
-            if len(messages) > 9:
-                messages = messages[:1]
-
-    for round_ in range(KILLS):
-        server = start_gateway(fake.url, store_dir, tmp_path)
-        stop = asyncio.Event()
-
-        async def run(
-            server: Server = server, stop: asyncio.Event = stop, round_: int = round_
-        ) -> None:
-            # One client (building one costs a TLS context: ~0.1 s of CPU under load).
-            async with httpx.AsyncClient(
-                base_url=server.url, timeout=10.0, limits=httpx.Limits(max_connections=SESSIONS)
-            ) as client:
-                assert (await client.get("/healthz")).status_code == 200
-                tasks = [
-                    asyncio.create_task(session(client, i, stop, round_)) for i in range(SESSIONS)
-                ]
-                await asyncio.sleep(rng.uniform(0.3, 1.5))
-                server.kill()  # SIGKILL, mid-flight
-                stop.set()
-                await asyncio.gather(*tasks)
-
-        asyncio.run(run())
-
-    store = TokenCaptureStore(store_dir)
-    stored: dict[tuple[str, str], Any] = {}
-    for index in range(SESSIONS):
-        for entry in store.read_entries(f"k{index}"):
-            stored[(entry.rollout_id, entry.model_call_id)] = entry
-    assert len(acknowledged) > KILLS * SESSIONS  # the load was real
-    for key, body in acknowledged.items():
-        entry = stored.get(key)
-        assert entry is not None, f"acknowledged call {key} lost"
-        assert entry.prompt_token_ids == body["prompt_token_ids"]
-        assert entry.generation_token_ids == body["choices"][0]["token_ids"]
-    for key, entry in stored.items():
+    run = run_kills(
+        fake.url,
+        store_dir,
+        tmp_path,
+        model=MODEL,
+        sessions=SESSIONS,
+        kills=KILLS,
+        seed=26,
+        window=(0.3, 1.5),
+    )
+    assert len(run.acknowledged) > KILLS * SESSIONS  # the load was real
+    run.check_acknowledged()
+    for key, entry in run.stored.items():
         # Whole: exactly the engine's tokens for the request that was sent.
-        assert entry.prompt_token_ids == render_chat(sent[key])
-    unacknowledged = len(stored) - len(acknowledged)
+        assert entry.prompt_token_ids == render_chat(run.sent[key]["messages"])
     print(
-        f"{len(acknowledged)} acknowledged calls, all stored; {unacknowledged} stored but "
-        f"unacknowledged (killed before the answer left)"
+        f"{len(run.acknowledged)} acknowledged calls, all stored; {len(run.unacknowledged)} "
+        "stored but unacknowledged (killed before the answer left)"
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.engine.tiny_model import ADDED, SPECIAL
 from tests.fake_upstream import FakeUpstream, ThreadServer
 
 from tokencapture import ParentResolutionStatus, TokenCaptureStore
@@ -37,10 +38,9 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(
         vocab_size=600,
-        special_tokens=special,
+        special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     corpus = [
@@ -49,16 +49,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "system user assistant tool the a number look up reply hello world",
     ] * 50
     tokenizer.train_from_iterator(corpus, trainer)
-    tokenizer.add_tokens(
-        [
-            "<tool_call>",
-            "</tool_call>",
-            "<tool_response>",
-            "</tool_response>",
-            "<think>",
-            "</think>",
-        ]
-    )
+    tokenizer.add_tokens(ADDED)
     root = tmp_path_factory.mktemp("tokenizer")
     tokenizer.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
@@ -117,6 +108,32 @@ async def loops(tmp_path: Path, tokenizer_dir: Path) -> AsyncIterator[tuple[Loop
 
 
 ROLLOUTS, TURNS = 8, 5
+
+
+def test_tito_rests_on_renderers_public_api_at_the_pinned_version(tokenizer_dir: Path) -> None:
+    """The bridge is made of renderers' public pieces (its `Tokenizer` and `Renderer`
+    protocols), and the installed renderers is the one the gateway extra pins (a 0.x release
+    may change that API: see pyproject.toml)."""
+    import tomllib
+    from importlib.metadata import version
+
+    import renderers
+    from packaging.requirements import Requirement
+
+    bridge = Bridge.from_tokenizer_dir(tokenizer_dir, "qwen3")
+    assert isinstance(bridge.tokenizer, renderers.Tokenizer)
+    assert isinstance(bridge.renderer, renderers.Renderer)
+    assert isinstance(bridge.renderer, renderers.Qwen3Renderer)
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["gateway"]
+    [pin] = [Requirement(r) for r in extra if Requirement(r).name == "renderers"]
+    assert pin.specifier.contains(version("renderers")), (pin, version("renderers"))
+    assert not pin.specifier.contains("0.2.0")  # held below the next 0.x minor
+    # The tokenizer's vocabulary as the fake upstream's sampler reads it: added tokens counted.
+    assert (
+        bridge.tokenizer.vocab_size
+        == max(bridge.tokenizer.convert_tokens_to_ids(["</think>", "<|im_end|>"])) + 1
+    )
 
 
 async def test_agent_loop_drifts_through_chat_and_not_with_tito(loops: tuple[Loop, Loop]) -> None:

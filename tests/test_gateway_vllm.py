@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from tests.fake_upstream import start_gateway
+from tests.fake_upstream import server_dir, start_gateway
+from tests.gateway_kills import run_kills
 from tests.vllm_engine import TOOLS, VllmEngine, post_json, post_stream
 
 from tokencapture import ParentResolutionStatus, TokenCaptureStore
@@ -65,7 +67,7 @@ async def through(vllm_engine: VllmEngine, tmp_path: Path) -> AsyncIterator[Thro
 
 def _direct(engine: VllmEngine, route: str, body: dict[str, Any]) -> Any:
     answer = post_json(f"{engine.v1}/{route}", {"model": engine.model, **body})
-    assert answer.status == 200, answer.text()
+    assert answer.status == 200, answer.text
     return answer.json()
 
 
@@ -198,7 +200,8 @@ async def test_engine_error_is_passed_through_and_marked(through: Through) -> No
 def test_client_disconnect_mid_stream_against_the_engine(
     vllm_engine: VllmEngine, tmp_path: Path
 ) -> None:
-    store_dir = tmp_path / "store"
+    base = server_dir()
+    store_dir = base / "store"
     server = start_gateway(vllm_engine.base_url, store_dir, tmp_path)
     try:
         body = {
@@ -229,6 +232,7 @@ def test_client_disconnect_mid_stream_against_the_engine(
         assert row == {"failure_reason": "client_disconnected", "model_call_id": "left"}
     finally:
         server.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 ROLLOUTS, TURNS = 8, 5
@@ -284,3 +288,49 @@ async def test_agent_loop_drift_without_tito_and_none_with_it(
     finally:
         await chat.close()
         await tito.close()
+
+
+VLLM_SESSIONS, VLLM_KILLS = 16, 6
+
+
+def test_sigkill_under_concurrent_sessions_against_the_engine(
+    vllm_engine: VllmEngine, tmp_path: Path
+) -> None:
+    """The fake upstream's SIGKILL test (tests/test_gateway_process.py, 20 kills) against the
+    real engine, with fewer kills (6 rounds of 3-8 s: the CPU engine answers 16 sessions at a
+    few dozen calls a second; ~400 calls acknowledged in all, ~4.5 min with the engine already
+    started): every acknowledged call is stored with its answer's
+    exact tokens; every stored call that was not acknowledged is whole: its prompt is exactly
+    what the engine renders for its request (asked directly afterwards) and its generation is
+    complete (one log-prob a token, at most max_tokens). The generated ids themselves are not
+    compared with a later answer: under 16 concurrent sessions the engine batches differently,
+    and the random-weight model's near-tied logits may then pick another token."""
+    store_dir = server_dir()
+    try:
+        run = run_kills(
+            vllm_engine.base_url,
+            store_dir,
+            tmp_path,
+            model=vllm_engine.model,
+            sessions=VLLM_SESSIONS,
+            kills=VLLM_KILLS,
+            seed=2607,
+            window=(3.0, 8.0),
+            body=lambda messages: {"max_tokens": 6, "temperature": 0.0},
+            timeout=120.0,
+        )
+        # The load was real (the CPU engine answers ~10 calls a round).
+        assert len(run.acknowledged) >= 5 * VLLM_KILLS
+        run.check_acknowledged()
+        for key, entry in run.unacknowledged.items():
+            engine = _direct(vllm_engine, "chat/completions", run.sent[key])
+            assert entry.prompt_token_ids == engine["prompt_token_ids"], key
+            assert 1 <= len(entry.generation_token_ids) <= 6, key
+            assert len(entry.generation_log_probs) == len(entry.generation_token_ids), key
+        print(
+            f"\nreal vLLM, {VLLM_KILLS} SIGKILLs under {VLLM_SESSIONS} sessions: "
+            f"{len(run.acknowledged)} acknowledged calls, all stored; "
+            f"{len(run.unacknowledged)} stored but unacknowledged, all whole"
+        )
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)

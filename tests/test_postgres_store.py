@@ -26,6 +26,7 @@ from tests.test_conformance import STORE_CHECKS
 
 from tokencapture.conformance import run_conformance
 from tokencapture.postgres import (
+    SCHEMA_VERSION,
     PostgresTokenCaptureStore,
     PostgresUnavailableError,
     install_schema_sync,
@@ -40,7 +41,13 @@ from tokencapture.store import TokenCaptureStore, canonical_line
 
 __all__ = ["pg_dsn", "pg_server", "store"]  # the fixtures, imported for pytest
 
-SCHEMA_FILES = ["001_store.sql", "002_lineage.sql", "003_ledger.sql", "004_lineage_rows.sql"]
+SCHEMA_FILES = [
+    "001_store.sql",
+    "002_lineage.sql",
+    "003_ledger.sql",
+    "004_lineage_rows.sql",
+    "005_staging.sql",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -879,11 +886,11 @@ def test_an_older_schema_is_refused_then_upgraded_on_first_use(pg_dsn: str) -> N
 
     asyncio.run(install_first(3))
     old = PostgresTokenCaptureStore(pg_dsn)
-    with pytest.raises(RuntimeError, match="schema version 3, this client needs 4"):
+    with pytest.raises(RuntimeError, match=f"schema version 3, this client needs {SCHEMA_VERSION}"):
         old.append(make_entry())
     old.close_sync()
     upgrading = PostgresTokenCaptureStore(pg_dsn, install_schema=True)
-    upgrading.append(make_entry())  # 004 applied first
+    upgrading.append(make_entry())  # the newer files applied first
     assert upgrading.freeze_now("r1").version == 2
     upgrading.close_sync()
     assert install_schema_sync(pg_dsn) == []

@@ -51,3 +51,27 @@ def test_nemo_capture_stages_fetches_retires(tmp_path: Path) -> None:
     assert not store.stage(record).ok
     with pytest.raises(StagingKeyRetiredError):
         store.fetch([coords.staging_key])
+
+
+def test_zeros_mid_segment_are_reported_never_read_as_its_end(tmp_path: Path) -> None:
+    """Stray zero bytes over an acknowledged frame mid-segment: what follows stays fetchable,
+    the damage is reported, and a fetch of the lost key is a corruption error, not 'unknown'."""
+    from tokencapture import TokenCaptureCorruptionError
+    from tokencapture.conformance_staging import build_chain
+
+    store = FileStagingStore(tmp_path)
+    records = build_chain(nemo_records, "r", 5)
+    for record in records:
+        assert store.stage(record).ok
+    (segment,) = [p for p in tmp_path.iterdir() if p.name.startswith("seg-")]
+    data = bytearray(segment.read_bytes())
+    starts = [i for i in range(len(data)) if data[i : i + 4] == b"TCF2"]
+    assert len(starts) == 5
+    data[starts[2] : starts[3]] = bytes(starts[3] - starts[2])
+    segment.write_bytes(bytes(data))
+    fresh = FileStagingStore(tmp_path)
+    assert fresh.keys() == ["r/call-0", "r/call-1", "r/call-3", "r/call-4"]
+    assert fresh.damage() == [(segment.name, starts[2], starts[3])]
+    assert [s.model_call_id for s in fresh.fetch(["r/call-4", "r/call-0"])] == ["call-4", "call-0"]
+    with pytest.raises(TokenCaptureCorruptionError, match="damaged"):
+        fresh.fetch(["r/call-2"])

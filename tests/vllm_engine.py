@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -31,6 +30,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from tests.accounts import AccountUnavailable, account, descendants
 
 __all__ = [
     "ENGINE_ACCOUNT",
@@ -208,56 +209,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (from /proc), children first."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        parents[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    found: list[int] = []
-    frontier = [pid]
-    while frontier:
-        current = frontier.pop()
-        children = [child for child, parent in parents.items() if parent == current]
-        found.extend(children)
-        frontier.extend(children)
-    return found
-
-
-def _engine_account() -> tuple[int, int]:
-    """The unprivileged account the engine runs as when we are root (created if missing)."""
-    try:
-        account = pwd.getpwnam(ENGINE_ACCOUNT)
-    except KeyError:
-        useradd = shutil.which("useradd") or "/usr/sbin/useradd"
-        result = subprocess.run(
-            [
-                useradd,
-                "--system",
-                "--no-create-home",
-                "--home-dir",
-                "/nonexistent",
-                "--shell",
-                "/usr/sbin/nologin",
-                ENGINE_ACCOUNT,
-            ],
-            capture_output=True,
-            check=False,
-        )
-        if result.returncode != 0 and result.returncode != 9:  # 9: created meanwhile
-            raise EngineUnavailable(
-                f"cannot create the {ENGINE_ACCOUNT} account to run vLLM as: "
-                f"{result.stderr.decode(errors='replace')}"
-            ) from None
-        account = pwd.getpwnam(ENGINE_ACCOUNT)
-    return account.pw_uid, account.pw_gid
-
-
 class VllmEngine:
     """vLLM serving the tiny model from a temporary directory; `start()`, `stop()`, `cleanup()`.
 
@@ -287,12 +238,12 @@ class VllmEngine:
         self.log = self.base / "vllm.log"
         self.port = _free_port()
         self.process: subprocess.Popen[bytes] | None = None
-        self._run_as: dict[str, Any] = {}
-        if os.geteuid() == 0:
-            uid, gid = _engine_account()
-            self._run_as = {"user": uid, "group": gid, "extra_groups": []}
-        else:
-            uid, gid = os.getuid(), os.getgid()
+        try:
+            runner = account(ENGINE_ACCOUNT, create=True)
+        except AccountUnavailable as exc:
+            raise EngineUnavailable(str(exc)) from exc
+        self._run_as: dict[str, Any] = runner.popen()
+        uid, gid = runner.uid, runner.gid
         self.home.mkdir(mode=0o700)
         os.chown(self.home, uid, gid)
         self.log.touch()
@@ -443,7 +394,7 @@ class VllmEngine:
         if self.process is None:
             return
         pid = self.process.pid
-        victims = _descendants(pid) if self.process.poll() is None else []
+        victims = descendants(pid) if self.process.poll() is None else []
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
         for victim in [pid, *victims]:

@@ -86,8 +86,8 @@ from tokencapture.records import (
     cumulative_tokens,
     stamp_lineage,
 )
-from tokencapture.staging.errors import StagingKeyError, StagingKeyRetiredError
 from tokencapture.staging.store import FileStagingStore
+from tokencapture.staging_errors import StagingKeyError, StagingKeyRetiredError
 from tokencapture.store import (
     TokenCaptureStore,
     make_token_store,
@@ -155,7 +155,12 @@ __all__ = [
 # The PostgreSQL backend, imported on first access so that `import tokencapture` never needs
 # its driver (`pip install tokencapture[postgres]`); not in __all__ for the same reason.
 _POSTGRES_NAMES = frozenset(
-    {"PostgresCaptureLedger", "PostgresLineageStore", "PostgresTokenCaptureStore"}
+    {
+        "PostgresCaptureLedger",
+        "PostgresLineageStore",
+        "PostgresStagingStore",
+        "PostgresTokenCaptureStore",
+    }
 )
 
 

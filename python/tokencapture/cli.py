@@ -137,6 +137,8 @@ def _ls_postgres(dsn: str) -> list[dict[str, Any]]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.staging:
+        return _staging_ls(args)
     if _is_dsn(args.dir):
         _emit(args, _ls_postgres(args.dir), _render_ls)
         return 0
@@ -201,6 +203,8 @@ def _show_postgres(dsn: str, rollout_id: str) -> tuple[dict[str, Any], list[str]
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if args.staging:
+        return _staging_show(args)
     rollout_id = validate_rollout_id(args.rollout)
     if _is_dsn(args.dir):
         state, intents, entries = _show_postgres(args.dir, rollout_id)
@@ -312,6 +316,8 @@ def _cumulative(entry: TokenEntry, by_id: dict[str, TokenEntry]) -> list[int]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.staging:
+        return _staging_verify(args)
     store: TokenCaptureStore | PostgresTokenCaptureStore
     if _is_dsn(args.dir):
         store = _pg_store(args.dir)
@@ -344,19 +350,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
         store.close_sync()
     payload = {"rollouts": len(rollouts), "problems": problems, "ok": not problems}
 
+    return _verified(args, payload, f"ok: {len(rollouts)} rollout(s) verified")
+
+
+def _verified(args: argparse.Namespace, payload: dict[str, Any], ok_line: str) -> int:
+    """Report a verification (`payload["problems"]`: rollout -> problems); exit 1 on any."""
+
     def render(p: dict[str, Any]) -> str:
         if p["ok"]:
-            return f"ok: {p['rollouts']} rollout(s) verified"
+            return ok_line
         lines = [f"{sum(len(v) for v in p['problems'].values())} problem(s):"]
         for rollout_id, found in p["problems"].items():
             lines.extend(f"  {rollout_id}: {problem}" for problem in found)
         return "\n".join(lines)
 
     _emit(args, payload, render)
-    return 0 if not problems else 1
+    return 0 if payload["ok"] else 1
 
 
 def _removal(args: argparse.Namespace, operation: str) -> Any:
+    if args.staging:
+        return _staging_removal(args, operation)
     if _is_dsn(args.dir):
         store = _pg_store(args.dir)
         try:
@@ -484,6 +498,8 @@ class _Backend:
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
+    if args.staging:
+        return _staging_copy(args)
     source = _Backend(args.source, create=False)
     target = _Backend(args.target, create=True)
     copied: list[dict[str, Any]] = []
@@ -517,6 +533,263 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
     _emit(args, payload, render)
     return 0 if not skipped and not missing else 1
+
+
+# Staging stores (`--staging`): a FileStagingStore directory or a PostgresStagingStore DSN ----
+
+
+def _staging_store(location: str, *, create: bool = False) -> Any:
+    """The staging store at `location` (a directory, or a postgresql:// DSN)."""
+    if _is_dsn(location):
+        from tokencapture.postgres import PostgresStagingStore
+
+        return PostgresStagingStore(location, models="tokencapture")
+    from tokencapture.staging import FileStagingStore
+
+    if not create:
+        _existing_dir(location)
+    return FileStagingStore(location, models="tokencapture")
+
+
+def _close(store: Any) -> None:
+    close = getattr(store, "close", None)
+    if callable(close):
+        close()
+
+
+def _staged_by_rollout(
+    store: Any, rollout_ids: Sequence[str] | None = None
+) -> dict[str, list[Any]]:
+    """The verified records of every staged key (of `rollout_ids`, or all), by rollout, each
+    rollout's calls in chain order (by cumulative length, then key)."""
+    if rollout_ids:
+        keys = [key for rollout_id in rollout_ids for key in store.keys(rollout_id)]
+    else:
+        keys = store.keys()
+    grouped: dict[str, list[Any]] = {}
+    for record in store.fetch_records(keys) if keys else []:
+        grouped.setdefault(record.rollout_id, []).append(record)
+    for records in grouped.values():
+        records.sort(key=lambda r: (r.cum_len, r.staging_key))
+    return dict(sorted(grouped.items()))
+
+
+def _staging_ls(args: argparse.Namespace) -> int:
+    store = _staging_store(args.dir)
+    try:
+        grouped = _staged_by_rollout(store)
+    finally:
+        _close(store)
+    rows = [
+        {
+            "rollout_id": rollout_id,
+            "calls": len(records),
+            "tokens": sum(r.delta_len for r in records),
+            "max_cum_len": max(r.cum_len for r in records),
+            "weight_versions": sorted({r.weight_version for r in records}),
+        }
+        for rollout_id, records in grouped.items()
+    ]
+
+    def render(found: list[dict[str, Any]]) -> str:
+        lines = [f"{'ROLLOUT':<32} {'CALLS':>6} {'TOKENS':>9} {'MAX_CUM':>9} WEIGHTS"]
+        for row in found:
+            weights = ",".join(str(w) for w in row["weight_versions"])
+            lines.append(
+                f"{row['rollout_id']:<32} {row['calls']:>6} {row['tokens']:>9} "
+                f"{row['max_cum_len']:>9} {weights}"
+            )
+        lines.append(f"{len(found)} staged rollout(s)")
+        return "\n".join(lines)
+
+    _emit(args, rows, render)
+    return 0
+
+
+def _staging_show(args: argparse.Namespace) -> int:
+    store = _staging_store(args.dir)
+    try:
+        records = _staged_by_rollout(store, [args.rollout]).get(args.rollout, [])
+        if not records:
+            raise CliError(f"rollout {args.rollout!r} has no staged calls in {args.dir}")
+        calls = [
+            {
+                "staging_key": r.staging_key,
+                "model_call_id": r.model_call_id,
+                "parent_call_id": r.parent_call_id,
+                "mode": r.mode,
+                "prev_len": r.prev_len,
+                "delta_len": r.delta_len,
+                "cum_len": r.cum_len,
+                "weight_version": r.weight_version,
+                "generated_tokens": sum(1 for m in r.token_mask_delta if m),
+                "extras": sorted(r.extras) if r.extras else [],
+                "attachments": sorted(store.fetch_attachments(r.staging_key)),
+            }
+            for r in records
+        ]
+    finally:
+        _close(store)
+    payload = {"rollout_id": args.rollout, "calls": calls}
+
+    def render(p: dict[str, Any]) -> str:
+        lines = [
+            f"rollout {p['rollout_id']}: {len(p['calls'])} staged call(s)",
+            f"{'CALL':<24} {'PARENT':<24} {'MODE':<8} {'PREV':>6} {'DELTA':>6} {'CUM':>6} "
+            "ATTACHMENTS",
+        ]
+        for c in p["calls"]:
+            lines.append(
+                f"{c['model_call_id']:<24} {c['parent_call_id'] or '-':<24} {c['mode']:<8} "
+                f"{c['prev_len']:>6} {c['delta_len']:>6} {c['cum_len']:>6} "
+                f"{','.join(c['attachments']) or '-'}"
+            )
+        return "\n".join(lines)
+
+    _emit(args, payload, render)
+    return 0
+
+
+def _chain_problems(records: list[Any]) -> list[str]:
+    """What is wrong with one rollout's staged chain: a parent that is not staged, lengths that
+    do not add up, chain or cumulative hashes that are not the tokens' (NeMo's algorithms)."""
+    from tokencapture.staging_digest import compute_chain_hash, hash_token_ids
+
+    by_call = {r.model_call_id: r for r in records}
+    problems = []
+    for record in records:
+        where = record.staging_key
+        tokens: list[int] = []
+        link: Any = record
+        seen: set[str] = set()
+        chain = []
+        while link is not None and link.model_call_id not in seen:
+            seen.add(link.model_call_id)
+            chain.append(link)
+            link = by_call.get(link.parent_call_id) if link.parent_call_id else None
+        root = chain[-1]
+        if root.parent_call_id is not None:
+            problems.append(f"{where}: parent {root.parent_call_id!r} is not staged")
+            continue
+        parent_hash = None
+        for step in reversed(chain):
+            if step.prev_len != len(tokens):
+                problems.append(
+                    f"{where}: {step.model_call_id} has prev_len {step.prev_len} but its chain "
+                    f"holds {len(tokens)} tokens before it"
+                )
+                break
+            tokens.extend(step.token_ids_delta)
+            parent_hash = compute_chain_hash(parent_hash, step.token_ids_delta)
+        else:
+            if record.chain_hash != parent_hash:
+                problems.append(f"{where}: chain_hash is not the hash of its chain")
+            if record.cumulative_hash != hash_token_ids(tokens):
+                problems.append(f"{where}: cumulative_hash is not the hash of its chain's tokens")
+    return problems
+
+
+def _staging_verify(args: argparse.Namespace) -> int:
+    store = _staging_store(args.dir)
+    problems: dict[str, list[str]] = {}
+    grouped: dict[str, list[Any]] = {}
+    keys: list[str] = []
+    try:
+        keys = store.keys()
+        for key in keys:  # one at a time: a damaged key must not hide the others
+            try:
+                (record,) = store.fetch_records([key])
+                store.fetch_attachments(key)
+            except (ValueError, LookupError, OSError) as exc:
+                problems.setdefault(key.split("/", 1)[0], []).append(f"{key}: {exc}")
+                continue
+            grouped.setdefault(record.rollout_id, []).append(record)
+    finally:
+        _close(store)
+    for rollout_id, records in grouped.items():
+        found = _chain_problems(records)
+        if found:
+            problems.setdefault(rollout_id, []).extend(found)
+    payload = {
+        "keys": len(keys),
+        "rollouts": len(grouped),
+        "problems": problems,
+        "ok": not problems,
+    }
+
+    ok_line = f"ok: {len(keys)} staged call(s) of {len(grouped)} rollout(s) verified"
+    return _verified(args, payload, ok_line)
+
+
+def _staging_removal(args: argparse.Namespace, operation: str) -> Any:
+    store = _staging_store(args.dir)
+    try:
+        return getattr(store, operation)(args.ids)
+    finally:
+        _close(store)
+
+
+def _restageable(attachment: Any) -> Any:
+    """A fetched attachment as a value that stages to the same stored attachment."""
+    if attachment.kind == "bytes":
+        return attachment.data
+    if attachment.kind == "arrow":
+        return attachment.to_arrow()
+    if attachment.dtype:
+        return attachment.to_numpy()
+    view = memoryview(attachment.data)
+    return view.cast(attachment.format or "B", attachment.shape) if attachment.shape else view
+
+
+def _staging_copy(args: argparse.Namespace) -> int:
+    source = _staging_store(args.source)
+    target = _staging_store(args.target, create=True)
+    copied: dict[str, int] = {}
+    refused: list[str] = []
+    mismatched: list[str] = []
+    try:
+        for rollout_id, records in _staged_by_rollout(source, args.rollouts).items():
+            for record in records:
+                key = record.staging_key
+                attachments = source.fetch_attachments(key)
+                restaged = {name: _restageable(a) for name, a in attachments.items()}
+                result = target.stage(record, attachments=restaged or None)
+                if not result.ok:
+                    refused.append(f"{key}: {result.error}")
+                    continue
+                # Verified: the target gives back the same record and attachments.
+                (back,) = target.fetch_records([key])
+                if back.model_dump() != record.model_dump() or (
+                    target.fetch_attachments(key) != attachments
+                ):
+                    mismatched.append(key)
+                    continue
+                copied[rollout_id] = copied.get(rollout_id, 0) + 1
+        missing = [r for r in args.rollouts or [] if r not in copied and not source.keys(r)]
+    finally:
+        _close(source)
+        _close(target)
+    payload = {
+        "copied": copied,
+        "refused": refused,
+        "mismatched": mismatched,
+        "missing_in_source": missing,
+    }
+
+    def render(p: dict[str, Any]) -> str:
+        lines = [
+            f"copied {sum(p['copied'].values())} staged call(s) of {len(p['copied'])} "
+            "rollout(s), each fetched back from the target and compared"
+        ]
+        lines.extend(f"refused by the target: {line}" for line in p["refused"])
+        if p["mismatched"]:
+            lines.append(f"fetched back different: {', '.join(p['mismatched'])}")
+        if p["missing_in_source"]:
+            lines.append(f"not in the source: {', '.join(p['missing_in_source'])}")
+        return "\n".join(lines)
+
+    _emit(args, payload, render)
+    return 0 if not refused and not mismatched and not missing else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -638,6 +911,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+# The commands that understand staging stores (`--staging`).
+_STAGING_COMMANDS = ("ls", "show", "verify", "retire", "delete", "copy")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokencapture",
@@ -655,6 +932,13 @@ def _parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=handler)
         if name not in ("demo", "bench"):
             sub.add_argument("--json", action="store_true", help="machine-readable output")
+        if name in _STAGING_COMMANDS:
+            sub.add_argument(
+                "--staging",
+                action="store_true",
+                help="the store is a staging store (FileStagingStore directory or "
+                "PostgresStagingStore DSN), not a token capture store",
+            )
         return sub
 
     demo = command(

@@ -24,6 +24,12 @@ Checks (`CHECKS`, in the order they run; each relies only on behaviour checked b
     ``ledger_fence_after_retire``, ``ledger_reuse_after_delete``. A check whose capability is
     absent is skipped: it is not reported as passed.
 
+Staging
+    The staging sink and source (NeMo Gym's worker-owned staging) have their own checks,
+    `STAGING_CHECKS`, run with `run_staging_conformance`, `run_staging_check` or
+    `pytest_staging_checks`; they are synchronous, as the staging protocols are. See
+    `tokencapture.conformance_staging`.
+
 Running it
     ``await run_conformance(sink_factory, source_factory, lineage_factory, ledger_factory)``
     returns the names of the checks that passed and raises `ConformanceError` (an
@@ -88,6 +94,13 @@ from uuid import uuid4
 
 import orjson
 
+from tokencapture.conformance_staging import (
+    STAGING_CHECKS,
+    StagingConformanceError,
+    pytest_staging_checks,
+    run_staging_check,
+    run_staging_conformance,
+)
 from tokencapture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
 from tokencapture.lineage import stamp_continuation
 from tokencapture.protocols import (
@@ -109,7 +122,7 @@ from tokencapture.records import (
     compute_digest,
     stamp_lineage,
 )
-from tokencapture.staging.records import (
+from tokencapture.staging_records import (
     CallRecord,
     CaptureLedgerCommit,
     RolloutManifest,
@@ -118,12 +131,17 @@ from tokencapture.staging.records import (
 
 __all__ = [
     "CHECKS",
+    "STAGING_CHECKS",
     "ConformanceError",
+    "StagingConformanceError",
     "main",
     "pytest_checks",
+    "pytest_staging_checks",
     "run_check",
     "run_conformance",
     "run_conformance_sync",
+    "run_staging_check",
+    "run_staging_conformance",
 ]
 
 _T = TypeVar("_T")

@@ -33,10 +33,11 @@ class _HoldsDescriptors(Protocol):
 
 
 def budget() -> dict[str, int]:
-    """The process's budget: `limit`, `held` (kept by every cache now), `exhausted` (opens
-    that ran out of descriptors and closed every cache before retrying once), `failed`
-    (retries that ran out again and raised) and `evicted` (cache entries closed to stay within
-    a cap or the budget)."""
+    """The process's budget: `limit`, `held` (descriptors kept by every cache now),
+    `exhausted` (opens that ran out of descriptors, `EMFILE`/`ENFILE`, and closed every cache
+    before retrying once), `failed` (of those, the retries that ran out again and raised) and
+    `evicted` (idle cache entries closed, each keeping up to three descriptors: to stay within
+    a cap or the budget, or emptied after an exhausted open; entries, not descriptors)."""
     return _core.descriptor_budget()
 
 

@@ -77,7 +77,7 @@ from tokencapture.protocols import (
     TokenCaptureConflictError,
 )
 from tokencapture.records import ParentResolutionStatus
-from tokencapture.staging.records import CaptureLedgerCommit
+from tokencapture.staging_records import CaptureLedgerCommit
 from tokencapture.validation import (
     check_failure_args,
     check_resolve_args,

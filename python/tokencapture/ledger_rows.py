@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
 from tokencapture.protocols import LineageMatch, RolloutRetiredError, TokenCaptureCorruptionError
-from tokencapture.staging.records import (
+from tokencapture.staging_records import (
     LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
     LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
     CallRecord,

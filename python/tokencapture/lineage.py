@@ -60,7 +60,7 @@ from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_linea
 from tokencapture.resolution import DEFAULT_CACHED_ROLLOUTS as DEFAULT_CACHED_ROLLOUTS
 from tokencapture.resolution import DEFAULT_CACHED_TOKENS as DEFAULT_CACHED_TOKENS
 from tokencapture.resolution import ROOT, resolution_of, resolve_in_python, resolve_native
-from tokencapture.staging.records import CaptureLedgerCommit
+from tokencapture.staging_records import CaptureLedgerCommit
 from tokencapture.validation import check_cache_limits as check_cache_limits
 from tokencapture.validation import check_failure_args, validate_rollout_id, validate_rollout_ids
 from tokencapture.validation import check_resolve_args as check_resolve_args

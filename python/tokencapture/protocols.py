@@ -14,9 +14,9 @@ from typing import Any, Protocol, TypedDict, runtime_checkable
 from tokencapture.records import ParentResolutionStatus, TokenEntry, as_status
 
 # Imported at run time (not only for type checking) so that `typing.get_type_hints` resolves
-# `CaptureLedger.record`. `tokencapture.staging.records` must therefore never import this
+# `CaptureLedger.record`. `tokencapture.staging_records` must therefore never import this
 # module.
-from tokencapture.staging.records import CaptureLedgerCommit
+from tokencapture.staging_records import CaptureLedgerCommit
 
 __all__ = [
     "CaptureLedger",

@@ -147,8 +147,10 @@ class TokenCaptureStore:
         """Store an entry durably without blocking the event loop (`await store.put(entry)`).
 
         The entry is checked and its canonical line built when `put` is called, so a bad
-        entry raises then, awaited or not; the lock, append and fsync run natively on the
-        worker pool when the returned coroutine is awaited.
+        entry raises then, awaited or not. When the returned coroutine is awaited the line is
+        queued for the rollout's one writer in this store, which runs natively on the worker
+        pool: it commits every put queued for the rollout under one lock, with one write and
+        one fdatasync (group commit), and the await returns once its own line is durable.
         """
         started = perf_counter()
         try:

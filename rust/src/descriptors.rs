@@ -143,10 +143,15 @@ pub struct Budget {
     trimming: Mutex<()>,
     gate: Mutex<Gate>,
     turn: Condvar,
-    /// Opens that ran out of descriptors (each evicted every cache and retried once), and
-    /// those whose retry ran out too (and failed).
+    /// Opens that ran out of descriptors (`EMFILE`/`ENFILE`): each closed every cache and
+    /// was retried once. A count of operations' opens, not of descriptors.
     exhausted: AtomicU64,
+    /// Of those, the retries that ran out again (the open failed and its operation raised).
     failed: AtomicU64,
+    /// Cache entries closed while idle, for any reason: to keep a cache within its own cap,
+    /// the caches within the budget, or (after an exhausted open) every cache emptied. A
+    /// count of entries (a token-store entry keeps up to [`KEPT_PER_OPERATION`]
+    /// descriptors), not of descriptors, and not of opens.
     evicted: AtomicU64,
 }
 
@@ -170,11 +175,12 @@ pub fn budget() -> &'static Budget {
 pub struct BudgetStats {
     pub limit: usize,
     pub held: usize,
-    /// Opens that found descriptors exhausted (and evicted every cache before retrying).
+    /// Opens that found descriptors exhausted (and closed every cache before retrying once).
     pub exhausted: u64,
     /// Retries that found them exhausted still (the operation failed).
     pub failed: u64,
-    /// Cache entries closed to keep within a cap or the budget, or to free descriptors.
+    /// Idle cache entries closed (each up to [`KEPT_PER_OPERATION`] descriptors): to keep
+    /// within a cache's cap or the budget, or to free descriptors after an exhausted open.
     pub evicted: u64,
 }
 
@@ -592,7 +598,8 @@ mod tests {
         let none = FdCache::with_budget(100, Some(0), budget);
         open(&none, "a", 3);
         assert_eq!(none.held(), 0);
-        // One entry evicted by each cap ('a' above, 'a' here): the counter counts entries, not descriptors.
+        // One entry evicted by each cap ('a' above, 'a' here): the counter counts entries (of
+        // two and three descriptors), not descriptors.
         assert_eq!(budget.stats().evicted, 2);
     }
 
@@ -650,8 +657,10 @@ mod tests {
                 Ok(budget.held())
             }
         });
-        // The second attempt ran after every cache was emptied.
+        // The second attempt ran after every cache was emptied: one open exhausted, the two
+        // entries (three descriptors) it closed counted as evictions.
         assert_eq!((calls, result.unwrap()), (2, 0));
+        assert_eq!((budget.stats().exhausted, budget.stats().evicted), (1, 2));
         // Only once: a second exhaustion is returned with its errno.
         let mut calls = 0;
         let err = budget

@@ -56,6 +56,40 @@ impl<T> IoContext<T> for io::Result<T> {
 }
 
 impl Error {
+    /// An equal error for another caller (an `io::Error` is not `Clone`: its OS error code, or
+    /// its kind and message, are kept). A group commit tells each of its puts the same failure.
+    pub(crate) fn duplicate(&self) -> Self {
+        match self {
+            Error::Io { op, path, source } => Error::Io {
+                op,
+                path: path.clone(),
+                source: match source.raw_os_error() {
+                    Some(code) => io::Error::from_raw_os_error(code),
+                    None => io::Error::new(source.kind(), source.to_string()),
+                },
+            },
+            Error::Frozen(id) => Error::Frozen(id.clone()),
+            Error::Retired(id) => Error::Retired(id.clone()),
+            Error::Conflict {
+                rollout_id,
+                call_id,
+            } => Error::Conflict {
+                rollout_id: rollout_id.clone(),
+                call_id: call_id.clone(),
+            },
+            Error::Corrupt {
+                path,
+                offset,
+                detail,
+            } => Error::Corrupt {
+                path: path.clone(),
+                offset: *offset,
+                detail: detail.clone(),
+            },
+            Error::InvalidInput(message) => Error::InvalidInput(message.clone()),
+        }
+    }
+
     pub(crate) fn corrupt(path: &Path, offset: u64, detail: impl Into<String>) -> Self {
         Error::Corrupt {
             path: path.to_path_buf(),

@@ -41,9 +41,19 @@ pub fn complete_lines(buf: &[u8], base: u64) -> impl Iterator<Item = (u64, &[u8]
 
 /// Append `line` and a newline in one vectored write (no copy of large lines), retrying short
 /// writes until everything is written.
-pub fn append_line(mut file: &File, line: &[u8]) -> io::Result<()> {
+pub fn append_line(file: &File, line: &[u8]) -> io::Result<()> {
+    append_lines(file, &[line])
+}
+
+/// Append each of `lines` followed by a newline, in as few vectored writes as the kernel takes
+/// (no copy of the lines), retrying short writes until everything is written. A group commit
+/// writes its puts' lines this way before its one fdatasync.
+pub fn append_lines(mut file: &File, lines: &[&[u8]]) -> io::Result<()> {
     let newline = [b'\n'];
-    let mut slices = [IoSlice::new(line), IoSlice::new(&newline)];
+    let mut slices: Vec<IoSlice<'_>> = lines
+        .iter()
+        .flat_map(|line| [IoSlice::new(line), IoSlice::new(&newline)])
+        .collect();
     let mut pending: &mut [IoSlice<'_>] = &mut slices;
     while !pending.is_empty() {
         match file.write_vectored(pending) {

@@ -37,8 +37,8 @@ use crate::json::tape::{call_id_of, tape_channel, LineTape, LineTaper, TapeFeed,
 use crate::json::{extract_call_id, LineError, Repeats};
 use crate::lock::{FileId, LockMode, RolloutLock};
 use crate::log::{
-    append_line, complete_lines, complete_prefix_len, read_at, read_into, read_lines_streaming,
-    reserve_past,
+    append_line, append_lines, complete_lines, complete_prefix_len, read_at, read_into,
+    read_lines_streaming, reserve_past,
 };
 use crate::state::{self, State};
 
@@ -160,6 +160,124 @@ pub enum PutOutcome {
     Appended,
     /// The same call id with the same payload digest was already stored: nothing changed.
     Duplicate,
+}
+
+/// What a put hands its outcome to (see [`Store::put_then`]).
+pub type PutDone = Box<dyn FnOnce(Result<PutOutcome>) + Send + 'static>;
+
+/// Most puts one group commit takes (each is two slices of one vectored write, well within
+/// `IOV_MAX`), and the most line bytes it gathers beyond its first put.
+const MAX_BATCH_PUTS: usize = 256;
+const MAX_BATCH_BYTES: usize = 8 << 20;
+
+/// A put waiting for its rollout's writer.
+struct QueuedPut {
+    call_id: String,
+    line: Vec<u8>,
+    digest: String,
+    done: PutDone,
+}
+
+/// The first puts of a rollout's new writer (from [`Store::queue_put`]), to hand to
+/// [`Store::write_puts`]. Dropped unwritten, its puts are never answered and the rollout's
+/// later puts wait forever: always write it.
+pub struct PutBatch(Vec<QueuedPut>);
+
+impl std::fmt::Debug for PutBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PutBatch")
+            .field("puts", &self.0.len())
+            .finish()
+    }
+}
+
+/// A put of a batch being committed (its `done` kept apart, to be called once decided).
+struct PutItem {
+    call_id: String,
+    line: Vec<u8>,
+    digest: String,
+}
+
+/// The rollouts with a writer in this process, each with the puts queued behind it.
+#[derive(Default)]
+struct Writers {
+    queues: Mutex<HashMap<String, Vec<QueuedPut>>>,
+}
+
+impl std::fmt::Debug for Writers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Writers")
+            .field("rollouts", &self.lock().len())
+            .finish()
+    }
+}
+
+impl Writers {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Vec<QueuedPut>>> {
+        // Only pushes and drains happen under it: a poisoned map is still consistent.
+        self.queues.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queue `put` behind the rollout's writer (`None`), or make the caller its writer, with
+    /// `put` as its first batch.
+    fn join(&self, rollout_id: &str, put: QueuedPut) -> Option<Vec<QueuedPut>> {
+        let mut queues = self.lock();
+        if let Some(waiting) = queues.get_mut(rollout_id) {
+            waiting.push(put);
+            return None;
+        }
+        queues.insert(rollout_id.to_owned(), Vec::new());
+        Some(vec![put])
+    }
+
+    /// The writer's next batch: `rest` (puts to try again) first, then the queued ones in
+    /// arrival order, within the batch limits; `None`, and the rollout has no writer, when
+    /// nothing is left.
+    fn next(&self, rollout_id: &str, mut rest: Vec<QueuedPut>) -> Option<Vec<QueuedPut>> {
+        let mut queues = self.lock();
+        let waiting = queues.get_mut(rollout_id).filter(|w| !w.is_empty());
+        let Some(waiting) = waiting else {
+            if rest.is_empty() {
+                queues.remove(rollout_id);
+                return None;
+            }
+            return Some(rest);
+        };
+        let mut bytes: usize = rest.iter().map(|put| put.line.len()).sum();
+        let mut take = 0;
+        for put in waiting.iter() {
+            let full = rest.len() + take >= MAX_BATCH_PUTS || bytes >= MAX_BATCH_BYTES;
+            if full && rest.len() + take > 0 {
+                break;
+            }
+            bytes += put.line.len();
+            take += 1;
+        }
+        rest.extend(waiting.drain(..take));
+        Some(rest)
+    }
+}
+
+/// The checks a put makes before it touches anything.
+fn check_put(rollout_id: &str, call_id: &str, line: &[u8]) -> Result<()> {
+    validate_rollout_id(rollout_id)?;
+    validate_call_id(call_id)?;
+    validate_line(line, "an entry line")?;
+    if line.is_empty() {
+        return Err(Error::InvalidInput(
+            "an entry line must not be empty".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// What a put is told when the code committing it panicked (a bug; nothing was acknowledged).
+fn panicked_put(log: &Path) -> Error {
+    Error::Io {
+        op: "put (the committing thread panicked)",
+        path: log.to_path_buf(),
+        source: io::Error::other("internal error: the put did not complete"),
+    }
 }
 
 /// Unique records of a log, in file order: ranges into `buf` (lines without newlines).
@@ -350,6 +468,8 @@ pub struct Store {
     cache: Arc<FdCache<Cached>>,
     /// A whole-log read buffer kept between reads (see `read_whole_log`).
     spare_buffer: Mutex<Vec<u8>>,
+    /// Each rollout's one writer of puts, and the puts queued behind it (`put_then`).
+    writers: Writers,
 }
 
 /// The largest read buffer a store keeps between reads.
@@ -362,6 +482,61 @@ const MAX_SPARE_BUFFER: usize = 16 << 20;
 #[derive(Debug)]
 pub(crate) struct RootDir {
     path: PathBuf,
+    syncs: Coalesced,
+}
+
+/// Concurrent fsyncs of one directory, coalesced: a caller's sync is done once an fsync that
+/// started after it asked has succeeded, so while one runs, everyone who asks meanwhile waits
+/// for it and then shares the next one. The rollouts a store creates all live in its one
+/// directory, and fsyncs of one directory do not overlap on this ext4 (each writes the
+/// directory's block and flushes the disk's cache in turn): 64 first puts in flight paid for
+/// 64 of them one after another.
+#[derive(Debug, Default)]
+struct Coalesced {
+    state: Mutex<CoalescedState>,
+    finished: std::sync::Condvar,
+}
+
+#[derive(Debug, Default)]
+struct CoalescedState {
+    /// Tickets handed out (one per call), and the highest one a successful run covered.
+    asked: u64,
+    covered: u64,
+    running: bool,
+}
+
+impl Coalesced {
+    fn lock(&self) -> MutexGuard<'_, CoalescedState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Run `op` for this caller, or wait for a run of it that started after this call did.
+    fn run(&self, op: impl FnOnce() -> Result<()>) -> Result<()> {
+        let mut state = self.lock();
+        state.asked += 1;
+        let ticket = state.asked;
+        loop {
+            if state.covered >= ticket {
+                return Ok(());
+            }
+            if !state.running {
+                state.running = true;
+                let covers = state.asked; // every ticket so far asked before this run starts
+                drop(state);
+                let result = op();
+                let mut state = self.lock();
+                state.running = false;
+                if result.is_ok() {
+                    state.covered = state.covered.max(covers);
+                }
+                drop(state);
+                // On failure the waiters run it again themselves, and see their own error.
+                self.finished.notify_all();
+                return result;
+            }
+            state = self.finished.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 /// fsync the directory at `path`.
@@ -384,16 +559,20 @@ impl RootDir {
         }
         // Fail now, not at the first put, if it is not a directory we can open.
         descriptors::retry(|| File::open(&path)).ctx("open directory", &path)?;
-        Ok(RootDir { path })
+        Ok(RootDir {
+            path,
+            syncs: Coalesced::default(),
+        })
     }
 
     pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
-    /// fsync the directory.
+    /// fsync the directory (or wait for an fsync of it that started after this call: see
+    /// `Coalesced`). Call after the creation, rename or removal to make durable.
     pub(crate) fn sync(&self) -> Result<()> {
-        sync_directory(&self.path)
+        self.syncs.run(|| sync_directory(&self.path))
     }
 }
 
@@ -501,6 +680,7 @@ impl Store {
             dir: RootDir::open(root)?,
             cache: rollout_cache(cached_rollouts, max_open_files),
             spare_buffer: Mutex::new(Vec::new()),
+            writers: Writers::default(),
         })
     }
 
@@ -781,76 +961,241 @@ impl Store {
     }
 
     /// Durably store one entry line. `line` is the canonical JSON of the entry (one line).
+    /// Blocks until the line is fdatasync'ed (or the put failed); see [`Store::put_then`].
     pub fn put(&self, rollout_id: &str, call_id: &str, line: &[u8]) -> Result<PutOutcome> {
-        validate_rollout_id(rollout_id)?;
-        validate_call_id(call_id)?;
-        validate_line(line, "an entry line")?;
-        if line.is_empty() {
-            return Err(Error::InvalidInput(
-                "an entry line must not be empty".into(),
-            ));
+        let (sender, receiver) = std::sync::mpsc::sync_channel(1);
+        self.put_then(
+            rollout_id,
+            call_id,
+            line.to_vec(),
+            Box::new(move |outcome| {
+                let _ = sender.send(outcome);
+            }),
+        );
+        receiver
+            .recv()
+            .unwrap_or_else(|_| Err(panicked_put(&self.paths(rollout_id).log)))
+    }
+
+    /// Durably store one entry line and call `done` with the outcome once the line is
+    /// fdatasync'ed (or the put failed): on this thread, or on the thread of another put of
+    /// the same rollout that commits it.
+    ///
+    /// **Group commit.** A rollout has at most one writer in this process at a time. A put
+    /// that finds one queued behind it and returns at once (a worker thread is never parked on
+    /// a rollout's lock); the writer takes everything queued, in arrival order, under one
+    /// exclusive lock and commits the new lines with one vectored write and one fdatasync, then
+    /// calls each put's `done` and takes the next batch, until the queue is empty. Every put
+    /// is still acknowledged only after its own line is on disk; what changes is that the
+    /// puts queued behind one fdatasync share the next one instead of waiting for one each.
+    pub fn put_then(&self, rollout_id: &str, call_id: &str, line: Vec<u8>, done: PutDone) {
+        if let Some(batch) = self.queue_put(rollout_id, call_id, line, done) {
+            self.write_puts(rollout_id, batch);
         }
-        let digest = payload_digest(line);
-        self.exclusive(rollout_id, |cached, paths| {
+    }
+
+    /// The first half of [`Store::put_then`], which never blocks on the disk: check the put
+    /// (a refused one gets its `done` at once), then queue it behind the rollout's writer, or
+    /// return it as the first batch of a new writer, which the caller must run with
+    /// [`Store::write_puts`] (on a worker thread, say) for this and every later put of the
+    /// rollout to complete.
+    pub fn queue_put(
+        &self,
+        rollout_id: &str,
+        call_id: &str,
+        line: Vec<u8>,
+        done: PutDone,
+    ) -> Option<PutBatch> {
+        if let Err(err) = check_put(rollout_id, call_id, &line) {
+            done(Err(err));
+            return None;
+        }
+        let put = QueuedPut {
+            call_id: call_id.to_owned(),
+            digest: payload_digest(&line),
+            line,
+            done,
+        };
+        self.writers.join(rollout_id, put).map(PutBatch)
+    }
+
+    /// Be the rollout's writer: commit `batch` and every put queued behind it, batch after
+    /// batch, until none is left (see [`Store::put_then`]).
+    pub fn write_puts(&self, rollout_id: &str, batch: PutBatch) {
+        let mut batch = batch.0;
+        loop {
+            let rest = self.commit_batch(rollout_id, batch);
+            match self.writers.next(rollout_id, rest) {
+                Some(next) => batch = next,
+                None => return,
+            }
+        }
+    }
+
+    /// Commit a batch of one rollout's puts and report each outcome; the puts left
+    /// undecided (behind an I/O failure, which dropped the cached index) are returned to be
+    /// tried again, first in line, from a fresh load.
+    fn commit_batch(&self, rollout_id: &str, batch: Vec<QueuedPut>) -> Vec<QueuedPut> {
+        let (items, dones): (Vec<PutItem>, Vec<PutDone>) = batch
+            .into_iter()
+            .map(|put| {
+                let item = PutItem {
+                    call_id: put.call_id,
+                    line: put.line,
+                    digest: put.digest,
+                };
+                (item, put.done)
+            })
+            .unzip();
+        let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.put_batch(rollout_id, &items)
+        }))
+        .unwrap_or_else(|_| {
+            let log = self.paths(rollout_id).log;
+            items
+                .iter()
+                .map(|_| Some(Err(panicked_put(&log))))
+                .collect()
+        });
+        let mut rest = Vec::new();
+        for ((item, done), result) in items.into_iter().zip(dones).zip(results) {
+            match result {
+                Some(outcome) => done(outcome),
+                None => rest.push(QueuedPut {
+                    call_id: item.call_id,
+                    line: item.line,
+                    digest: item.digest,
+                    done,
+                }),
+            }
+        }
+        rest
+    }
+
+    /// The puts of `items` (one rollout's, in arrival order) under one exclusive lock, with
+    /// the outcome each would have had alone, one after another: `None` for those not reached
+    /// (an I/O failure before them, whose error went to the puts it concerned).
+    fn put_batch(&self, rollout_id: &str, items: &[PutItem]) -> Vec<Option<Result<PutOutcome>>> {
+        let mut results: Vec<Option<Result<PutOutcome>>> = items.iter().map(|_| None).collect();
+        // The puts an error of the operation belongs to: all of them until the rollout's tail
+        // is folded and it is known to be writable, then the group being committed.
+        let mut failing: Vec<usize> = (0..items.len()).collect();
+        let outcome = self.exclusive(rollout_id, |cached, paths| {
             self.fold_tail(cached, paths)?;
             check_writable(rollout_id, &cached.state)?;
-            match cached.state.entry_digests.get(call_id) {
-                Some(known) if *known == digest => return Ok(PutOutcome::Duplicate),
-                Some(_) => {
-                    cached.state.incomplete = true;
-                    cached.state.version += 1;
-                    self.persist(cached, paths, true)?;
-                    return Err(Error::Conflict {
-                        rollout_id: rollout_id.to_owned(),
-                        call_id: call_id.to_owned(),
-                    });
+            let mut group: Vec<usize> = Vec::new();
+            let mut grouped: HashSet<&str> = HashSet::new();
+            for (index, item) in items.iter().enumerate() {
+                if grouped.contains(item.call_id.as_str()) {
+                    // The same call again: commit the first before judging the second.
+                    failing = std::mem::take(&mut group);
+                    grouped.clear();
+                    self.append_group(cached, paths, items, &failing)?;
+                    for &i in &failing {
+                        results[i] = Some(Ok(PutOutcome::Appended));
+                    }
                 }
-                None => {}
-            }
-            let created = cached.log.is_none();
-            let log = match &cached.log {
-                Some(log) => log,
-                None => {
-                    let mut options = log_options();
-                    options.create(true);
-                    let file = descriptors::retry(|| options.open(&paths.log))
-                        .ctx("create log", &paths.log)?;
-                    cached
-                        .log
-                        .insert(Pinned::new(file, &paths.log, self.cache.account())?)
+                match cached.state.entry_digests.get(&item.call_id) {
+                    Some(known) if *known == item.digest => {
+                        results[index] = Some(Ok(PutOutcome::Duplicate));
+                    }
+                    Some(_) => {
+                        if !group.is_empty() {
+                            failing = std::mem::take(&mut group);
+                            grouped.clear();
+                            self.append_group(cached, paths, items, &failing)?;
+                            for &i in &failing {
+                                results[i] = Some(Ok(PutOutcome::Appended));
+                            }
+                        }
+                        failing = vec![index];
+                        cached.state.incomplete = true;
+                        cached.state.version += 1;
+                        self.persist(cached, paths, true)?;
+                        results[index] = Some(Err(Error::Conflict {
+                            rollout_id: rollout_id.to_owned(),
+                            call_id: item.call_id.clone(),
+                        }));
+                    }
+                    None => {
+                        group.push(index);
+                        grouped.insert(item.call_id.as_str());
+                    }
                 }
-            };
-            let before = cached.state.indexed_size;
-            let end = before + line.len() as u64 + 1;
-            if end > cached.reserved_to && !cached.cannot_reserve {
-                match reserve_past(&log.file, before, end) {
-                    Some(reserved_to) => cached.reserved_to = reserved_to,
-                    None => cached.cannot_reserve = true,
+            }
+            if !group.is_empty() {
+                failing = group;
+                self.append_group(cached, paths, items, &failing)?;
+                for &i in &failing {
+                    results[i] = Some(Ok(PutOutcome::Appended));
                 }
             }
-            if let Err(err) = append_line(&log.file, line).and_then(|()| log.file.sync_data()) {
-                // Leave no partial line: the caller was told this put failed.
-                let _ = log.file.set_len(before);
-                return Err(err).ctx("append", &paths.log);
+            Ok(())
+        });
+        if let Err(err) = outcome {
+            for &i in &failing {
+                results[i] = Some(Err(err.duplicate()));
             }
-            cached.state.indexed_size = end;
-            cached.state.version += 1;
+        }
+        results
+    }
+
+    /// Append the lines of `items[group]` (new call ids, in order) with one write and one
+    /// fdatasync, then index them (the lines are durable before the index says so).
+    fn append_group(
+        &self,
+        cached: &mut Cached,
+        paths: &RolloutPaths,
+        items: &[PutItem],
+        group: &[usize],
+    ) -> Result<()> {
+        let created = cached.log.is_none();
+        let log = match &cached.log {
+            Some(log) => log,
+            None => {
+                let mut options = log_options();
+                options.create(true);
+                let file = descriptors::retry(|| options.open(&paths.log))
+                    .ctx("create log", &paths.log)?;
+                cached
+                    .log
+                    .insert(Pinned::new(file, &paths.log, self.cache.account())?)
+            }
+        };
+        let lines: Vec<&[u8]> = group.iter().map(|&i| items[i].line.as_slice()).collect();
+        let before = cached.state.indexed_size;
+        let end = before + lines.iter().map(|line| line.len() as u64 + 1).sum::<u64>();
+        if end > cached.reserved_to && !cached.cannot_reserve {
+            match reserve_past(&log.file, before, end) {
+                Some(reserved_to) => cached.reserved_to = reserved_to,
+                None => cached.cannot_reserve = true,
+            }
+        }
+        if let Err(err) = append_lines(&log.file, &lines).and_then(|()| log.file.sync_data()) {
+            // Leave no partial line: the callers are told these puts failed.
+            let _ = log.file.set_len(before);
+            return Err(err).ctx("append", &paths.log);
+        }
+        cached.state.indexed_size = end;
+        cached.state.version += group.len() as u64;
+        for &i in group {
+            let item = &items[i];
             cached
                 .state
                 .entry_digests
-                .insert(call_id.to_owned(), digest);
-            if cached.state_file.is_none() {
-                self.persist(cached, paths, false)?;
-            }
-            if created || !cached.dir_synced {
-                self.sync_dir()?;
-                cached.dir_synced = true;
-            } else if cached.needs_checkpoint() {
-                // The rename need not be durable: the older state plus the log reads the same.
-                self.persist(cached, paths, false)?;
-            }
-            Ok(PutOutcome::Appended)
-        })
+                .insert(item.call_id.clone(), item.digest.clone());
+        }
+        if cached.state_file.is_none() {
+            self.persist(cached, paths, false)?;
+        }
+        if created || !cached.dir_synced {
+            self.sync_dir()?;
+            cached.dir_synced = true;
+        } else if cached.needs_checkpoint() {
+            // The rename need not be durable: the older state plus the log reads the same.
+            self.persist(cached, paths, false)?;
+        }
+        Ok(())
     }
 
     /// Durably record that a call is about to be dispatched.
@@ -1563,6 +1908,72 @@ mod tests {
     use std::os::fd::AsRawFd;
     use std::sync::mpsc;
     use std::time::Duration;
+
+    #[test]
+    fn coalesced_syncs_cover_every_caller_with_a_run_started_after_it_asked() {
+        use std::time::Instant;
+        let syncs = Arc::new(Coalesced::default());
+        let runs = Arc::new(Mutex::new(Vec::<(Instant, Instant)>::new()));
+        let callers: Vec<_> = (0..12)
+            .map(|i| {
+                let (syncs, runs) = (Arc::clone(&syncs), Arc::clone(&runs));
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(3 * (i % 4)));
+                    let asked = Instant::now();
+                    syncs
+                        .run(|| {
+                            let started = Instant::now();
+                            std::thread::sleep(Duration::from_millis(20));
+                            runs.lock().unwrap().push((started, Instant::now()));
+                            Ok(())
+                        })
+                        .unwrap();
+                    (asked, Instant::now())
+                })
+            })
+            .collect();
+        let calls: Vec<_> = callers.into_iter().map(|t| t.join().unwrap()).collect();
+        let runs = runs.lock().unwrap();
+        // Each call returned only after a run that began after it asked had ended.
+        for (asked, returned) in &calls {
+            let covered = runs
+                .iter()
+                .any(|(started, ended)| started >= asked && ended <= returned);
+            assert!(
+                covered,
+                "a call returned before any run that started after it"
+            );
+        }
+        // And they shared: runs never overlapped, and fewer ran than were asked for.
+        let mut sorted = runs.clone();
+        sorted.sort();
+        assert!(
+            sorted.windows(2).all(|w| w[0].1 <= w[1].0),
+            "runs overlapped"
+        );
+        assert!(
+            runs.len() < calls.len(),
+            "{} runs for {} calls",
+            runs.len(),
+            calls.len()
+        );
+    }
+
+    #[test]
+    fn a_failed_coalesced_run_fails_its_runner_and_the_waiters_run_again() {
+        let syncs = Coalesced::default();
+        let failed = syncs.run(|| Err(Error::InvalidInput("disk on fire".into())));
+        assert!(matches!(failed, Err(Error::InvalidInput(_))));
+        // Nothing was covered: the next caller runs it itself.
+        let mut ran = false;
+        syncs
+            .run(|| {
+                ran = true;
+                Ok(())
+            })
+            .unwrap();
+        assert!(ran);
+    }
 
     /// A rollout whose log is at least `bytes` long: prompts that grow by repeating the
     /// previous prompt and answer, as an agentic rollout's do.

@@ -378,19 +378,26 @@ class Gateway:
                 raise HttpError(400, "messages must be a list of message objects")
             messages = raw
         headers = {CALL_HEADER: raw_call_id}
+        call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
+        # The parent is looked up while the intent is written (a read: nothing to undo).
+        call.start_resolution()
         try:
             await self.backend.begin_call(rollout_id, call_id)
-        except TokenCaptureFrozenError as exc:
-            raise HttpError(
-                409, f"rollout {rollout_id!r} takes no more calls: {exc}", "rollout_closed"
-            ) from None
-        except (TypeError, ValueError) as exc:
-            raise HttpError(400, str(exc)) from None
-        except Exception as exc:
-            raise HttpError(
-                503, f"the store could not record the call's intent: {exc}", "store_unavailable"
-            ) from None
-        call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
+        except BaseException as exc:
+            call.cancel_resolution()
+            if isinstance(exc, TokenCaptureFrozenError):
+                raise HttpError(
+                    409, f"rollout {rollout_id!r} takes no more calls: {exc}", "rollout_closed"
+                ) from None
+            if isinstance(exc, TypeError | ValueError):
+                raise HttpError(400, str(exc)) from None
+            if isinstance(exc, Exception):
+                raise HttpError(
+                    503,
+                    f"the store could not record the call's intent: {exc}",
+                    "store_unavailable",
+                ) from None
+            raise
         try:
             if kind == CHAT and self.config.tito is not None:
                 return await call.run_tito(upstream_body)
@@ -533,7 +540,7 @@ class _Call:
 
     # Dispatch ------------------------------------------------------------------------------
 
-    async def _send(self, body: dict[str, Any], path: str) -> aiohttp.ClientResponse:
+    async def send(self, body: dict[str, Any], path: str) -> aiohttp.ClientResponse:
         """POST upstream; the answer's headers are in, its body is still to be read."""
         gateway = self.gateway
         try:
@@ -551,7 +558,7 @@ class _Call:
                 502, f"upstream unreachable: {type(exc).__name__}: {exc}", "upstream_error"
             ) from None
 
-    async def _read(self, answer: aiohttp.ClientResponse) -> bytes:
+    async def read(self, answer: aiohttp.ClientResponse) -> bytes:
         """The answer's body; a timeout or a disconnect while reading marks the call."""
         try:
             return await answer.read()
@@ -566,7 +573,7 @@ class _Call:
         finally:
             answer.release()
 
-    async def _refused(self, answer: aiohttp.ClientResponse) -> Response:
+    async def refused(self, answer: aiohttp.ClientResponse) -> Response:
         """An upstream error status: mark the call and pass the status and body through."""
         try:
             content = await answer.read()
@@ -581,9 +588,9 @@ class _Call:
     async def run(self, upstream_body: dict[str, Any]) -> Response:
         self.start_resolution()
         stream = self.requested.stream
-        answer = await self._send(upstream_body, self.path)
+        answer = await self.send(upstream_body, self.path)
         if answer.status != 200:
-            return await self._refused(answer)
+            return await self.refused(answer)
         if stream:
             return StreamingResponse(
                 self._relay(answer),
@@ -591,7 +598,7 @@ class _Call:
                 headers={**self.headers, **_SSE_HEADERS},
                 media_type="text/event-stream",
             )
-        content = await self._read(answer)
+        content = await self.read(answer)
         try:
             data = orjson.loads(content)
             generation = (

@@ -111,6 +111,12 @@ class TokenizerAdapter:
         text: str = self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return text
 
+    @property
+    def vocab_size(self) -> int:
+        """The number of token ids (added tokens included)."""
+        size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        return size
+
     def convert_tokens_to_ids(self, tokens: Any) -> Any:
         if isinstance(tokens, str):
             return self._tokenizer.token_to_id(tokens)
@@ -294,11 +300,11 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
         stop_token_ids=bridge.stop_token_ids(),
     )
     call.prefix_requested = True
-    answer = await call._send(body, "/v1/completions")
+    answer = await call.send(body, "/v1/completions")
     if answer.status != 200:
-        refused: Response = await call._refused(answer)
+        refused: Response = await call.refused(answer)
         return refused
-    content = await call._read(answer)
+    content = await call.read(answer)
     try:
         data = orjson.loads(content)
         completion = generation_from_completion(data)

@@ -1,4 +1,5 @@
-"""The PostgreSQL backend: the token capture store, its lineage resolver and the capture ledger.
+"""The PostgreSQL backend: the token capture store, its lineage resolver, the capture ledger
+and the staging store.
 
 Install the driver with `pip install tokencapture[postgres]` (asyncpg). Every operation is one
 call of a server-side function in the `tokencapture` schema (python/tokencapture/postgres/sql),
@@ -26,6 +27,7 @@ from tokencapture.postgres._client import (
 from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, install_schema_sync
 from tokencapture.postgres.ledger import PostgresCaptureLedger
 from tokencapture.postgres.lineage import PostgresLineageStore
+from tokencapture.postgres.staging import PostgresStagingStore
 from tokencapture.postgres.store import PostgresTokenCaptureStore
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "PostgresDurabilityError",
     "PostgresLineageStore",
     "PostgresSchemaError",
+    "PostgresStagingStore",
     "PostgresTokenCaptureStore",
     "PostgresUnavailableError",
     "describe_distribution_sync",

@@ -60,6 +60,8 @@ DISTRIBUTED_TABLES: tuple[tuple[str, str], ...] = (
     ("incomplete_marks", "rollout_id"),
     ("ledger_rollouts", "rollout_id"),
     ("ledger_rows", "rollout_id"),
+    ("staging_rollouts", "rollout_id"),
+    ("staged_calls", "rollout_id"),
 )
 REFERENCE_TABLES: tuple[str, ...] = ("schema_migrations",)
 COLOCATION_TABLE = "tokencapture." + DISTRIBUTED_TABLES[0][0]
@@ -80,6 +82,7 @@ DELEGATED_FUNCTIONS: tuple[tuple[str, str], ...] = (
     ("record_ledger_row", "p_rollout"),
     ("ledger_manifest", "p_rollout"),
     ("ledger_candidate", "p_rollout"),
+    ("stage_call", "p_rollout"),
 )
 
 

@@ -20,6 +20,7 @@ from tokencapture.postgres._citus import is_distributed
 from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, schema_version
 
 __all__ = [
+    "CallBatcher",
     "Client",
     "PostgresDurabilityError",
     "PostgresSchemaError",
@@ -271,6 +272,8 @@ class Client:
         self._schema_checked = False
         # Whether the schema is distributed with Citus (None until the first pool is made).
         self.distributed: bool | None = None
+        # Whether some Citus worker has not yet told its synchronous_commit (see _check_workers).
+        self._workers_unchecked = True
         self._thread: _LoopThread | None = None
         self._thread_lock = threading.Lock()
         self.closed = False
@@ -297,6 +300,8 @@ class Client:
         )
         try:
             await self._check_session(connection)
+            if self.distributed and self._workers_unchecked:
+                await self._check_workers(connection)
         except BaseException:
             connection.terminate()
             raise
@@ -313,6 +318,35 @@ class Client:
                 "record could be lost in a crash; fix the server or role setting, or pass "
                 "allow_unflushed_commits=True"
             )
+
+    async def _check_workers(self, connection: Any) -> None:
+        """On a Citus coordinator: refuse workers that would not flush commits.
+
+        A delegated call commits on the worker under the worker's own synchronous_commit (the
+        coordinator does not pass the session's on), so the workers' setting is read over the
+        coordinator's own connections to them. A worker that does not answer (down) is asked
+        again on the next new connection; one that answers "off" is refused as a session
+        reporting "off" is."""
+        if self.allow_unflushed_commits:
+            self._workers_unchecked = False
+            return
+        rows = await connection.fetch(
+            "SELECT nodename, nodeport, success, result "
+            "FROM run_command_on_workers('SHOW synchronous_commit')"
+        )
+        unanswered = False
+        for row in rows:
+            if not row["success"]:
+                unanswered = True
+            elif row["result"] == "off":
+                raise PostgresDurabilityError(
+                    f"the Citus worker {row['nodename']}:{row['nodeport']} behind {self.where} "
+                    "has synchronous_commit=off: a call delegated to it is acknowledged before "
+                    "its commit is flushed, and could be lost in a crash; set it on for the "
+                    "worker (ALTER SYSTEM, or on the role or database there), or pass "
+                    "allow_unflushed_commits=True"
+                )
+        self._workers_unchecked = unanswered
 
     async def pool(self) -> _Pool:
         """This event loop's pool (created, and the schema checked, on first use)."""
@@ -355,6 +389,8 @@ class Client:
                         "or pass install_schema=True"
                     )
             self.distributed = await is_distributed(connection)
+            if self.distributed:
+                await self._check_workers(connection)
         finally:
             pool.release(connection)
         self._schema_checked = True
@@ -403,16 +439,31 @@ class Client:
                 ) from exc
         raise AssertionError("unreachable")
 
-    def run_sync(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        """Run a coroutine of this client on its own loop thread, from synchronous code."""
+    def _loop_thread(self) -> _LoopThread:
+        """This client's loop thread (started on first use; a forked child starts its own)."""
         if self._pid != os.getpid():
             self._thread = None
             self._pid = os.getpid()
-        if self._thread is None:
+        thread = self._thread
+        if thread is None:
             with self._thread_lock:
                 if self._thread is None:
                     self._thread = _LoopThread()
-        return self._thread.run(coro)
+                thread = self._thread
+        return thread
+
+    def run_sync(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run a coroutine of this client on its own loop thread, from synchronous code."""
+        return self._loop_thread().run(coro)
+
+    def call_in_thread(
+        self, callback: Callable[..., object], *args: Any
+    ) -> asyncio.AbstractEventLoop:
+        """Schedule `callback(loop, *args)` on this client's loop thread (from any thread),
+        without the task a coroutine would need; the loop it will run on."""
+        loop = self._loop_thread().loop
+        loop.call_soon_threadsafe(callback, loop, *args)
+        return loop
 
     async def close(self) -> None:
         """Close this loop's pool and the loop thread's; terminate pools of other loops."""
@@ -454,3 +505,89 @@ class Client:
         pool = self._pools.pop(loop, None)
         if pool is not None:
             await pool.close()
+
+
+def _copy_error(exc: BaseException) -> BaseException:
+    """A failure of a shared batch, as one exception object per waiting put."""
+    try:
+        copy = type(exc)(*exc.args)
+    except Exception:
+        return exc
+    copy.__cause__ = exc.__cause__ or exc
+    return copy
+
+
+class CallBatcher:
+    """Calls waiting on one event loop, sent together: whenever a flush may start (fewer than
+    `max_flushing` in flight), every call queued since the last one (up to `max_batch`) goes
+    in one call of `sql`, whose
+    parameters are the queued calls' arguments as arrays (one array per argument) and whose
+    answer is one status per call. `tokencapture.put_batch` and `tokencapture.stage_batch`."""
+
+    __slots__ = (
+        "client",
+        "flushing",
+        "loop",
+        "max_batch",
+        "max_flushing",
+        "pending",
+        "scheduled",
+        "sql",
+    )
+
+    def __init__(
+        self,
+        client: Client,
+        loop: asyncio.AbstractEventLoop,
+        max_batch: int,
+        sql: str,
+        max_flushing: int | None = None,
+    ) -> None:
+        self.client = client
+        self.loop = loop
+        self.max_batch = max_batch
+        self.sql = sql
+        # Calls in flight at once (at most the pool's connections): fewer, larger batches
+        # cost the server less per call; what waits meanwhile joins the next batch.
+        self.max_flushing = min(max_flushing or client.pool_size, client.pool_size)
+        self.pending: list[tuple[tuple[Any, ...], asyncio.Future[int]]] = []
+        self.flushing = 0
+        self.scheduled = False
+
+    def submit(self, args: tuple[Any, ...]) -> asyncio.Future[int]:
+        future: asyncio.Future[int] = self.loop.create_future()
+        self.pending.append((args, future))
+        self._schedule()
+        return future
+
+    def _schedule(self) -> None:
+        if not self.scheduled and self.flushing < self.max_flushing:
+            self.scheduled = True
+            self.loop.call_soon(self._start)
+
+    def _start(self) -> None:
+        self.scheduled = False
+        while self.pending and self.flushing < self.max_flushing:
+            batch = self.pending[: self.max_batch]
+            del self.pending[: self.max_batch]
+            self.flushing += 1
+            self.loop.create_task(self._flush(batch))
+
+    async def _flush(self, batch: list[tuple[tuple[Any, ...], asyncio.Future[int]]]) -> None:
+        try:
+            columns = [list(column) for column in zip(*(args for args, _ in batch), strict=True)]
+            statuses = await self.client.fetch("val", self.sql, *columns)
+        except BaseException as exc:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(_copy_error(exc))
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            for (_, future), status in zip(batch, statuses, strict=True):
+                if not future.done():  # the awaiting task was cancelled; the call stands
+                    future.set_result(status)
+        finally:
+            self.flushing -= 1
+            if self.pending:
+                self._schedule()

@@ -36,7 +36,7 @@ from tokencapture.protocols import (
     RolloutRemovalPayload,
 )
 from tokencapture.records import ParentResolutionStatus
-from tokencapture.staging.records import CaptureLedgerCommit
+from tokencapture.staging_records import CaptureLedgerCommit
 from tokencapture.validation import (
     check_failure_args,
     check_resolve_args,

@@ -22,7 +22,7 @@ from tokencapture import columnar as _columnar
 from tokencapture.entries import as_token_entry, canonical_line, marker_line
 from tokencapture.metrics import Metrics
 from tokencapture.operations import Operation, log_failure
-from tokencapture.postgres._client import Client
+from tokencapture.postgres._client import CallBatcher, Client
 from tokencapture.postgres._decode import decode_columns, decode_entries
 from tokencapture.protocols import (
     RolloutRemovalPayload,
@@ -56,19 +56,10 @@ _PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
 _PUT_BATCH = "SELECT tokencapture.put_batch($1, $2, $3, $4)"
 _BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
 _MARK_INCOMPLETE = "SELECT tokencapture.mark_incomplete($1, $2)"
-# `sweep_retired`: lock the old fences, then delete them in the same statement (`delete`'s
-# removals). `extract(epoch ...)` keeps infinite ages exact (no interval to overflow).
-_SWEEP_RETIRED = """
-WITH swept AS (
-    SELECT rollout_id FROM tokencapture.rollouts
-    WHERE retired AND extract(epoch FROM now() - retired_at)::float8 >= $1::float8
-    ORDER BY rollout_id
-    FOR UPDATE
-), ids AS (
-    SELECT coalesce(array_agg(rollout_id ORDER BY rollout_id), '{}'::text[]) AS ids FROM swept
-)
-SELECT CASE WHEN $2::boolean THEN ids ELSE (tokencapture.delete(ids)).removed END FROM ids
-"""
+# `sweep_retired`: lock the old fences one rollout at a time, then delete them in the same call
+# (`delete`'s removals); see sql/005_staging.sql (one FOR UPDATE over many rollouts is refused
+# by Citus).
+_SWEEP_RETIRED = "SELECT tokencapture.sweep_retired($1::float8, $2::boolean)"
 # The lines come back as rows (see freeze_lines in sql/001_store.sql); a freeze's first row
 # is its outcome.
 _FREEZE = "SELECT * FROM tokencapture.freeze_lines($1, $2)"
@@ -86,75 +77,6 @@ def _log_of(rows: Sequence[Any]) -> tuple[list[bytes], list[str]]:
     """The lines (in commit order, as fetched: never joined into one buffer) and the stored
     digests of fetched line rows."""
     return [row["line"] for row in rows], [row["digest"] for row in rows]
-
-
-def _copy_error(exc: BaseException) -> BaseException:
-    """A failure of a shared batch, as one exception object per waiting put."""
-    try:
-        copy = type(exc)(*exc.args)
-    except Exception:
-        return exc
-    copy.__cause__ = exc.__cause__ or exc
-    return copy
-
-
-class _PutBatcher:
-    """Puts waiting on one event loop, sent together: whenever a connection is free, every
-    put queued since the last call (up to `max_batch`) goes in one `put_batch` call."""
-
-    __slots__ = ("client", "flushing", "loop", "max_batch", "pending", "scheduled")
-
-    def __init__(self, client: Client, loop: asyncio.AbstractEventLoop, max_batch: int) -> None:
-        self.client = client
-        self.loop = loop
-        self.max_batch = max_batch
-        self.pending: list[tuple[_PutArgs, asyncio.Future[int]]] = []
-        self.flushing = 0
-        self.scheduled = False
-
-    def submit(self, args: _PutArgs) -> asyncio.Future[int]:
-        future: asyncio.Future[int] = self.loop.create_future()
-        self.pending.append((args, future))
-        self._schedule()
-        return future
-
-    def _schedule(self) -> None:
-        if not self.scheduled and self.flushing < self.client.pool_size:
-            self.scheduled = True
-            self.loop.call_soon(self._start)
-
-    def _start(self) -> None:
-        self.scheduled = False
-        while self.pending and self.flushing < self.client.pool_size:
-            batch = self.pending[: self.max_batch]
-            del self.pending[: self.max_batch]
-            self.flushing += 1
-            self.loop.create_task(self._flush(batch))
-
-    async def _flush(self, batch: list[tuple[_PutArgs, asyncio.Future[int]]]) -> None:
-        try:
-            statuses = await self.client.fetch(
-                "val",
-                _PUT_BATCH,
-                [args[0] for args, _ in batch],
-                [args[1] for args, _ in batch],
-                [args[2] for args, _ in batch],
-                [args[3] for args, _ in batch],
-            )
-        except BaseException as exc:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(_copy_error(exc))
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            for (_, future), status in zip(batch, statuses, strict=True):
-                if not future.done():  # the awaiting task was cancelled; the put stands
-                    future.set_result(status)
-        finally:
-            self.flushing -= 1
-            if self.pending:
-                self._schedule()
 
 
 class PostgresTokenCaptureStore:
@@ -181,7 +103,7 @@ class PostgresTokenCaptureStore:
         self._metrics = Metrics("postgres")
         self._batch_puts = batch_puts
         self._put_batch_size = put_batch_size
-        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _PutBatcher] = (
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CallBatcher] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -234,7 +156,7 @@ class PostgresTokenCaptureStore:
                 loop = asyncio.get_running_loop()
                 batcher = self._batchers.get(loop)
                 if batcher is None:
-                    batcher = _PutBatcher(self._client, loop, self._put_batch_size)
+                    batcher = CallBatcher(self._client, loop, self._put_batch_size, _PUT_BATCH)
                     self._batchers[loop] = batcher
                 status = await batcher.submit(args)
             else:
@@ -458,8 +380,9 @@ class PostgresTokenCaptureStore:
 
         A rollout is swept when it is retired and was retired at least `older_than_seconds`
         ago by the server's clock (`now() - retired_at >= older_than_seconds`; a negative age
-        sweeps every retired rollout). The rows are locked, checked and deleted in one
-        statement, so a rollout deleted and reused meanwhile is never touched. The argument is
+        sweeps every retired rollout). Each candidate is locked (one rollout at a time, so it
+        runs on Citus too), checked again and deleted in one transaction, so a rollout deleted
+        and reused meanwhile is never touched. The argument is
         checked as the file store checks it (`TypeError` / `ValueError`)."""
         age = check_age(older_than_seconds)
         return self._client.run_sync(self._sweep(age, dry_run))

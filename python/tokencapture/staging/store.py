@@ -19,12 +19,12 @@ from typing import Any
 
 from tokencapture import _core
 from tokencapture.protocols import RolloutRemovalPayload
-from tokencapture.staging.attachments import (
+from tokencapture.staging_attachments import (
     StagedAttachment,
     decode_attachments,
     encode_attachments,
 )
-from tokencapture.staging.rows import ModelsChoice, StagingModels, failure_reason
+from tokencapture.staging_rows import ModelsChoice, StagingModels, failure_reason
 
 __all__ = ["FileStagingStore"]
 
@@ -131,6 +131,13 @@ class FileStagingStore:
         """`delete` off the event loop (arguments checked now)."""
         ids = _rollout_ids(rollout_ids)
         return asyncio.get_running_loop().run_in_executor(None, self.delete, ids)
+
+    def damage(self) -> list[tuple[str, int, int]]:
+        """Damaged ranges of acknowledged frames, ``(segment file, start, end)``: bytes that
+        no longer read back, found mid-segment (see docs/staging.md, the recovery rule). Empty
+        on a healthy store. While any is known, a fetch of a key the store does not hold raises
+        `TokenCaptureCorruptionError` (it may have been there) instead of `StagingKeyError`."""
+        return self._native.damage()
 
     def commit_stats(self) -> tuple[int, int, int]:
         """``(batches, frames, syncs)`` this instance committed: how far group commit shared

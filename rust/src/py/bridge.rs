@@ -141,3 +141,53 @@ where
         })
         .map_err(|closed| pyo3::exceptions::PyRuntimeError::new_err(closed.to_string()))
 }
+
+/// Reports one job's outcome to its completion queue, exactly once: dropped unsent (the code
+/// that was to send it panicked, or never ran), it reports the panic.
+pub(super) struct Report {
+    completions: Option<Py<Completions>>,
+    token: u64,
+}
+
+impl Report {
+    pub(super) fn new(completions: &Bound<'_, Completions>, token: u64) -> Self {
+        Report {
+            completions: Some(completions.clone().unbind()),
+            token,
+        }
+    }
+
+    pub(super) fn send(mut self, outcome: impl Into<Outcome>) {
+        if let Some(completions) = self.completions.take() {
+            completions.get().complete(self.token, outcome.into());
+        }
+    }
+}
+
+impl Drop for Report {
+    fn drop(&mut self) {
+        if let Some(completions) = self.completions.take() {
+            completions.get().complete(self.token, Outcome::Panicked);
+        }
+    }
+}
+
+/// Run `job` on the worker pool; it reports its own outcomes (through [`Report`]s). Where the
+/// pool cannot take it (no worker could be started, or every one has exited), `job` runs on
+/// this thread instead, detached from the interpreter, so what it was to answer is answered.
+pub(super) fn spawn_detached(py: Python<'_>, job: impl FnOnce() + Send + 'static) {
+    let job = Arc::new(Mutex::new(Some(job)));
+    let queued = Arc::clone(&job);
+    let submitted = worker_pool().map(|pool| {
+        pool.submit(move || {
+            if let Some(job) = queued.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                job();
+            }
+        })
+    });
+    if !matches!(submitted, Ok(Ok(()))) {
+        if let Some(job) = job.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            py.detach(job);
+        }
+    }
+}

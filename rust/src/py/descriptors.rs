@@ -8,8 +8,9 @@ use pyo3::types::PyDict;
 use crate::descriptors::budget;
 
 /// `{"limit", "held", "exhausted", "failed", "evicted"}`: the budget, the descriptors every
-/// cache of the process keeps, opens that ran out (and evicted every cache before retrying),
-/// retries that ran out again, and cache entries closed to stay within budget.
+/// cache of the process keeps, opens that ran out (and closed every cache before retrying
+/// once), retries that ran out again, and idle cache entries closed (entries, not
+/// descriptors: see `descriptors::BudgetStats`).
 #[pyfunction]
 fn descriptor_budget(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let stats = budget().stats();

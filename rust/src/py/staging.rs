@@ -1011,6 +1011,17 @@ impl PyStagingFileStore {
         (s.batches, s.frames, s.syncs)
     }
 
+    /// Damaged ranges of acknowledged frames: `(segment, start, end)` byte offsets.
+    fn damage(&self, py: Python<'_>) -> PyResult<Vec<(String, u64, u64)>> {
+        let found = py
+            .detach(|| self.inner.damage())
+            .map_err(|e| staging_err(py, e))?;
+        Ok(found
+            .into_iter()
+            .map(|d| (d.segment, d.start, d.end))
+            .collect())
+    }
+
     /// The segment files this instance knows.
     fn segment_names(&self) -> Vec<String> {
         self.inner.segment_names()

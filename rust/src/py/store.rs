@@ -7,7 +7,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
-use super::bridge::{spawn_job, Completions};
+use super::bridge::{spawn_detached, spawn_job, Completions, Report};
 use super::decode::{decode_in_python, select_records, DecodedRecords};
 use super::errors::{text, to_pyerr};
 use crate::store::{self, Store, DEFAULT_CACHED_ROLLOUTS};
@@ -85,15 +85,27 @@ impl PyStore {
         model_call_id: &Bound<'_, PyString>,
         line: &[u8],
     ) -> PyResult<()> {
-        let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
-        let call_id = text(model_call_id, "model_call_id")?.to_owned();
-        let line = line.to_vec();
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        let call_id = text(model_call_id, "model_call_id")?;
+        let report = Report::new(completions, token);
+        let done = move |outcome: crate::Result<store::PutOutcome>| {
+            report.send(outcome.map(|outcome| outcome == store::PutOutcome::Appended));
+        };
+        // Queued here, on the caller's thread (a mutex, never the disk): a put behind the
+        // rollout's writer is in its queue at once, so the writer's next batch takes it. Only
+        // a new writer goes to the worker pool.
+        let Some(batch) = self
+            .inner
+            .queue_put(rollout_id, call_id, line.to_vec(), Box::new(done))
+        else {
+            return Ok(());
+        };
         let store = Arc::clone(&self.inner);
-        spawn_job(completions, token, move || {
-            store
-                .put(&rollout_id, &call_id, &line)
-                .map(|outcome| outcome == store::PutOutcome::Appended)
-        })
+        let rollout_id = rollout_id.to_owned();
+        spawn_detached(completions.py(), move || {
+            store.write_puts(&rollout_id, batch)
+        });
+        Ok(())
     }
 
     /// `begin_call` on the worker pool.

@@ -8,9 +8,11 @@
 //! | `seg-<uuid>.tcs` | one writer's frames: `SEGMENT_MAGIC`, then frames (below), appended only by the store instance that created it |
 //! | `store.lock` | the `flock` target: exclusive while a batch is checked, written and synced, or while the control log is appended; shared while a reader folds new bytes in |
 //!
-//! A frame is a 48-byte header (`FRAME_MAGIC`, `u32` row length, `u64` attachments length,
-//! `u64` epoch, 16 bytes of SHA-256 over row and attachments, 8 bytes of SHA-256 over the
-//! header before them) followed by the row and the attachments blob (`row.rs`). The *epoch*
+//! A frame is a 56-byte header (`FRAME_MAGIC`, `u32` row length, `u64` attachments length,
+//! `u64` epoch, `u64` batch start, 16 bytes of SHA-256 over row and attachments, 8 bytes of
+//! SHA-256 over the header before them) followed by the row and the attachments blob
+//! (`row.rs`). The *batch start* is the segment offset of the first frame of the batch the
+//! frame was written in (every frame of one batch carries the same one). The *epoch*
 //! is the length of `control.log` when the frame was committed: a frame of rollout `R` is
 //! visible when its epoch is at least the end of `R`'s last retire/delete line and `R` is not
 //! retired, so a delete hides everything staged before it and nothing staged after it.
@@ -27,10 +29,24 @@
 //! # Recovery rule
 //!
 //! A segment is read frame by frame from its start. A frame is valid when its header and body
-//! are complete and both checksums match. The first invalid frame ends the segment: its writer
-//! died or failed while writing a batch it had not acknowledged (a batch is acknowledged only
-//! after its `fdatasync`, and a failed batch is truncated away), so the bytes from there on are
-//! a torn tail, ignored. Control lines follow the token store's JSONL rule: a final line
+//! are complete and both checksums match. A writer appends a batch only after the one before
+//! it was synced (acknowledged), and cuts a failed batch off again (or, if that fails too,
+//! never appends to the segment again), so damage can be one of two things:
+//!
+//! * **A torn tail**: the last batch, which its writer died (or failed) writing and never
+//!   acknowledged. Every valid frame after the first invalid byte belongs to that batch (its
+//!   batch start is at or before the damage). The bytes from the first invalid frame on are
+//!   ignored, whole frames of the torn batch after it included (frames before it are whole
+//!   and stay visible, acknowledged or not).
+//! * **Corruption**: a valid frame after the damage whose batch started *after* the damage
+//!   exists, so the damaged bytes were a batch that had been acknowledged (stray zeros or a
+//!   bad sector mid-segment). They are never read as the segment's end: the reader skips to
+//!   the next valid frame, keeps reading (everything after the damage stays fetchable), and
+//!   records the damaged range; from then on a fetch of a key this store does not hold raises
+//!   a corruption error naming the range (the key may have been there) instead of "not
+//!   staged", and `damage()` lists the ranges.
+//!
+//! Control lines follow the token store's JSONL rule: a final line
 //! without its newline is torn (ignored, truncated by the next appender), a complete line that
 //! is not an operation is corruption.
 
@@ -50,9 +66,11 @@ use crate::lock::{FileId, LockMode, RolloutLock};
 use crate::log::reserve_past;
 use crate::store::RootDir;
 
-pub const SEGMENT_MAGIC: &[u8; 8] = b"TCSTAGE1";
-pub const FRAME_MAGIC: &[u8; 4] = b"TCF1";
-const HEADER_LEN: usize = 48;
+pub const SEGMENT_MAGIC: &[u8; 8] = b"TCSTAGE2";
+pub const FRAME_MAGIC: &[u8; 4] = b"TCF2";
+const HEADER_LEN: usize = 56;
+/// Bytes of the header its check covers (all but the check itself).
+const CHECKED_LEN: usize = HEADER_LEN - 8;
 /// A segment stops taking batches past this size; the next batch starts a new one.
 pub const SEGMENT_ROTATE_BYTES: u64 = 256 << 20;
 /// Largest frame body accepted (a row plus its attachments).
@@ -112,6 +130,7 @@ impl Frame {
         bytes.extend_from_slice(&(row.len() as u32).to_le_bytes());
         bytes.extend_from_slice(&(attachments.len() as u64).to_le_bytes());
         bytes.extend_from_slice(&0u64.to_le_bytes()); // epoch, set by the leader
+        bytes.extend_from_slice(&0u64.to_le_bytes()); // batch start, set by the leader
         bytes.extend_from_slice(&content);
         bytes.extend_from_slice(&[0u8; 8]); // header check, set with the epoch
         bytes.extend_from_slice(row);
@@ -126,10 +145,12 @@ impl Frame {
         }
     }
 
-    fn set_epoch(&mut self, epoch: u64) {
+    /// Stamp the batch's epoch and start offset, and the header check over them.
+    fn set_batch(&mut self, epoch: u64, batch_start: u64) {
         self.bytes[16..24].copy_from_slice(&epoch.to_le_bytes());
-        let check = sha16(&[&self.bytes[..40]]);
-        self.bytes[40..48].copy_from_slice(&check[..8]);
+        self.bytes[24..32].copy_from_slice(&batch_start.to_le_bytes());
+        let check = sha16(&[&self.bytes[..CHECKED_LEN]]);
+        self.bytes[CHECKED_LEN..HEADER_LEN].copy_from_slice(&check[..8]);
     }
 
     /// The frame's total size in bytes.
@@ -147,6 +168,7 @@ struct Header {
     row_len: u64,
     att_len: u64,
     epoch: u64,
+    batch_start: u64,
     content: [u8; 16],
 }
 
@@ -154,16 +176,25 @@ fn parse_header(h: &[u8]) -> Option<Header> {
     if h.len() < HEADER_LEN || &h[..4] != FRAME_MAGIC {
         return None;
     }
-    let check = sha16(&[&h[..40]]);
-    if check[..8] != h[40..48] {
+    let check = sha16(&[&h[..CHECKED_LEN]]);
+    if check[..8] != h[CHECKED_LEN..HEADER_LEN] {
         return None;
     }
     Some(Header {
         row_len: u64::from(u32::from_le_bytes(h[4..8].try_into().ok()?)),
         att_len: u64::from_le_bytes(h[8..16].try_into().ok()?),
         epoch: u64::from_le_bytes(h[16..24].try_into().ok()?),
-        content: h[24..40].try_into().ok()?,
+        batch_start: u64::from_le_bytes(h[24..32].try_into().ok()?),
+        content: h[32..48].try_into().ok()?,
     })
+}
+
+/// A damaged byte range of a segment (acknowledged data that no longer reads back).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Damage {
+    pub segment: String,
+    pub start: u64,
+    pub end: u64,
 }
 
 /// Where a visible row lives.
@@ -209,6 +240,8 @@ struct View {
     by_name: HashMap<String, usize>,
     keys: HashMap<String, Loc>,
     by_rollout: HashMap<String, Vec<String>>,
+    /// Damaged ranges found mid-segment (see the recovery rule).
+    damage: Vec<Damage>,
 }
 
 impl View {
@@ -536,14 +569,35 @@ impl FileStaging {
             }
             at = SEGMENT_MAGIC.len();
         }
-        while let Some((header, body_end)) = valid_frame(&buf, at) {
-            let row_at = at + HEADER_LEN;
-            let row = &buf[row_at..row_at + header.row_len as usize];
-            let offset = from + row_at as u64;
-            if header.row_len > 0 {
-                self.index_frame(view, index, &path, row, offset, &header)?;
+        loop {
+            while let Some((header, body_end)) = valid_frame(&buf, at) {
+                let row_at = at + HEADER_LEN;
+                let row = &buf[row_at..row_at + header.row_len as usize];
+                let offset = from + row_at as u64;
+                if header.row_len > 0 {
+                    self.index_frame(view, index, &path, row, offset, &header)?;
+                }
+                at = body_end;
             }
-            at = body_end;
+            if at >= buf.len() {
+                break;
+            }
+            // Invalid bytes at `at`: a torn tail, or damage with acknowledged frames after it.
+            let damaged_from = from + at as u64;
+            match damage_end(&buf, at, from, damaged_from) {
+                None => break, // a torn tail: ignored (re-read by the next fold)
+                Some(next) => {
+                    let damage = Damage {
+                        segment: view.segments[index].name.clone(),
+                        start: damaged_from,
+                        end: from + next as u64,
+                    };
+                    if !view.damage.contains(&damage) {
+                        view.damage.push(damage);
+                    }
+                    at = next;
+                }
+            }
         }
         view.segments[index].scanned = from + at as u64;
         Ok(())
@@ -741,10 +795,7 @@ impl FileStaging {
             results.extend(duplicates.into_iter().map(|p| (p.slot, Ok(()))));
             return results;
         }
-        for pending in &mut accepted {
-            pending.frame.set_epoch(epoch);
-        }
-        match self.write_batch(&accepted, segment) {
+        match self.write_batch(&mut accepted, epoch, segment) {
             Ok((index, start)) => {
                 let mut view = self.view_write();
                 let mut at = start;
@@ -787,7 +838,8 @@ impl FileStaging {
     /// On failure the segment is truncated back (or abandoned if that fails too).
     fn write_batch(
         &self,
-        frames: &[Pending],
+        frames: &mut [Pending],
+        epoch: u64,
         segment: &mut Option<OwnSegment>,
     ) -> Result<(usize, u64)> {
         if segment
@@ -805,6 +857,9 @@ impl FileStaging {
         let path = self.view_read().segments[own.index].path.clone();
         let total: u64 = frames.iter().map(|p| p.frame.bytes.len() as u64).sum();
         let start = own.len;
+        for pending in frames.iter_mut() {
+            pending.frame.set_batch(epoch, start);
+        }
         if own.reserved.is_some_and(|r| start + total > r) || own.reserved.is_none() {
             own.reserved = reserve_past(&own.file, start, start + total);
         }
@@ -1083,7 +1138,20 @@ impl FileStaging {
             let key = keys[i].clone();
             match view.retired_key(&key).map(str::to_owned) {
                 Some(rollout_id) => StagingError::RetiredKey { key, rollout_id },
-                None => StagingError::UnknownKey(key),
+                None => match view.damage.first() {
+                    None => StagingError::UnknownKey(key),
+                    Some(d) => StagingError::Corrupt(Error::corrupt(
+                        &self.dir.path().join(&d.segment),
+                        d.start,
+                        format!(
+                            "staging key {key:?} is not found, and {} damaged range(s) of \
+                             acknowledged frames may have held it (the first: bytes {}..{})",
+                            view.damage.len(),
+                            d.start,
+                            d.end
+                        ),
+                    )),
+                },
             }
         })
     }
@@ -1165,6 +1233,12 @@ impl FileStaging {
         Ok(keys)
     }
 
+    /// Damaged ranges of acknowledged frames found so far (see the recovery rule).
+    pub fn damage(&self) -> Result<Vec<Damage>> {
+        self.refresh()?;
+        Ok(self.view_read().damage.clone())
+    }
+
     /// The segment files this view knows and has not seen dropped.
     pub fn segment_names(&self) -> Vec<String> {
         self.view_read()
@@ -1206,6 +1280,35 @@ fn row_ids(row: &[u8]) -> Option<(String, String)> {
     let rollout = text()?;
     let call = text()?;
     Some((rollout, call))
+}
+
+/// Where the damage starting at `at` (buffer offset; `base` is the buffer's segment offset and
+/// `damaged_from` the damage's) ends, if it is corruption: the offset of the next valid frame,
+/// when some valid frame after the damage belongs to a batch that began after it. `None`: a
+/// torn tail (no valid frame after the damage, or only frames of the damaged batch itself).
+fn damage_end(buf: &[u8], at: usize, base: u64, damaged_from: u64) -> Option<usize> {
+    let mut first: Option<usize> = None;
+    let mut pos = at + 1;
+    while pos < buf.len() {
+        let Some(found) = memchr::memmem::find(&buf[pos..], FRAME_MAGIC) else {
+            break;
+        };
+        let candidate = pos + found;
+        match valid_frame(buf, candidate) {
+            Some((header, body_end)) => {
+                first.get_or_insert(candidate);
+                // A batch that began after the damage (and, sanely, not after this frame).
+                if header.batch_start > damaged_from
+                    && header.batch_start <= base + candidate as u64
+                {
+                    return first;
+                }
+                pos = body_end;
+            }
+            None => pos = candidate + 1,
+        }
+    }
+    None
 }
 
 /// The frame at `at` if it is complete and both its checksums match: its header and the end
@@ -1346,5 +1449,79 @@ mod tests {
             reader.fetch_attachments_blob("r0/c0").unwrap(),
             b"att".to_vec()
         );
+    }
+
+    fn frame_starts(path: &Path) -> Vec<usize> {
+        let bytes = std::fs::read(path).unwrap();
+        memchr::memmem::find_iter(&bytes, FRAME_MAGIC).collect()
+    }
+
+    fn zero(path: &Path, from: usize, to: usize) {
+        let f = OpenOptions::new().write(true).open(path).unwrap();
+        f.write_all_at(&vec![0u8; to - from], from as u64).unwrap();
+    }
+
+    #[test]
+    fn zeros_mid_segment_are_damage_not_the_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStaging::open(dir.path()).unwrap();
+        for i in 0..5u64 {
+            // One thread, one stage at a time: five batches of one frame.
+            store
+                .stage(Frame::new(&call("r", &format!("c{i}"), vec![i, 7]), b""))
+                .unwrap();
+        }
+        let seg = dir.path().join(&store.segment_names()[0]);
+        drop(store);
+        let starts = frame_starts(&seg);
+        assert_eq!(starts.len(), 5);
+        zero(&seg, starts[2], starts[3]);
+        let reader = FileStaging::open(dir.path()).unwrap();
+        // Everything after the damage is still there; the damage is reported.
+        assert_eq!(reader.keys(None).unwrap(), ["r/c0", "r/c1", "r/c3", "r/c4"]);
+        let damage = reader.damage().unwrap();
+        assert_eq!(damage.len(), 1);
+        assert_eq!(
+            (damage[0].start, damage[0].end),
+            (starts[2] as u64, starts[3] as u64)
+        );
+        assert!(matches!(
+            reader.fetch_rows(&["r/c2".to_string()]),
+            Err(StagingError::Corrupt(_))
+        ));
+        assert_eq!(reader.fetch_rows(&["r/c4".to_string()]).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_hole_in_the_last_batch_is_a_torn_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStaging::open(dir.path()).unwrap();
+        store
+            .stage(Frame::new(&call("r", "c0", vec![1]), b""))
+            .unwrap();
+        // One batch of three frames, as a leader writes them (never acknowledged here: the
+        // test tears it after the fact, as a crash before its sync would).
+        let batch: Vec<Pending> = (1..4u64)
+            .map(|i| Pending {
+                frame: Frame::new(&call("r", &format!("c{i}"), vec![i]), b""),
+                slot: Arc::new(Slot::default()),
+            })
+            .collect();
+        let mut segment = lock(&store.writer).segment.take();
+        store.commit(batch, &mut segment, None);
+        lock(&store.writer).segment = segment;
+        let seg = dir.path().join(&store.segment_names()[0]);
+        drop(store);
+        let starts = frame_starts(&seg);
+        assert_eq!(starts.len(), 4);
+        zero(&seg, starts[2], starts[3]); // the batch's middle frame
+        let reader = FileStaging::open(dir.path()).unwrap();
+        // The torn batch is ignored whole (its last frame is valid but unacknowledged).
+        assert_eq!(reader.keys(None).unwrap(), ["r/c0", "r/c1"]);
+        assert!(reader.damage().unwrap().is_empty());
+        assert!(matches!(
+            reader.fetch_rows(&["r/c3".to_string()]),
+            Err(StagingError::UnknownKey(_))
+        ));
     }
 }

@@ -1,0 +1,295 @@
+"""Worker-owned staging: ``stage()`` throughput and latency, and the fetch of a 24-call chain.
+
+Backends (`BACKENDS`, a factory table: name -> ``factory(directory) -> sink`` or None where it
+cannot run here; a PostgreSQL column is one more row):
+
+* ``file``: `tokencapture.FileStagingStore` (durable: group commit, ``fdatasync`` per batch);
+* ``memory``: a dict behind a lock (the ceiling a durable sink is measured against);
+* ``transferqueue``: TransferQueue's in-memory storage where it imports (PyPI
+  ``transferqueue``): the ``StorageUnitData`` a ``SimpleStorageUnit`` keeps its rows in, put
+  into directly behind a lock (its ZMQ transport and Ray actor are left out, so this is a
+  lower bound of its cost). Neither in-memory column is durable.
+
+Workloads: W1, one 320-token root delta per stage (64 prompt + 256 generated tokens); W2,
+24-call ``token_in`` chains with ~700-token deltas (450 new prompt + 250 generated tokens),
+each thread staging its chains call after call. From 1, 8 and 32 threads: stages/s (wall
+clock over all threads) and per-stage p50/p99 latency. Records are built (and their digests
+computed) before the clock starts; each run stages into a fresh directory on the real disk
+(``benches/.scratch/``, since ``/tmp`` may be tmpfs).
+
+Fetch: a fresh `FileStagingStore` fetching the 24 keys of one W2 chain (verified base
+snapshots) against a fresh file `TokenCaptureStore` freezing the same rollout (the same
+tokens as 24 entries, already frozen once: an idempotent re-freeze, no write).
+
+Runs are interleaved (one run = every backend once, in rotated order); the report gives the
+median and range over runs, and the file backend's per-run ratios to the ceiling.
+
+    python benches/bench_staging.py --runs 5 [--quick] [--json benches/results/staging.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+BENCHES = Path(__file__).resolve().parent
+ROOT = BENCHES.parent
+if str(ROOT / "python") not in sys.path:
+    sys.path.insert(0, str(ROOT / "python"))
+
+from tokencapture import FileStagingStore, TokenCaptureStore, TokenEntry  # noqa: E402
+from tokencapture.conformance_staging import build_chain  # noqa: E402
+from tokencapture.staging import records as models  # noqa: E402
+
+THREADS = (1, 8, 32)
+W1_PROMPT, W1_GENERATED = 64, 256
+W2_CALLS, W2_PROMPT, W2_GENERATED = 24, 450, 250
+
+
+class DictSink:
+    """The ceiling: a dict behind a lock, nothing verified, nothing durable."""
+
+    def __init__(self, _directory: str) -> None:
+        self._rows: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def stage(self, record: Any) -> Any:
+        key = f"{record.rollout_id}/{record.model_call_id}"
+        with self._lock:
+            self._rows[key] = record
+        return models.StageResult(ok=True, staging_key=key)
+
+
+class TransferQueueSink:
+    """TransferQueue's in-memory row storage (what a SimpleStorageUnit holds)."""
+
+    def __init__(self, _directory: str) -> None:
+        from transfer_queue.storage.simple_storage import StorageUnitData
+
+        self._data = StorageUnitData(None)
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def stage(self, record: Any) -> Any:
+        key = f"{record.rollout_id}/{record.model_call_id}"
+        fields = {
+            "token_ids": [list(record.token_ids_delta)],
+            "token_mask": [list(record.token_mask_delta)],
+            "log_probs": [list(record.generation_log_probs_delta)],
+            "meta": [{"key": key, "digest": record.digest, "cum_len": record.cum_len}],
+        }
+        with self._lock:
+            index = self._next
+            self._next += 1
+            self._data.put_data(fields, [index])
+        return models.StageResult(ok=True, staging_key=key)
+
+
+def _transferqueue() -> Callable[[str], Any] | None:
+    try:
+        import transfer_queue.storage.simple_storage  # noqa: F401
+    except Exception as error:  # any import failure: the column is left out, with why
+        print(f"transferqueue: not measured ({type(error).__name__}: {error})", file=sys.stderr)
+        return None
+    return TransferQueueSink
+
+
+# name -> factory(directory) -> sink; None: cannot run here. stagingpg adds "postgres".
+BACKENDS: dict[str, Callable[[str], Any] | None] = {
+    "file": FileStagingStore,
+    "memory": DictSink,
+    "transferqueue": _transferqueue(),
+}
+
+
+def w1_records(threads: int, per_thread: int, tag: str) -> list[list[Any]]:
+    return [
+        [
+            build_chain(
+                models,
+                f"{tag}-w1-t{t}-{i}",
+                1,
+                variant=i,
+                prompt_tokens=W1_PROMPT,
+                generated_tokens=W1_GENERATED,
+            )[0]
+            for i in range(per_thread)
+        ]
+        for t in range(threads)
+    ]
+
+
+def w2_records(threads: int, chains_per_thread: int, tag: str) -> list[list[Any]]:
+    return [
+        [
+            record
+            for c in range(chains_per_thread)
+            for record in build_chain(
+                models,
+                f"{tag}-w2-t{t}-{c}",
+                W2_CALLS,
+                variant=c,
+                prompt_tokens=W2_PROMPT,
+                generated_tokens=W2_GENERATED,
+            )
+        ]
+        for t in range(threads)
+    ]
+
+
+def run_stages(sink: Any, per_thread: list[list[Any]]) -> dict[str, float]:
+    """Stage every thread's records from its own thread; stages/s and latency quantiles."""
+    latencies: list[list[int]] = [[] for _ in per_thread]
+    start = threading.Barrier(len(per_thread) + 1)
+    failures: list[str] = []
+
+    def work(index: int) -> None:
+        mine = latencies[index]
+        start.wait()
+        for record in per_thread[index]:
+            t0 = time.perf_counter_ns()
+            result = sink.stage(record)
+            mine.append(time.perf_counter_ns() - t0)
+            if not result.ok:
+                failures.append(str(result.error))
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(per_thread))]
+    for worker in workers:
+        worker.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for worker in workers:
+        worker.join()
+    wall = time.perf_counter() - t0
+    if failures:
+        raise RuntimeError(f"{len(failures)} stages failed: {failures[0]}")
+    flat = sorted(ns for per in latencies for ns in per)
+    return {
+        "stages_per_s": len(flat) / wall,
+        "p50_ms": flat[len(flat) // 2] / 1e6,
+        "p99_ms": flat[min(len(flat) - 1, int(len(flat) * 0.99))] / 1e6,
+    }
+
+
+def fetch_vs_freeze(scratch: Path, repeats: int) -> dict[str, list[float]]:
+    """Milliseconds: a fresh store fetching one W2 chain, a fresh token store re-freezing it."""
+    chain = build_chain(
+        models, "fetch-w2", W2_CALLS, prompt_tokens=W2_PROMPT, generated_tokens=W2_GENERATED
+    )
+    staging_dir, token_dir = scratch / "fetch-staging", scratch / "fetch-tokens"
+    sink = FileStagingStore(staging_dir)
+    keys = [sink.stage(record).staging_key for record in chain]
+    tokens = TokenCaptureStore(token_dir)
+    cumulative: list[int] = []
+    for record in chain:
+        carry = int(sum(1 for m in record.token_mask_delta if m == 0.0))
+        prompt = [*cumulative, *record.token_ids_delta[:carry]]
+        tokens.append(
+            TokenEntry(
+                rollout_id="fetch-w2",
+                model_call_id=record.model_call_id,
+                model="bench-model",
+                prompt_token_ids=prompt,
+                generation_token_ids=record.token_ids_delta[carry:],
+                generation_log_probs=record.generation_log_probs_delta[carry:],
+                created_at=1_760_000_000.0,
+            )
+        )
+        cumulative = [*prompt, *record.token_ids_delta[carry:]]
+    tokens.freeze_now("fetch-w2")
+    out: dict[str, list[float]] = {"fetch_ms": [], "freeze_ms": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fetched = FileStagingStore(staging_dir).fetch(keys)
+        out["fetch_ms"].append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        frozen = TokenCaptureStore(token_dir).freeze_now("fetch-w2")
+        out["freeze_ms"].append((time.perf_counter() - t0) * 1e3)
+        assert [t for s in fetched for t in s.token_ids_delta] == cumulative
+        assert len(frozen.entries) == W2_CALLS
+    return out
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    args = parser.parse_args(argv)
+    names = [n for n in args.backends.split(",") if BACKENDS.get(n) is not None]
+    scale = 0.05 if args.quick else 1.0
+    (BENCHES / ".scratch").mkdir(exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="staging-", dir=BENCHES / ".scratch"))
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    try:
+        cases = []
+        for threads in THREADS:
+            w1_per_thread = max(2, int({1: 400, 8: 500, 32: 250}[threads] * scale))
+            w2_chains = max(1, int({1: 8, 8: 2, 32: 1}[threads] * scale))
+            cases.append((f"W1x{threads}", threads, "w1", w1_per_thread))
+            cases.append((f"W2x{threads}", threads, "w2", w2_chains))
+        for run in range(args.runs):
+            for case, threads, shape, size in cases:
+                order = names[run % len(names) :] + names[: run % len(names)]
+                for name in order:
+                    build = w1_records if shape == "w1" else w2_records
+                    per_thread = build(threads, size, f"{name}-{run}")
+                    directory = scratch / f"{case}-{name}-{run}"
+                    factory = BACKENDS[name]
+                    assert factory is not None
+                    measured = run_stages(factory(str(directory)), per_thread)
+                    results.setdefault(case, {}).setdefault(name, []).append(measured)
+                    shutil.rmtree(directory, ignore_errors=True)
+        fetch = fetch_vs_freeze(scratch, max(5, args.runs * 4))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    report: dict[str, Any] = {"cases": {}, "fetch": {k: summary(v) for k, v in fetch.items()}}
+    print(f"{'case':8} {'backend':14} {'stages/s':>24} {'p50 ms':>8} {'p99 ms':>8}")
+    for case, by_name in results.items():
+        report["cases"][case] = {}
+        for name, runs in by_name.items():
+            rate = summary([r["stages_per_s"] for r in runs])
+            p50 = statistics.median(r["p50_ms"] for r in runs)
+            p99 = statistics.median(r["p99_ms"] for r in runs)
+            report["cases"][case][name] = {"stages_per_s": rate, "p50_ms": p50, "p99_ms": p99}
+            span = f"{rate['median']:,.0f} ({rate['min']:,.0f}-{rate['max']:,.0f})"
+            print(f"{case:8} {name:14} {span:>24} {p50:8.2f} {p99:8.2f}")
+        if "file" in by_name and "memory" in by_name:
+            ratios = [
+                f["stages_per_s"] / m["stages_per_s"]
+                for f, m in zip(by_name["file"], by_name["memory"], strict=True)
+            ]
+            report["cases"][case]["file_vs_memory"] = summary(ratios)
+            print(
+                f"{case:8} {'file/memory':14} {statistics.median(ratios):24.2f} "
+                f"(runs {min(ratios):.2f}-{max(ratios):.2f})"
+            )
+    ratio = [a / b for a, b in zip(fetch["fetch_ms"], fetch["freeze_ms"], strict=True)]
+    report["fetch"]["fetch_vs_freeze"] = summary(ratio)
+    print(
+        f"fetch of a 24-call chain: {statistics.median(fetch['fetch_ms']):.2f} ms, token store "
+        f"re-freeze {statistics.median(fetch['freeze_ms']):.2f} ms, ratio "
+        f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""`PostgresStagingStore`: NeMo Gym 0.7.0's ``StagingSink`` and ``StagingSource`` on PostgreSQL.
+
+The same contract as `tokencapture.staging.store.FileStagingStore` (the same verification, the
+same stored bytes, the same `StageResult` reasons and exceptions); what differs is how a stage
+becomes durable: a committed transaction (``synchronous_commit`` on, checked on every session
+and, on Citus, on every worker) instead of a group-committed ``fdatasync``. The schema is
+``sql/005_staging.sql``.
+
+Threads. ``stage`` is synchronous and is called from many completion threads at once. Each
+caller verifies and encodes its record in its own thread (`tokencapture._core.staging_encode`,
+the GIL released for the hashing), then hands the encoded row to the store's one event-loop
+thread (the loop every synchronous method of the PostgreSQL classes runs on; a callback
+scheduled with ``call_soon_threadsafe``, no task per stage) and blocks, GIL released, on a
+``concurrent.futures.Future``. On that loop the stages that arrive while earlier batches are
+in flight are gathered into one ``tokencapture.stage_batch`` call: one round trip and one
+commit (one WAL flush) for all of them, each with its own status; at most ``stage_flushes``
+(3) such calls are in flight. So asyncpg's connections are only ever touched from the thread
+that owns them, any number of threads may stage, and a burst of stages costs a few commits,
+not one per stage. On a
+Citus cluster each stage is its own call, delegated to the worker that owns its rollout (a
+batch would run on the coordinator and tie every stage in it to every worker it spans).
+
+NeMo Gym constructs it as ``tokencapture:PostgresStagingStore`` with ``{"dsn": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import weakref
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped, unused-ignore]
+
+from tokencapture.postgres._client import CallBatcher, Client
+from tokencapture.protocols import (
+    RolloutRemovalPayload,
+    TokenCaptureConflictError,
+    TokenCaptureRetiredError,
+)
+from tokencapture.staging_attachments import StagedAttachment
+from tokencapture.staging_errors import StagingKeyError, StagingKeyRetiredError
+from tokencapture.staging_rows import (
+    ModelsChoice,
+    StagingModels,
+    attachments_from_blob,
+    encode_stage,
+    failure_reason,
+    records_from_rows,
+    snapshots_from_rows,
+)
+
+__all__ = ["PostgresStagingStore"]
+
+# Statuses of tokencapture.stage_call (sql/005_staging.sql).
+_STORED, _DUPLICATE, _CONFLICT, _RETIRED = 0, 1, 2, 4
+
+_STAGE = "SELECT tokencapture.stage_call($1, $2, $3, $4, $5)"
+_STAGE_BATCH = "SELECT tokencapture.stage_batch($1, $2, $3, $4, $5)"
+_FETCH_ROWS = (
+    "SELECT staging_key, row_bytes FROM tokencapture.staged_calls WHERE staging_key = ANY($1)"
+)
+_FETCH_ATTACHMENTS = (
+    "SELECT attachments FROM tokencapture.staged_calls WHERE staging_key = $1 LIMIT 1"
+)
+_RETIRED_AMONG = (
+    "SELECT rollout_id FROM tokencapture.staging_rollouts WHERE retired AND rollout_id = ANY($1)"
+)
+_KEYS_ALL = "SELECT staging_key FROM tokencapture.staged_calls"
+# A rollout's keys are those in [id || '/', id || '0') (the "C" collation: sql/005_staging.sql).
+_KEYS_OF = (
+    "SELECT staging_key FROM tokencapture.staged_calls WHERE rollout_id = $1 "
+    "AND staging_key >= $1 || '/' AND staging_key < $1 || '0'"
+)
+_RETIRE = "SELECT * FROM tokencapture.retire_staging($1)"
+_DELETE = "SELECT * FROM tokencapture.delete_staging($1)"
+
+# What a refused or failed stage raises inside (reported as `StageResult(ok=False)`); anything
+# else is a bug and propagates. PostgresUnavailableError is an OSError, the durability and
+# schema refusals RuntimeErrors; asyncpg.PostgresError is any other answer of the server
+# (a key it cannot store, a full disk it reports as an error).
+_STAGE_FAILURES = (ValueError, TypeError, OSError, RuntimeError, KeyError, asyncpg.PostgresError)
+
+_StageArgs = tuple[str, str, str, bytes, bytes | None]  # rollout, key, content digest, row, blob
+
+
+def _quoted(text: str) -> str:
+    """`text` quoted as the Rust core quotes it in its messages (``{:?}`` of a str), so both
+    backends word a refusal alike."""
+    out = ['"']
+    for char in text:
+        if char in '"\\':
+            out.append("\\" + char)
+        elif char == "\n":
+            out.append("\\n")
+        elif char == "\r":
+            out.append("\\r")
+        elif char == "\t":
+            out.append("\\t")
+        elif char == "\0":
+            out.append("\\0")
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{{{ord(char):x}}}")
+        else:
+            out.append(char)
+    out.append('"')
+    return "".join(out)
+
+
+def _refusal(status: int, args: _StageArgs) -> Exception:
+    """The exception of a stage the server refused, worded as the file store words it."""
+    if status == _RETIRED:
+        return TokenCaptureRetiredError(
+            f"rollout {_quoted(args[0])} is retired: its staged calls are fenced until it is "
+            "deleted"
+        )
+    if status == _CONFLICT:
+        return TokenCaptureConflictError(
+            f"staging key {_quoted(args[1])} is already staged with different content"
+        )
+    raise AssertionError(f"unexpected status {status} from the server")
+
+
+def _check_status(status: int, args: _StageArgs) -> None:
+    if status not in (_STORED, _DUPLICATE):
+        raise _refusal(status, args)
+
+
+def _unknown(key: str, retired_rollout: str | None) -> StagingKeyError:
+    if retired_rollout is not None:
+        return StagingKeyRetiredError(
+            f"staging key {_quoted(key)} belongs to retired rollout {_quoted(retired_rollout)}"
+        )
+    return StagingKeyError(f"staging key {_quoted(key)} is not staged")
+
+
+def _key_list(staging_keys: Sequence[str]) -> list[str]:
+    """The keys asked for, checked as the file store checks them."""
+    if isinstance(staging_keys, str):
+        raise TypeError("staging_keys must be a list of keys, not one str")
+    keys = list(staging_keys)
+    bad = next((key for key in keys if type(key) is not str), None)
+    if bad is not None:
+        raise TypeError(f"staging keys must be str, not {type(bad).__name__}")
+    return keys
+
+
+def _rollout_list(rollout_ids: Sequence[str]) -> list[str]:
+    """A batch of rollout ids, checked as the file store checks them; duplicates dropped."""
+    if isinstance(rollout_ids, str):
+        raise TypeError("rollout_ids must be a sequence of ids, not one str")
+    ids = list(rollout_ids)
+    bad = [rollout_id for rollout_id in ids if type(rollout_id) is not str or not rollout_id]
+    if bad:
+        raise ValueError(f"rollout ids must be non-empty str, got {bad[0]!r}")
+    return list(dict.fromkeys(ids))
+
+
+class PostgresStagingStore:
+    """Worker-owned staging in PostgreSQL (many hosts; see docs/staging.md).
+
+    The same methods, results and exceptions as `FileStagingStore`:
+
+    * ``stage(record, *, attachments=None) -> StageResult``: thread-safe, synchronous; returns
+      ``ok=True`` only once the transaction that stored the record and its attachments is
+      committed and flushed. A record that does not verify, a retired rollout, a key already
+      staged with other content, an attachment that cannot be stored, or an unavailable or
+      refusing server return ``ok=False`` with the reason. Staging the same record (and
+      attachments) again is idempotent.
+    * ``fetch(keys)`` / ``fetch_records(keys)`` / ``fetch_attachments(key)``: verified, in the
+      order asked; `StagingKeyError` / `StagingKeyRetiredError` (``KeyError``s) for keys that
+      are not staged / belong to a retired rollout; `TokenCaptureCorruptionError` for damage.
+    * ``retire(ids)`` / ``delete(ids)``: batched, all or nothing, ``{"removed", "absent"}``;
+      ``retire_now``/``delete_now`` are the same calls; ``aretire``/``adelete`` (and
+      ``astage``, ``afetch``, ``afetch_records``) run on the caller's event loop.
+
+    Options: ``models`` (as for `FileStagingStore`), ``batch_stages`` (default True: stages
+    that wait share one call and one commit), ``stage_batch_size`` (at most 256 stages per
+    call), ``stage_flushes`` (at most 3 such calls in flight at once, each on its own
+    connection: fewer, larger batches cost the server less per stage; measured in
+    benches/bench_staging_pg.py), and the connection options of every PostgreSQL class
+    (``pool_size``, ``connect_timeout``, ``statement_timeout``, ``synchronous_commit``,
+    ``allow_unflushed_commits``, ``install_schema``, ``statement_cache_size``; see
+    docs/postgres.md).
+
+    Keys: text cannot hold NUL, so a record whose rollout or call id holds one is refused
+    (``ok=False``) here, where the file store would store it.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        models: ModelsChoice = "auto",
+        batch_stages: bool = True,
+        stage_batch_size: int = 256,
+        stage_flushes: int = 3,
+        **options: Any,
+    ) -> None:
+        if isinstance(stage_batch_size, bool) or not isinstance(stage_batch_size, int):
+            raise TypeError("stage_batch_size must be an int")
+        if stage_batch_size < 1:
+            raise ValueError("stage_batch_size must be at least 1")
+        if isinstance(stage_flushes, bool) or not isinstance(stage_flushes, int):
+            raise TypeError("stage_flushes must be an int")
+        if stage_flushes < 1:
+            raise ValueError("stage_flushes must be at least 1")
+        StagingModels.resolve(models)  # refuse a bad choice now
+        self._models_choice = models
+        self._client = Client(dsn, **options)
+        self._batch_stages = batch_stages
+        self._stage_batch_size = stage_batch_size
+        self._stage_flushes = stage_flushes
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CallBatcher] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def __repr__(self) -> str:
+        return f"PostgresStagingStore({self._client.where!r})"
+
+    @property
+    def dsn(self) -> str:
+        return self._client.dsn
+
+    def _models(self) -> StagingModels:
+        return StagingModels.resolve(self._models_choice)
+
+    # ---- StagingSink --------------------------------------------------------------------
+
+    @staticmethod
+    def _stage_args(record: Any, attachments: Mapping[str, Any] | None) -> _StageArgs:
+        row = encode_stage(record, attachments)  # verified natively, the GIL released
+        if "\0" in row.key:
+            raise ValueError(
+                f"staging key {_quoted(row.key)} holds NUL, which PostgreSQL text cannot store"
+            )
+        blob = row.attachments if row.has_attachments else None
+        return row.rollout_id, row.key, row.content_digest, row.row, blob
+
+    def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
+        """Durably stage one call's token delta (and its attachments) before returning."""
+        models = StagingModels.of_record(record, self._models())
+        try:
+            args = self._stage_args(record, attachments)
+            if self._batch_stages and self._client.distributed is False:
+                # The hot path: straight into the loop thread's batcher (no task per stage).
+                answer: concurrent.futures.Future[int] = concurrent.futures.Future()
+                self._client.call_in_thread(self._submit, args, answer)
+                _check_status(answer.result(), args)
+            else:
+                self._client.run_sync(self._store(args))
+        except _STAGE_FAILURES as error:
+            return models.failed(failure_reason(error))
+        return models.ok(args[1])
+
+    def _batcher(self, loop: asyncio.AbstractEventLoop) -> CallBatcher:
+        batcher = self._batchers.get(loop)
+        if batcher is None:
+            batcher = CallBatcher(
+                self._client, loop, self._stage_batch_size, _STAGE_BATCH, self._stage_flushes
+            )
+            self._batchers[loop] = batcher
+        return batcher
+
+    def _submit(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        args: _StageArgs,
+        answer: concurrent.futures.Future[int],
+    ) -> None:
+        """On the loop thread: queue one stage; its status (or failure) goes to `answer`."""
+
+        def settle(done: asyncio.Future[int]) -> None:
+            if done.cancelled():
+                answer.cancel()
+            elif (error := done.exception()) is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(done.result())
+
+        try:
+            self._batcher(loop).submit(args).add_done_callback(settle)
+        except BaseException as error:
+            answer.set_exception(error)
+
+    def astage(
+        self, record: Any, *, attachments: Mapping[str, Any] | None = None
+    ) -> Coroutine[Any, Any, Any]:
+        """`stage` on the caller's event loop (the record is verified and encoded now)."""
+        models = StagingModels.of_record(record, self._models())
+        try:
+            args = self._stage_args(record, attachments)
+        except _STAGE_FAILURES as error:
+            failed = models.failed(failure_reason(error))
+
+            async def refused() -> Any:
+                return failed
+
+            return refused()
+        return self._astage(args, models)
+
+    async def _astage(self, args: _StageArgs, models: StagingModels) -> Any:
+        try:
+            await self._store(args)
+        except _STAGE_FAILURES as error:
+            return models.failed(failure_reason(error))
+        return models.ok(args[1])
+
+    async def _store(self, args: _StageArgs) -> None:
+        """Store one encoded stage (batched with others waiting, unless on Citus: there a
+        stage alone is delegated to its rollout's worker); raises the refusal."""
+        if self._batch_stages and self._client.distributed is False:
+            status = await self._batcher(asyncio.get_running_loop()).submit(args)
+        else:
+            status = await self._client.fetch("val", _STAGE, *args)
+        _check_status(status, args)
+
+    # ---- StagingSource ------------------------------------------------------------------
+
+    async def _rows(self, keys: list[str]) -> list[bytes]:
+        """The stored rows of `keys`, in order; the first missing key raises."""
+        wanted = [key for key in dict.fromkeys(keys) if "\0" not in key]
+        found = await self._client.fetch("rows", _FETCH_ROWS, wanted) if wanted else []
+        by_key: dict[str, bytes] = {}
+        for record in found:
+            by_key.setdefault(record["staging_key"], record["row_bytes"])
+        for key in keys:
+            if key not in by_key:
+                raise await self._missing(key)
+        return [by_key[key] for key in keys]
+
+    async def _missing(self, key: str) -> StagingKeyError:
+        """The error for a key that is not stored: retired when a rollout it could belong to
+        (a prefix of it before a '/') is fenced."""
+        prefixes = [key[:at] for at, char in enumerate(key) if char == "/" and at > 0]
+        prefixes = [p for p in prefixes if "\0" not in p]
+        fenced: set[str] = set()
+        if prefixes:
+            rows = await self._client.fetch("rows", _RETIRED_AMONG, prefixes)
+            fenced = {row["rollout_id"] for row in rows}
+        return _unknown(key, next((p for p in prefixes if p in fenced), None))
+
+    def fetch(self, staging_keys: list[str]) -> list[Any]:
+        """One digest-verified base snapshot per key, in the order asked."""
+        keys = _key_list(staging_keys)
+        rows = self._client.run_sync(self._rows(keys))
+        return snapshots_from_rows(rows, keys, self._models())
+
+    def fetch_records(self, staging_keys: list[str]) -> list[Any]:
+        """One digest-verified record (with its extras) per key, in the order asked."""
+        keys = _key_list(staging_keys)
+        rows = self._client.run_sync(self._rows(keys))
+        return records_from_rows(rows, keys, self._models())
+
+    def afetch(self, staging_keys: list[str]) -> Coroutine[Any, Any, list[Any]]:
+        """`fetch` on the caller's event loop (the keys are checked now)."""
+        return self._afetch(_key_list(staging_keys), False)
+
+    def afetch_records(self, staging_keys: list[str]) -> Coroutine[Any, Any, list[Any]]:
+        """`fetch_records` on the caller's event loop (the keys are checked now)."""
+        return self._afetch(_key_list(staging_keys), True)
+
+    async def _afetch(self, keys: list[str], with_extras: bool) -> list[Any]:
+        rows = await self._rows(keys)
+        decode = records_from_rows if with_extras else snapshots_from_rows
+        return decode(rows, keys, self._models())
+
+    def fetch_attachments(self, staging_key: str) -> dict[str, StagedAttachment]:
+        """The attachments staged with one key (empty if it had none)."""
+        if type(staging_key) is not str:
+            raise TypeError(f"staging_key must be a str, not {type(staging_key).__name__}")
+        return self._client.run_sync(self._attachments(staging_key))
+
+    async def _attachments(self, key: str) -> dict[str, StagedAttachment]:
+        rows = await self._client.fetch("rows", _FETCH_ATTACHMENTS, key) if "\0" not in key else []
+        if not rows:
+            raise await self._missing(key)
+        blob = rows[0]["attachments"]
+        return attachments_from_blob(blob, key) if blob is not None else {}
+
+    def keys(self, rollout_id: str | None = None) -> list[str]:
+        """Every staged key (of one rollout, or all), sorted."""
+        if rollout_id is not None and type(rollout_id) is not str:
+            raise TypeError(f"rollout_id must be a str or None, not {type(rollout_id).__name__}")
+        return self._client.run_sync(self._keys(rollout_id))
+
+    async def _keys(self, rollout_id: str | None) -> list[str]:
+        if rollout_id is None:
+            rows = await self._client.fetch("rows", _KEYS_ALL)
+        elif "\0" in rollout_id:
+            rows = []
+        else:
+            rows = await self._client.fetch("rows", _KEYS_OF, rollout_id)
+        return sorted(row["staging_key"] for row in rows)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def _remove(self, sql: str, ids: list[str]) -> RolloutRemovalPayload:
+        storable = [rollout_id for rollout_id in ids if "\0" not in rollout_id]
+        if not storable:
+            return {"removed": [], "absent": ids}
+        row = await self._client.fetch("row", sql, storable)
+        removed = set(row["removed"])
+        return {
+            "removed": [rollout_id for rollout_id in ids if rollout_id in removed],
+            "absent": [rollout_id for rollout_id in ids if rollout_id not in removed],
+        }
+
+    def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Fence rollouts: their keys stop being fetchable and no later stage of them
+        succeeds, from any process or host. Committed before it returns."""
+        return self._client.run_sync(self._remove(_RETIRE, _rollout_list(rollout_ids)))
+
+    def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove rollouts' staged calls and any fence, so an id can be staged again."""
+        return self._client.run_sync(self._remove(_DELETE, _rollout_list(rollout_ids)))
+
+    retire_now = retire
+    delete_now = delete
+
+    def aretire(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """`retire` on the caller's event loop (arguments checked now)."""
+        return self._remove(_RETIRE, _rollout_list(rollout_ids))
+
+    def adelete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
+        """`delete` on the caller's event loop (arguments checked now)."""
+        return self._remove(_DELETE, _rollout_list(rollout_ids))
+
+    # ---- connections --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close this store's connections (idempotent). Synchronous, as the staging protocols
+        are (the other PostgreSQL classes' `close` is a coroutine; here that is `aclose`)."""
+        self._client.close_sync()
+
+    close_sync = close
+
+    async def aclose(self) -> None:
+        """`close` from a coroutine: this loop's connections closed without blocking it."""
+        await self._client.close()

@@ -1,0 +1,151 @@
+"""Attachments of a staged call: how every staging backend encodes them and gives them back.
+
+NeMo Gym's rule: a sink stores every attachment in the same durable write as the record or
+refuses the call; it never drops one. What is stored:
+
+* ``bytes``: as they are (kind ``"bytes"``);
+* anything exporting the buffer protocol (``bytearray``, ``memoryview``, numpy arrays, a
+  tensor's numpy view): its bytes in C order with the buffer's struct ``format``, its
+  ``shape`` and, when the object has a ``dtype``, its ``dtype.str`` (kind ``"buffer"``);
+* anything exporting ``__arrow_c_array__`` (pyarrow, polars, ...): the array as an Arrow IPC
+  stream of one column (kind ``"arrow"``; needs pyarrow, the ``test`` extra, to encode and
+  decode; without it such an attachment is refused with a message naming pyarrow).
+
+Anything else is refused with a `TypeError` naming the attachment and its type. Fetched
+attachments come back as `StagedAttachment` values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "AttachmentKind",
+    "EncodedAttachment",
+    "StagedAttachment",
+    "decode_attachments",
+    "encode_attachments",
+]
+
+AttachmentKind = Literal["bytes", "buffer", "arrow"]
+_KIND_CODES: dict[str, int] = {"bytes": 0, "buffer": 1, "arrow": 2}
+
+# (name, kind code, format, dtype, shape or None, [buffers]): what `_core.staging_encode` reads.
+EncodedAttachment = tuple[str, int, str, str, tuple[int, ...] | None, list[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class StagedAttachment:
+    """One stored attachment: its bytes and what is known of their layout."""
+
+    kind: AttachmentKind
+    data: bytes
+    format: str = ""
+    dtype: str = ""
+    shape: tuple[int, ...] | None = None
+
+    def __bytes__(self) -> bytes:
+        return self.data
+
+    def to_numpy(self) -> Any:
+        """The attachment as a numpy array (its dtype and shape when they were known)."""
+        import numpy as np
+
+        if self.kind == "arrow":
+            return self.to_arrow().to_numpy(zero_copy_only=False)
+        dtype = np.dtype(self.dtype) if self.dtype else np.dtype(self.format or "B")
+        array = np.frombuffer(self.data, dtype=dtype)
+        return array.reshape(self.shape) if self.shape is not None else array
+
+    def to_arrow(self) -> Any:
+        """The attachment as a pyarrow array (``"arrow"`` attachments only)."""
+        if self.kind != "arrow":
+            raise TypeError(f"a {self.kind!r} attachment is not an Arrow array")
+        pa = _pyarrow("read an Arrow attachment")
+        reader = pa.ipc.open_stream(pa.py_buffer(self.data))
+        table = reader.read_all()
+        column = table.column(0)
+        return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+
+
+def _pyarrow(what: str) -> Any:
+    try:
+        import pyarrow  # type: ignore[import-untyped]
+    except ImportError as error:
+        raise TypeError(
+            f"to {what}, install pyarrow (pip install pyarrow, or tokencapture's 'test' extra)"
+        ) from error
+    return pyarrow
+
+
+def _encode_one(name: str, value: Any) -> EncodedAttachment:
+    if type(value) is bytes:
+        return (name, _KIND_CODES["bytes"], "", "", None, [value])
+    try:
+        view = memoryview(value)
+    except TypeError:
+        view = None
+    if view is not None:
+        dtype = getattr(value, "dtype", None)
+        dtype_text = str(getattr(dtype, "str", "")) if dtype is not None else ""
+        flat: Any
+        try:
+            # The bytes without a copy when they are contiguous; a copy in C order otherwise.
+            flat = view.cast("B") if view.c_contiguous else view.tobytes()
+        except (TypeError, ValueError):
+            flat = view.tobytes()
+        shape = tuple(view.shape or ())
+        return (name, _KIND_CODES["buffer"], view.format, dtype_text, shape, [flat])
+    if hasattr(type(value), "__arrow_c_array__"):
+        pa = _pyarrow(f"stage the Arrow attachment {name!r} ({type(value).__name__})")
+        array = pa.array(value)
+        batch = pa.RecordBatch.from_arrays([array], names=[name])
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        return (
+            name,
+            _KIND_CODES["arrow"],
+            str(array.type),
+            "",
+            (len(array),),
+            [sink.getvalue().to_pybytes()],
+        )
+    raise TypeError(
+        f"attachment {name!r} is a {type(value).__module__}.{type(value).__qualname__}, which "
+        "cannot be staged: attachments must be bytes, export the buffer protocol (numpy "
+        "arrays, a tensor's .numpy() view) or export __arrow_c_array__"
+    )
+
+
+def encode_attachments(attachments: Mapping[str, Any] | None) -> list[EncodedAttachment] | None:
+    """Encode every attachment (in the mapping's order), or refuse the whole call."""
+    if attachments is None:
+        return None
+    if not isinstance(attachments, Mapping):
+        raise TypeError(f"attachments must be a mapping or None, got {type(attachments).__name__}")
+    encoded: list[EncodedAttachment] = []
+    for name, value in attachments.items():
+        if type(name) is not str:
+            raise TypeError(f"attachment names must be str, got {type(name).__name__}")
+        encoded.append(_encode_one(name, value))
+    return encoded
+
+
+def decode_attachments(
+    decoded: list[tuple[str, str, str, str, list[int] | None, list[bytes]]],
+) -> dict[str, StagedAttachment]:
+    """The attachments `_core` decoded from a stored blob, by name."""
+    out: dict[str, StagedAttachment] = {}
+    for name, kind, fmt, dtype, shape, buffers in decoded:
+        data = buffers[0] if len(buffers) == 1 else b"".join(buffers)
+        out[name] = StagedAttachment(
+            kind=kind,  # type: ignore[arg-type]
+            data=data,
+            format=fmt,
+            dtype=dtype,
+            shape=tuple(shape) if shape is not None else None,
+        )
+    return out

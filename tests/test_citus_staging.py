@@ -1,0 +1,264 @@
+"""PostgresStagingStore on the Citus cluster (a coordinator and two workers): staged calls live on
+the worker that owns their rollout, stages are delegated there, a retire batch across workers is
+all or nothing; the workers' synchronous_commit is checked; the token store's sweep_retired
+(which locks many rollouts) works distributed."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import pytest
+from tests.citus_fixture import citus_cluster, citus_db, citus_dsn, fresh_citus_database
+from tests.conftest import make_entry
+from tests.pg_server import CitusCluster
+from tests.postgres_fixture import fetch
+from tests.staging_backends import chain, make_record
+
+from tokencapture import StagingKeyError, StagingKeyRetiredError
+from tokencapture.postgres import (
+    PostgresDurabilityError,
+    PostgresStagingStore,
+    PostgresTokenCaptureStore,
+    install_schema_sync,
+)
+
+__all__ = ["citus_cluster", "citus_db", "citus_dsn"]
+
+
+def rollouts_on_each_worker(cluster: CitusCluster, database: str, count: int) -> list[str]:
+    """`count` rollout ids per worker (by Citus's own placement of the staging table)."""
+    found: dict[int, list[str]] = {worker.port: [] for worker in cluster.workers}
+    n = 0
+    while any(len(ids) < count for ids in found.values()):
+        rollout_id = f"r{n}"
+        node = cluster.node_of(database, "tokencapture.staged_calls", rollout_id)
+        if len(found[node.port]) < count:
+            found[node.port].append(rollout_id)
+        n += 1
+    return [rollout_id for ids in found.values() for rollout_id in ids]
+
+
+def test_staging_tables_are_distributed_with_the_store(
+    citus_cluster: CitusCluster, citus_db: tuple[str, str], citus_dsn: str
+) -> None:
+    name, _ = citus_db
+    rows = fetch(
+        citus_dsn,
+        "SELECT logicalrelid::text AS t, colocationid, "
+        "column_to_column_name(logicalrelid, partkey) AS col FROM pg_dist_partition "
+        "WHERE logicalrelid::text IN ('tokencapture.staged_calls', "
+        "'tokencapture.staging_rollouts', 'tokencapture.rollouts')",
+    )
+    assert {row["t"]: row["col"] for row in rows} == {
+        "tokencapture.staged_calls": "rollout_id",
+        "tokencapture.staging_rollouts": "rollout_id",
+        "tokencapture.rollouts": "rollout_id",
+    }
+    assert len({row["colocationid"] for row in rows}) == 1
+    delegated = fetch(
+        citus_dsn,
+        "SELECT p.proargnames[d.distribution_argument_index + 1] AS arg FROM pg_dist_object d "
+        "JOIN pg_proc p ON p.oid = d.objid WHERE p.proname = 'stage_call'",
+    )
+    assert [row["arg"] for row in delegated] == ["p_rollout"]
+    # A staged call's row is on the worker Citus places its rollout on, and only there.
+    store = PostgresStagingStore(citus_dsn)
+    try:
+        ids = rollouts_on_each_worker(citus_cluster, name, 1)
+        for rollout_id in ids:
+            assert store.stage(make_record(rollout_id)).ok
+        for rollout_id in ids:
+            owner = citus_cluster.node_of(name, "tokencapture.staged_calls", rollout_id)
+            shard = citus_cluster.coordinator.psql(
+                "SELECT get_shard_id_for_distribution_column('tokencapture.staged_calls', "
+                f"'{rollout_id}')",
+                name,
+            ).strip()
+            for worker in citus_cluster.workers:
+                # The shard's own table (the distributed one would route the query anywhere).
+                local = f"tokencapture.staged_calls_{shard}"
+                found = worker.psql(f"SELECT to_regclass('{local}') IS NOT NULL", name).strip()
+                if worker is not owner:
+                    assert found == "f"
+                    continue
+                count = worker.psql(
+                    f"SELECT count(*) FROM {local} WHERE rollout_id = '{rollout_id}'", name
+                )
+                assert count.strip() == "1"
+    finally:
+        store.close_sync()
+
+
+def test_stage_fetch_retire_delete_across_workers(
+    citus_cluster: CitusCluster, citus_db: tuple[str, str], citus_dsn: str
+) -> None:
+    name, _ = citus_db
+    ids = rollouts_on_each_worker(citus_cluster, name, 2)
+    records = {rollout_id: chain(rollout_id, 3) for rollout_id in ids}
+    store = PostgresStagingStore(citus_dsn)
+    results: list[Any] = []
+
+    def stage(rollout_id: str) -> None:
+        results.extend(store.stage(record) for record in records[rollout_id])
+
+    try:
+        threads = [threading.Thread(target=stage, args=(r,)) for r in ids]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(results) == 3 * len(ids) and all(r.ok for r in results)
+        keys = [
+            record.staging_key for rollout_id in reversed(ids) for record in records[rollout_id]
+        ]
+        assert [s.staging_key for s in store.fetch(keys)] == keys
+        fetched = store.fetch_records(keys[:1])[0]
+        assert fetched.model_dump() == records[ids[-1]][0].model_dump()
+        assert store.stage(records[ids[0]][0]).ok  # idempotent
+        conflict = store.stage(make_record(ids[0], "c0", [9, 9]))
+        assert not conflict.ok and "already staged with different content" in str(conflict.error)
+        # One batch over both workers: every rollout fenced, all or nothing.
+        batch = [ids[0], ids[-1], "absent-one"]
+        assert store.retire(batch) == {"removed": [ids[0], ids[-1]], "absent": ["absent-one"]}
+        for rollout_id in (ids[0], ids[-1]):
+            refused = store.stage(make_record(rollout_id, "late"))
+            assert not refused.ok and "is retired" in str(refused.error)
+            with pytest.raises(StagingKeyRetiredError):
+                store.fetch([records[rollout_id][0].staging_key])
+        assert store.fetch([records[ids[1]][0].staging_key])[0].rollout_id == ids[1]
+        assert store.delete([ids[0], ids[1]]) == {"removed": [ids[0], ids[1]], "absent": []}
+        with pytest.raises(StagingKeyError):
+            store.fetch([records[ids[0]][0].staging_key])
+        assert store.stage(records[ids[0]][0]).ok
+        assert sorted(store.keys()) == store.keys()
+    finally:
+        store.close_sync()
+
+
+def test_a_worker_without_flushed_commits_is_refused(citus_cluster: CitusCluster) -> None:
+    """Citus runs a delegated call under the worker's synchronous_commit, not the client's:
+    the clients read the workers' setting and refuse one that is off."""
+    name, dsn = fresh_citus_database(citus_cluster)
+    install_schema_sync(dsn)
+    worker = citus_cluster.workers[1]
+    # On the worker's copy of the database (the test servers set it on the command line,
+    # which ALTER SYSTEM does not override; a database setting does, for new sessions).
+    worker.psql(f"ALTER DATABASE {name} SET synchronous_commit = off")
+    try:
+        staging = PostgresStagingStore(dsn)
+        result = staging.stage(make_record())
+        staging.close_sync()
+        assert not result.ok
+        assert result.error is not None
+        assert result.error.startswith("PostgresDurabilityError: the Citus worker ")
+        assert f":{worker.port} " in result.error
+        tokens = PostgresTokenCaptureStore(dsn)
+        with pytest.raises(PostgresDurabilityError, match="synchronous_commit=off"):
+            tokens.append(make_entry("r"))
+        tokens.close_sync()
+        # Accepted when asked for.
+        lax = PostgresStagingStore(dsn, allow_unflushed_commits=True)
+        assert lax.stage(make_record()).ok
+        lax.close_sync()
+    finally:
+        citus_cluster.drop_database(name)
+
+
+def test_sweep_retired_on_the_cluster(
+    citus_cluster: CitusCluster, citus_db: tuple[str, str], citus_dsn: str
+) -> None:
+    """The token store's sweep locks and deletes many rollouts' fences: on Citus too, across
+    both workers, and only those old enough."""
+    name, _ = citus_db
+    ids = rollouts_on_each_worker(citus_cluster, name, 2)
+    store = PostgresTokenCaptureStore(citus_dsn)
+    try:
+        for rollout_id in ids:
+            store.append(make_entry(rollout_id))
+        assert store.retire_now(ids)["removed"] == ids
+        fetch(
+            citus_dsn,
+            "UPDATE tokencapture.rollouts SET retired_at = now() - interval '1 hour' "
+            "WHERE rollout_id = ANY($1)",
+            ids[:3],
+        )
+        assert store.sweep_retired_ids(600, dry_run=True) == sorted(ids[:3])
+        assert store.sweep_retired(600) == 3
+        assert store.sweep_retired_ids(0, dry_run=True) == [ids[3]]
+        store.append(make_entry(ids[0], "again"))  # swept: the id is free again
+        assert store.sweep_retired(-1) == 1
+    finally:
+        store.close_sync()
+
+
+def test_staging_conformance_on_the_cluster(citus_dsn: str) -> None:
+    from tokencapture.conformance import STAGING_CHECKS, run_staging_conformance
+
+    factory = functools.partial(PostgresStagingStore, citus_dsn)
+    assert tuple(run_staging_conformance(factory, process_factory=factory)) == STAGING_CHECKS
+
+
+def test_an_in_doubt_transaction_on_a_worker_stalls_its_rollout_boundedly(
+    citus_cluster: CitusCluster, citus_db: tuple[str, str], citus_dsn: str
+) -> None:
+    """What a worker crash between the two phases of a commit leaves: a prepared transaction
+    holding a rollout's fence row, unknown to the coordinator's commit log. Made here by hand
+    (a prepared transaction named as Citus names its own, with no coordinator record), so the
+    state is exact rather than timed. A stage of that rollout waits for the coordinator's
+    recovery pass (every 2 s on the test cluster; every minute by default), which aborts it,
+    and then lands; with a statement timeout shorter than that, the stage fails in that time
+    with the reason; other rollouts are not held up."""
+    import asyncio
+    import time
+
+    import asyncpg
+
+    name, _ = citus_db
+    held, free = rollouts_on_each_worker(citus_cluster, name, 1)
+    store = PostgresStagingStore(citus_dsn)
+    impatient = PostgresStagingStore(citus_dsn, statement_timeout=0.5)
+    try:
+        assert store.stage(make_record(held, "c0")).ok
+        worker = citus_cluster.node_of(name, "tokencapture.staging_rollouts", held)
+        shard = citus_cluster.coordinator.psql(
+            "SELECT get_shard_id_for_distribution_column('tokencapture.staging_rollouts', "
+            f"'{held}')",
+            name,
+        ).strip()
+
+        async def prepare(gid: str) -> None:
+            connection = await asyncpg.connect(worker.dsn_for(name))
+            try:
+                await connection.execute("BEGIN")
+                await connection.execute(
+                    f"SELECT 1 FROM tokencapture.staging_rollouts_{shard} "
+                    "WHERE rollout_id = $1 FOR UPDATE",
+                    held,
+                )
+                await connection.execute(f"PREPARE TRANSACTION '{gid}'")
+            finally:
+                await connection.close()
+
+        asyncio.run(prepare("citus_0_999999_1_1"))
+        began = time.monotonic()
+        timed_out = impatient.stage(make_record(held, "c1"))
+        waited = time.monotonic() - began
+        if timed_out.ok:  # the recovery pass ran first: make the state again
+            asyncio.run(prepare("citus_0_999999_2_1"))
+            began = time.monotonic()
+            timed_out = impatient.stage(make_record(held, "c2"))
+            waited = time.monotonic() - began
+        assert not timed_out.ok
+        assert str(timed_out.error).startswith("PostgresUnavailableError: ")
+        assert waited < 5
+        assert store.stage(make_record(free, "other")).ok  # the other worker is not held
+        began = time.monotonic()
+        assert store.stage(make_record(held, "c3")).ok
+        assert time.monotonic() - began < 20  # at most a recovery interval or two
+        prepared = worker.psql("SELECT count(*) FROM pg_prepared_xacts", name).strip()
+        assert prepared == "0"
+    finally:
+        store.close()
+        impatient.close()

@@ -1,0 +1,158 @@
+"""`tokencapture ls/show/verify/retire/delete/copy --staging` on a FileStagingStore directory and a
+PostgresStagingStore DSN."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from tests.postgres_fixture import dsn, execute, pg_dsn, pg_server
+from tests.staging_backends import chain, make_record
+
+from tokencapture.cli import main
+from tokencapture.postgres import PostgresStagingStore
+from tokencapture.staging import FileStagingStore
+
+__all__ = ["dsn", "pg_dsn", "pg_server"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any]:
+    code = main([*args, "--staging", "--json"])
+    captured = capsys.readouterr()
+    return code, (json.loads(captured.out) if captured.out else captured.err)
+
+
+@pytest.fixture(params=["file", "postgres"])
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A staging store's location (a directory or a DSN) with two rollouts staged."""
+    where = str(tmp_path / "staging") if request.param == "file" else request.getfixturevalue("dsn")
+    store: Any = FileStagingStore(where) if request.param == "file" else PostgresStagingStore(where)
+    for record in chain("a/b", 3):
+        assert store.stage(record).ok
+    extra = {"raw": b"\x01\x02", "logits": np.arange(6, dtype=np.float16).reshape(2, 3)}
+    extra["view"] = memoryview(bytearray(range(8))).cast("H")
+    assert store.stage(make_record("solo", extras={"k": 1}), attachments=extra).ok
+    if hasattr(store, "close"):
+        store.close()
+    return where
+
+
+def test_ls_show_verify(location: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, rows = run(capsys, "ls", location)
+    assert code == 0
+    assert rows == [
+        {"rollout_id": "a/b", "calls": 3, "tokens": 24, "max_cum_len": 24, "weight_versions": [1]},
+        {"rollout_id": "solo", "calls": 1, "tokens": 3, "max_cum_len": 3, "weight_versions": [1]},
+    ]
+    code, shown = run(capsys, "show", location, "a/b")
+    assert code == 0
+    assert [(c["model_call_id"], c["parent_call_id"], c["prev_len"]) for c in shown["calls"]] == [
+        ("c0", None, 0),
+        ("c1", "c0", 8),
+        ("c2", "c1", 16),
+    ]
+    code, solo = run(capsys, "show", location, "solo")
+    assert solo["calls"][0]["attachments"] == ["logits", "raw", "view"]
+    assert solo["calls"][0]["extras"] == ["k"]
+    code, missing = run(capsys, "show", location, "nope")
+    assert code == 2 and "has no staged calls" in missing
+    code, verified = run(capsys, "verify", location)
+    assert code == 0
+    assert verified == {"keys": 4, "rollouts": 2, "problems": {}, "ok": True}
+
+
+def test_verify_finds_a_broken_chain(location: str, capsys: pytest.CaptureFixture[str]) -> None:
+    store: Any = (
+        PostgresStagingStore(location) if location.startswith("postgresql") else None
+    ) or FileStagingStore(location)
+    orphan = make_record("solo", "late", [5, 6], parent=chain("elsewhere", 1)[0])
+    assert store.stage(orphan).ok
+    # A call whose digests verify but whose cumulative hash covers only its own delta.
+    last = chain("a/b", 3)[-1]
+    assert store.stage(make_record("a/b", "c3", [1, 2], parent=last, prefix=[])).ok
+    if hasattr(store, "close"):
+        store.close()
+    code, verified = run(capsys, "verify", location)
+    assert code == 1 and not verified["ok"]
+    assert verified["problems"] == {
+        "a/b": ["a/b/c3: cumulative_hash is not the hash of its chain's tokens"],
+        "solo": ["solo/late: parent 'c0' is not staged"],
+    }
+
+
+def test_verify_reports_damage_per_key(
+    dsn: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    store = PostgresStagingStore(dsn)
+    for record in chain("r", 2):
+        assert store.stage(record).ok
+    store.close()
+    execute(
+        dsn,
+        "UPDATE tokencapture.staged_calls SET row_bytes = "
+        "overlay(row_bytes placing '\\xff'::bytea from 40 for 1) WHERE staging_key = 'r/c1'",
+    )
+    code, verified = run(capsys, "verify", dsn)
+    assert code == 1
+    (problem,) = verified["problems"]["r"]
+    assert problem.startswith("r/c1: ") and "damaged" in problem
+
+
+def test_retire_and_delete(location: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, retired = run(capsys, "retire", location, "a/b", "never")
+    assert code == 0 and retired == {"removed": ["a/b"], "absent": ["never"]}
+    code, rows = run(capsys, "ls", location)
+    assert [row["rollout_id"] for row in rows] == ["solo"]
+    code, deleted = run(capsys, "delete", location, "a/b", "solo")
+    assert code == 0 and deleted == {"removed": ["a/b", "solo"], "absent": []}
+    assert run(capsys, "ls", location)[1] == []
+
+
+def test_copy_between_backends_both_ways(
+    location: str,
+    tmp_path: Path,
+    dsn: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # From the fixture's store into the other backend (a fresh directory, or the database)...
+    target = dsn if not location.startswith("postgresql") else str(tmp_path / "copied")
+    if target == location:  # pragma: no cover - the fixture's DSN is the test's database
+        pytest.fail("source and target are the same store")
+    code, copied = run(capsys, "copy", location, target)
+    assert code == 0, copied
+    assert copied == {
+        "copied": {"a/b": 3, "solo": 1},
+        "refused": [],
+        "mismatched": [],
+        "missing_in_source": [],
+    }
+    # ... and back into a third store: identical records and attachments.
+    back = str(tmp_path / "back")
+    code, again = run(capsys, "copy", target, back, "solo", "nope")
+    assert code == 1 and again["copied"] == {"solo": 1} and again["missing_in_source"] == ["nope"]
+    original: Any = (
+        PostgresStagingStore(location, models="tokencapture")
+        if location.startswith("postgresql")
+        else FileStagingStore(location, models="tokencapture")
+    )
+    returned = FileStagingStore(back, models="tokencapture")
+    try:
+        assert returned.fetch_records(["solo/c1"]) == original.fetch_records(["solo/c1"])
+        assert returned.fetch_attachments("solo/c1") == original.fetch_attachments("solo/c1")
+    finally:
+        if hasattr(original, "close"):
+            original.close()
+    # Copying again is idempotent; a conflicting key in the target is refused, not replaced.
+    assert run(capsys, "copy", location, target)[0] == 0
+    conflicting = FileStagingStore(tmp_path / "conflicting")
+    assert conflicting.stage(make_record("solo", "c1", [9, 9, 9])).ok
+    code, refused = run(capsys, "copy", location, str(tmp_path / "conflicting"), "solo")
+    assert code == 1
+    assert refused["refused"] == [
+        'solo/c1: TokenCaptureConflictError: staging key "solo/c1" is already staged with '
+        "different content"
+    ]

@@ -1,0 +1,136 @@
+"""`tokencapture gateway --dsn` (its own process) over a real PostgreSQL server: what it
+captures is read back with the PostgreSQL store API, an upstream error masks the rollout and
+records why, and a store that refuses the entry answers 503, never 200.
+
+Expected tokens are the fake upstream's own rendering (tests/fake_upstream.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from tests.fake_upstream import MODEL, Server, render_chat, start_gateway
+from tests.gateway_kills import fake
+from tests.postgres_fixture import dsn, execute, fetch, pg_dsn, pg_server
+
+from tokencapture import ParentResolutionStatus
+from tokencapture.postgres import PostgresTokenCaptureStore
+
+__all__ = ["dsn", "fake", "pg_dsn", "pg_server"]
+
+
+@pytest.fixture
+def gateway(fake: Server, dsn: str, tmp_path: Path) -> Iterator[tuple[Server, str]]:
+    server = start_gateway(fake.url, dsn, tmp_path)
+    yield server, dsn
+    server.stop()
+
+
+@pytest.fixture
+def pg(dsn: str) -> Iterator[PostgresTokenCaptureStore]:
+    store = PostgresTokenCaptureStore(dsn)
+    yield store
+    store.close_sync()
+
+
+def _chat(
+    server: Server, rollout: str, call: str, messages: list[dict[str, Any]], **body: Any
+) -> httpx.Response:
+    return httpx.post(
+        f"{server.url}/rollouts/{rollout}/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, **body},
+        headers={"x-model-call-id": call},
+        timeout=30,
+    )
+
+
+def test_captures_into_postgres_and_resolves_the_continuation(
+    gateway: tuple[Server, str], pg: PostgresTokenCaptureStore
+) -> None:
+    server, _ = gateway
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    first = _chat(server, "pgr", "a", messages, return_token_ids=True)
+    assert first.status_code == 200, first.text
+    body = first.json()
+    messages = [*messages, body["choices"][0]["message"], {"role": "user", "content": "more"}]
+    second = _chat(server, "pgr", "b", messages)
+    assert second.status_code == 200, second.text
+    assert "prompt_token_ids" not in second.json()
+
+    parent, child = pg.read_entries("pgr")
+    assert parent.model_call_id == "a"
+    assert parent.prompt_token_ids == render_chat(messages[:1])
+    assert parent.prompt_token_ids == body["prompt_token_ids"]
+    assert parent.generation_token_ids == body["choices"][0]["token_ids"]
+    assert child.prompt_token_ids == render_chat(messages)
+    assert child.parent_resolution is ParentResolutionStatus.RESOLVED
+    assert child.parent_call_id == "a"
+    assert child.prefix_supplied is True
+    snapshot = pg.freeze_now("pgr")
+    assert not snapshot.incomplete
+    assert [e.model_call_id for e in snapshot.entries] == ["a", "b"]
+    summary = httpx.get(f"{server.url}/rollouts/pgr").json()
+    assert summary["entries"] == 2
+    assert summary["parent_resolution"] == {"root": 1, "resolved": 1}
+
+
+def test_upstream_error_masks_the_rollout_and_records_why(
+    gateway: tuple[Server, str], pg: PostgresTokenCaptureStore
+) -> None:
+    server, dsn = gateway
+    answer = _chat(server, "pge", "bad", [{"role": "user", "content": "x"}], fake_status=500)
+    assert answer.status_code == 500
+    assert pg.read_entries("pge") == []
+    assert pg.is_incomplete("pge")
+    assert pg.freeze_now("pge").incomplete
+    rows = fetch(
+        dsn,
+        "SELECT model_call_id, failure, convert_from(line, 'UTF8') AS line "
+        "FROM tokencapture.ledger_rows WHERE rollout_id = $1",
+        "pge",
+    )
+    assert [(r["model_call_id"], r["failure"]) for r in rows] == [("bad", True)]
+    assert '"failure_reason":"upstream_status_500"' in rows[0]["line"]
+
+
+def test_a_store_that_refuses_the_entry_answers_503_never_200(
+    gateway: tuple[Server, str], pg: PostgresTokenCaptureStore
+) -> None:
+    server, dsn = gateway
+    # The intent is written; the entry's insert is refused by the server.
+    execute(
+        dsn,
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$",
+    )
+    execute(
+        dsn,
+        "CREATE TRIGGER refuse BEFORE INSERT ON tokencapture.entries "
+        "FOR EACH ROW EXECUTE FUNCTION public.refuse()",
+    )
+    for stream in (False, True):
+        call = f"s{int(stream)}"
+        answer = _chat(server, "pgf", call, [{"role": "user", "content": "x"}], stream=stream)
+        if stream:
+            assert answer.status_code == 200  # the headers went before the put
+            assert "[DONE]" not in answer.text
+            assert '"code":503' in answer.text
+        else:
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["type"] == "store_unavailable"
+    execute(dsn, "DROP TRIGGER refuse ON tokencapture.entries")
+    assert pg.read_entries("pgf") == []
+    assert pg.is_incomplete("pgf")
+    rows = fetch(
+        dsn,
+        "SELECT model_call_id, convert_from(line, 'UTF8') AS line FROM tokencapture.ledger_rows "
+        "WHERE rollout_id = $1 ORDER BY seq",
+        "pgf",
+    )
+    assert [r["model_call_id"] for r in rows] == ["s0", "s1"]
+    assert all("store_write_failed" in r["line"] for r in rows)

@@ -1,0 +1,435 @@
+"""PostgresStagingStore: the file staging store's behaviour, test for test (each behavioural test
+runs on both backends and the two must answer alike), plus what only a database has: the
+schema upgrade, server-side damage, durability settings, an unavailable server and batching."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from tests.pg_server import PgServer
+from tests.postgres_fixture import dsn, execute, fetch, pg_dsn, pg_server  # noqa: F401
+from tests.staging_backends import chain, make_record
+
+import tokencapture
+from tokencapture import FileStagingStore, StagingKeyError, StagingKeyRetiredError
+from tokencapture.postgres import (
+    SCHEMA_VERSION,
+    PostgresStagingStore,
+    PostgresTokenCaptureStore,
+    install_schema_sync,
+)
+from tokencapture.protocols import TokenCaptureCorruptionError
+from tokencapture.staging.records import StageResult
+
+Store = FileStagingStore | PostgresStagingStore
+
+
+@pytest.fixture(params=["file", "postgres"])
+def staging(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """Each backend in turn (the PostgreSQL one on a fresh database)."""
+    if request.param == "file":
+        yield FileStagingStore(tmp_path / "staging")
+        return
+    database = request.getfixturevalue("dsn")
+    store = PostgresStagingStore(database)
+    yield store
+    store.close_sync()
+
+
+@pytest.fixture
+def both(tmp_path: Path, dsn: str) -> Iterator[tuple[FileStagingStore, PostgresStagingStore]]:  # noqa: F811
+    """One store of each backend, to compare their answers."""
+    store = PostgresStagingStore(dsn)
+    yield FileStagingStore(tmp_path / "staging"), store
+    store.close_sync()
+
+
+def test_exported_from_tokencapture_lazily() -> None:
+    assert tokencapture.PostgresStagingStore is PostgresStagingStore
+    assert SCHEMA_VERSION == 5
+
+
+def test_stage_then_fetch_in_the_order_asked(staging: Store) -> None:
+    records = chain("r", 5)
+    for record in records:
+        result = staging.stage(record)
+        assert isinstance(result, StageResult)
+        assert result.ok and result.staging_key == record.staging_key and result.error is None
+    keys = [record.staging_key for record in reversed(records)]
+    snapshots = staging.fetch(keys)
+    assert [s.staging_key for s in snapshots] == keys
+    for snapshot, record in zip(snapshots, reversed(records), strict=True):
+        assert snapshot.token_ids_delta == record.token_ids_delta
+        assert snapshot.generation_log_probs_delta == record.generation_log_probs_delta
+        assert snapshot.chain_hash == record.chain_hash
+        assert snapshot.digest == record.digest
+    assert staging.fetch([keys[0], keys[0]])[1].staging_key == keys[0]
+    assert staging.keys() == sorted(keys)
+    assert staging.keys("r") == sorted(keys)
+    assert staging.keys("other") == []
+
+
+def test_fetch_records_carry_extras(staging: Store) -> None:
+    record = make_record(extras={"a": [1, 2.5, "é"], "b": None})
+    assert staging.stage(record).ok
+    fetched = staging.fetch_records([record.staging_key])[0]
+    assert fetched.extras == {"a": [1, 2.5, "é"], "b": None}
+    assert fetched.model_dump() == record.model_dump()  # (models: "auto")
+
+
+def test_restage_is_idempotent_and_a_changed_record_conflicts(staging: Store) -> None:
+    record = make_record(tokens=[1, 2, 3])
+    assert staging.stage(record).ok
+    assert staging.stage(record).ok
+    other = make_record(tokens=[1, 2, 4])
+    result = staging.stage(other)
+    assert not result.ok and result.staging_key is None
+    assert result.error == (
+        'TokenCaptureConflictError: staging key "r/c1" is already staged with different content'
+    )
+    assert staging.fetch(["r/c1"])[0].token_ids_delta == [1, 2, 3]
+    # The same record with other attachments is other content too.
+    assert not staging.stage(record, attachments={"x": b"1"}).ok
+
+
+def test_unknown_keys_raise_a_key_error_naming_the_first(staging: Store) -> None:
+    assert staging.stage(make_record()).ok
+    with pytest.raises(StagingKeyError) as caught:
+        staging.fetch(["r/c1", "r/nope", "q/also"])
+    assert isinstance(caught.value, KeyError)
+    assert not isinstance(caught.value, StagingKeyRetiredError)
+    assert str(caught.value) == 'staging key "r/nope" is not staged'
+    with pytest.raises(StagingKeyError, match="is not staged"):
+        staging.fetch_attachments("r/nope")
+    with pytest.raises(TypeError):
+        staging.fetch("r/c1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        staging.fetch([b"r/c1"])  # type: ignore[list-item]
+
+
+def test_retire_fences_and_delete_lifts_the_fence(staging: Store) -> None:
+    first, second = chain("a/b", 2)
+    assert staging.stage(first).ok
+    assert staging.stage(make_record("q", "c1")).ok
+    assert staging.retire(["a/b", "never", "a/b"]) == {"removed": ["a/b"], "absent": ["never"]}
+    assert staging.retire(["a/b"]) == {"removed": [], "absent": ["a/b"]}
+    refused = staging.stage(second)
+    assert not refused.ok
+    assert refused.error == (
+        'TokenCaptureRetiredError: rollout "a/b" is retired: its staged calls are fenced until '
+        "it is deleted"
+    )
+    with pytest.raises(StagingKeyRetiredError) as caught:
+        staging.fetch([first.staging_key])
+    assert str(caught.value) == 'staging key "a/b/c0" belongs to retired rollout "a/b"'
+    with pytest.raises(StagingKeyRetiredError):
+        staging.fetch_attachments(first.staging_key)
+    assert staging.keys() == ["q/c1"]  # the other rollout is untouched
+    assert staging.delete(["a/b", "gone"]) == {"removed": ["a/b"], "absent": ["gone"]}
+    with pytest.raises(StagingKeyError) as unknown:
+        staging.fetch([first.staging_key])
+    assert not isinstance(unknown.value, StagingKeyRetiredError)
+    assert staging.stage(second).ok  # staged again from scratch
+    assert staging.delete(["q"]) == {"removed": ["q"], "absent": []}
+    assert staging.keys() == [second.staging_key]
+    with pytest.raises(TypeError):
+        staging.retire("a/b")
+    with pytest.raises(ValueError):
+        staging.delete([""])
+
+
+def test_async_lifecycle_checks_arguments_when_called(staging: Store) -> None:
+    assert staging.stage(make_record("r")).ok
+
+    async def run() -> None:
+        with pytest.raises(TypeError):
+            staging.aretire("r")
+        with pytest.raises(ValueError):
+            staging.adelete([""])
+        assert await staging.aretire(["r"]) == {"removed": ["r"], "absent": []}
+        assert await staging.adelete(["r"]) == {"removed": ["r"], "absent": []}
+        if isinstance(staging, PostgresStagingStore):
+            await staging.aclose()  # this loop's connections
+
+    asyncio.run(run())
+
+
+def test_attachments_are_stored_with_the_record(staging: Store) -> None:
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    record = make_record()
+    assert staging.stage(record, attachments={"raw": b"\x00\x01", "logits": array}).ok
+    found = staging.fetch_attachments(record.staging_key)
+    assert list(found) == ["raw", "logits"]
+    assert found["raw"].kind == "bytes" and found["raw"].data == b"\x00\x01"
+    assert found["logits"].shape == (3, 4) and found["logits"].dtype == "<f4"
+    assert np.array_equal(found["logits"].to_numpy(), array)
+    plain = make_record(model_call_id="c2")
+    assert staging.stage(plain).ok
+    assert staging.fetch_attachments(plain.staging_key) == {}
+    # Anything else is refused whole, naming the type: nothing staged.
+    refused = staging.stage(make_record(model_call_id="c3"), attachments={"bad": object()})
+    assert not refused.ok
+    assert refused.error is not None and "builtins.object" in refused.error
+    with pytest.raises(StagingKeyError):
+        staging.fetch(["r/c3"])
+
+
+def test_a_record_that_does_not_verify_is_refused(staging: Store) -> None:
+    record = make_record()
+    bad = record.model_copy(update={"token_ids_delta": [9, 9, 9]})
+    result = staging.stage(bad)
+    assert not result.ok
+    assert result.error == "ValueError: digest does not match staged call contents"
+    assert staging.keys() == []
+
+
+def test_both_backends_answer_alike(
+    both: tuple[FileStagingStore, PostgresStagingStore],
+) -> None:
+    """The same calls on both backends: the same results, errors and fetched models."""
+    file_store, pg_store = both
+    records = [*chain("x/y", 3), *chain("z", 2)]
+    conflicting = make_record("z", "c0", [7, 7, 7, 7])
+    quoted = make_record('q"\n\t', "c")
+    # One key from two rollouts ("s" + "t/u" and "s/t" + "u"): the second conflicts.
+    split = [make_record("s", "t/u"), make_record("s/t", "u")]
+
+    def script(store: Store) -> list[Any]:
+        out: list[Any] = [store.stage(r).model_dump() for r in records]
+        out.append(store.stage(conflicting).model_dump())
+        out.extend(store.stage(r).model_dump() for r in split)
+        out.append([s.rollout_id for s in store.fetch(["s/t/u"])])
+        out.append(store.stage(quoted).model_dump())
+        out.append(store.retire(['q"\n\t']))
+        out.append(store.stage(quoted).model_dump())
+        out.append([s.model_dump() for s in store.fetch([r.staging_key for r in records])])
+        out.append([s.model_dump() for s in store.fetch_records([records[0].staging_key])])
+        for keys in (["x/y/nope"], [quoted.staging_key]):
+            try:
+                store.fetch(keys)
+            except StagingKeyError as error:
+                out.append((type(error).__name__, str(error)))
+        out.append(store.retire(["x/y", "z", "none"]))
+        out.append(store.delete(["x/y", "none", 'q"\n\t']))
+        out.append(store.keys())
+        return out
+
+    assert script(file_store) == script(pg_store)
+
+
+# ---- only PostgreSQL --------------------------------------------------------------------
+
+
+def test_damaged_rows_raise_corruption(dsn: str) -> None:  # noqa: F811
+    store = PostgresStagingStore(dsn)
+    try:
+        record = make_record()
+        assert store.stage(record, attachments={"a": b"xyz"}).ok
+        execute(
+            dsn,
+            "UPDATE tokencapture.staged_calls SET row_bytes = "
+            "overlay(row_bytes placing '\\xff'::bytea from 40 for 1)",
+        )
+        with pytest.raises(TokenCaptureCorruptionError, match="r/c1"):
+            store.fetch([record.staging_key])
+        with pytest.raises(TokenCaptureCorruptionError):
+            store.fetch_records([record.staging_key])
+        execute(dsn, "UPDATE tokencapture.staged_calls SET attachments = '\\x0102'::bytea")
+        with pytest.raises(TokenCaptureCorruptionError, match="attachments"):
+            store.fetch_attachments(record.staging_key)
+    finally:
+        store.close_sync()
+
+
+def test_upgrade_from_schema_version_4(pg_dsn: str) -> None:  # noqa: F811
+    assert install_schema_sync(pg_dsn, upto=4)[-1] == "004_lineage_rows.sql"
+    # Data of version 4 (clients of an older version would have written it).
+    execute(pg_dsn, "SELECT tokencapture.begin_call('kept', 'c1'::bytea)")
+    old = PostgresStagingStore(pg_dsn)
+    refused = old.stage(make_record())
+    assert not refused.ok
+    assert refused.error is not None and "PostgresSchemaError" in refused.error
+    assert "schema version 4" in refused.error
+    old.close_sync()
+    assert install_schema_sync(pg_dsn) == ["005_staging.sql"]
+    assert install_schema_sync(pg_dsn) == []
+    store = PostgresStagingStore(pg_dsn)
+    try:
+        assert store.stage(make_record()).ok
+        assert store.fetch(["r/c1"])[0].token_ids_delta == [1, 2, 3]
+    finally:
+        store.close_sync()
+    intents = fetch(pg_dsn, "SELECT rollout_id, model_call_id FROM tokencapture.intents")
+    assert [(r["rollout_id"], bytes(r["model_call_id"])) for r in intents] == [("kept", b"c1")]
+    tokens = PostgresTokenCaptureStore(pg_dsn)
+    try:
+        assert tokens.is_incomplete("kept") is False  # the upgraded schema serves the old data
+    finally:
+        tokens.close_sync()
+
+
+def test_a_session_without_flushed_commits_is_refused(dsn: str) -> None:  # noqa: F811
+    execute(dsn, "ALTER ROLE CURRENT_USER SET synchronous_commit = off")
+    try:
+        store = PostgresStagingStore(dsn, synchronous_commit=None)
+        result = store.stage(make_record())
+        store.close_sync()
+        assert not result.ok
+        assert result.error is not None
+        assert result.error.startswith("PostgresDurabilityError: ")
+        assert "synchronous_commit=off" in result.error
+    finally:
+        execute(dsn, "ALTER ROLE CURRENT_USER RESET synchronous_commit")
+    assert fetch(dsn, "SELECT count(*) AS n FROM tokencapture.staged_calls")[0]["n"] == 0
+
+
+def test_an_unavailable_server_is_a_failed_stage_with_the_reason(
+    pg_server: PgServer,  # noqa: F811
+) -> None:
+    store = PostgresStagingStore(
+        pg_server.dsn_for("postgres").replace(str(pg_server.port), "1"), connect_timeout=2
+    )
+    try:
+        result = store.stage(make_record())
+    finally:
+        store.close_sync()
+    assert not result.ok
+    assert result.error is not None
+    assert result.error.startswith("PostgresUnavailableError: PostgreSQL at ")
+
+
+def test_a_nul_in_a_key_is_refused_not_stored(dsn: str) -> None:  # noqa: F811
+    store = PostgresStagingStore(dsn)
+    try:
+        result = store.stage(make_record("r\0x"))
+        assert not result.ok and result.error is not None and "NUL" in result.error
+        with pytest.raises(StagingKeyError):
+            store.fetch(["r\0x/c1"])
+        assert store.retire(["r\0x"]) == {"removed": [], "absent": ["r\0x"]}
+    finally:
+        store.close_sync()
+
+
+def test_stages_from_many_threads_share_commits(dsn: str) -> None:  # noqa: F811
+    store = PostgresStagingStore(dsn, pool_size=4)
+    records = [r for t in range(32) for r in chain(f"t{t}", 20, size=64)]
+    results: list[Any] = [None] * len(records)
+    barrier = threading.Barrier(32)
+
+    def stage(t: int) -> None:
+        barrier.wait()
+        for i in range(t * 20, (t + 1) * 20):
+            results[i] = store.stage(records[i])
+
+    def commits() -> int:
+        return int(
+            fetch(
+                dsn,
+                "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+            )[0]["xact_commit"]
+        )
+
+    try:
+        store.stage(make_record("warm"))
+        before = commits()
+        threads = [threading.Thread(target=stage, args=(t,)) for t in range(32)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        after = commits()
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+        fetched = store.fetch([r.staging_key for r in records])
+        assert [s.digest for s in fetched] == [r.digest for r in records]
+        # 640 stages in far fewer commits (the statistics count a few of their own).
+        assert after - before < len(records) // 2
+    finally:
+        store.close_sync()
+
+
+def test_async_stage_and_fetch(dsn: str) -> None:  # noqa: F811
+    store = PostgresStagingStore(dsn)
+    records = chain("r", 6)
+
+    async def run() -> None:
+        results = await asyncio.gather(*(store.astage(r) for r in records))
+        assert all(r.ok for r in results)
+        refused = await store.astage(records[0].model_copy(update={"digest": "0" * 64}))
+        assert not refused.ok
+        keys = [r.staging_key for r in records]
+        assert [s.staging_key for s in await store.afetch(keys)] == keys
+        fetched = (await store.afetch_records(keys[:1]))[0]
+        assert fetched.model_dump() == records[0].model_dump()
+        with pytest.raises(TypeError):
+            store.afetch("r/c0")  # type: ignore[arg-type]
+        await store.aclose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("models", ["nemo_gym", "tokencapture"])
+def test_staging_conformance(dsn: str, models: str) -> None:  # noqa: F811
+    """tokencapture.conformance's staging checks, every one (across processes too), with NeMo
+    Gym's models and ours."""
+    from tests.nemo_oracle import import_nemo
+
+    from tokencapture.conformance import STAGING_CHECKS, run_staging_conformance
+    from tokencapture.staging import records as ours
+
+    module = import_nemo("staging.records") if models == "nemo_gym" else ours
+    factory = functools.partial(PostgresStagingStore, dsn)
+    passed = run_staging_conformance(factory, process_factory=factory, records_module=module)
+    assert tuple(passed) == STAGING_CHECKS
+
+
+def test_stage_batch_statuses(dsn: str) -> None:  # noqa: F811
+    """The server's batch function, called directly with every case one batch can hold; the
+    statuses are written out by hand (0 stored, 1 duplicate, 2 conflict, 4 retired)."""
+    store = PostgresStagingStore(dsn)
+    try:
+        assert store.stage(make_record("old", "c1")).ok
+        assert store.stage(make_record("s", "t/u")).ok
+        assert store.stage(make_record("fenced", "c1")).ok
+        store.retire(["fenced"])
+    finally:
+        store.close()
+    from tokencapture.staging_rows import encode_stage
+
+    def row(record: Any) -> tuple[str, str, str, bytes, bytes | None]:
+        encoded = encode_stage(record)
+        return encoded.rollout_id, encoded.key, encoded.content_digest, encoded.row, None
+
+    batch = [
+        row(make_record("new", "a")),  # stored
+        row(make_record("new", "b")),  # stored
+        row(make_record("new", "b")),  # the same again in the batch: duplicate
+        row(make_record("twice", "x", [1])),  # stored
+        row(make_record("twice", "x", [2])),  # the same key, other content: conflict
+        row(make_record("old", "c1")),  # stored before, same content: duplicate
+        row(make_record("old", "c1", [4, 4])),  # stored before, other content: conflict
+        row(make_record("s/t", "u")),  # the key "s/t/u" is another rollout's: conflict
+        row(make_record("fenced", "c2")),  # retired
+    ]
+    columns = [list(column) for column in zip(*batch, strict=True)]
+    statuses = fetch(dsn, "SELECT tokencapture.stage_batch($1, $2, $3, $4, $5) AS s", *columns)
+    assert statuses[0]["s"] == [0, 0, 1, 0, 2, 1, 2, 2, 4]
+    stored = fetch(dsn, "SELECT staging_key, rollout_id FROM tokencapture.staged_calls ORDER BY 1")
+    assert [(r["staging_key"], r["rollout_id"]) for r in stored] == [
+        ("new/a", "new"),
+        ("new/b", "new"),
+        ("old/c1", "old"),
+        ("s/t/u", "s"),
+        ("twice/x", "twice"),
+    ]
+    store = PostgresStagingStore(dsn)
+    try:
+        assert store.fetch(["twice/x"])[0].token_ids_delta == [1]
+    finally:
+        store.close()
