@@ -1198,6 +1198,9 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                             {**spec, "mode": mode, "dir": f"{spec['dir']}-{mode}"}
                             for mode in W3C_MODES[column]
                         ]
+                        for one in specs:  # without W3 in the run, W2's logs are unfrozen
+                            if not Path(one["dir"]).exists():
+                                shutil.copytree(run_dir / f"W2-{column}-{repeat}", one["dir"])
                     elif workload == "W5":
                         specs = [{**spec, "phase": "write"}, spec]
                     result = {}

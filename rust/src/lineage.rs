@@ -1325,7 +1325,9 @@ impl FileLineage {
                 buf = vec![0u8; want];
             }
             let chunk = &mut buf[..want];
-            read_exact_at_split(&log.file, chunk, start).ctx("read log", &paths.log)?;
+            log.file
+                .read_exact_at(chunk, start)
+                .ctx("read log", &paths.log)?;
             let chunk = &*chunk;
             if complete_prefix_len(chunk) == 0 {
                 if start + want as u64 == len {
@@ -1349,13 +1351,8 @@ impl FileLineage {
         chunk: &[u8],
         start: u64,
     ) -> Result<()> {
-        let lines: Vec<(u64, &[u8])> = complete_lines(chunk, start).collect();
-        // Scanning is pure and per line: a large window's lines are scanned on two threads
-        // (split by bytes), then indexed in file order, the first refusal in file order
-        // reported as a line-by-line fold would report it.
-        let metas = scan_lines_split(&lines, chunk.len());
-        for (&(offset, line), meta) in lines.iter().zip(metas) {
-            let meta = meta.map_err(|e| Error::corrupt(path, offset, e))?;
+        for (offset, line) in complete_lines(chunk, start) {
+            let meta = scan_line(line).map_err(|e| Error::corrupt(path, offset, e))?;
             let loc = Loc::File {
                 offset,
                 len: line.len(),
@@ -1378,50 +1375,6 @@ impl FileLineage {
         }
         Ok(())
     }
-}
-
-/// Windows (and scans) at least this large are split over two threads.
-const SPLIT_BYTES: usize = 1 << 20;
-
-/// `FileExt::read_exact_at` of a large `buf` as two halves read at once (two threads: the
-/// copies out of the page cache are a fresh resolver's largest cost after the scan).
-fn read_exact_at_split(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
-    if buf.len() < SPLIT_BYTES {
-        return file.read_exact_at(buf, offset);
-    }
-    let mid = buf.len() / 2;
-    let (first, second) = buf.split_at_mut(mid);
-    std::thread::scope(|scope| {
-        let other = scope.spawn(|| file.read_exact_at(second, offset + mid as u64));
-        let here = file.read_exact_at(first, offset);
-        let there = other.join().expect("log reader thread");
-        here.and(there)
-    })
-}
-
-/// `scan_line` of every line, in order; when the lines span `bytes >= SPLIT_BYTES`, the lines
-/// past the byte midpoint are scanned on a second thread.
-fn scan_lines_split(
-    lines: &[(u64, &[u8])],
-    bytes: usize,
-) -> Vec<std::result::Result<LineMeta, String>> {
-    let scan = |part: &[(u64, &[u8])]| -> Vec<_> {
-        part.iter().map(|&(_, line)| scan_line(line)).collect()
-    };
-    if bytes < SPLIT_BYTES || lines.len() < 2 {
-        return scan(lines);
-    }
-    let base = lines[0].0;
-    let split = lines
-        .partition_point(|&(offset, _)| ((offset - base) as usize) < bytes / 2)
-        .clamp(1, lines.len() - 1);
-    let (first, second) = lines.split_at(split);
-    std::thread::scope(|scope| {
-        let other = scope.spawn(|| scan(second));
-        let mut metas = scan(first);
-        metas.extend(other.join().expect("log scanner thread"));
-        metas
-    })
 }
 
 /// Whether the byte before `cursor` is the newline that ended the last line we indexed.

@@ -876,17 +876,14 @@ fn log_with_bad_lines(turns: &[Turn], bad_before: &[usize]) -> (Vec<u8>, Vec<u64
 }
 
 #[test]
-fn a_large_window_scanned_on_two_threads_reports_the_first_corrupt_line() {
+fn a_large_log_reports_its_first_corrupt_line_and_resolves_from_any_window() {
+    const MIB: usize = 1 << 20;
     let turns = conversation(300, "big");
     let (whole, _) = log_with_bad_lines(&turns, &[]);
-    assert!(
-        whole.len() > SPLIT_BYTES,
-        "the log must be split: {}",
-        whole.len()
-    );
+    assert!(whole.len() > MIB, "the log must be split: {}", whole.len());
     let last = turns.len() - 1;
-    // One bad line in the second half (the second thread's), then one in each half: the
-    // refusal names the first in file order, whichever thread scanned it.
+    // One bad line late in the log, then one early and one late: the refusal names the first
+    // in file order.
     for bad_before in [vec![last - 5], vec![40, last - 5]] {
         let dir = tempfile::tempdir().unwrap();
         let (log, bad) = log_with_bad_lines(&turns, &bad_before);
@@ -903,7 +900,7 @@ fn a_large_window_scanned_on_two_threads_reports_the_first_corrupt_line() {
     // split the log anywhere.
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("r.tokens.jsonl"), &whole).unwrap();
-    for window in [whole.len(), SPLIT_BYTES + 12_345] {
+    for window in [whole.len(), MIB + 12_345] {
         for turn in [&turns[0], &turns[150], &turns[last]] {
             let lineage = FileLineage::new(dir.path(), 8, 0).with_read_window(window);
             let outcome = resolve_file(&lineage, "r", &turn.next_request("n")).unwrap();
