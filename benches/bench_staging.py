@@ -1,10 +1,13 @@
 """Worker-owned staging: ``stage()`` throughput and latency, and the fetch of a 24-call chain.
 
 Backends (`BACKENDS`, a factory table: name -> ``factory(directory) -> sink`` or None where it
-cannot run here; a PostgreSQL column is one more row):
+cannot run here):
 
 * ``file``: `tokencapture.FileStagingStore` (durable: group commit, ``fdatasync`` per batch);
 * ``memory``: a dict behind a lock (the ceiling a durable sink is measured against);
+* ``postgres``: `tokencapture.PostgresStagingStore` on a fresh database per run, of the server
+  $TOKENCAPTURE_BENCH_PG_DSN names or a throwaway one on these cores (issue 23's target: at
+  least 0.7x the file backend's stages/s; the report gives the per-run ratio);
 * ``transferqueue``: TransferQueue's in-memory storage where it imports (PyPI
   ``transferqueue``): the ``StorageUnitData`` a ``SimpleStorageUnit`` keeps its rows in, put
   into directly behind a lock (its ZMQ transport and Ray actor are left out, so this is a
@@ -31,12 +34,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,11 +108,80 @@ def _transferqueue() -> Callable[[str], Any] | None:
     return TransferQueueSink
 
 
-# name -> factory(directory) -> sink; None: cannot run here. stagingpg adds "postgres".
+class PostgresColumn:
+    """The ``postgres`` column: `tokencapture.PostgresStagingStore`, each run on a fresh
+    database of one server: $TOKENCAPTURE_BENCH_PG_DSN, or a throwaway one started on these
+    cores on first use (tests/pg_server.py: fsync and synchronous_commit on)."""
+
+    def __init__(self) -> None:
+        self.base = os.environ.get("TOKENCAPTURE_BENCH_PG_DSN")
+        self.server: Any = None
+        self.opened: list[Any] = []
+
+    def _admin(self, sql: str) -> None:
+        import asyncio
+
+        import asyncpg  # type: ignore[import-untyped, unused-ignore]
+
+        async def run() -> None:
+            connection = await asyncpg.connect(self.base)
+            try:
+                await connection.execute(sql)
+            finally:
+                await connection.close()
+
+        asyncio.run(run())
+
+    def __call__(self, _directory: str) -> Any:
+        from tokencapture.postgres import PostgresStagingStore, install_schema_sync
+
+        if self.base is None:
+            if str(ROOT) not in sys.path:
+                sys.path.insert(0, str(ROOT))
+            from tests.pg_server import PgServer
+
+            self.server = PgServer()
+            self.server.start()
+            self.base = self.server.dsn
+        name = f"bench_staging_{uuid.uuid4().hex[:10]}"
+        self._admin(f"CREATE DATABASE {name}")
+        dsn = self.base.rsplit("/", 1)[0] + "/" + name
+        install_schema_sync(dsn)
+        store = PostgresStagingStore(dsn)
+        self.opened.append(store)
+        return store
+
+    def close(self) -> None:
+        for store in self.opened:
+            store.close()
+        if self.server is not None:
+            self.server.cleanup()
+
+
+def _postgres() -> PostgresColumn | None:
+    try:
+        import asyncpg  # noqa: F401
+    except ImportError as error:
+        print(f"postgres: not measured ({error})", file=sys.stderr)
+        return None
+    if os.environ.get("TOKENCAPTURE_BENCH_PG_DSN") is None:
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        from tests.pg_server import find_bindir
+
+        bindir = find_bindir()
+        if bindir is None or not (bindir / "initdb").exists():
+            print("postgres: not measured (no PostgreSQL server installed)", file=sys.stderr)
+            return None
+    return PostgresColumn()
+
+
+# name -> factory(directory) -> sink; None: cannot run here.
 BACKENDS: dict[str, Callable[[str], Any] | None] = {
     "file": FileStagingStore,
     "memory": DictSink,
     "transferqueue": _transferqueue(),
+    "postgres": _postgres(),
 }
 
 
@@ -257,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         fetch = fetch_vs_freeze(scratch, max(5, args.runs * 4))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        for name in names:
+            close = getattr(BACKENDS[name], "close", None)
+            if close is not None:
+                close()
 
     report: dict[str, Any] = {"cases": {}, "fetch": {k: summary(v) for k, v in fetch.items()}}
     print(f"{'case':8} {'backend':14} {'stages/s':>24} {'p50 ms':>8} {'p99 ms':>8}")
@@ -269,16 +347,18 @@ def main(argv: list[str] | None = None) -> int:
             report["cases"][case][name] = {"stages_per_s": rate, "p50_ms": p50, "p99_ms": p99}
             span = f"{rate['median']:,.0f} ({rate['min']:,.0f}-{rate['max']:,.0f})"
             print(f"{case:8} {name:14} {span:>24} {p50:8.2f} {p99:8.2f}")
-        if "file" in by_name and "memory" in by_name:
-            ratios = [
-                f["stages_per_s"] / m["stages_per_s"]
-                for f, m in zip(by_name["file"], by_name["memory"], strict=True)
-            ]
-            report["cases"][case]["file_vs_memory"] = summary(ratios)
-            print(
-                f"{case:8} {'file/memory':14} {statistics.median(ratios):24.2f} "
-                f"(runs {min(ratios):.2f}-{max(ratios):.2f})"
-            )
+        for top, bottom in (("postgres", "file"), ("file", "memory")):
+            if top in by_name and bottom in by_name:
+                ratios = [
+                    a["stages_per_s"] / b["stages_per_s"]
+                    for a, b in zip(by_name[top], by_name[bottom], strict=True)
+                ]
+                report["cases"][case][f"{top}_vs_{bottom}"] = summary(ratios)
+                label = f"{top}/{bottom}"
+                print(
+                    f"{case:8} {label:14} {statistics.median(ratios):24.2f} "
+                    f"(runs {min(ratios):.2f}-{max(ratios):.2f})"
+                )
     ratio = [a / b for a, b in zip(fetch["fetch_ms"], fetch["freeze_ms"], strict=True)]
     report["fetch"]["fetch_vs_freeze"] = summary(ratio)
     print(

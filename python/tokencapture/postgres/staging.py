@@ -178,8 +178,8 @@ class PostgresStagingStore:
     Options: ``models`` (as for `FileStagingStore`), ``batch_stages`` (default True: stages
     that wait share one call and one commit), ``stage_batch_size`` (at most 256 stages per
     call), ``stage_flushes`` (at most 3 such calls in flight at once, each on its own
-    connection: fewer, larger batches cost the server less per stage; measured in
-    benches/bench_staging_pg.py), and the connection options of every PostgreSQL class
+    connection: fewer, larger batches; see docs/postgres.md), and the connection options of
+    every PostgreSQL class
     (``pool_size``, ``connect_timeout``, ``statement_timeout``, ``synchronous_commit``,
     ``allow_unflushed_commits``, ``install_schema``, ``statement_cache_size``; see
     docs/postgres.md).
