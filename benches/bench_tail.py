@@ -473,6 +473,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         stores.append(BASELINE)
     if args.raw:
         stores.append(RAW)
+    if args.stores:
+        stores = [store for store in stores if store in args.stores]
     args.scratch.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="tail-", dir=args.scratch))
     samples: list[dict[str, Any]] = []
@@ -566,6 +568,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--points", nargs="+", help="only these points (e.g. r64x16@128)")
     parser.add_argument("--raw", action="store_true", help=f"add {RAW}, the disk's own floor")
+    parser.add_argument(
+        "--stores",
+        nargs="+",
+        choices=(OURS, NEMO_GYM, BASELINE, RAW),
+        help="only these of the stores the other options select",
+    )
     parser.add_argument(
         "--summarize",
         type=Path,

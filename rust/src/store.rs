@@ -170,11 +170,11 @@ pub type PutDone = Box<dyn FnOnce(Result<PutOutcome>) + Send + 'static>;
 const MAX_BATCH_PUTS: usize = 256;
 const MAX_BATCH_BYTES: usize = 8 << 20;
 
-/// A put waiting for its rollout's writer.
+/// A put waiting for its rollout's writer (its digest is computed by the writer, off the
+/// caller's thread: an async put's caller holds the GIL).
 struct QueuedPut {
     call_id: String,
     line: Vec<u8>,
-    digest: String,
     done: PutDone,
 }
 
@@ -201,32 +201,48 @@ struct PutItem {
 /// The rollouts with a writer in this process, each with the puts queued behind it.
 #[derive(Default)]
 struct Writers {
-    queues: Mutex<HashMap<String, Vec<QueuedPut>>>,
+    queues: Mutex<Queues>,
+}
+
+#[derive(Default)]
+struct Queues {
+    by_rollout: HashMap<String, Vec<QueuedPut>>,
+    /// The process they belong to. A forked child inherits the map but none of the writers'
+    /// threads: it starts with none (the parent's queued puts are the parent's to answer).
+    pid: u32,
 }
 
 impl std::fmt::Debug for Writers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Writers")
-            .field("rollouts", &self.lock().len())
+            .field("rollouts", &self.lock().by_rollout.len())
             .finish()
     }
 }
 
 impl Writers {
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, Vec<QueuedPut>>> {
+    fn lock(&self) -> MutexGuard<'_, Queues> {
         // Only pushes and drains happen under it: a poisoned map is still consistent.
-        self.queues.lock().unwrap_or_else(|p| p.into_inner())
+        let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+        let pid = std::process::id();
+        if queues.pid != pid {
+            // Leaked, not dropped: dropping a put answers it, and its answer (a completion
+            // queue's descriptor, a channel) belongs to the parent.
+            std::mem::forget(std::mem::take(&mut queues.by_rollout));
+            queues.pid = pid;
+        }
+        queues
     }
 
     /// Queue `put` behind the rollout's writer (`None`), or make the caller its writer, with
     /// `put` as its first batch.
     fn join(&self, rollout_id: &str, put: QueuedPut) -> Option<Vec<QueuedPut>> {
         let mut queues = self.lock();
-        if let Some(waiting) = queues.get_mut(rollout_id) {
+        if let Some(waiting) = queues.by_rollout.get_mut(rollout_id) {
             waiting.push(put);
             return None;
         }
-        queues.insert(rollout_id.to_owned(), Vec::new());
+        queues.by_rollout.insert(rollout_id.to_owned(), Vec::new());
         Some(vec![put])
     }
 
@@ -235,10 +251,10 @@ impl Writers {
     /// nothing is left.
     fn next(&self, rollout_id: &str, mut rest: Vec<QueuedPut>) -> Option<Vec<QueuedPut>> {
         let mut queues = self.lock();
-        let waiting = queues.get_mut(rollout_id).filter(|w| !w.is_empty());
-        let Some(waiting) = waiting else {
+        let waiting = queues.by_rollout.get_mut(rollout_id);
+        let Some(waiting) = waiting.filter(|w| !w.is_empty()) else {
             if rest.is_empty() {
-                queues.remove(rollout_id);
+                queues.by_rollout.remove(rollout_id);
                 return None;
             }
             return Some(rest);
@@ -258,10 +274,14 @@ impl Writers {
     }
 }
 
-/// The checks a put makes before it touches anything.
-fn check_put(rollout_id: &str, call_id: &str, line: &[u8]) -> Result<()> {
+/// The checks of a put's ids, made when it is queued (cheap: the caller may hold the GIL).
+fn check_put(rollout_id: &str, call_id: &str) -> Result<()> {
     validate_rollout_id(rollout_id)?;
-    validate_call_id(call_id)?;
+    validate_call_id(call_id)
+}
+
+/// The checks of a put's line (a scan of it), made by the writer before anything changes.
+fn check_line(line: &[u8]) -> Result<()> {
     validate_line(line, "an entry line")?;
     if line.is_empty() {
         return Err(Error::InvalidInput(
@@ -994,8 +1014,9 @@ impl Store {
         }
     }
 
-    /// The first half of [`Store::put_then`], which never blocks on the disk: check the put
-    /// (a refused one gets its `done` at once), then queue it behind the rollout's writer, or
+    /// The first half of [`Store::put_then`], which never blocks on the disk and never reads
+    /// the line: check the ids (a refused put gets its `done` at once), then queue the put
+    /// behind the rollout's writer (which checks and hashes the line), or
     /// return it as the first batch of a new writer, which the caller must run with
     /// [`Store::write_puts`] (on a worker thread, say) for this and every later put of the
     /// rollout to complete.
@@ -1006,13 +1027,12 @@ impl Store {
         line: Vec<u8>,
         done: PutDone,
     ) -> Option<PutBatch> {
-        if let Err(err) = check_put(rollout_id, call_id, &line) {
+        if let Err(err) = check_put(rollout_id, call_id) {
             done(Err(err));
             return None;
         }
         let put = QueuedPut {
             call_id: call_id.to_owned(),
-            digest: payload_digest(&line),
             line,
             done,
         };
@@ -1036,17 +1056,24 @@ impl Store {
     /// undecided (behind an I/O failure, which dropped the cached index) are returned to be
     /// tried again, first in line, from a fresh load.
     fn commit_batch(&self, rollout_id: &str, batch: Vec<QueuedPut>) -> Vec<QueuedPut> {
-        let (items, dones): (Vec<PutItem>, Vec<PutDone>) = batch
-            .into_iter()
-            .map(|put| {
-                let item = PutItem {
-                    call_id: put.call_id,
-                    line: put.line,
-                    digest: put.digest,
-                };
-                (item, put.done)
-            })
-            .unzip();
+        let mut items = Vec::with_capacity(batch.len());
+        let mut dones: Vec<PutDone> = Vec::with_capacity(batch.len());
+        for put in batch {
+            // The line's own checks and its digest run here, on the writer's thread.
+            if let Err(err) = check_line(&put.line) {
+                (put.done)(Err(err));
+                continue;
+            }
+            items.push(PutItem {
+                digest: payload_digest(&put.line),
+                call_id: put.call_id,
+                line: put.line,
+            });
+            dones.push(put.done);
+        }
+        if items.is_empty() {
+            return Vec::new(); // nothing to lock, or to create a lock file for
+        }
         let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.put_batch(rollout_id, &items)
         }))
@@ -1064,7 +1091,6 @@ impl Store {
                 None => rest.push(QueuedPut {
                     call_id: item.call_id,
                     line: item.line,
-                    digest: item.digest,
                     done,
                 }),
             }
