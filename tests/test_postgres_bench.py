@@ -56,5 +56,9 @@ def test_compare_quick_with_a_postgres_column(pg_server: PgServer, tmp_path: Pat
     assert medians["W4"]["postgres"]["us_per_resolve"] > 0
     assert medians["W4"]["postgres"]["server_cpu_us_per_resolve_and_put"] >= 0
     names = {target["target"] for target in report["targets"]}
-    assert {"PG W1 puts/s >= 0.7x files", "PG W3 freeze <= 1.5x files"} <= names
+    assert "PG W1 puts/s >= 0.7x files" in names
+    # Issue 24 retired "PG W3/W4 <= 1.5x files"; the PG read targets are against NeMo Gym's
+    # store, checked only in a run with its column.
+    assert not any("1.5x files" in name for name in names), names
+    assert not any("NeMo Gym" in name for name in names), names
     assert "server CPU us/put" in proc.stdout
