@@ -669,6 +669,10 @@ _RUN = (
 )
 _runner: tuple[Account, list[str]] | None = None
 RUNNER_REASON = ""  # why the servers run as the tests' own user, when they are root
+# Where the servers' account finds this checkout's `python/` and `tests/`: the checkout, or a
+# readable copy of them (`_readable_copy`) when the checkout is not (CI's clone under a 0700
+# temporary directory, say).
+_SOURCES = _ROOT
 
 
 def _servers_venv(python: str) -> Path:
@@ -701,6 +705,28 @@ def _servers_venv(python: str) -> Path:
             subprocess.run(["chmod", "-R", "a+rX", str(venv)], check=True)
             stamp.write_text(key)
     return venv
+
+
+def _readable_copy() -> Path:
+    """A copy, readable by every account, of what the servers import from this checkout: the
+    installed `tokencapture` package (its compiled extension included) as `python/`, and the
+    tests' Python modules as `tests/`. Removed when the tests exit."""
+    import atexit
+    import shutil
+
+    import tokencapture
+
+    copy = accounts.shared_tmpdir("tokencapture-servers-")
+    atexit.register(shutil.rmtree, copy, True)
+    skip = shutil.ignore_patterns("__pycache__")
+    package = Path(tokencapture.__file__).parent
+    shutil.copytree(package, copy / "python" / "tokencapture", ignore=skip)
+    for module in [*_ROOT.glob("tests/*.py"), *_ROOT.glob("tests/engine/*.py")]:
+        target = copy / module.relative_to(_ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(module, target)
+    subprocess.run(["chmod", "-R", "a+rX", str(copy)], check=True)
+    return copy
 
 
 def _probe(runner: Account, python: str, prelude: str) -> str:
@@ -764,13 +790,17 @@ def server_runner() -> tuple[Account, list[str]]:
     except (OSError, subprocess.CalledProcessError) as exc:
         RUNNER_REASON = f"{error}; and no venv for the servers: {exc}"
         return _runner
-    checkout = f"import sys; sys.path[:0] = [{str(_ROOT / 'python')!r}, {str(_ROOT)!r}]; "
+    global _SOURCES
     venv_python = str(venv / "bin" / "python")
-    venv_error = _probe(runner, venv_python, checkout)
-    if venv_error:
-        RUNNER_REASON = f"{error}; with {venv}: {venv_error}"
-        return _runner
-    _runner = (runner, [venv_python, "-c", checkout + _RUN])
+    for attempt in ("checkout", "copy"):
+        sources = _ROOT if attempt == "checkout" else _readable_copy()
+        checkout = f"import sys; sys.path[:0] = [{str(sources / 'python')!r}, {str(sources)!r}]; "
+        venv_error = _probe(runner, venv_python, checkout)
+        if not venv_error:
+            _SOURCES = sources
+            _runner = (runner, [venv_python, "-c", checkout + _RUN])
+            return _runner
+    RUNNER_REASON = f"{error}; with {venv} and a readable copy of the sources: {venv_error}"
     return _runner
 
 
@@ -786,7 +816,8 @@ def server_dir(prefix: str = "tokencapture-srv-") -> Path:
 def start_fake(log_dir: Path, *, drift: bool = False) -> Server:
     port = free_port()
     runner, python = server_runner()
-    argv = [*python, str(Path(__file__)), str(port), *(["--drift"] if drift else [])]
+    script = _SOURCES / Path(__file__).relative_to(_ROOT)  # after server_runner() chose it
+    argv = [*python, str(script), str(port), *(["--drift"] if drift else [])]
     return Server(argv, port, log_dir / f"fake-{port}.log", runner=runner).start()
 
 
