@@ -39,6 +39,8 @@ __all__ = [
     "ModelsChoice",
     "StagingModels",
     "attachments_from_blob",
+    "checked_keys",
+    "checked_rollout_ids",
     "encode_stage",
     "failure_reason",
     "records_from_rows",
@@ -99,6 +101,28 @@ class StagingModels:
 
 
 OURS = StagingModels.of_module(_ours)
+
+
+def checked_keys(staging_keys: Sequence[str]) -> list[str]:
+    """The staging keys a fetch asked for, as a list: a list of str, not one str."""
+    if isinstance(staging_keys, str):
+        raise TypeError("staging_keys must be a list of keys, not one str")
+    keys = list(staging_keys)
+    for key in keys:
+        if type(key) is not str:
+            raise TypeError(f"staging keys must be str, not {type(key).__name__}")
+    return keys
+
+
+def checked_rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
+    """A retire or delete batch as a list: non-empty str ids, not one str."""
+    if isinstance(rollout_ids, str):
+        raise TypeError("rollout_ids must be a sequence of ids, not one str")
+    ids = list(rollout_ids)
+    for rollout_id in ids:
+        if type(rollout_id) is not str or not rollout_id:
+            raise ValueError(f"rollout ids must be non-empty str, got {rollout_id!r}")
+    return ids
 
 
 def failure_reason(error: BaseException) -> str:

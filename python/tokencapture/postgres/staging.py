@@ -45,6 +45,8 @@ from tokencapture.staging_rows import (
     ModelsChoice,
     StagingModels,
     attachments_from_blob,
+    checked_keys,
+    checked_rollout_ids,
     encode_stage,
     failure_reason,
     records_from_rows,
@@ -135,26 +137,9 @@ def _unknown(key: str, retired_rollout: str | None) -> StagingKeyError:
     return StagingKeyError(f"staging key {_quoted(key)} is not staged")
 
 
-def _key_list(staging_keys: Sequence[str]) -> list[str]:
-    """The keys asked for, checked as the file store checks them."""
-    if isinstance(staging_keys, str):
-        raise TypeError("staging_keys must be a list of keys, not one str")
-    keys = list(staging_keys)
-    bad = next((key for key in keys if type(key) is not str), None)
-    if bad is not None:
-        raise TypeError(f"staging keys must be str, not {type(bad).__name__}")
-    return keys
-
-
 def _rollout_list(rollout_ids: Sequence[str]) -> list[str]:
     """A batch of rollout ids, checked as the file store checks them; duplicates dropped."""
-    if isinstance(rollout_ids, str):
-        raise TypeError("rollout_ids must be a sequence of ids, not one str")
-    ids = list(rollout_ids)
-    bad = [rollout_id for rollout_id in ids if type(rollout_id) is not str or not rollout_id]
-    if bad:
-        raise ValueError(f"rollout ids must be non-empty str, got {bad[0]!r}")
-    return list(dict.fromkeys(ids))
+    return list(dict.fromkeys(checked_rollout_ids(rollout_ids)))
 
 
 class PostgresStagingStore:
@@ -343,23 +328,23 @@ class PostgresStagingStore:
 
     def fetch(self, staging_keys: list[str]) -> list[Any]:
         """One digest-verified base snapshot per key, in the order asked."""
-        keys = _key_list(staging_keys)
+        keys = checked_keys(staging_keys)
         rows = self._client.run_sync(self._rows(keys))
         return snapshots_from_rows(rows, keys, self._models())
 
     def fetch_records(self, staging_keys: list[str]) -> list[Any]:
         """One digest-verified record (with its extras) per key, in the order asked."""
-        keys = _key_list(staging_keys)
+        keys = checked_keys(staging_keys)
         rows = self._client.run_sync(self._rows(keys))
         return records_from_rows(rows, keys, self._models())
 
     def afetch(self, staging_keys: list[str]) -> Coroutine[Any, Any, list[Any]]:
         """`fetch` on the caller's event loop (the keys are checked now)."""
-        return self._afetch(_key_list(staging_keys), False)
+        return self._afetch(checked_keys(staging_keys), False)
 
     def afetch_records(self, staging_keys: list[str]) -> Coroutine[Any, Any, list[Any]]:
         """`fetch_records` on the caller's event loop (the keys are checked now)."""
-        return self._afetch(_key_list(staging_keys), True)
+        return self._afetch(checked_keys(staging_keys), True)
 
     async def _afetch(self, keys: list[str], with_extras: bool) -> list[Any]:
         rows = await self._rows(keys)

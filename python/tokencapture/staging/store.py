@@ -25,7 +25,13 @@ from tokencapture.staging_attachments import (
     decode_attachments,
     encode_attachments,
 )
-from tokencapture.staging_rows import ModelsChoice, StagingModels, failure_reason
+from tokencapture.staging_rows import (
+    ModelsChoice,
+    StagingModels,
+    checked_keys,
+    checked_rollout_ids,
+    failure_reason,
+)
 
 __all__ = ["FileStagingStore"]
 
@@ -99,13 +105,13 @@ class FileStagingStore:
 
     def fetch(self, staging_keys: list[str]) -> list[Any]:
         """One digest-verified base snapshot per key, in the order asked."""
-        keys = _keys(staging_keys)
+        keys = checked_keys(staging_keys)
         build = self._models().base_snapshot.model_construct
         return [build(**fields) for fields in self._native.fetch(keys, False)]
 
     def fetch_records(self, staging_keys: list[str]) -> list[Any]:
         """One digest-verified record (with its extras) per key, in the order asked."""
-        keys = _keys(staging_keys)
+        keys = checked_keys(staging_keys)
         build = self._models().record.model_construct
         return [build(**fields) for fields in self._native.fetch(keys, True)]
 
@@ -124,12 +130,12 @@ class FileStagingStore:
     def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Fence rollouts: their keys stop being fetchable and no later stage of them
         succeeds, from any process. Durable before it returns."""
-        removed, absent = self._native.retire(_rollout_ids(rollout_ids))
+        removed, absent = self._native.retire(checked_rollout_ids(rollout_ids))
         return {"removed": removed, "absent": absent}
 
     def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Remove rollouts' staged calls and any fence, so an id can be staged again."""
-        removed, absent = self._native.delete(_rollout_ids(rollout_ids))
+        removed, absent = self._native.delete(checked_rollout_ids(rollout_ids))
         return {"removed": removed, "absent": absent}
 
     retire_now = retire
@@ -137,12 +143,12 @@ class FileStagingStore:
 
     def aretire(self, rollout_ids: Sequence[str]) -> asyncio.Future[RolloutRemovalPayload]:
         """`retire` off the event loop (arguments checked now)."""
-        ids = _rollout_ids(rollout_ids)
+        ids = checked_rollout_ids(rollout_ids)
         return asyncio.get_running_loop().run_in_executor(None, self.retire, ids)
 
     def adelete(self, rollout_ids: Sequence[str]) -> asyncio.Future[RolloutRemovalPayload]:
         """`delete` off the event loop (arguments checked now)."""
-        ids = _rollout_ids(rollout_ids)
+        ids = checked_rollout_ids(rollout_ids)
         return asyncio.get_running_loop().run_in_executor(None, self.delete, ids)
 
     def damage(self) -> list[tuple[str, int, int]]:
@@ -167,23 +173,3 @@ class FileStagingStore:
         """``(batches, frames, syncs)`` this instance committed: how far group commit shared
         its syncs."""
         return self._native.stats()
-
-
-def _keys(staging_keys: Sequence[str]) -> list[str]:
-    if isinstance(staging_keys, str):
-        raise TypeError("staging_keys must be a list of keys, not one str")
-    keys = list(staging_keys)
-    for key in keys:
-        if type(key) is not str:
-            raise TypeError(f"staging keys must be str, not {type(key).__name__}")
-    return keys
-
-
-def _rollout_ids(rollout_ids: Sequence[str]) -> list[str]:
-    if isinstance(rollout_ids, str):
-        raise TypeError("rollout_ids must be a sequence of ids, not one str")
-    ids = list(rollout_ids)
-    for rollout_id in ids:
-        if type(rollout_id) is not str or not rollout_id:
-            raise ValueError(f"rollout ids must be non-empty str, got {rollout_id!r}")
-    return ids
