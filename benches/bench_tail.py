@@ -60,6 +60,7 @@ if Path(_ORACLE, "nemo_gym").is_dir() and _ORACLE not in sys.path:
     sys.path.append(_ORACLE)
 
 from bench_data import SmallShape, small_rollouts  # noqa: E402
+from bench_worker import print_result, run_worker  # noqa: E402
 
 OURS = "tokencapture"
 NEMO_GYM = "nemo-gym"
@@ -70,7 +71,6 @@ BASELINE = "tokencapture-baseline"
 # rollout's file (kept open) in a thread, no lock, no index, no directory sync.
 RAW = "raw-fdatasync"
 CONDITIONS = ("quiet", "cpu", "disk")
-RESULT_PREFIX = "RESULT "
 DEFAULT_JSON = BENCHES / "results" / "tail.json"
 DEFAULT_SCRATCH = BENCHES / ".scratch"
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9))
@@ -254,22 +254,7 @@ def run_worker_process(
     if package is not None:
         path = os.pathsep.join([os.fspath(package), os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "PYTHONPATH": path}
-    proc = subprocess.run(
-        [sys.executable, os.fspath(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env=env,
-    )
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_PREFIX) and proc.returncode == 0:
-            result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX) :])
-            return result
-    raise RuntimeError(
-        f"worker {spec['store']} {spec['point']} failed (exit {proc.returncode}):\n"
-        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    )
+    return run_worker(Path(__file__), spec, f"{spec['store']} {spec['point']}", timeout, env)
 
 
 # Neighbours -----------------------------------------------------------------------------------
@@ -592,7 +577,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        print(RESULT_PREFIX + json.dumps(worker(json.loads(args.worker))), flush=True)
+        print_result(worker(json.loads(args.worker)))
         return 0
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")

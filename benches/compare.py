@@ -51,6 +51,7 @@ from bench_data import (  # noqa: E402
     conversation_rollouts,
     small_rollouts,
 )
+from bench_worker import print_result, run_worker  # noqa: E402
 from tokencapture.records import TokenEntry  # noqa: E402
 from tokencapture.store import canonical_line  # noqa: E402
 
@@ -85,7 +86,6 @@ W3C_MODES = {"tokencapture": ("columns", "objects"), NEMO_GYM: ("objects",)}
 # its last call and freezes it.
 W5_COLUMNS = ("tokencapture", NEMO_GYM, POSTGRES)
 WORKLOAD_COLUMNS = {"W3C": W3C_COLUMNS, "W4": W4_COLUMNS, "W5": W5_COLUMNS}
-RESULT_PREFIX = "RESULT "
 DEFAULT_JSON = BENCHES / "results" / "latest.json"
 DEFAULT_SCRATCH = BENCHES / ".scratch"
 
@@ -841,21 +841,8 @@ METRICS = (
 
 
 def run_worker_process(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, os.fspath(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_PREFIX) and proc.returncode == 0:
-            result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX) :])
-            return result
-    raise RuntimeError(
-        f"worker {spec['workload']}/{spec['column']} failed (exit {proc.returncode}):\n"
-        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    )
+    label = f"{spec['workload']}/{spec['column']}"
+    return run_worker(Path(__file__), spec, label, timeout)
 
 
 def rotated(items: Sequence[str], shift: int) -> list[str]:
@@ -1355,7 +1342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 [sys.executable, script, *argv_list], env=env, check=False
             ).returncode
     if args.worker:
-        print(RESULT_PREFIX + json.dumps(worker(json.loads(args.worker))), flush=True)
+        print_result(worker(json.loads(args.worker)))
         return 0
     report = drive(args)
     out = Path(args.json)
