@@ -41,6 +41,7 @@ from tokencapture.protocols import (
     TokenCaptureSnapshot,
 )
 from tokencapture.records import TokenEntry
+from tokencapture.rollout_files import RolloutFiles
 from tokencapture.validation import check_age
 from tokencapture.validation import check_call_id as check_call_id
 from tokencapture.validation import check_snapshot_id as check_snapshot_id
@@ -60,7 +61,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class TokenCaptureStore:
+class TokenCaptureStore(RolloutFiles):
     """Durable, rollout-keyed JSONL sink and source for `TokenEntry` records.
 
     Safe to share between threads, and between processes that open the same directory.
@@ -104,27 +105,7 @@ class TokenCaptureStore:
     def root(self) -> Path:
         return self._root
 
-    # Paths -------------------------------------------------------------------------------
-
-    def _file(self, rollout_id: str, suffix: str) -> Path:
-        return self._root / f"{validate_rollout_id(rollout_id)}.tokens.{suffix}"
-
-    def path_for(self, rollout_id: str) -> Path:
-        return self._file(rollout_id, "jsonl")
-
-    def state_path_for(self, rollout_id: str) -> Path:
-        return self._file(rollout_id, "state.json")
-
-    def intents_path_for(self, rollout_id: str) -> Path:
-        """The durable per-call intent file."""
-        return self._file(rollout_id, "intents")
-
-    def incomplete_path_for(self, rollout_id: str) -> Path:
-        """Sentinel marking that at least one call of this rollout failed to capture."""
-        return self._file(rollout_id, "incomplete")
-
-    def lock_path_for(self, rollout_id: str) -> Path:
-        return self._file(rollout_id, "lock")
+    # Paths: path_for, state_path_for and the rest come from RolloutFiles.
 
     # Writes ------------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ from tokencapture.protocols import (
     TokenCaptureSnapshot,
 )
 from tokencapture.records import TokenEntry, check_entry_invariants, check_field_types
+from tokencapture.rollout_files import RolloutFiles
 from tokencapture.validation import (
     LINE_SPACE,
     check_call_id,
@@ -530,7 +531,7 @@ class _Lock:
         "delete_now": "delete",
     },
 )
-class TokenCaptureStore:
+class TokenCaptureStore(RolloutFiles):
     """Durable, rollout-keyed JSONL sink and source for `TokenEntry` records (pure Python).
 
     Safe to share between threads, and between processes (and Rust-backed stores) that open
@@ -554,26 +555,6 @@ class TokenCaptureStore:
         return self._root
 
     # Paths -------------------------------------------------------------------------------
-
-    def _file(self, rollout_id: str, suffix: str) -> Path:
-        return self._root / f"{validate_rollout_id(rollout_id)}.tokens.{suffix}"
-
-    def path_for(self, rollout_id: str) -> Path:
-        return self._file(rollout_id, "jsonl")
-
-    def state_path_for(self, rollout_id: str) -> Path:
-        return self._file(rollout_id, "state.json")
-
-    def intents_path_for(self, rollout_id: str) -> Path:
-        """The durable per-call intent file."""
-        return self._file(rollout_id, "intents")
-
-    def incomplete_path_for(self, rollout_id: str) -> Path:
-        """Sentinel marking that at least one call of this rollout failed to capture."""
-        return self._file(rollout_id, "incomplete")
-
-    def lock_path_for(self, rollout_id: str) -> Path:
-        return self._file(rollout_id, "lock")
 
     def _paths(self, rollout_id: str) -> _Paths:
         return _Paths.of(self._root, validate_rollout_id(rollout_id))
