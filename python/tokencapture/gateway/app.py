@@ -381,23 +381,23 @@ class Gateway:
         call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
         # The parent is looked up while the intent is written (a read: nothing to undo).
         call.start_resolution()
+        recorded = False
         try:
             await self.backend.begin_call(rollout_id, call_id)
-        except BaseException as exc:
-            call.cancel_resolution()
-            if isinstance(exc, TokenCaptureFrozenError):
-                raise HttpError(
-                    409, f"rollout {rollout_id!r} takes no more calls: {exc}", "rollout_closed"
-                ) from None
-            if isinstance(exc, TypeError | ValueError):
-                raise HttpError(400, str(exc)) from None
-            if isinstance(exc, Exception):
-                raise HttpError(
-                    503,
-                    f"the store could not record the call's intent: {exc}",
-                    "store_unavailable",
-                ) from None
-            raise
+            recorded = True
+        except TokenCaptureFrozenError as exc:
+            raise HttpError(
+                409, f"rollout {rollout_id!r} takes no more calls: {exc}", "rollout_closed"
+            ) from None
+        except (TypeError, ValueError) as exc:
+            raise HttpError(400, str(exc)) from None
+        except Exception as exc:
+            raise HttpError(
+                503, f"the store could not record the call's intent: {exc}", "store_unavailable"
+            ) from None
+        finally:
+            if not recorded:  # also when cancelled: no call, so no parent to look up
+                call.cancel_resolution()
         try:
             if kind == CHAT and self.config.tito is not None:
                 return await call.run_tito(upstream_body)
