@@ -378,6 +378,12 @@ def _usage() -> tuple[float, float]:
     return usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
+def _minor_faults() -> int:
+    """The process's minor page faults so far: a read's fresh memory (its read buffer, lists,
+    columns) counted in faults, a figure a loaded machine barely moves, unlike the times."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 async def _timed_puts(
     column: Column, rollouts: list[list[TokenEntry]], in_flight: int
 ) -> dict[str, float]:
@@ -447,11 +453,13 @@ def run_freeze(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
         if isinstance(column, PostgresColumn):  # connect before timing, as a trainer would
             column._store.is_incomplete(rollout_ids[0])
         cpu0, rss_setup = _usage()
+        faults0 = _minor_faults()
         server0 = pg_server_cpu(column_name)
         begin = time.perf_counter()
         snapshots = [column.freeze(rollout_id) for rollout_id in rollout_ids]
         wall = time.perf_counter() - begin
         cpu1, rss_peak = _usage()
+        faults1 = _minor_faults()
         server1 = pg_server_cpu(column_name)
     finally:
         column.close()
@@ -470,6 +478,7 @@ def run_freeze(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
         "wall_s": wall,
         "ms_per_freeze": wall / len(rollout_ids) * 1e3,
         "cpu_ms_per_freeze": (cpu1 - cpu0) / len(rollout_ids) * 1e3,
+        "faults_per_freeze": (faults1 - faults0) / len(rollout_ids),
         "rss_setup_mb": rss_setup,
         "peak_rss_mb": rss_peak,
     }
@@ -611,6 +620,7 @@ def run_trainer_read(column_name: str, root: Path, quick: bool, mode: str) -> di
     store = column._store
     try:
         cpu0, rss_setup = _usage()
+        faults0 = _minor_faults()
         begin = time.perf_counter()
         if mode == "columns":
             snapshots: list[Any] = [store.freeze_columns_now(r) for r in rollout_ids]
@@ -620,6 +630,7 @@ def run_trainer_read(column_name: str, root: Path, quick: bool, mode: str) -> di
             arrays = [to_numpy_objects(entries) for entries in snapshots]
         wall = time.perf_counter() - begin
         cpu1, rss_peak = _usage()
+        faults1 = _minor_faults()
     finally:
         column.close()
     for rollout_id, fields in zip(rollout_ids, arrays, strict=True):
@@ -628,15 +639,18 @@ def run_trainer_read(column_name: str, root: Path, quick: bool, mode: str) -> di
             raise RuntimeError(f"{column_name}/{mode}: {rollout_id} read back wrong arrays")
     key = "ms_per_trainer_read" if mode == "columns" else "ms_per_object_trainer_read"
     cpu_key = "cpu_" + key
+    faults_key = "faults_per_trainer_read" if mode == "columns" else "faults_per_object_read"
     result = {
         key: wall / len(rollout_ids) * 1e3,
         cpu_key: (cpu1 - cpu0) / len(rollout_ids) * 1e3,
+        faults_key: (faults1 - faults0) / len(rollout_ids),
         "rss_setup_mb": rss_setup,
         "peak_rss_mb": rss_peak,
     }
     if column_name == NEMO_GYM:  # objects are its only read: one figure, under both names
         result["ms_per_trainer_read"] = result[key]
         result["cpu_ms_per_trainer_read"] = result[cpu_key]
+        result["faults_per_trainer_read"] = result[faults_key]
     return result
 
 
@@ -719,10 +733,12 @@ def run_long(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
         if isinstance(column, PostgresColumn):  # connect before timing, as a trainer would
             column._store.is_incomplete(rollout_id)
         cpu0, rss_setup = _usage()
+        faults0 = _minor_faults()
         begin = time.perf_counter()
         entries = column.freeze(rollout_id)
         wall = time.perf_counter() - begin
         cpu1, rss_peak = _usage()
+        faults1 = _minor_faults()
     finally:
         column.close()
     if len(entries) != len(calls) or len(entries[-1].prompt_token_ids) != len(
@@ -733,6 +749,7 @@ def run_long(column_name: str, root: Path, quick: bool) -> dict[str, Any]:
         "log_mb": log_bytes / 2**20,
         "ms_per_freeze": wall * 1e3,
         "cpu_ms_per_freeze": (cpu1 - cpu0) * 1e3,
+        "faults_per_freeze": faults1 - faults0,
         "freeze_gb_per_s": log_bytes / wall / 1e9,
         "ms_last_resolve": resolve_wall * 1e3,
         "cpu_ms_last_resolve": resolve_cpu * 1e3,
@@ -821,11 +838,14 @@ METRICS = (
     Metric("W3", "ms_per_freeze", "W3 freeze     ms/freeze", ",.1f"),
     Metric("W3", "cpu_ms_per_freeze", "              CPU ms/freeze", ",.1f"),
     Metric("W3", "server_cpu_ms_per_freeze", "              server CPU ms/freeze", ",.1f"),
+    Metric("W3", "faults_per_freeze", "              page faults/freeze", ",.0f"),
     Metric("W3", "peak_rss_mb", "              peak RSS MiB", ",.0f"),
     Metric("W3C", "ms_per_trainer_read", "W3C trainer   ms/read", ",.1f"),
     Metric("W3C", "cpu_ms_per_trainer_read", "              CPU ms/read", ",.1f"),
     Metric("W3C", "ms_per_object_trainer_read", "              objects ms/read", ",.1f"),
     Metric("W3C", "cpu_ms_per_object_trainer_read", "              objects CPU ms/read", ",.1f"),
+    Metric("W3C", "faults_per_trainer_read", "              page faults/read", ",.0f"),
+    Metric("W3C", "faults_per_object_read", "              objects page faults/read", ",.0f"),
     Metric("W4", "us_per_resolve", "W4 resolve    us/resolve", ",.0f"),
     Metric("W4", "cpu_us_per_resolve", "              CPU us/resolve", ",.0f"),
     Metric(
@@ -834,6 +854,7 @@ METRICS = (
     Metric("W5", "log_mb", "W5 long       log MiB", ",.1f"),
     Metric("W5", "ms_per_freeze", "              ms/freeze", ",.1f"),
     Metric("W5", "cpu_ms_per_freeze", "              CPU ms/freeze", ",.1f"),
+    Metric("W5", "faults_per_freeze", "              page faults/freeze", ",.0f"),
     Metric("W5", "freeze_gb_per_s", "              freeze GB/s", ",.2f"),
     Metric("W5", "ms_last_resolve", "              ms/last resolve", ",.1f"),
     Metric("W5", "cpu_ms_last_resolve", "              CPU ms/last resolve", ",.1f"),

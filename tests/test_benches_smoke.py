@@ -64,6 +64,12 @@ def test_compare_quick_writes_every_column(tmp_path: Path) -> None:
     assert trainer["ms_per_trainer_read"] > 0 and trainer["ms_per_object_trainer_read"] > 0
     long = medians["W5"]["tokencapture"]
     assert long["freeze_gb_per_s"] > 0 and long["ms_last_resolve"] > 0 and long["log_mb"] > 0
+    # The minor page faults of each timed read (a tiny read may take none).
+    for column in COLUMNS:
+        assert medians["W3"][column]["faults_per_freeze"] >= 0, column
+    assert trainer["faults_per_trainer_read"] >= 0 and trainer["faults_per_object_read"] >= 0
+    assert float(long["faults_per_freeze"]).is_integer() and long["faults_per_freeze"] >= 0
+    assert "page faults/freeze" in proc.stdout
     assert {target["status"] for target in report["targets"]} <= {"PASS", "MISS", "N/A"}
     # The seven against the reference, and the three of issue 24 that need no NeMo Gym or
     # PostgreSQL column (W3C columns against objects, W5's freeze rate and last resolve).
