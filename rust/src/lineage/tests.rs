@@ -1023,16 +1023,16 @@ fn first_structural_agrees_with_the_three_pass_flat_array_test() {
                 alphabet[rng.below(11)]
             });
         }
-        let fast = first_structural(&buf[1..])
+        let fast = first_structural::<false>(&buf[1..])
             .filter(|&at| buf[1 + at] == b']')
             .map(|at| at + 2);
         assert_eq!(fast, flat_end_by_three_passes(&buf, 0), "{:?}", buf);
         // And the whole value skip is the reference's (fast answer or the bracket walk).
         let reference = match flat_end_by_three_passes(&buf, 0) {
             Some(end) => Ok(end),
-            None => skip_container(&buf, 0),
+            None => skip_container::<false>(&buf, 0),
         };
-        assert_eq!(skip_value(&buf, 0), reference, "{:?}", buf);
+        assert_eq!(skip_value::<false>(&buf, 0), reference, "{:?}", buf);
     }
 }
 
@@ -1194,4 +1194,71 @@ fn a_mapped_look_continues_from_any_cursor() {
         let outcome = resolve_file(&lineage, "r", &turn.next_request("n")).unwrap();
         assert_eq!(resolved(&outcome).0, turn.call_id);
     }
+}
+
+/// Every line of `buf` as `fold` saw them before the one-pass scan: split at newlines, then
+/// scanned.
+fn split_then_scan(buf: &[u8]) -> Vec<(u64, usize, std::result::Result<LineMeta, String>)> {
+    crate::log::complete_lines(buf, 0)
+        .map(|(offset, line)| (offset, line.len(), scan_line(line)))
+        .collect()
+}
+
+fn one_pass(buf: &[u8]) -> Vec<(u64, usize, std::result::Result<LineMeta, String>)> {
+    let complete = &buf[..complete_prefix_len(buf)];
+    let mut at = 0usize;
+    let mut out = Vec::new();
+    while at < complete.len() {
+        let (len, meta) = scan_next_line(&complete[at..]);
+        out.push((at as u64, len, meta));
+        at += len + 1;
+    }
+    out
+}
+
+#[test]
+fn the_one_pass_line_scan_agrees_with_split_then_scan() {
+    let mut rng = Rng(0xd1b5_4a32_d192_ed03);
+    let turns = conversation(6, "s");
+    let mut base: Vec<u8> = Vec::new();
+    for turn in &turns {
+        base.extend_from_slice(&turn.line(Some("p"), None));
+        base.push(b'\n');
+    }
+    // Blanks around the object, a string with escapes, nested values: all still one line.
+    base.extend_from_slice(
+        b" \t{\"model_call_id\":\"a\\\"b\\\\\",\"x\":[[1],{\"y\":\"\\n\"}],\"n\":-1.5e3} \r\n",
+    );
+    let bytes = b"\n\n\n\\\"\"[]{},:0 \r\tx";
+    let mut lines_seen = 0usize;
+    for case in 0..4000 {
+        let mut buf = base.clone();
+        for _ in 0..1 + rng.below(4) {
+            let at = rng.below(buf.len());
+            let byte = bytes[rng.below(bytes.len())];
+            match rng.below(3) {
+                0 => buf[at] = byte,
+                1 => buf.insert(at, byte),
+                _ => {
+                    buf.remove(at);
+                }
+            }
+        }
+        if case % 5 == 0 {
+            buf.truncate(rng.below(buf.len() + 1));
+        }
+        let expected = split_then_scan(&buf);
+        lines_seen += expected.len();
+        assert_eq!(
+            one_pass(&buf),
+            expected,
+            "case {case}: {:?}",
+            String::from_utf8_lossy(&buf)
+        );
+    }
+    assert!(lines_seen > 4000 * 5);
+    assert_eq!(one_pass(&base), split_then_scan(&base));
+    assert!(split_then_scan(&base)
+        .iter()
+        .all(|(_, _, meta)| meta.is_ok()));
 }
