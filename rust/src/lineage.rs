@@ -43,10 +43,14 @@
 //! (the handle pins the inode, so "the path still names the inode we hold" proves the file was
 //! not replaced). Every resolve checks the file: new bytes past the cursor are read under the
 //! rollout's shared flock (so a put that failed and truncated its line is never observed),
-//! complete lines are folded in, a torn final line is left for later. A replaced or deleted
+//! complete lines are folded in, a torn final line is left for later. A megabyte or more of
+//! new bytes is read through a memory map made and dropped under that lock ([`mapped`]),
+//! less with `pread`: the same bytes either way, folded by the same scanner. A replaced or deleted
 //! file, or one shorter than the cursor, resets the rollout's index. Reading creates no file.
 
 pub mod fingerprint;
+#[cfg(any(target_os = "linux", target_os = "android"))]
+mod mapped;
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
@@ -65,7 +69,7 @@ use crate::descriptors::{self, FdCache, Kept};
 use crate::digest::token_digest;
 use crate::error::{Error, IoContext};
 use crate::lock::{LockMode, RolloutLock};
-use crate::log::{complete_lines, complete_prefix_len};
+use crate::log::complete_prefix_len;
 use crate::store::{validate_rollout_id, RolloutPaths};
 
 use fingerprint::{PrefixDigests, Unsupported};
@@ -74,6 +78,10 @@ use fingerprint::{PrefixDigests, Unsupported};
 pub const DEFAULT_CACHED_ROLLOUTS: usize = 256;
 /// Bytes of a log read at once when folding new lines into an index.
 const READ_WINDOW: usize = 8 << 20;
+/// New bytes from which a look maps the log instead of reading it: a map costs two system
+/// calls and a fault per 64 KiB, a `pread` a copy of every byte (a put's few kilobytes are
+/// cheaper read).
+const MAP_AT_LEAST: u64 = 1 << 20;
 /// Default token budget of the materialized-sequence cache.
 pub const DEFAULT_CACHED_TOKENS: usize = 4_000_000;
 
@@ -137,20 +145,43 @@ impl LineMeta {
     }
 }
 
-fn skip_ws(buf: &[u8], mut pos: usize) -> usize {
-    while matches!(buf.get(pos), Some(b' ' | b'\t' | b'\r' | b'\n')) {
-        pos += 1;
+fn skip_ws(buf: &[u8], pos: usize) -> usize {
+    skip_ws_in::<false>(buf, pos)
+}
+
+// The scanner's functions take `NL`: `false` scans one line (the bytes up to its newline);
+// `true` scans from a line's start through the rest of a buffer, refusing at any newline, so
+// that a scan that ends at a newline proves where the line ends without a separate pass for
+// it (see `scan_next_line`).
+const ERR_NEWLINE: &str = "a newline inside the value";
+
+fn skip_ws_in<const NL: bool>(buf: &[u8], mut pos: usize) -> usize {
+    while let Some(&byte) = buf.get(pos) {
+        match byte {
+            b' ' | b'\t' | b'\r' => pos += 1,
+            b'\n' if !NL => pos += 1,
+            _ => break,
+        }
     }
     pos
 }
 
 /// End (exclusive) of the JSON string starting at `pos`.
-fn skip_string(buf: &[u8], pos: usize) -> std::result::Result<usize, String> {
+fn skip_string<const NL: bool>(buf: &[u8], pos: usize) -> std::result::Result<usize, String> {
     let mut at = pos + 1;
     loop {
-        match memchr::memchr2(b'"', b'\\', &buf[at.min(buf.len())..]) {
+        let rest = &buf[at.min(buf.len())..];
+        let found = if NL {
+            memchr::memchr3(b'"', b'\\', b'\n', rest)
+        } else {
+            memchr::memchr2(b'"', b'\\', rest)
+        };
+        match found {
             None => return Err(format!("unterminated string at column {pos}")),
             Some(i) if buf[at + i] == b'"' => return Ok(at + i + 1),
+            Some(i) if NL && (buf[at + i] == b'\n' || buf.get(at + i + 1) == Some(&b'\n')) => {
+                return Err(ERR_NEWLINE.into())
+            }
             Some(i) => at += i + 2,
         }
     }
@@ -159,22 +190,18 @@ fn skip_string(buf: &[u8], pos: usize) -> std::result::Result<usize, String> {
 const MAX_DEPTH: usize = 1024;
 
 /// End (exclusive) of the value starting at `pos`.
-fn skip_value(buf: &[u8], pos: usize) -> std::result::Result<usize, String> {
+fn skip_value<const NL: bool>(buf: &[u8], pos: usize) -> std::result::Result<usize, String> {
     match buf.get(pos) {
-        Some(b'"') => skip_string(buf, pos),
+        Some(b'"') => skip_string::<NL>(buf, pos),
         Some(b'[') => {
-            // Token arrays: a flat array of numbers ends at the first ']'.
-            if let Some(close) = memchr::memchr(b']', &buf[pos + 1..]) {
-                let inner = &buf[pos + 1..pos + 1 + close];
-                if memchr::memchr3(b'[', b'{', b'"', inner).is_none()
-                    && memchr::memchr(b'}', inner).is_none()
-                {
-                    return Ok(pos + close + 2);
-                }
+            // Token arrays: a flat array (no brackets, braces or strings inside) ends at the
+            // first ']'; anything else takes the bracket-matching walk.
+            match first_structural::<NL>(&buf[pos + 1..]) {
+                Some(at) if buf[pos + 1 + at] == b']' => Ok(pos + at + 2),
+                _ => skip_container::<NL>(buf, pos),
             }
-            skip_container(buf, pos)
         }
-        Some(b'{') => skip_container(buf, pos),
+        Some(b'{') => skip_container::<NL>(buf, pos),
         Some(_) => {
             let mut at = pos;
             while let Some(&byte) = buf.get(at) {
@@ -192,7 +219,34 @@ fn skip_value(buf: &[u8], pos: usize) -> std::result::Result<usize, String> {
     }
 }
 
-fn skip_container(buf: &[u8], pos: usize) -> std::result::Result<usize, String> {
+/// The position of the first `[`, `]`, `{`, `}` or `"` of `bytes` (or newline, with `NL`).
+///
+/// One pass where finding `]` and then checking the bytes before it for the other four took
+/// three: the blocks are tested with a loop the compiler vectorizes (setting bit 5 maps `[`
+/// and `]` onto `{` and `}`), and only the block holding a hit is searched byte by byte.
+fn first_structural<const NL: bool>(bytes: &[u8]) -> Option<usize> {
+    const BLOCK: usize = 64;
+    let structural =
+        |b: u8| (b | 0x20) == b'{' || (b | 0x20) == b'}' || b == b'"' || (NL && b == b'\n');
+    let mut blocks = bytes.chunks_exact(BLOCK);
+    let mut base = 0usize;
+    for block in blocks.by_ref() {
+        if block.iter().fold(false, |hit, &b| hit | structural(b)) {
+            return block
+                .iter()
+                .position(|&b| structural(b))
+                .map(|at| base + at);
+        }
+        base += BLOCK;
+    }
+    blocks
+        .remainder()
+        .iter()
+        .position(|&b| structural(b))
+        .map(|at| base + at)
+}
+
+fn skip_container<const NL: bool>(buf: &[u8], pos: usize) -> std::result::Result<usize, String> {
     let mut stack: Vec<u8> = Vec::new();
     let mut at = pos;
     loop {
@@ -201,9 +255,10 @@ fn skip_container(buf: &[u8], pos: usize) -> std::result::Result<usize, String> 
         };
         match byte {
             b'"' => {
-                at = skip_string(buf, at)?;
+                at = skip_string::<NL>(buf, at)?;
                 continue;
             }
+            b'\n' if NL => return Err(ERR_NEWLINE.into()),
             b'[' => stack.push(b']'),
             b'{' => stack.push(b'}'),
             b']' | b'}' => {
@@ -224,15 +279,18 @@ fn skip_container(buf: &[u8], pos: usize) -> std::result::Result<usize, String> 
 }
 
 /// Visit the top-level members of a one-object line: `(raw key with quotes, value span)`.
-fn members(
+///
+/// Returns the line's length: `line.len()`, or with `NL` the position of the newline that
+/// follows the object (and its trailing blanks).
+fn members<const NL: bool>(
     line: &[u8],
     mut visit: impl FnMut(&[u8], Range<usize>),
-) -> std::result::Result<(), String> {
-    let mut pos = skip_ws(line, 0);
+) -> std::result::Result<usize, String> {
+    let mut pos = skip_ws_in::<NL>(line, 0);
     if line.get(pos) != Some(&b'{') {
         return Err("not a JSON object".into());
     }
-    pos = skip_ws(line, pos + 1);
+    pos = skip_ws_in::<NL>(line, pos + 1);
     if line.get(pos) == Some(&b'}') {
         pos += 1;
     } else {
@@ -240,21 +298,21 @@ fn members(
             if line.get(pos) != Some(&b'"') {
                 return Err(format!("expected a key at column {pos}"));
             }
-            let key_end = skip_string(line, pos)?;
+            let key_end = skip_string::<NL>(line, pos)?;
             let key = &line[pos..key_end];
-            pos = skip_ws(line, key_end);
+            pos = skip_ws_in::<NL>(line, key_end);
             if line.get(pos) != Some(&b':') {
                 return Err(format!("expected ':' at column {pos}"));
             }
-            pos = skip_ws(line, pos + 1);
-            let value_end = skip_value(line, pos)?;
+            pos = skip_ws_in::<NL>(line, pos + 1);
+            let value_end = skip_value::<NL>(line, pos)?;
             if value_end == pos {
                 return Err(format!("missing value at column {pos}"));
             }
             visit(key, pos..value_end);
-            pos = skip_ws(line, value_end);
+            pos = skip_ws_in::<NL>(line, value_end);
             match line.get(pos) {
-                Some(b',') => pos = skip_ws(line, pos + 1),
+                Some(b',') => pos = skip_ws_in::<NL>(line, pos + 1),
                 Some(b'}') => {
                     pos += 1;
                     break;
@@ -263,10 +321,17 @@ fn members(
             }
         }
     }
-    if skip_ws(line, pos) != line.len() {
+    let end = skip_ws_in::<NL>(line, pos);
+    if NL {
+        return match line.get(end) {
+            Some(b'\n') => Ok(end),
+            _ => Err("no newline after the object".into()),
+        };
+    }
+    if end != line.len() {
         return Err("trailing bytes after the object".into());
     }
-    Ok(())
+    Ok(end)
 }
 
 fn field<T: DeserializeOwned>(
@@ -283,6 +348,26 @@ fn field<T: DeserializeOwned>(
 
 /// Scan one entry line. The error is a plain description (the caller adds file and offset).
 pub fn scan_line(line: &[u8]) -> std::result::Result<LineMeta, String> {
+    scan_members::<false>(line).map(|(meta, _)| meta)
+}
+
+/// Scan the line that starts `rest` (which holds at least one newline): its length (without
+/// the newline) and `scan_line`'s result for it.
+///
+/// One pass: the scan runs on from the line's start refusing any newline, so a scan that ends
+/// at one has looked at every byte before it and found the line's end itself. Anything else
+/// (a newline inside the object, any refusal) finds the newline and runs `scan_line`, whose
+/// answer, error included, is the one returned.
+fn scan_next_line(rest: &[u8]) -> (usize, std::result::Result<LineMeta, String>) {
+    if let Ok((meta, len)) = scan_members::<true>(rest) {
+        return (len, Ok(meta));
+    }
+    let len = memchr::memchr(b'\n', rest).unwrap_or(rest.len());
+    (len, scan_line(&rest[..len]))
+}
+
+/// `scan_line` by the scanner in `NL` mode, with the line's length.
+fn scan_members<const NL: bool>(line: &[u8]) -> std::result::Result<(LineMeta, usize), String> {
     #[derive(Default)]
     struct Spans {
         call_id: Option<Range<usize>>,
@@ -298,7 +383,7 @@ pub fn scan_line(line: &[u8]) -> std::result::Result<LineMeta, String> {
         generation: Option<Range<usize>>,
     }
     let mut spans = Spans::default();
-    members(line, |key, span| {
+    let len = members::<NL>(line, |key, span| {
         let slot = match key {
             b"\"model_call_id\"" => &mut spans.call_id,
             b"\"fingerprint_version\"" => &mut spans.version,
@@ -315,6 +400,7 @@ pub fn scan_line(line: &[u8]) -> std::result::Result<LineMeta, String> {
         };
         *slot = Some(span);
     })?;
+    let line = &line[..len];
     let call_id: String = field(line, &spans.call_id, "model_call_id")?
         .ok_or_else(|| "no string model_call_id".to_string())?;
     let version: Option<i64> = field(line, &spans.version, "fingerprint_version")?;
@@ -322,7 +408,7 @@ pub fn scan_line(line: &[u8]) -> std::result::Result<LineMeta, String> {
         field(line, &spans.fingerprint, "continuation_fingerprint")?.unwrap_or_default();
     let context_len: i64 =
         field(line, &spans.context_len, "continuation_context_len")?.unwrap_or_default();
-    Ok(LineMeta {
+    let meta = LineMeta {
         call_id,
         fingerprint: if version == Some(2) {
             fingerprint
@@ -338,7 +424,8 @@ pub fn scan_line(line: &[u8]) -> std::result::Result<LineMeta, String> {
         prompt_is_delta: field(line, &spans.delta, "prompt_is_delta")?.unwrap_or_default(),
         prompt: spans.prompt,
         generation: spans.generation,
-    })
+    };
+    Ok((meta, len))
 }
 
 /// Append the ids of a JSON array of non-negative integers to `out`.
@@ -1152,6 +1239,7 @@ pub struct FileLineage {
     rollouts: Arc<FdCache<Arc<Mutex<FileRollout>>>>,
     cache: TokenCache,
     read_window: usize,
+    map_at_least: u64,
 }
 
 impl FileLineage {
@@ -1172,6 +1260,7 @@ impl FileLineage {
             rollouts: FdCache::new(cached_rollouts, max_open_files),
             cache: TokenCache::new(cached_tokens),
             read_window: READ_WINDOW,
+            map_at_least: MAP_AT_LEAST,
         }
     }
 
@@ -1189,6 +1278,13 @@ impl FileLineage {
     #[cfg(test)]
     fn with_read_window(mut self, bytes: usize) -> Self {
         self.read_window = bytes.max(1);
+        self
+    }
+
+    /// Map the log from this many new bytes up (`u64::MAX`: always `pread`).
+    #[cfg(test)]
+    fn with_map_at_least(mut self, bytes: u64) -> Self {
+        self.map_at_least = bytes.max(1);
         self
     }
 
@@ -1312,6 +1408,22 @@ impl FileLineage {
         if len == state.cursor {
             return Ok(());
         }
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if guard.is_some() && len - state.cursor >= self.map_at_least {
+            // Only under the shared lock (see `mapped`); a map that fails (a filesystem that
+            // cannot map, no address space) falls back to reading.
+            if let Ok(map) = mapped::Mapped::new(&log.file, state.cursor, len) {
+                let chunk = map.bytes();
+                let complete = complete_prefix_len(chunk);
+                if complete > 0 {
+                    Self::fold(&mut state.index, &log.file, &paths.log, chunk, state.cursor)?;
+                    state.cursor += complete as u64;
+                }
+                drop(map);
+                drop(guard);
+                return Ok(());
+            }
+        }
         // Read in windows, so a long log costs bounded memory; a line longer than a window
         // widens it. Every byte read was acknowledged before `len` was taken under the lock.
         let mut window = self.read_window;
@@ -1351,8 +1463,13 @@ impl FileLineage {
         chunk: &[u8],
         start: u64,
     ) -> Result<()> {
-        for (offset, line) in complete_lines(chunk, start) {
-            let meta = scan_line(line).map_err(|e| Error::corrupt(path, offset, e))?;
+        let complete = &chunk[..complete_prefix_len(chunk)];
+        let mut at = 0usize;
+        while at < complete.len() {
+            let (len, meta) = scan_next_line(&complete[at..]);
+            let (offset, line) = (start + at as u64, &complete[at..at + len]);
+            at += len + 1;
+            let meta = meta.map_err(|e| Error::corrupt(path, offset, e))?;
             let loc = Loc::File {
                 offset,
                 len: line.len(),

@@ -978,3 +978,287 @@ fn extends_is_a_prefix_check() {
     assert!(!extends(&[1, 2], &[1]));
     assert!(!extends(&[1, 2], &[1, 3, 2]));
 }
+
+// ---- the mapped read and the one-pass array skip against the paths they replace ------------
+
+/// `skip_value`'s flat-array test before `first_structural`: the first `]`, then no `[`, `{`,
+/// `"` or `}` before it (three passes).
+fn flat_end_by_three_passes(buf: &[u8], pos: usize) -> Option<usize> {
+    let close = memchr::memchr(b']', &buf[pos + 1..])?;
+    let inner = &buf[pos + 1..pos + 1 + close];
+    (memchr::memchr3(b'[', b'{', b'"', inner).is_none() && memchr::memchr(b'}', inner).is_none())
+        .then_some(pos + close + 2)
+}
+
+/// A small deterministic generator (xorshift64*), so failures reproduce.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+#[test]
+fn first_structural_agrees_with_the_three_pass_flat_array_test() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    // Mostly digits and commas (token arrays), with the structural bytes, their bit-5 twins
+    // (`;`, `=`, `{`/`[` pairs differ in bit 5 only) and a few others sprinkled at any place,
+    // including across and at the edges of the 64-byte blocks.
+    let alphabet = b"0123456789,,,,,,[]{}\";=;=-. \n\x02\x7f\xdb\xfd";
+    for case in 0..20_000 {
+        let len = 1 + rng.below(if case % 2 == 0 { 70 } else { 300 });
+        let mut buf = vec![b'['];
+        for _ in 0..len {
+            buf.push(if rng.below(12) == 0 {
+                alphabet[10 + rng.below(alphabet.len() - 10)]
+            } else {
+                alphabet[rng.below(11)]
+            });
+        }
+        let fast = first_structural::<false>(&buf[1..])
+            .filter(|&at| buf[1 + at] == b']')
+            .map(|at| at + 2);
+        assert_eq!(fast, flat_end_by_three_passes(&buf, 0), "{:?}", buf);
+        // And the whole value skip is the reference's (fast answer or the bracket walk).
+        let reference = match flat_end_by_three_passes(&buf, 0) {
+            Some(end) => Ok(end),
+            None => skip_container::<false>(&buf, 0),
+        };
+        assert_eq!(skip_value::<false>(&buf, 0), reference, "{:?}", buf);
+    }
+}
+
+/// Every answer (or error) of a fresh resolver over the log of rollout `r` in `dir`, for every
+/// request of `requests`, read by `pread` windows of `window` bytes or through a map.
+fn answers(
+    dir: &std::path::Path,
+    requests: &[Vec<Value>],
+    mapped: bool,
+    window: usize,
+) -> Vec<String> {
+    let map_at = if mapped { 1 } else { u64::MAX };
+    requests
+        .iter()
+        .map(|request| {
+            let lineage = FileLineage::new(dir, 8, 1 << 20)
+                .with_read_window(window)
+                .with_map_at_least(map_at);
+            format!("{:?}", resolve_file(&lineage, "r", request))
+        })
+        .collect()
+}
+
+#[test]
+fn mapped_reads_answer_as_pread_reads_on_damaged_forked_and_duplicated_logs() {
+    let mut rng = Rng(0x51_7cc1_b727_220a);
+    let turns = conversation(12, "m");
+    let fork = Turn {
+        call_id: "m-call-fork".into(),
+        request: turns[5].request.clone(),
+        output: turns[5].output.clone(),
+        prompt: turns[5].prompt.clone(),
+        generation: vec![9, 9, 9],
+    };
+    let unstamped = {
+        let mut line: Value = serde_json::from_slice(&turns[8].line(None, None)).unwrap();
+        line["fingerprint_version"] = json!(1);
+        line["model_call_id"] = json!("m-call-masked");
+        serde_json::to_vec(&line).unwrap()
+    };
+    let mut requests: Vec<Vec<Value>> = turns.iter().map(|t| t.next_request("n")).collect();
+    requests.push(vec![user("a root")]);
+    requests.push(vec![user("x"), assistant("never said")]);
+    // Whole lines: full prompts, a delta chain, a fork (ambiguous), an identical retry, a
+    // conflicting repeat, an unstamped line.
+    let mut lines: Vec<Vec<u8>> = Vec::new();
+    for (i, turn) in turns.iter().enumerate() {
+        let line = if (3..7).contains(&i) {
+            turn.line(
+                Some(&turns[i - 1].call_id),
+                Some(&turns[i - 1].cumulative()),
+            )
+        } else {
+            turn.line(None, None)
+        };
+        lines.push(line);
+    }
+    lines.push(fork.line(None, None));
+    lines.push(turns[1].line(None, None)); // an identical retry of one call id
+    let mut conflicting = turns[9].line(None, None);
+    conflicting.push(b' ');
+    lines.push(conflicting);
+    lines.push(unstamped);
+    let mut outcomes: Vec<String> = Vec::new();
+    for case in 0..120 {
+        let mut order = lines.clone();
+        // Shuffle a little: lines move, never the parents of deltas past their children.
+        if case % 3 == 1 {
+            let (a, b) = (
+                7 + rng.below(order.len() - 7),
+                7 + rng.below(order.len() - 7),
+            );
+            order.swap(a, b);
+        }
+        let mut log: Vec<u8> = order
+            .iter()
+            .flat_map(|l| [&l[..], b"\n"].concat())
+            .collect();
+        match case % 6 {
+            0 => {} // whole
+            1 => {
+                // A flipped byte anywhere (in a token array, a key, a digest, a newline).
+                let at = rng.below(log.len());
+                log[at] = b"0123456789,[]{}\"x \n"[rng.below(19)];
+            }
+            2 => log.truncate(rng.below(log.len() + 1)), // torn anywhere
+            3 => {
+                // A line cut short inside the log, then more lines.
+                let at = rng.below(log.len());
+                log.insert(at, b'\n');
+            }
+            4 => {
+                let at = rng.below(log.len());
+                log.splice(at..at, b"not json\n".iter().copied());
+            }
+            _ => {
+                let (from, to) = (rng.below(log.len()), rng.below(log.len()));
+                log.drain(from.min(to)..from.max(to)); // a hole
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("r.tokens.lock"), b"").unwrap();
+        std::fs::write(dir.path().join("r.tokens.jsonl"), &log).unwrap();
+        let pread = answers(dir.path(), &requests, false, 1 << 20);
+        assert_eq!(
+            answers(dir.path(), &requests, true, 1 << 20),
+            pread,
+            "case {case}"
+        );
+        assert_eq!(
+            answers(dir.path(), &requests, false, 97),
+            pread,
+            "case {case}"
+        );
+        outcomes.extend(pread);
+    }
+    // The cases reach every kind of answer.
+    for kind in [
+        "Ok(Resolved",
+        "Ok(Root)",
+        "no_match",
+        "ambiguous",
+        "Corrupt",
+        "Integrity",
+    ] {
+        assert!(
+            outcomes.iter().any(|o| o.contains(kind)),
+            "no {kind} answer"
+        );
+    }
+}
+
+#[test]
+fn a_mapped_look_continues_from_any_cursor() {
+    // The second look maps from a cursor inside a page; every later line is folded once.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("r.tokens.lock"), b"").unwrap();
+    let log = dir.path().join("r.tokens.jsonl");
+    let turns = conversation(40, "c");
+    let lineage = FileLineage::new(dir.path(), 8, 1 << 20).with_map_at_least(1);
+    let mut bytes = Vec::new();
+    for (i, turn) in turns.iter().enumerate() {
+        bytes.extend_from_slice(&turn.line(None, None));
+        bytes.push(b'\n');
+        if i % 7 == 3 {
+            bytes.extend_from_slice(b"{\"model_call_id\""); // a torn tail, completed next
+            std::fs::write(&log, &bytes).unwrap();
+            bytes.truncate(bytes.len() - 16);
+            let outcome = resolve_file(&lineage, "r", &turn.next_request("n")).unwrap();
+            assert_eq!(
+                resolved(&outcome).1,
+                turn.cumulative().as_slice(),
+                "turn {i}"
+            );
+        }
+    }
+    std::fs::write(&log, &bytes).unwrap();
+    for turn in &turns {
+        let outcome = resolve_file(&lineage, "r", &turn.next_request("n")).unwrap();
+        assert_eq!(resolved(&outcome).0, turn.call_id);
+    }
+}
+
+/// Every line of `buf` as `fold` saw them before the one-pass scan: split at newlines, then
+/// scanned.
+fn split_then_scan(buf: &[u8]) -> Vec<(u64, usize, std::result::Result<LineMeta, String>)> {
+    crate::log::complete_lines(buf, 0)
+        .map(|(offset, line)| (offset, line.len(), scan_line(line)))
+        .collect()
+}
+
+fn one_pass(buf: &[u8]) -> Vec<(u64, usize, std::result::Result<LineMeta, String>)> {
+    let complete = &buf[..complete_prefix_len(buf)];
+    let mut at = 0usize;
+    let mut out = Vec::new();
+    while at < complete.len() {
+        let (len, meta) = scan_next_line(&complete[at..]);
+        out.push((at as u64, len, meta));
+        at += len + 1;
+    }
+    out
+}
+
+#[test]
+fn the_one_pass_line_scan_agrees_with_split_then_scan() {
+    let mut rng = Rng(0xd1b5_4a32_d192_ed03);
+    let turns = conversation(6, "s");
+    let mut base: Vec<u8> = Vec::new();
+    for turn in &turns {
+        base.extend_from_slice(&turn.line(Some("p"), None));
+        base.push(b'\n');
+    }
+    // Blanks around the object, a string with escapes, nested values: all still one line.
+    base.extend_from_slice(
+        b" \t{\"model_call_id\":\"a\\\"b\\\\\",\"x\":[[1],{\"y\":\"\\n\"}],\"n\":-1.5e3} \r\n",
+    );
+    let bytes = b"\n\n\n\\\"\"[]{},:0 \r\tx";
+    let mut lines_seen = 0usize;
+    for case in 0..4000 {
+        let mut buf = base.clone();
+        for _ in 0..1 + rng.below(4) {
+            let at = rng.below(buf.len());
+            let byte = bytes[rng.below(bytes.len())];
+            match rng.below(3) {
+                0 => buf[at] = byte,
+                1 => buf.insert(at, byte),
+                _ => {
+                    buf.remove(at);
+                }
+            }
+        }
+        if case % 5 == 0 {
+            buf.truncate(rng.below(buf.len() + 1));
+        }
+        let expected = split_then_scan(&buf);
+        lines_seen += expected.len();
+        assert_eq!(
+            one_pass(&buf),
+            expected,
+            "case {case}: {:?}",
+            String::from_utf8_lossy(&buf)
+        );
+    }
+    assert!(lines_seen > 4000 * 5);
+    assert_eq!(one_pass(&base), split_then_scan(&base));
+    assert!(split_then_scan(&base)
+        .iter()
+        .all(|(_, _, meta)| meta.is_ok()));
+}

@@ -232,27 +232,51 @@ fn interned_ints() -> Option<std::sync::MutexGuard<'static, Vec<Option<Py<PyAny>
 
 fn token_tuple<'py>(py: Python<'py>, tokens: &[u64]) -> PyResult<Bound<'py, PyTuple>> {
     let mut table = interned_ints();
-    let mut items = Vec::with_capacity(tokens.len());
-    for &id in tokens {
+    // Built straight into the tuple (an exact-size iterator): no second array of references,
+    // whose fresh pages a cold process would fault in (a 70k-token answer: 560 KB).
+    let ints = tokens.iter().map(|&id| -> PyResult<Py<PyAny>> {
         let slot = table
             .as_mut()
             .and_then(|table| usize::try_from(id).ok().and_then(|i| table.get_mut(i)));
         let Some(slot) = slot else {
-            items.push(id.into_pyobject(py)?.into_any().unbind());
-            continue;
+            return Ok(id.into_pyobject(py)?.into_any().unbind());
         };
-        let int = match slot {
+        Ok(match slot {
             Some(int) => int.clone_ref(py),
             None => slot
                 .insert(id.into_pyobject(py)?.into_any().unbind())
                 .clone_ref(py),
-        };
-        items.push(int);
-    }
+        })
+    });
+    let tuple = try_tuple(py, ints)?;
     drop(table);
-    let tuple = PyTuple::new(py, items)?;
     untrack_atomic(tuple.as_any());
     Ok(tuple)
+}
+
+/// A tuple of the items of an exact-size iterator of fallible conversions (the first error
+/// is returned).
+fn try_tuple<'py>(
+    py: Python<'py>,
+    items: impl ExactSizeIterator<Item = PyResult<Py<PyAny>>>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let mut failed: Option<PyErr> = None;
+    let len = items.len();
+    let tuple = PyTuple::new(
+        py,
+        items.map(|item| match item {
+            Ok(int) => int,
+            Err(err) => {
+                failed.get_or_insert(err);
+                py.None()
+            }
+        }),
+    )?;
+    debug_assert_eq!(tuple.len(), len);
+    match failed {
+        Some(err) => Err(err),
+        None => Ok(tuple),
+    }
 }
 
 fn hashed(fingerprint: String, n_items: usize, digests: HashMap<usize, String>) -> HashedRequest {
