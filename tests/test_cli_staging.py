@@ -44,8 +44,22 @@ def test_ls_show_verify(location: str, capsys: pytest.CaptureFixture[str]) -> No
     code, rows = run(capsys, "ls", location)
     assert code == 0
     assert rows == [
-        {"rollout_id": "a/b", "calls": 3, "tokens": 24, "max_cum_len": 24, "weight_versions": [1]},
-        {"rollout_id": "solo", "calls": 1, "tokens": 3, "max_cum_len": 3, "weight_versions": [1]},
+        {
+            "rollout_id": "a/b",
+            "calls": 3,
+            "tokens": 24,
+            "max_cum_len": 24,
+            "weight_versions": [1],
+            "retired": False,
+        },
+        {
+            "rollout_id": "solo",
+            "calls": 1,
+            "tokens": 3,
+            "max_cum_len": 3,
+            "weight_versions": [1],
+            "retired": False,
+        },
     ]
     code, shown = run(capsys, "show", location, "a/b")
     assert code == 0
@@ -105,11 +119,24 @@ def test_verify_reports_damage_per_key(
 def test_retire_and_delete(location: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, retired = run(capsys, "retire", location, "a/b", "never")
     assert code == 0 and retired == {"removed": ["a/b"], "absent": ["never"]}
+    # Retired rollouts stay listed (their fences), marked, with nothing fetchable.
     code, rows = run(capsys, "ls", location)
-    assert [row["rollout_id"] for row in rows] == ["solo"]
+    assert [(row["rollout_id"], row["retired"], row["calls"]) for row in rows] == [
+        ("a/b", True, 0),
+        ("never", True, 0),
+        ("solo", False, 1),
+    ]
+    assert main(["ls", location, "--staging"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in text[1:-1]] == ["a/b", "never", "solo"]
+    assert text[1].endswith("(retired)") and text[2].endswith("(retired)")
+    assert not text[3].endswith("(retired)")
+    assert text[-1] == "1 staged rollout(s), 2 retired"
     code, deleted = run(capsys, "delete", location, "a/b", "solo")
     assert code == 0 and deleted == {"removed": ["a/b", "solo"], "absent": []}
-    assert run(capsys, "ls", location)[1] == []
+    assert [(row["rollout_id"], row["retired"]) for row in run(capsys, "ls", location)[1]] == [
+        ("never", True)
+    ]
 
 
 def test_copy_between_backends_both_ways(

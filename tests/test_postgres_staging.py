@@ -339,12 +339,19 @@ def test_stages_from_many_threads_share_commits(dsn: str) -> None:  # noqa: F811
     try:
         store.stage(make_record("warm"))
         before = commits()
+        hops: list[object] = []
+        client: Any = store._client
+        for name in ("run_sync", "call_in_thread"):
+            original = getattr(client, name)
+            setattr(client, name, lambda *a, _o=original, **k: hops.append(a) or _o(*a, **k))
         threads = [threading.Thread(target=stage, args=(t,)) for t in range(32)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
         after = commits()
+        # Led by the calling threads themselves: no stage went through the loop thread.
+        assert hops == []
         assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
         fetched = store.fetch([r.staging_key for r in records])
         assert [s.digest for s in fetched] == [r.digest for r in records]
@@ -352,6 +359,59 @@ def test_stages_from_many_threads_share_commits(dsn: str) -> None:  # noqa: F811
         assert after - before < len(records) // 2
     finally:
         store.close_sync()
+
+
+def test_one_leader_hands_the_lead_on(dsn: str) -> None:  # noqa: F811
+    """With one batch in flight at a time, every stage that queued behind it is still sent:
+    the leader passes the lead to a queued caller (none waits for a newcomer to lead)."""
+    store = PostgresStagingStore(dsn, stage_flushes=1)
+    records = [chain(f"h{t}", 10, size=16) for t in range(8)]
+    barrier = threading.Barrier(8)
+    results: list[list[Any]] = [[] for _ in records]
+
+    def stage(t: int) -> None:
+        barrier.wait()
+        results[t] = [store.stage(r) for r in records[t]]
+
+    try:
+        store.stage(make_record("warm"))
+        threads = [threading.Thread(target=stage, args=(t,), daemon=True) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in threads), "stages left waiting"
+        assert all(r.ok for per in results for r in per)
+        keys = [r.staging_key for per in records for r in per]
+        assert len(store.fetch(keys)) == 80
+    finally:
+        store.close_sync()
+
+
+def test_stage_from_inside_a_running_loop(dsn: str) -> None:  # noqa: F811
+    """A synchronous stage called where an event loop runs (it cannot lead a batch on a loop
+    of its own there) goes through the loop thread, with the same answers."""
+    store = PostgresStagingStore(dsn)
+    records = chain("in-loop", 3)
+
+    async def run() -> list[Any]:
+        return [store.stage(r) for r in [*records, records[0]]]
+
+    try:
+        results = asyncio.run(run())
+        assert [r.ok for r in results] == [True] * 4
+        assert store._client._thread is not None
+        conflict = make_record("in-loop", "c0", [7, 8, 9])
+        refused = asyncio.run(run_one(store, conflict))
+        assert not refused.ok and refused.error.startswith("TokenCaptureConflictError")
+        fetched = store.fetch([r.staging_key for r in records])
+        assert [s.digest for s in fetched] == [r.digest for r in records]
+    finally:
+        store.close_sync()
+
+
+async def run_one(store: PostgresStagingStore, record: Any) -> Any:
+    return store.stage(record)
 
 
 def test_async_stage_and_fetch(dsn: str) -> None:  # noqa: F811

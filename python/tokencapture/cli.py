@@ -578,6 +578,7 @@ def _staging_ls(args: argparse.Namespace) -> int:
     store = _staging_store(args.dir)
     try:
         grouped = _staged_by_rollout(store)
+        retired = store.retired()
     finally:
         _close(store)
     rows = [
@@ -587,19 +588,37 @@ def _staging_ls(args: argparse.Namespace) -> int:
             "tokens": sum(r.delta_len for r in records),
             "max_cum_len": max(r.cum_len for r in records),
             "weight_versions": sorted({r.weight_version for r in records}),
+            "retired": False,
         }
         for rollout_id, records in grouped.items()
     ]
+    # A retired rollout's calls are no longer fetchable, but its fence is there: listed, marked.
+    rows.extend(
+        {
+            "rollout_id": rollout_id,
+            "calls": 0,
+            "tokens": 0,
+            "max_cum_len": 0,
+            "weight_versions": [],
+            "retired": True,
+        }
+        for rollout_id in retired
+        if rollout_id not in grouped
+    )
+    rows.sort(key=lambda row: row["rollout_id"])
 
     def render(found: list[dict[str, Any]]) -> str:
         lines = [f"{'ROLLOUT':<32} {'CALLS':>6} {'TOKENS':>9} {'MAX_CUM':>9} WEIGHTS"]
         for row in found:
             weights = ",".join(str(w) for w in row["weight_versions"])
+            if row["retired"]:
+                weights = "(retired)"
             lines.append(
                 f"{row['rollout_id']:<32} {row['calls']:>6} {row['tokens']:>9} "
                 f"{row['max_cum_len']:>9} {weights}"
             )
-        lines.append(f"{len(found)} staged rollout(s)")
+        fenced = sum(1 for row in found if row["retired"])
+        lines.append(f"{len(found) - fenced} staged rollout(s), {fenced} retired")
         return "\n".join(lines)
 
     _emit(args, rows, render)

@@ -6,6 +6,7 @@ synchronous methods, and the mapping of connection failures to `OSError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -22,6 +23,7 @@ from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, schema
 __all__ = [
     "CallBatcher",
     "Client",
+    "GroupCommit",
     "PostgresDurabilityError",
     "PostgresSchemaError",
     "PostgresUnavailableError",
@@ -591,3 +593,130 @@ class CallBatcher:
             self.flushing -= 1
             if self.pending:
                 self._schedule()
+
+
+class _Waiter:
+    """One stage waiting in a `GroupCommit`: its arguments, its answer, and the lock its thread
+    sleeps on (held from birth; released once per signal: answered, or asked to lead)."""
+
+    __slots__ = ("answered", "args", "error", "lead", "signalled", "status", "wake")
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.args = args
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.status = 0
+        self.error: BaseException | None = None
+        self.answered = False
+        self.lead = False
+        self.signalled = False
+
+
+class GroupCommit:
+    """Synchronous calls batched by the calling threads themselves (a leader-thread group
+    commit), for `PostgresStagingStore.stage`.
+
+    A caller queues its arguments; while fewer than `max_leaders` batches are in flight it
+    becomes a leader: it takes every queued call (up to `max_batch`), sends them as one call of
+    `sql` (arrays, one status per call: `tokencapture.stage_batch`) on a private event loop it
+    runs in its own thread (each leader holds one such loop and its pool; a loop is only ever
+    run by one thread at a time), answers and wakes the callers of its batch, and hands the
+    lead to the first caller still queued, if any. The others sleep on their own lock. So a
+    stage costs no hop to a loop thread and back (measured at ~80 us per stage on the shared
+    2-core machine with the loop-thread `CallBatcher`), and every stage still returns only
+    after the commit of its batch answered."""
+
+    def __init__(self, client: Client, sql: str, max_batch: int, max_leaders: int) -> None:
+        self.client = client
+        self.sql = sql
+        self.max_batch = max_batch
+        self.max_leaders = min(max_leaders, client.pool_size)
+        self._lock = threading.Lock()
+        self._queue: list[_Waiter] = []
+        self._idle: list[asyncio.AbstractEventLoop] = []
+        self._leaders = 0
+        self._closed = False
+        self._pid = os.getpid()
+
+    def stage(self, args: tuple[Any, ...]) -> int:
+        """The server's status of one call (or its failure raised), once its batch committed."""
+        waiter = _Waiter(args)
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's loops are not ours
+                self._pid, self._queue, self._idle, self._leaders = os.getpid(), [], [], 0
+            if self._closed:
+                raise RuntimeError("the store is closed")
+            self._queue.append(waiter)
+            lead = self._leaders < self.max_leaders
+            if lead:
+                self._leaders += 1
+        while True:
+            if lead:
+                self._lead(waiter)
+            if waiter.answered:
+                break
+            waiter.wake.acquire()
+            with self._lock:
+                waiter.signalled = False
+                lead, waiter.lead = waiter.lead, False
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter.status
+
+    @staticmethod
+    def _signal(waiter: _Waiter) -> None:
+        """Wake `waiter` (under the lock; at most one pending wake per waiter)."""
+        if not waiter.signalled:
+            waiter.signalled = True
+            waiter.wake.release()
+
+    def _lead(self, me: _Waiter) -> None:
+        """Send one batch as its leader, answer it, and pass the lead on (or give it up)."""
+        with self._lock:
+            batch = self._queue[: self.max_batch]
+            del self._queue[: self.max_batch]
+            loop = self._idle.pop() if self._idle else None
+        if loop is None:
+            loop = asyncio.new_event_loop()
+        statuses: list[int] = []
+        failure: BaseException | None = None
+        try:
+            if batch:
+                columns = [list(column) for column in zip(*(w.args for w in batch), strict=True)]
+                statuses = loop.run_until_complete(self.client.fetch("val", self.sql, *columns))
+        except BaseException as exc:
+            failure = exc
+        with self._lock:
+            for index, waiter in enumerate(batch):
+                if failure is None:
+                    waiter.status = statuses[index]
+                else:
+                    waiter.error = _copy_error(failure)
+                waiter.answered = True
+                if waiter is not me:
+                    self._signal(waiter)
+            if self._closed:
+                loop.close()
+            else:
+                self._idle.append(loop)
+            successor = next((w for w in self._queue if not w.lead), None)
+            if successor is None:
+                self._leaders -= 1
+            else:
+                successor.lead = True
+                self._signal(successor)
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure
+
+    def close(self, *, graceful: bool = True) -> None:
+        """Close the idle loops (their connections first when `graceful` and no loop runs in
+        this thread); a loop in use is closed by its leader when its batch is done."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for loop in idle:
+            if graceful and asyncio.events._get_running_loop() is None:
+                # What fails to close here, the client's close terminates.
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(self.client._close_on(loop))
+            loop.close()

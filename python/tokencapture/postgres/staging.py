@@ -8,17 +8,16 @@ and, on Citus, on every worker) instead of a group-committed ``fdatasync``. The 
 
 Threads. ``stage`` is synchronous and is called from many completion threads at once. Each
 caller verifies and encodes its record in its own thread (`tokencapture._core.staging_encode`,
-the GIL released for the hashing), then hands the encoded row to the store's one event-loop
-thread (the loop every synchronous method of the PostgreSQL classes runs on; a callback
-scheduled with ``call_soon_threadsafe``, no task per stage) and blocks, GIL released, on a
-``concurrent.futures.Future``. On that loop the stages that arrive while earlier batches are
-in flight are gathered into one ``tokencapture.stage_batch`` call: one round trip and one
-commit (one WAL flush) for all of them, each with its own status; at most ``stage_flushes``
-(3) such calls are in flight. So asyncpg's connections are only ever touched from the thread
-that owns them, any number of threads may stage, and a burst of stages costs a few commits,
-not one per stage. On a
-Citus cluster each stage is its own call, delegated to the worker that owns its rollout (a
-batch would run on the coordinator and tie every stage in it to every worker it spans).
+the GIL released for the hashing), then joins the store's group commit
+(`tokencapture.postgres._client.GroupCommit`): the first caller to find fewer than
+``stage_flushes`` (3) batches in flight becomes a leader, takes every queued stage (up to
+``stage_batch_size``), sends them in one ``tokencapture.stage_batch`` call (one round trip, one
+transaction, one WAL flush, each stage with its own status) on an event loop it runs in its own
+thread, wakes their callers and hands the lead to the next queued caller. No stage is handed
+to another thread and back. A caller that already runs an event loop in its thread goes
+through the client's loop thread instead. On a Citus cluster each stage is its own call,
+delegated to the worker that owns its rollout (a batch would run on the coordinator and tie
+every stage in it to every worker it spans).
 
 NeMo Gym constructs it as ``tokencapture:PostgresStagingStore`` with ``{"dsn": ...}``.
 """
@@ -33,7 +32,7 @@ from typing import Any
 
 import asyncpg  # type: ignore[import-untyped, unused-ignore]
 
-from tokencapture.postgres._client import CallBatcher, Client
+from tokencapture.postgres._client import CallBatcher, Client, GroupCommit
 from tokencapture.protocols import (
     RolloutRemovalPayload,
     TokenCaptureConflictError,
@@ -75,6 +74,7 @@ _KEYS_OF = (
     "SELECT staging_key FROM tokencapture.staged_calls WHERE rollout_id = $1 "
     "AND staging_key >= $1 || '/' AND staging_key < $1 || '0'"
 )
+_RETIRED_ALL = "SELECT rollout_id FROM tokencapture.staging_rollouts WHERE retired"
 _RETIRE = "SELECT * FROM tokencapture.retire_staging($1)"
 _DELETE = "SELECT * FROM tokencapture.delete_staging($1)"
 
@@ -200,6 +200,7 @@ class PostgresStagingStore:
         self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CallBatcher] = (
             weakref.WeakKeyDictionary()
         )
+        self._group = GroupCommit(self._client, _STAGE_BATCH, stage_batch_size, stage_flushes)
 
     def __repr__(self) -> str:
         return f"PostgresStagingStore({self._client.where!r})"
@@ -229,10 +230,14 @@ class PostgresStagingStore:
         try:
             args = self._stage_args(record, attachments)
             if self._batch_stages and self._client.distributed is False:
-                # The hot path: straight into the loop thread's batcher (no task per stage).
-                answer: concurrent.futures.Future[int] = concurrent.futures.Future()
-                self._client.call_in_thread(self._submit, args, answer)
-                _check_status(answer.result(), args)
+                if asyncio.events._get_running_loop() is None:
+                    # The hot path: group commit led by a calling thread (no loop-thread hop).
+                    _check_status(self._group.stage(args), args)
+                else:
+                    # A caller inside a running loop cannot drive another one: the loop thread.
+                    answer: concurrent.futures.Future[int] = concurrent.futures.Future()
+                    self._client.call_in_thread(self._submit, args, answer)
+                    _check_status(answer.result(), args)
             else:
                 self._client.run_sync(self._store(args))
         except _STAGE_FAILURES as error:
@@ -379,6 +384,12 @@ class PostgresStagingStore:
             rows = await self._client.fetch("rows", _KEYS_OF, rollout_id)
         return sorted(row["staging_key"] for row in rows)
 
+    def retired(self) -> list[str]:
+        """Every retired (fenced) rollout id, sorted: rollouts with no fetchable keys that no
+        stage succeeds for until they are deleted."""
+        rows = self._client.run_sync(self._client.fetch("rows", _RETIRED_ALL))
+        return sorted(row["rollout_id"] for row in rows)
+
     # ---- lifecycle ----------------------------------------------------------------------
 
     async def _remove(self, sql: str, ids: list[str]) -> RolloutRemovalPayload:
@@ -417,6 +428,7 @@ class PostgresStagingStore:
     def close(self) -> None:
         """Close this store's connections (idempotent). Synchronous, as the staging protocols
         are (the other PostgreSQL classes' `close` is a coroutine; here that is `aclose`)."""
+        self._group.close()
         self._client.close_sync()
 
     close_sync = close
@@ -424,3 +436,4 @@ class PostgresStagingStore:
     async def aclose(self) -> None:
         """`close` from a coroutine: this loop's connections closed without blocking it."""
         await self._client.close()
+        self._group.close(graceful=False)

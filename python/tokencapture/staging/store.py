@@ -125,6 +125,11 @@ class FileStagingStore:
         """Every staged key (of one rollout, or all), sorted."""
         return self._native.keys(rollout_id)
 
+    def retired(self) -> list[str]:
+        """Every retired (fenced) rollout id, sorted: rollouts with no fetchable keys that no
+        stage succeeds for until they are deleted."""
+        return self._native.retired()
+
     # ---- lifecycle ----------------------------------------------------------------------
 
     def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:

@@ -765,6 +765,25 @@ fn hex_str<'py>(py: Python<'py>, d: &Digest32) -> Bound<'py, PyString> {
     PyString::new(py, &hex::encode(d))
 }
 
+/// A list of floats where every exact `0.0` and `1.0` (by bits: `-0.0` stays its own object) is
+/// one shared object: a staged mask holds nothing else and a prompt carry's log-probs are
+/// `0.0`, so a fetch allocates a float only for generated log-probs (float objects are
+/// immutable; sharing equal ones is what a Python literal does too).
+fn float_list<'py>(py: Python<'py>, values: &[f64]) -> PyResult<Bound<'py, PyList>> {
+    let zero = PyFloat::new(py, 0.0).into_any();
+    let one = PyFloat::new(py, 1.0).into_any();
+    let items = values.iter().map(|v| {
+        if v.to_bits() == 0f64.to_bits() {
+            zero.clone()
+        } else if v.to_bits() == 1f64.to_bits() {
+            one.clone()
+        } else {
+            PyFloat::new(py, *v).into_any()
+        }
+    });
+    PyList::new(py, items)
+}
+
 /// The model fields of a decoded row, as a dict (`model_construct(**fields)` builds the model;
 /// the digests were verified natively).
 fn fields_dict<'py>(
@@ -787,10 +806,10 @@ fn fields_dict<'py>(
     d.set_item("weight_version", fields.weight_version)?;
     d.set_item("digest", hex_str(py, digest_value))?;
     d.set_item("token_ids_delta", PyList::new(py, &fields.token_ids)?)?;
-    d.set_item("token_mask_delta", PyList::new(py, &fields.token_mask)?)?;
+    d.set_item("token_mask_delta", float_list(py, &fields.token_mask)?)?;
     d.set_item(
         "generation_log_probs_delta",
-        PyList::new(py, &fields.log_probs)?,
+        float_list(py, &fields.log_probs)?,
     )?;
     d.set_item("extras_digest", hex_str(py, &fields.extras_digest))?;
     d.set_item("chain_hash", hex_str(py, &fields.chain_hash))?;
@@ -1003,6 +1022,12 @@ impl PyStagingFileStore {
     #[pyo3(signature = (rollout_id = None))]
     fn keys(&self, py: Python<'_>, rollout_id: Option<String>) -> PyResult<Vec<String>> {
         py.detach(|| self.inner.keys(rollout_id.as_deref()))
+            .map_err(|e| staging_err(py, e))
+    }
+
+    /// Every retired rollout id, sorted.
+    fn retired(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        py.detach(|| self.inner.retired())
             .map_err(|e| staging_err(py, e))
     }
 

@@ -1263,6 +1263,20 @@ impl FileStaging {
         Ok(keys)
     }
 
+    /// Every retired (fenced) rollout id, sorted.
+    pub fn retired(&self) -> Result<Vec<String>> {
+        self.refresh()?;
+        let view = self.view_read();
+        let mut ids: Vec<String> = view
+            .rollouts
+            .iter()
+            .filter(|(_, ctl)| ctl.retired)
+            .map(|(id, _)| id.clone())
+            .collect();
+        ids.sort();
+        Ok(ids)
+    }
+
     /// Damaged ranges of acknowledged frames found so far (see the recovery rule).
     pub fn damage(&self) -> Result<Vec<Damage>> {
         self.refresh()?;
