@@ -1211,10 +1211,9 @@ impl Store {
                 .entry_digests
                 .insert(item.call_id.clone(), item.digest.clone());
         }
-        // A rollout's first puts write no state index: a missing one is a fresh rollout
-        // (SPEC) and the log alone reads the same, so the index waits for the first
-        // checkpoint or lifecycle transition. That takes a temporary file, its fdatasync and
-        // a rename off every new rollout's first put (3 syncs to 2, the directory's shared).
+        if cached.state_file.is_none() {
+            self.persist(cached, paths, false)?;
+        }
         if created || !cached.dir_synced {
             self.sync_dir()?;
             cached.dir_synced = true;
