@@ -18,7 +18,10 @@
 //! candidate that turns out to sit in a nested object. The rows remember which part of each
 //! buffer is theirs; when the records of a snapshot do not cover their buffer exactly, in order
 //! (such leftovers, a duplicate line), the records' parts are copied into a fresh buffer.
-//! Repeated arrays (`json::Repeats`) are copied from the earlier row's part of the buffer.
+//! Repeated arrays (`json::Repeats`) are copied from the earlier row's part of the buffer;
+//! with `shared_prefixes`, a prompt repeating the whole prompt that ends the prompt buffer
+//! starts where that one does instead (its rows' ranges overlap), and the prompt column is
+//! handed over as a list view (offsets and sizes) of the buffer as it is.
 //!
 //! **Validation.** A row is checked with the rules freeze applies to a decoded record (the
 //! types of `TokenEntry`'s fields and its invariants). A line that breaks them makes the
