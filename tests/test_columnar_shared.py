@@ -122,7 +122,11 @@ def test_a_chain_stores_each_prompt_once(tmp_path: Path, calls: int) -> None:
     entries = lineage_rollout("agentic", calls=calls, prompt=1500, turn=400, seed=calls)
     for entry in entries:
         store.append(entry)
-    shared = pa.table(store.freeze_columns_now("agentic", shared_prefixes=True))
+    snapshot = store.freeze_columns_now("agentic", shared_prefixes=True)
+    shared = pa.table(snapshot)
+    # The batch's own export (`__arrow_c_array__`) carries the list view too.
+    assert pa.record_batch(snapshot.entries).equals(shared.to_batches()[0])
+    assert pa.schema(snapshot).field("prompt_token_ids").type == LIST_VIEW
     column = shared["prompt_token_ids"].chunk(0)
     # Every prompt extends the previous one: all views start at 0 and the buffer holds the
     # last prompt only.
