@@ -13,6 +13,12 @@ without a copy::
 
 This package depends on no Arrow library; the consumer brings its own. `COLUMNS` lists the
 schema, which is the same for every rollout (see docs/columnar.md).
+
+`shared_prefixes=True` (on `freeze_columns`, `freeze_columns_now` and `read_columns`) makes
+`prompt_token_ids` a `list_view<int64>` instead: a prompt that begins with the whole previous
+prompt points at that prompt's ids and only its new suffix is stored, so an agentic chain's
+prompts take one buffer; the ids read are the same (entry i is
+`values[offsets[i]:offsets[i] + sizes[i]]`; pyarrow >= 16 reads list views).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ ColumnarArray = _core.ColumnarArray
 #: The columns of every columnar snapshot, in order, with their Arrow types. Token ids are
 #: int64 and log-probs float64; `routed_experts`, `output_items` and `extras` (the fields
 #: `TokenEntry` does not declare, as one object; null when there are none) are JSON text.
+#: With `shared_prefixes=True`, `prompt_token_ids` is `list_view<int64>`.
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("schema_version", "int64"),
     ("rollout_id", "utf8"),

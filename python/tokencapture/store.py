@@ -239,12 +239,18 @@ class TokenCaptureStore(RolloutFiles):
 
     # Columnar reads (tokencapture.columnar) -----------------------------------------------
 
-    def freeze_columns_now(self, rollout_id: str) -> _columnar.ColumnarSnapshot:
-        """`freeze_now`, with the entries as Arrow columns instead of `TokenEntry` objects."""
+    def freeze_columns_now(
+        self, rollout_id: str, *, shared_prefixes: bool = False
+    ) -> _columnar.ColumnarSnapshot:
+        """`freeze_now`, with the entries as Arrow columns instead of `TokenEntry` objects.
+
+        `shared_prefixes=True` makes `prompt_token_ids` a `list_view<int64>` whose entries
+        share the ids of repeated prompt prefixes (docs/columnar.md); the values are the same.
+        """
         with self._operation("freeze_columns", rollout_id):
             try:
                 entries, incomplete, snapshot_id, version = _core.freeze_columns(
-                    self._native, rollout_id
+                    self._native, rollout_id, shared_prefixes
                 )
             except _core.ColumnarRecordError as exc:
                 raise _columnar.columnar_refusal(
@@ -254,15 +260,21 @@ class TokenCaptureStore(RolloutFiles):
                 ) from None
             return _columnar.ColumnarSnapshot(rollout_id, entries, incomplete, snapshot_id, version)
 
-    def freeze_columns(self, rollout_id: str) -> Coroutine[Any, Any, _columnar.ColumnarSnapshot]:
-        """`freeze`, with the entries as Arrow columns (validates `rollout_id` when called)."""
+    def freeze_columns(
+        self, rollout_id: str, *, shared_prefixes: bool = False
+    ) -> Coroutine[Any, Any, _columnar.ColumnarSnapshot]:
+        """`freeze`, with the entries as Arrow columns (validates `rollout_id` when called);
+        `shared_prefixes` as for `freeze_columns_now`."""
         validate_rollout_id(rollout_id)
-        return off_loop(self.freeze_columns_now, rollout_id)
+        return off_loop(self.freeze_columns_now, rollout_id, shared_prefixes=shared_prefixes)
 
-    def read_columns(self, rollout_id: str) -> _columnar.ColumnarEntries:
-        """`read_entries` as Arrow columns (a torn tail is ignored; nothing changes)."""
+    def read_columns(
+        self, rollout_id: str, *, shared_prefixes: bool = False
+    ) -> _columnar.ColumnarEntries:
+        """`read_entries` as Arrow columns (a torn tail is ignored; nothing changes);
+        `shared_prefixes` as for `freeze_columns_now`."""
         try:
-            return _core.read_columns(self._native, rollout_id)
+            return _core.read_columns(self._native, rollout_id, shared_prefixes)
         except _core.ColumnarRecordError as exc:
             raise _columnar.columnar_refusal(
                 exc, self.path_for(rollout_id), lambda: self.read_entries(rollout_id)

@@ -18,7 +18,10 @@
 //! candidate that turns out to sit in a nested object. The rows remember which part of each
 //! buffer is theirs; when the records of a snapshot do not cover their buffer exactly, in order
 //! (such leftovers, a duplicate line), the records' parts are copied into a fresh buffer.
-//! Repeated arrays (`json::Repeats`) are copied from the earlier row's part of the buffer.
+//! Repeated arrays (`json::Repeats`) are copied from the earlier row's part of the buffer;
+//! with `shared_prefixes`, a prompt repeating the whole prompt that ends the prompt buffer
+//! starts where that one does instead (its rows' ranges overlap), and the prompt column is
+//! handed over as a list view (offsets and sizes) of the buffer as it is.
 //!
 //! **Validation.** A row is checked with the rules freeze applies to a decoded record (the
 //! types of `TokenEntry`'s fields and its invariants). A line that breaks them makes the
@@ -154,6 +157,9 @@ pub struct ColumnBuilder {
     line_error: Option<String>,
     /// The line's row, once its top-level object is built.
     row: Option<Result<Row, String>>,
+    /// Point a prompt that extends the previous prompt at that prompt's ids instead of
+    /// copying them (the prompt column becomes a list view; see [`decode_columns`]).
+    shared_prefixes: bool,
 }
 
 impl ColumnBuilder {
@@ -320,7 +326,20 @@ impl<'a> Builder<'a> for ColumnBuilder {
         earlier: &Col<'a>,
         count: usize,
     ) -> Result<(), LineError> {
-        if let (Target::Ids(field, _), &Col::Ids(source, start, len)) = (items.target, earlier) {
+        if let (Target::Ids(field, at), &Col::Ids(source, start, len)) = (items.target, earlier) {
+            let buffer_end = self.ids[field as usize].len();
+            if self.shared_prefixes
+                && field == IdField::Prompt
+                && source == field
+                && count == len
+                && at == buffer_end
+                && start + len == buffer_end
+            {
+                // The array begins with the whole of the array that ends the buffer, and
+                // nothing of it is written yet: it starts where that one does, sharing its ids.
+                items.target = Target::Ids(field, start);
+                return Ok(());
+            }
             if count <= len {
                 let run = start..start + count;
                 if field == source {
@@ -878,7 +897,17 @@ pub struct Decoded {
 /// Decode the lines a store hands over into rows: a small log's in one walk, a large log's by
 /// replaying the tapes another thread makes while it reads.
 pub fn decode_columns(lines: LinesToDecode<'_>) -> Decoded {
-    let mut builder = ColumnBuilder::default();
+    decode_with(lines, false)
+}
+
+/// [`decode_columns`], with `shared_prefixes`: a prompt that begins with the whole previous
+/// prompt, when that one ends the prompt buffer, starts where it does and only its new suffix
+/// is written (the rows' prompt ranges then overlap; [`assemble`] makes a list view of them).
+fn decode_with(lines: LinesToDecode<'_>, shared_prefixes: bool) -> Decoded {
+    let mut builder = ColumnBuilder {
+        shared_prefixes,
+        ..ColumnBuilder::default()
+    };
     let mut rows = Vec::new();
     match lines {
         LinesToDecode::Whole { buf, lines } => {
@@ -929,11 +958,35 @@ fn replay(builder: &mut ColumnBuilder, rows: &mut Vec<Result<Row, String>>, feed
 
 // ---- assembling a snapshot -----------------------------------------------------------------
 
-/// One list column: `values`, and `offsets` (one more than the rows) into them.
+/// One list column: `values`, and `offsets` (one more than the rows) into them; or, when
+/// `sizes` is set, a list view: row i is `values[offsets[i]..offsets[i] + sizes[i]]` (one
+/// offset per row), rows may overlap.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ListColumn<T> {
     pub values: Vec<T>,
     pub offsets: Vec<i32>,
+    pub sizes: Option<Vec<i32>>,
+}
+
+impl<T> ListColumn<T> {
+    /// Row `at`'s values.
+    pub fn part(&self, at: usize) -> &[T] {
+        part_of(self.parts(), at)
+    }
+
+    pub fn parts(&self) -> ListParts<'_, T> {
+        (&self.values, &self.offsets, self.sizes.as_deref())
+    }
+}
+
+/// Row `at` of a list column's parts.
+pub fn part_of<T>((values, offsets, sizes): ListParts<'_, T>, at: usize) -> &[T] {
+    let start = offsets[at] as usize;
+    let end = match sizes {
+        Some(sizes) => start + sizes[at] as usize,
+        None => offsets[at + 1] as usize,
+    };
+    &values[start..end]
 }
 
 /// A snapshot's entries as columns, in commit order.
@@ -999,7 +1052,39 @@ fn list_column<T: Copy>(
         at += range.len() as i32; // the total fits, so every partial sum does
         offsets.push(at);
     }
-    Ok(ListColumn { values, offsets })
+    Ok(ListColumn {
+        values,
+        offsets,
+        sizes: None,
+    })
+}
+
+/// The whole of `buffer` as a list view with a row at each of `ranges` (which may overlap or
+/// leave parts unused): nothing is copied.
+fn list_view_column<T>(
+    mut buffer: Vec<T>,
+    ranges: impl ExactSizeIterator<Item = Range<usize>>,
+    name: &str,
+) -> Result<ListColumn<T>, String> {
+    if i32::try_from(buffer.len()).is_err() {
+        return Err(format!(
+            "{name} holds {} values in all, more than an Arrow list view's 2**31-1",
+            buffer.len()
+        ));
+    }
+    buffer.shrink_to_fit();
+    let mut offsets = Vec::with_capacity(ranges.len());
+    let mut sizes = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        // Every range lies within the buffer, whose length fits.
+        offsets.push(range.start as i32);
+        sizes.push(range.len() as i32);
+    }
+    Ok(ListColumn {
+        values: buffer,
+        offsets,
+        sizes: Some(sizes),
+    })
 }
 
 /// The rows of `records` (whose lines are a subsequence of `ranges`, which `decoded` follows).
@@ -1010,6 +1095,7 @@ fn assemble(
     records: &Records,
 ) -> Result<Entries, ColumnsError> {
     let Decoded { builder, rows } = decoded;
+    let shared_prefixes = builder.shared_prefixes;
     let mut decoded = ranges.iter().zip(rows);
     let mut selected = Vec::with_capacity(records.lines.len());
     for wanted in &records.lines {
@@ -1032,11 +1118,12 @@ fn assemble(
         probs,
         ..
     } = builder;
-    let prompt = list_column(
-        prompt,
-        selected.iter().map(|row| row.prompt_token_ids.clone()),
-        "prompt_token_ids",
-    )
+    let prompt_ranges = selected.iter().map(|row| row.prompt_token_ids.clone());
+    let prompt = if shared_prefixes {
+        list_view_column(prompt, prompt_ranges, "prompt_token_ids")
+    } else {
+        list_column(prompt, prompt_ranges, "prompt_token_ids")
+    }
     .map_err(record_error)?;
     let generation = list_column(
         generation,
@@ -1067,9 +1154,15 @@ pub struct ColumnarSnapshot {
     pub version: u64,
 }
 
-/// [`Store::freeze`] with the entries decoded into columns (see the module documentation).
-pub fn freeze_columns(store: &Store, rollout_id: &str) -> Result<ColumnarSnapshot, ColumnsError> {
-    let (snapshot, ranges, decoded) = store.freeze_decoding(rollout_id, decode_columns)?;
+/// [`Store::freeze`] with the entries decoded into columns (see the module documentation);
+/// with `shared_prefixes`, the prompt column is a list view sharing repeated prompt prefixes.
+pub fn freeze_columns(
+    store: &Store,
+    rollout_id: &str,
+    shared_prefixes: bool,
+) -> Result<ColumnarSnapshot, ColumnsError> {
+    let decode = |lines: LinesToDecode<'_>| decode_with(lines, shared_prefixes);
+    let (snapshot, ranges, decoded) = store.freeze_decoding(rollout_id, decode)?;
     let log = store.paths(rollout_id).log;
     let entries = assemble(&log, &ranges, decoded, &snapshot.records);
     store.recycle_buffer(snapshot.records.buf);
@@ -1081,9 +1174,15 @@ pub fn freeze_columns(store: &Store, rollout_id: &str) -> Result<ColumnarSnapsho
     })
 }
 
-/// [`Store::read_records`] with the entries decoded into columns.
-pub fn read_columns(store: &Store, rollout_id: &str) -> Result<Entries, ColumnsError> {
-    let (records, ranges, decoded) = store.read_decoding(rollout_id, decode_columns)?;
+/// [`Store::read_records`] with the entries decoded into columns (`shared_prefixes` as for
+/// [`freeze_columns`]).
+pub fn read_columns(
+    store: &Store,
+    rollout_id: &str,
+    shared_prefixes: bool,
+) -> Result<Entries, ColumnsError> {
+    let decode = |lines: LinesToDecode<'_>| decode_with(lines, shared_prefixes);
+    let (records, ranges, decoded) = store.read_decoding(rollout_id, decode)?;
     let log = store.paths(rollout_id).log;
     let entries = assemble(&log, &ranges, decoded, &records);
     store.recycle_buffer(records.buf);
@@ -1146,8 +1245,8 @@ pub struct Link<'r> {
     pub prompt_is_delta: bool,
 }
 
-/// A list column's `(values, offsets)`.
-pub type ListParts<'r, T> = (&'r [T], &'r [i32]);
+/// A list column's `(values, offsets, sizes)` (sizes for a list view; see [`ListColumn`]).
+pub type ListParts<'r, T> = (&'r [T], &'r [i32], Option<&'r [i32]>);
 
 /// Per entry, the token sequence after its call: prompt then generation, an entry whose prompt
 /// is a delta preceded by its parent's sequence (through the parent chain, within the same
@@ -1158,9 +1257,6 @@ pub fn cumulative_tokens(
     prompt: ListParts<'_, i64>,
     generation: ListParts<'_, i64>,
 ) -> Result<ListColumn<i64>, String> {
-    fn part<'r>((values, offsets): ListParts<'r, i64>, at: usize) -> &'r [i64] {
-        &values[offsets[at] as usize..offsets[at + 1] as usize]
-    }
     let mut index = std::collections::HashMap::with_capacity(links.len());
     for (at, link) in links.iter().enumerate() {
         index.entry(link.call_id).or_insert(at);
@@ -1194,15 +1290,19 @@ pub fn cumulative_tokens(
             current = links[parent_at];
         }
         for &step in chain.iter().rev() {
-            values.extend_from_slice(part(prompt, step));
-            values.extend_from_slice(part(generation, step));
+            values.extend_from_slice(part_of(prompt, step));
+            values.extend_from_slice(part_of(generation, step));
         }
         let end = i32::try_from(values.len()).map_err(|_| {
             "the cumulative sequences hold more than an Arrow list column's 2**31-1 ids".to_owned()
         })?;
         offsets.push(end);
     }
-    Ok(ListColumn { values, offsets })
+    Ok(ListColumn {
+        values,
+        offsets,
+        sizes: None,
+    })
 }
 
 #[cfg(test)]
@@ -1295,7 +1395,7 @@ mod tests {
     }
 
     fn part<T: Copy>(column: &ListColumn<T>, at: usize) -> Vec<T> {
-        column.values[column.offsets[at] as usize..column.offsets[at + 1] as usize].to_vec()
+        column.part(at).to_vec()
     }
 
     #[test]
@@ -1360,6 +1460,51 @@ mod tests {
     }
 
     #[test]
+    fn shared_prefixes_point_at_the_ids_a_default_decode_copies() {
+        let (buf, values) = rollout_lines();
+        let ranges = ranges_of(&buf);
+        let records = Records {
+            buf: Vec::new(),
+            lines: ranges[..values.len()].to_vec(),
+        };
+        let log = std::path::Path::new("r.tokens.jsonl");
+        let (default, _) = decode_both(&buf, &ranges);
+        let default = assemble(log, &ranges, default, &records).unwrap();
+        let (sink, feed) = tape_channel(ranges.len() + 1);
+        tape_lines(&buf, &ranges, |line| sink.send(line));
+        drop(sink);
+        let whole = decode_with(
+            LinesToDecode::Whole {
+                buf: &buf,
+                lines: &ranges,
+            },
+            true,
+        );
+        for decoded in [whole, decode_with(LinesToDecode::Taped(feed), true)] {
+            let shared = assemble(log, &ranges, decoded, &records).unwrap();
+            let (prompt, copied) = (&shared.prompt_token_ids, &default.prompt_token_ids);
+            let sizes = prompt.sizes.as_deref().expect("a list view");
+            assert_eq!(sizes.len(), values.len());
+            for (at, value) in values.iter().enumerate() {
+                assert_eq!(prompt.part(at), copied.part(at));
+                assert_eq!(prompt.part(at), ids(&value["prompt_token_ids"]));
+            }
+            // Calls 0 and 1 share their ids; call 2 follows a nested prompt array, so it
+            // starts a region of its own, which call 3 then extends.
+            assert_eq!(prompt.offsets[1], prompt.offsets[0]);
+            assert_ne!(prompt.offsets[2], prompt.offsets[1]);
+            assert_eq!(prompt.offsets[3], prompt.offsets[2]);
+            // Stored once: call 0, call 1's suffix, the nested array, call 2 whole, the
+            // suffixes of calls 3-5, and the duplicate line's prompt (a copy: it does not
+            // extend the prompt that ends the buffer); the copying decode holds 3,600.
+            assert_eq!(prompt.values.len(), 300 + 120 + 90 + 540 + 3 * 120 + 420);
+            assert_eq!(copied.values.len(), 3600);
+            assert_eq!(shared.generation_token_ids, default.generation_token_ids);
+            assert_eq!(shared.generation_log_probs, default.generation_log_probs);
+        }
+    }
+
+    #[test]
     fn lines_that_are_not_entries_are_refused_with_their_reason() {
         let good = entry(0, &[1, 2], &[3], json!({}));
         let cases: [(Value, &str); 8] = [
@@ -1420,8 +1565,8 @@ mod tests {
             link("c", Some("b"), true),
             link("d", Some("a"), false),
         ];
-        let prompt = ([1, 2, 4, 7, 9].as_slice(), [0, 2, 3, 4, 5].as_slice());
-        let generation = ([3, 5, 6, 8].as_slice(), [0, 1, 3, 3, 4].as_slice());
+        let prompt = ([1, 2, 4, 7, 9].as_slice(), [0, 2, 3, 4, 5].as_slice(), None);
+        let generation = ([3, 5, 6, 8].as_slice(), [0, 1, 3, 3, 4].as_slice(), None);
         let cumulative = cumulative_tokens(&links, prompt, generation).unwrap();
         assert_eq!(
             cumulative.values,
@@ -1429,14 +1574,14 @@ mod tests {
         );
         assert_eq!(cumulative.offsets, [0, 3, 9, 16, 18]);
         let cycle = [link("a", Some("b"), true), link("b", Some("a"), true)];
-        let two = ([1, 2].as_slice(), [0, 1, 2].as_slice());
-        let none = ([].as_slice(), [0, 0, 0].as_slice());
+        let two = ([1, 2].as_slice(), [0, 1, 2].as_slice(), None);
+        let none = ([].as_slice(), [0, 0, 0].as_slice(), None);
         assert!(cumulative_tokens(&cycle, two, none)
             .unwrap_err()
             .contains("cycle"));
         let orphan = [link("a", Some("gone"), true)];
-        let one = ([1].as_slice(), [0, 1].as_slice());
-        let err = cumulative_tokens(&orphan, one, ([].as_slice(), [0, 0].as_slice()));
+        let one = ([1].as_slice(), [0, 1].as_slice(), None);
+        let err = cumulative_tokens(&orphan, one, ([].as_slice(), [0, 0].as_slice(), None));
         assert!(err.unwrap_err().contains("missing parent \"gone\""));
     }
 }

@@ -17,7 +17,7 @@ use arrow_array::ffi::{FFI_ArrowArray, FFI_ArrowSchema};
 use arrow_array::ffi_stream::FFI_ArrowArrayStream;
 use arrow_array::types::Int64Type;
 use arrow_array::{
-    Array, ArrayRef, BooleanArray, Float64Array, Int64Array, ListArray, RecordBatch,
+    Array, ArrayRef, BooleanArray, Float64Array, Int64Array, ListArray, ListViewArray, RecordBatch,
     RecordBatchIterator, StringArray, StructArray,
 };
 use arrow_buffer::{OffsetBuffer, ScalarBuffer};
@@ -56,8 +56,9 @@ fn list_type(item: DataType) -> DataType {
     DataType::List(Arc::new(Field::new("item", item, false)))
 }
 
-/// The schema of every columnar snapshot: `TokenEntry`'s fields in its order, then `extras`.
-fn schema() -> SchemaRef {
+/// The schema of every columnar snapshot: `TokenEntry`'s fields in its order, then `extras`;
+/// `prompt` is the prompt column's type (`list<int64>`, or `list_view<int64>` when shared).
+fn schema(prompt: DataType) -> SchemaRef {
     use DataType::{Boolean, Float64, Int64, Utf8};
     let field =
         |name: &str, data_type: DataType, nullable: bool| Field::new(name, data_type, nullable);
@@ -66,7 +67,7 @@ fn schema() -> SchemaRef {
         field("rollout_id", Utf8, false),
         field("model_call_id", Utf8, false),
         field("model", Utf8, false),
-        field("prompt_token_ids", list_type(Int64), false),
+        field("prompt_token_ids", prompt, false),
         field("generation_token_ids", list_type(Int64), false),
         field("generation_log_probs", list_type(Float64), false),
         field("routed_experts", Utf8, true),
@@ -95,16 +96,31 @@ fn int64_array(values: ScalarBuffer<i64>) -> ArrayRef {
     Arc::new(Int64Array::new(values, None))
 }
 
-/// A list column over `column`'s buffers (moved, not copied).
+/// A list (or list view, when the column has sizes) array over `column`'s buffers (moved,
+/// not copied).
 fn list_array<T: arrow_buffer::ArrowNativeType>(
     column: ListColumn<T>,
     values: impl FnOnce(ScalarBuffer<T>) -> ArrayRef,
     item: DataType,
 ) -> Result<ArrayRef, ArrowError> {
-    let offsets = OffsetBuffer::new(ScalarBuffer::from(column.offsets));
-    let values = values(ScalarBuffer::from(column.values));
     let field = Arc::new(Field::new("item", item, false));
-    Ok(Arc::new(ListArray::try_new(field, offsets, values, None)?))
+    let offsets = ScalarBuffer::from(column.offsets);
+    let values = values(ScalarBuffer::from(column.values));
+    Ok(match column.sizes {
+        Some(sizes) => Arc::new(ListViewArray::try_new(
+            field,
+            offsets,
+            ScalarBuffer::from(sizes),
+            values,
+            None,
+        )?),
+        None => Arc::new(ListArray::try_new(
+            field,
+            OffsetBuffer::new(offsets),
+            values,
+            None,
+        )?),
+    })
 }
 
 fn batch_of(entries: Entries) -> Result<RecordBatch, ArrowError> {
@@ -126,12 +142,14 @@ fn batch_of(entries: Entries) -> Result<RecordBatch, ArrowError> {
     let flag = |get: fn(&Row) -> bool| -> ArrayRef {
         Arc::new(BooleanArray::from(rows.iter().map(get).collect::<Vec<_>>()))
     };
+    let prompt = list_array(prompt_token_ids, int64_array, DataType::Int64)?;
+    let prompt_type = prompt.data_type().clone();
     let columns: Vec<ArrayRef> = vec![
         int(|row| Some(row.schema_version)),
         text(|row| &row.rollout_id),
         text(|row| &row.model_call_id),
         text(|row| &row.model),
-        list_array(prompt_token_ids, int64_array, DataType::Int64)?,
+        prompt,
         list_array(generation_token_ids, int64_array, DataType::Int64)?,
         list_array(
             generation_log_probs,
@@ -159,7 +177,7 @@ fn batch_of(entries: Entries) -> Result<RecordBatch, ArrowError> {
         flag(|row| row.prefix_supplied),
         optional_text(|row| row.extras.as_deref()),
     ];
-    RecordBatch::try_new(schema(), columns)
+    RecordBatch::try_new(schema(prompt_type), columns)
 }
 
 fn capsule<'py, T: 'static + Send>(
@@ -242,11 +260,20 @@ impl ColumnarEntries {
     /// sequence (through the chain within this snapshot): a `list<int64>` array.
     fn cumulative_tokens(&self, py: Python<'_>) -> PyResult<ColumnarArray> {
         let batch = &self.batch;
-        let list = |name: &str| {
-            batch
-                .column_by_name(name)
-                .map(|column| column.as_list::<i32>())
-                .expect("fixed schema")
+        let list = |name: &str| -> columnar::ListParts<'_, i64> {
+            let column = batch.column_by_name(name).expect("fixed schema");
+            match column.data_type() {
+                DataType::ListView(_) => {
+                    let view = column.as_list_view::<i32>();
+                    let values = view.values().as_primitive::<Int64Type>().values();
+                    (&values[..], view.value_offsets(), Some(view.value_sizes()))
+                }
+                _ => {
+                    let list = column.as_list::<i32>();
+                    let values = list.values().as_primitive::<Int64Type>().values();
+                    (&values[..], list.offsets().inner().as_ref(), None)
+                }
+            }
         };
         let strings = |name: &str| {
             batch
@@ -269,11 +296,6 @@ impl ColumnarEntries {
                 prompt_is_delta: delta.value(at),
             })
             .collect();
-        fn part(list: &ListArray) -> columnar::ListParts<'_, i64> {
-            let values = list.values().as_primitive::<Int64Type>().values();
-            (&values[..], list.offsets().inner().as_ref())
-        }
-        let (prompt, generation) = (part(prompt), part(generation));
         let cumulative = py
             .detach(|| columnar::cumulative_tokens(&links, prompt, generation))
             .map_err(PyValueError::new_err)?;
@@ -331,16 +353,20 @@ fn entries_of(batch: Result<RecordBatch, ArrowError>) -> PyResult<ColumnarEntrie
 /// Freeze a rollout as `Store.freeze` does and return `(entries, incomplete, snapshot_id,
 /// version)`, the entries as columns. A record freeze would refuse (or one the columns cannot
 /// hold) raises `ColumnarRecordError` after the freeze is durable, as freeze raises then.
+/// With `shared_prefixes`, the prompt column is a `list_view<int64>` sharing repeated
+/// prompt prefixes (see `columnar::freeze_columns`).
 #[pyfunction]
+#[pyo3(signature = (store, rollout_id, shared_prefixes = false))]
 fn freeze_columns(
     py: Python<'_>,
     store: &Bound<'_, PyStore>,
     rollout_id: &Bound<'_, PyString>,
+    shared_prefixes: bool,
 ) -> PyResult<(ColumnarEntries, bool, String, u64)> {
     let rollout_id = text(rollout_id, "rollout_id")?;
     let store = &store.get().inner;
     let frozen = py.detach(|| {
-        columnar::freeze_columns(store, rollout_id).map(|snapshot| {
+        columnar::freeze_columns(store, rollout_id, shared_prefixes).map(|snapshot| {
             let batch = batch_of(snapshot.entries);
             (
                 batch,
@@ -356,15 +382,17 @@ fn freeze_columns(
 
 /// The stored entries of a rollout as columns, as `Store.read_lines` reads them.
 #[pyfunction]
+#[pyo3(signature = (store, rollout_id, shared_prefixes = false))]
 fn read_columns(
     py: Python<'_>,
     store: &Bound<'_, PyStore>,
     rollout_id: &Bound<'_, PyString>,
+    shared_prefixes: bool,
 ) -> PyResult<ColumnarEntries> {
     let rollout_id = text(rollout_id, "rollout_id")?;
     let store = &store.get().inner;
     let batch = py
-        .detach(|| columnar::read_columns(store, rollout_id).map(batch_of))
+        .detach(|| columnar::read_columns(store, rollout_id, shared_prefixes).map(batch_of))
         .map_err(|e| columns_err(py, e))?;
     entries_of(batch)
 }
