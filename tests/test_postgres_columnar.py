@@ -5,6 +5,7 @@ field (on golden rollouts, generated and agentic ones, and damaged lines)."""
 
 from __future__ import annotations
 
+import random
 import uuid
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from tests.conftest import make_entry
 from tests.postgres_fixture import execute, pg_dsn, pg_server, store
 from tests.test_columnar import GOLDEN_ROLLOUTS, assert_rows_equal, entries_of, lineage_rollout
+from tests.test_columnar_shared import LIST_VIEW, assert_same_columns
+from tests.test_columnar_shared import rollout as shared_rollout
 
 from tokencapture import _core
 from tokencapture.columnar import ColumnarSnapshot
@@ -163,3 +166,38 @@ def test_a_damaged_line_is_refused_as_freeze_refuses_it(
         with pytest.raises(TokenCaptureCorruptionError) as refused_columns:
             columns()
         assert str(refused_columns.value) == str(refused.value)
+
+
+@pytest.mark.parametrize(("seed", "calls"), [(1, 1), (2, 9), (3, 20)])
+async def test_shared_prefixes_give_the_default_ids_as_a_list_view(
+    store: PostgresTokenCaptureStore, seed: int, calls: int
+) -> None:
+    """`shared_prefixes=True` on PostgreSQL: the file store's list view, over chains with
+    forks, re-renders and empty prompts, with exactly the default columns' ids."""
+    try:
+        rollout_id = f"shared-{seed}"
+        entries = shared_rollout(random.Random(seed), rollout_id, calls, 400)
+        for entry in entries:
+            await store.put(entry)
+        default = pa.table(await store.read_columns_async(rollout_id))
+        assert_same_columns(
+            pa.table(await store.read_columns_async(rollout_id, shared_prefixes=True)), default
+        )
+        assert_same_columns(pa.table(store.read_columns(rollout_id, shared_prefixes=True)), default)
+        snapshot = await store.freeze_columns(rollout_id, shared_prefixes=True)
+        frozen = await store.freeze(rollout_id)
+        assert (snapshot.snapshot_id, snapshot.version) == (frozen.snapshot_id, frozen.version)
+        shared = pa.table(snapshot)
+        assert shared.schema.field("prompt_token_ids").type == LIST_VIEW
+        assert_same_columns(shared, default)
+        assert shared["prompt_token_ids"].to_pylist() == [e.prompt_token_ids for e in entries]
+        assert_same_columns(
+            pa.table(store.freeze_columns_now(rollout_id, shared_prefixes=True)), default
+        )
+        # A flag that is not a bool is refused when called, before any round trip.
+        with pytest.raises(TypeError, match="shared_prefixes"):
+            _ = store.freeze_columns(rollout_id, shared_prefixes=1)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="shared_prefixes"):
+            _ = store.read_columns_async(rollout_id, shared_prefixes="yes")  # type: ignore[arg-type]
+    finally:
+        await store.close()

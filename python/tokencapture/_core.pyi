@@ -139,7 +139,10 @@ def read_columns(
 ) -> ColumnarEntries: ...
 def columns_of_lines(lines: Sequence[bytes]) -> ColumnarEntries: ...
 def columns_of_log(
-    log: bytes | Sequence[bytes], digests: Sequence[str] | None = None, source: str = "<log>"
+    log: bytes | Sequence[bytes],
+    digests: Sequence[str] | None = None,
+    source: str = "<log>",
+    shared_prefixes: bool = False,
 ) -> ColumnarEntries: ...
 
 # ---- lineage ----

@@ -42,7 +42,7 @@ from tokencapture.protocols import (
 )
 from tokencapture.records import TokenEntry
 from tokencapture.rollout_files import RolloutFiles
-from tokencapture.validation import check_age
+from tokencapture.validation import check_age, check_flag
 from tokencapture.validation import check_call_id as check_call_id
 from tokencapture.validation import check_snapshot_id as check_snapshot_id
 from tokencapture.validation import validate_rollout_id as validate_rollout_id
@@ -266,6 +266,7 @@ class TokenCaptureStore(RolloutFiles):
         """`freeze`, with the entries as Arrow columns (validates `rollout_id` when called);
         `shared_prefixes` as for `freeze_columns_now`."""
         validate_rollout_id(rollout_id)
+        check_flag(shared_prefixes, "shared_prefixes")
         return off_loop(self.freeze_columns_now, rollout_id, shared_prefixes=shared_prefixes)
 
     def read_columns(

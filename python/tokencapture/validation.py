@@ -89,6 +89,13 @@ def check_snapshot_id(snapshot_id: object) -> str:
     return snapshot_id
 
 
+def check_flag(value: object, name: str) -> bool:
+    """A keyword flag: a real bool (a truthy string or number is a caller's mistake)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
+    return value
+
+
 def check_call_id(call_id: object) -> str:
     """A call id must be one line of the intents file: non-empty, no line break, UTF-8, and
     without the surrounding whitespace readers strip (`TypeError` / `ValueError`)."""

@@ -1191,13 +1191,15 @@ pub fn read_columns(
 
 /// A log fetched whole from another backend (see [`crate::fetched`]: its lines checked against
 /// their stored digests, the first line of each call id a record) as columns; refusals name
-/// `source` and byte offsets in the joined log.
+/// `source` and byte offsets in the joined log. `shared_prefixes` as for [`freeze_columns`].
 pub fn columns_of_log(
     log: crate::fetched::FetchedLog<'_>,
     digests: Option<&[String]>,
     source: &std::path::Path,
+    shared_prefixes: bool,
 ) -> Result<Entries, ColumnsError> {
-    let (records, ranges, decoded) = log.decode(digests, source, decode_columns)?;
+    let decode = |lines: LinesToDecode<'_>| decode_with(lines, shared_prefixes);
+    let (records, ranges, decoded) = log.decode(digests, source, decode)?;
     assemble(source, &ranges, decoded, &records)
 }
 

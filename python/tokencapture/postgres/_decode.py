@@ -43,11 +43,14 @@ def decode_entries(log: FetchedLog, digests: Sequence[str], where: str) -> tuple
     return entries_from_records(records, offsets, where)
 
 
-def decode_columns(log: FetchedLog, digests: Sequence[str], where: str) -> _core.ColumnarEntries:
+def decode_columns(
+    log: FetchedLog, digests: Sequence[str], where: str, *, shared_prefixes: bool = False
+) -> _core.ColumnarEntries:
     """`decode_entries` as Arrow columns: the same checks, and a record the columns refuse is
-    refused with the words the object path uses for it (see `columnar.columnar_refusal`)."""
+    refused with the words the object path uses for it (see `columnar.columnar_refusal`).
+    `shared_prefixes` as for the file store's `freeze_columns_now`."""
     try:
-        entries = _core.columns_of_log(log, digests, where)
+        entries = _core.columns_of_log(log, digests, where, shared_prefixes)
     except _core.ColumnarRecordError as exc:
         raise _columnar.columnar_refusal(
             exc, where, lambda: decode_entries(log, digests, where)

@@ -32,6 +32,7 @@ from tokencapture.records import TokenEntry
 from tokencapture.validation import (
     check_age,
     check_call_id,
+    check_flag,
     check_snapshot_id,
     validate_rollout_id,
     validate_rollout_ids,
@@ -294,36 +295,61 @@ class PostgresTokenCaptureStore:
 
     # Columnar reads (tokencapture.columnar) -----------------------------------------------
 
-    def freeze_columns(self, rollout_id: str) -> Coroutine[Any, Any, _columnar.ColumnarSnapshot]:
+    def freeze_columns(
+        self, rollout_id: str, *, shared_prefixes: bool = False
+    ) -> Coroutine[Any, Any, _columnar.ColumnarSnapshot]:
         """`freeze`, with the entries as Arrow columns instead of `TokenEntry` objects (the same
-        round trip, fence, digest checks, incomplete rule, snapshot id and version)."""
-        return self._freeze_columns(validate_rollout_id(rollout_id))
+        round trip, fence, digest checks, incomplete rule, snapshot id and version).
+        `shared_prefixes` as for the file store's (`prompt_token_ids` a list view)."""
+        return self._freeze_columns(
+            validate_rollout_id(rollout_id), check_flag(shared_prefixes, "shared_prefixes")
+        )
 
-    async def _freeze_columns(self, rollout_id: str) -> _columnar.ColumnarSnapshot:
+    async def _freeze_columns(
+        self, rollout_id: str, shared_prefixes: bool
+    ) -> _columnar.ColumnarSnapshot:
         with self._operation("freeze_columns", rollout_id):
             row, lines = await self._freeze_rows(rollout_id)
-            entries = decode_columns(*_log_of(lines), self._where(rollout_id))
+            entries = decode_columns(
+                *_log_of(lines), self._where(rollout_id), shared_prefixes=shared_prefixes
+            )
             return _columnar.ColumnarSnapshot(
                 rollout_id, entries, row["incomplete"], row["snapshot_id"], row["version"]
             )
 
-    def freeze_columns_now(self, rollout_id: str) -> _columnar.ColumnarSnapshot:
+    def freeze_columns_now(
+        self, rollout_id: str, *, shared_prefixes: bool = False
+    ) -> _columnar.ColumnarSnapshot:
         """Synchronous `freeze_columns`."""
         validate_rollout_id(rollout_id)
-        return self._client.run_sync(self.freeze_columns(rollout_id))
+        return self._client.run_sync(
+            self.freeze_columns(rollout_id, shared_prefixes=shared_prefixes)
+        )
 
-    def read_columns_async(self, rollout_id: str) -> Coroutine[Any, Any, _columnar.ColumnarEntries]:
-        """`read_columns` for the event loop; the id is checked when this is called."""
-        return self._read_columns(validate_rollout_id(rollout_id))
+    def read_columns_async(
+        self, rollout_id: str, *, shared_prefixes: bool = False
+    ) -> Coroutine[Any, Any, _columnar.ColumnarEntries]:
+        """`read_columns` for the event loop; the arguments are checked when this is called."""
+        return self._read_columns(
+            validate_rollout_id(rollout_id), check_flag(shared_prefixes, "shared_prefixes")
+        )
 
-    async def _read_columns(self, rollout_id: str) -> _columnar.ColumnarEntries:
+    async def _read_columns(
+        self, rollout_id: str, shared_prefixes: bool
+    ) -> _columnar.ColumnarEntries:
         rows = await self._client.fetch("rows", _READ, rollout_id)
-        return decode_columns(*_log_of(rows), self._where(rollout_id))
+        return decode_columns(
+            *_log_of(rows), self._where(rollout_id), shared_prefixes=shared_prefixes
+        )
 
-    def read_columns(self, rollout_id: str) -> _columnar.ColumnarEntries:
+    def read_columns(
+        self, rollout_id: str, *, shared_prefixes: bool = False
+    ) -> _columnar.ColumnarEntries:
         """`read_entries` as Arrow columns (nothing is created or changed)."""
         validate_rollout_id(rollout_id)
-        return self._client.run_sync(self.read_columns_async(rollout_id))
+        return self._client.run_sync(
+            self.read_columns_async(rollout_id, shared_prefixes=shared_prefixes)
+        )
 
     def drop(self, rollout_id: str, snapshot_id: str, version: int) -> Coroutine[Any, Any, bool]:
         """Delete the consumed snapshot's records and keep its fence, if nothing changed.

@@ -415,18 +415,20 @@ fn columns_of_lines(
 /// apart) as columns, checked as `decode_lines` checks it (a refusal is the file store's
 /// corruption error naming `source`); a record that is not a valid entry raises
 /// `ColumnarRecordError((byte offset, message))`, the offset in the joined log.
+/// `shared_prefixes` as for `freeze_columns`.
 #[pyfunction]
-#[pyo3(signature = (log, digests = None, source = "<log>"))]
+#[pyo3(signature = (log, digests = None, source = "<log>", shared_prefixes = false))]
 fn columns_of_log<'py>(
     py: Python<'py>,
     log: super::decode::PyFetchedLog<'py>,
     digests: Option<Vec<String>>,
     source: &str,
+    shared_prefixes: bool,
 ) -> PyResult<ColumnarEntries> {
     let path = std::path::Path::new(source);
     let batch = log
         .detached(py, |log| {
-            columnar::columns_of_log(log, digests.as_deref(), path).map(batch_of)
+            columnar::columns_of_log(log, digests.as_deref(), path, shared_prefixes).map(batch_of)
         })
         .map_err(|e| columns_err(py, e))?;
     entries_of(batch)
