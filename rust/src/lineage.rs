@@ -44,8 +44,8 @@
 //! not replaced). Every resolve checks the file: new bytes past the cursor are read under the
 //! rollout's shared flock (so a put that failed and truncated its line is never observed),
 //! complete lines are folded in, a torn final line is left for later. A megabyte or more of
-//! new bytes is read through a memory map made and dropped under that lock ([`mapped`]),
-//! less with `pread`: the same bytes either way, folded by the same scanner. A replaced or deleted
+//! new bytes is read through a memory map made and dropped under that lock (the private
+//! `mapped` module), less with `pread`: the same bytes either way, folded by the same scanner. A replaced or deleted
 //! file, or one shorter than the cursor, resets the rollout's index. Reading creates no file.
 
 pub mod fingerprint;
