@@ -79,6 +79,7 @@ VALID: dict[str, Callable[[], Any]] = {
     "version": lambda: 1,
     "commit": valid_commit,
     "reason": lambda: "capture failed",
+    "shared_prefixes": lambda: True,
 }
 
 # Bad values per parameter name, with the error each must raise at the call.
@@ -122,6 +123,7 @@ BAD: dict[str, list[tuple[str, Callable[[], Any], type[Exception]]]] = {
         ("an empty dict", lambda: {}, ValueError),
     ],
     "reason": [("an int", lambda: 5, TypeError)],
+    "shared_prefixes": [("an int", lambda: 1, TypeError), ("a str", lambda: "yes", TypeError)],
 }
 
 # Parameters a method deliberately accepts anything for.

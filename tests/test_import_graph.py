@@ -61,6 +61,7 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "tokencapture.latency",
             "tokencapture.descriptors",
             "tokencapture.validation",
+            "tokencapture.rollout_files",
             "tokencapture.entries",
             "tokencapture.jobs",
             "tokencapture.resolution",
