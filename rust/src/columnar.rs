@@ -938,7 +938,11 @@ fn decode_walked<'b>(
 fn replay(builder: &mut ColumnBuilder, rows: &mut Vec<Result<Row, String>>, feed: TapeFeed<'_>) {
     let mut replay = Replay::new();
     let mut lines = feed.iter();
-    for taped in lines.by_ref() {
+    loop {
+        if let Some(side) = feed.urgent_side_work() {
+            while side.step() {}
+        }
+        let Some(taped) = lines.next() else { break };
         builder.start_line();
         let walked = match &taped.tape {
             Ok(tape) => replay.value(tape, builder).map(drop),

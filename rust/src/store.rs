@@ -25,15 +25,17 @@ use std::io;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::TrySendError;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::SystemTime;
 
 use lru::LruCache;
 
 use crate::descriptors::{self, Account, FdCache, Kept};
-use crate::digest::{payload_digest, SharedDigests};
+use crate::digest::payload_digest;
 use crate::error::{Error, IoContext, Result};
-use crate::json::tape::{call_id_of, tape_channel, LineTape, LineTaper, TapeFeed, TapeSink};
+use crate::json::tape::{
+    call_id_of, tape_channel, LineTape, LineTaper, SideWork, TapeFeed, TapeSink,
+};
 use crate::json::{extract_call_id, LineError, Repeats};
 use crate::lock::{FileId, LockMode, RolloutLock};
 use crate::log::{
@@ -1316,40 +1318,33 @@ impl Store {
         decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
     ) -> Result<(Snapshot, Vec<Range<usize>>, D)> {
         let mut buf = self.spare_buffer(len as usize);
-        // The lines the verifying thread had not hashed when it finished reading, offered to
-        // this thread once `decode` returns.
-        let unhashed = OnceLock::new();
+        // Each line's digest, hashed by whichever thread has time for it: the verifying one
+        // while the channel to `decode` is full, `decode`'s while it waits for a line and,
+        // once every line is read, before it builds the next (so the verifying thread can
+        // verify and start the freeze's syncs while the last lines are built), and this one
+        // once `decode` returns.
+        let board = DigestBoard::default();
         let (verified, decoded) = std::thread::scope(|scope| {
             let (sink, feed) = tape_channel(TAPES_AHEAD);
+            let feed = feed.with_side_work(&board);
             let bytes: &mut [u8] = &mut buf;
-            let unhashed = &unhashed;
+            let board = &board;
             let verifying = scope.spawn(move || {
-                let mut digests = Vec::new(); // of `lines[..digests.len()]`
                 let (lines, call_ids) =
-                    stream_taped_lines(file, bytes, &sink, |lines| hash_next(lines, &mut digests))
+                    stream_taped_lines(file, bytes, &sink, |line| board.add(line), || board.step())
                         .ctx("read log", &paths.log)?;
-                let rest = unhashed.get_or_init(|| {
-                    SharedDigests::new(
-                        lines[digests.len()..]
-                            .iter()
-                            .map(|&(_, line)| line)
-                            .collect(),
-                    )
-                });
+                board.all_read();
                 drop(sink); // every line is sent: `decode` may finish and help
-                digests.extend(rest.collect());
+                let digests = board.collect();
                 let log = LogLines { lines, len };
                 let scan = Scan::Scanned { digests, call_ids };
                 let settled = self.settle_freeze(cached, paths, &log, scan)?;
                 Ok::<_, Error>((settled, log.ranges()))
             });
             let decoded = decode(LinesToDecode::Taped(feed));
-            if let Some(rest) = unhashed.get() {
-                while rest.help() {}
-            }
+            while board.step() {}
             (verifying.join().expect("freeze thread"), decoded)
         });
-        drop(unhashed); // it borrows `buf`, which the snapshot takes
         let (settled, lines) = verified?;
         Ok((settled.into_snapshot(buf), lines, decoded))
     }
@@ -1660,8 +1655,8 @@ impl Store {
             let bytes: &mut [u8] = &mut buf;
             let log = &log;
             let reading = scope.spawn(move || {
-                let (all, call_ids) =
-                    stream_taped_lines(log, bytes, &sink, |_| false).ctx("read log", &paths.log)?;
+                let (all, call_ids) = stream_taped_lines(log, bytes, &sink, |_| {}, || false)
+                    .ctx("read log", &paths.log)?;
                 drop(sink);
                 let records = first_records(&paths.log, &all, call_ids)?;
                 let ranges = LogLines { lines: all, len }.ranges();
@@ -1764,8 +1759,8 @@ struct ScannedLine<'a> {
 pub(crate) const TAPES_AHEAD: usize = 8;
 
 /// Read `buf.len()` bytes of `file` into `buf` on this thread, tape each complete line as
-/// soon as it is read and send it through `sink`; while the channel is full, `when_full`
-/// (given the lines so far) does other work, and answers false when it has none left. A
+/// soon as it is read and send it through `sink` (after showing it to `each`); while the
+/// channel is full, `when_full` does other work, and answers false when it has none left. A
 /// closed channel (the decoder stopped early) drops the tapes: the reading and walking go
 /// on. Returns the lines and their call ids as `json::extract_call_id` would answer them.
 #[allow(clippy::type_complexity)]
@@ -1773,7 +1768,8 @@ fn stream_taped_lines<'b>(
     file: &File,
     buf: &'b mut [u8],
     sink: &TapeSink<'b>,
-    mut when_full: impl FnMut(&[(u64, &'b [u8])]) -> bool,
+    mut each: impl FnMut(&'b [u8]),
+    mut when_full: impl FnMut() -> bool,
 ) -> io::Result<(
     Vec<(u64, &'b [u8])>,
     Vec<std::result::Result<String, LineError>>,
@@ -1782,6 +1778,7 @@ fn stream_taped_lines<'b>(
     let mut lines = Vec::new();
     let mut call_ids = Vec::new();
     read_lines_streaming(file, buf, |offset, line| {
+        each(line);
         let tape = taper.tape(line);
         call_ids.push(call_id_of(line, &tape));
         lines.push((offset, line));
@@ -1789,7 +1786,7 @@ fn stream_taped_lines<'b>(
         loop {
             match sink.try_send(item) {
                 Ok(()) | Err(TrySendError::Disconnected(_)) => return,
-                Err(TrySendError::Full(back)) if when_full(&lines) => item = back,
+                Err(TrySendError::Full(back)) if when_full() => item = back,
                 Err(TrySendError::Full(back)) => {
                     sink.send(back);
                     return;
@@ -1800,14 +1797,78 @@ fn stream_taped_lines<'b>(
     Ok((lines, call_ids))
 }
 
-/// Hash the first of `lines` past those `digests` covers; false if there is none.
-fn hash_next(lines: &[(u64, &[u8])], digests: &mut Vec<String>) -> bool {
-    match lines.get(digests.len()) {
-        Some(&(_, line)) => {
-            digests.push(payload_digest(line));
-            true
+/// The payload digests of a streamed freeze's lines (see `Store::freeze_streaming`), hashed
+/// by whichever threads take steps: lines are added as they are read, and each step claims
+/// the first unclaimed one.
+#[derive(Default)]
+struct DigestBoard<'b> {
+    board: Mutex<Board<'b>>,
+    stored: Condvar,
+}
+
+#[derive(Default)]
+struct Board<'b> {
+    /// Every line read so far, in order, and its digest once hashed.
+    lines: Vec<(&'b [u8], Option<String>)>,
+    /// `lines[..claimed]` are hashed or being hashed.
+    claimed: usize,
+    read_all: bool,
+}
+
+impl<'b> DigestBoard<'b> {
+    fn lock(&self) -> MutexGuard<'_, Board<'b>> {
+        self.board
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The next line read.
+    fn add(&self, line: &'b [u8]) {
+        self.lock().lines.push((line, None));
+    }
+
+    /// No line will be added.
+    fn all_read(&self) {
+        self.lock().read_all = true;
+    }
+
+    /// Every digest in line order, once every line is added: hashes what is unclaimed and
+    /// waits for the lines other threads are hashing.
+    fn collect(&self) -> Vec<String> {
+        while self.step() {}
+        let mut board = self.lock();
+        while board.lines.iter().any(|(_, digest)| digest.is_none()) {
+            board = self
+                .stored
+                .wait(board)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
-        None => false,
+        let lines = std::mem::take(&mut board.lines);
+        lines.into_iter().filter_map(|(_, digest)| digest).collect()
+    }
+}
+
+impl SideWork for DigestBoard<'_> {
+    fn urgent(&self) -> bool {
+        let board = self.lock();
+        board.read_all && board.claimed < board.lines.len()
+    }
+
+    fn step(&self) -> bool {
+        let (index, line) = {
+            let mut board = self.lock();
+            let Some(&(line, _)) = board.lines.get(board.claimed) else {
+                return false;
+            };
+            board.claimed += 1;
+            (board.claimed - 1, line)
+        };
+        // Hashing neither fails nor panics: a claimed line always gets its digest stored, so
+        // `collect` never waits for a line no thread will hash.
+        let digest = payload_digest(line);
+        self.lock().lines[index].1 = Some(digest);
+        self.stored.notify_all();
+        true
     }
 }
 
@@ -2158,11 +2219,65 @@ mod tests {
         drop(lines);
     }
 
+    /// Takes every line as the real decoders do (the urgent side work first), builds nothing.
+    fn replaying_decode(lines: LinesToDecode<'_>) {
+        let feed = taped(lines);
+        let mut lines = feed.iter();
+        loop {
+            if let Some(side) = feed.urgent_side_work() {
+                while side.step() {}
+            }
+            let Some(sent) = lines.next() else {
+                return;
+            };
+            feed.give_back(sent);
+        }
+    }
+
+    #[test]
+    fn a_digest_board_hashes_every_line_once_whichever_threads_step() {
+        // Lines are added one at a time while another thread takes every step it can; the
+        // adding thread steps now and then, and collects: each digest is its line's, in order.
+        let lines: Vec<Vec<u8>> = (0..300)
+            .map(|i| format!("{{\"model_call_id\":\"c{i}\",\"n\":{}}}", i * 7919).into_bytes())
+            .collect();
+        let expected: Vec<String> = lines.iter().map(|line| payload_digest(line)).collect();
+        for round in 0..20 {
+            let board = DigestBoard::default();
+            let stepped = std::thread::scope(|scope| {
+                let other = scope.spawn(|| {
+                    let mut stepped = 0;
+                    while !board.lock().read_all || board.urgent() {
+                        if board.step() {
+                            stepped += 1;
+                        } else {
+                            std::thread::yield_now();
+                        }
+                    }
+                    stepped
+                });
+                for (i, line) in lines.iter().enumerate() {
+                    board.add(line);
+                    if (i + round) % 5 == 0 {
+                        board.step();
+                    }
+                }
+                board.all_read();
+                assert_eq!(board.collect(), expected, "round {round}");
+                other.join().unwrap()
+            });
+            assert!(stepped <= lines.len());
+            assert!(!board.step() && !board.urgent());
+        }
+    }
+
     #[test]
     fn a_large_freeze_checks_every_digest_whichever_thread_hashes_it() {
         // A slow decoder leaves the verifying thread hashing while the tape channel is full; a
         // decoder that stops at once leaves the lines to its own thread's help.
-        for decode in [slow_decode, quitting_decode] {
+        // A decoder shaped like the real ones hashes lines itself: while it waits for a line
+        // and, once every line is read, before it builds the next.
+        for decode in [slow_decode, quitting_decode, replaying_decode] {
             let dir = tempfile::tempdir().unwrap();
             let store = Store::open(dir.path(), 8).unwrap();
             let calls = growing_log(&store, "r", PARALLEL_SCAN_BYTES as u64 * 2);
@@ -2263,7 +2378,7 @@ mod tests {
             let streamed = Store::open(first.path(), 8).unwrap();
             let whole = Store::open(second.path(), 8).unwrap();
             let streamed_result = streamed
-                .freeze_decoding("r", |lines| taped(lines).iter().count())
+                .freeze_decoding("r", replaying_decode)
                 .map(|(snapshot, _, _)| snapshot);
             let streamed_outcome = freeze_outcome(streamed_result, first.path());
             let whole_outcome = freeze_outcome(whole.freeze("r"), second.path());

@@ -10,7 +10,9 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender, TrySendError};
+use std::sync::mpsc::{
+    channel, sync_channel, Receiver, Sender, SyncSender, TryRecvError, TrySendError,
+};
 use std::sync::Arc;
 
 use super::{
@@ -243,7 +245,23 @@ pub struct LineTape<'a> {
 pub fn tape_channel<'a>(ahead: usize) -> (TapeSink<'a>, TapeFeed<'a>) {
     let (tapes, taped) = sync_channel(ahead);
     let (spent, returned) = channel();
-    (TapeSink { tapes, returned }, TapeFeed { taped, spent })
+    let feed = TapeFeed {
+        taped,
+        spent,
+        side: None,
+    };
+    (TapeSink { tapes, returned }, feed)
+}
+
+/// Work that the building end of a [`tape_channel`] can take over from the walking end (a
+/// freeze: hashing lines the walking thread has read, so that it can verify them and start the
+/// freeze's syncs sooner).
+pub trait SideWork: Sync {
+    /// Whether work is pending that the walking end is waiting for (all its lines are read):
+    /// a builder does it before it builds its next line (see [`TapeFeed::urgent_side_work`]).
+    fn urgent(&self) -> bool;
+    /// Do one unit of the work, if any can be done now; false if none.
+    fn step(&self) -> bool;
 }
 
 /// The walking end of a [`tape_channel`].
@@ -275,12 +293,41 @@ impl<'a> TapeSink<'a> {
 pub struct TapeFeed<'a> {
     taped: Receiver<LineTape<'a>>,
     spent: Sender<LineTape<'a>>,
+    side: Option<&'a dyn SideWork>,
 }
 
 impl<'a> TapeFeed<'a> {
-    /// The lines in order, until the walking end stops sending.
+    /// This feed, whose builder takes over steps of `side`: while it would wait for a line
+    /// ([`TapeFeed::iter`]), and all of it once it is urgent ([`TapeFeed::urgent_side_work`]).
+    pub fn with_side_work(self, side: &'a dyn SideWork) -> Self {
+        TapeFeed {
+            side: Some(side),
+            ..self
+        }
+    }
+
+    /// The side work handed to this feed if it is urgent now: a builder calls this before it
+    /// builds each line and, when it answers, does every step of it ([`SideWork::step`] until
+    /// false) first. A builder holding a lock other threads want (the GIL) releases it for
+    /// the steps: the work is all Rust.
+    pub fn urgent_side_work(&self) -> Option<&'a dyn SideWork> {
+        self.side.filter(|side| side.urgent())
+    }
+
+    /// The lines in order, until the walking end stops sending. While no line is ready, steps
+    /// of the side work are done instead of waiting.
     pub fn iter(&self) -> impl Iterator<Item = LineTape<'a>> + '_ {
-        self.taped.iter()
+        std::iter::from_fn(move || loop {
+            match self.taped.try_recv() {
+                Ok(line) => return Some(line),
+                Err(TryRecvError::Disconnected) => return None,
+                Err(TryRecvError::Empty) => {
+                    if !self.side.is_some_and(|side| side.step()) {
+                        return self.taped.recv().ok();
+                    }
+                }
+            }
+        })
     }
 
     /// Return a replayed line to be freed by the walking thread (here, if it is gone).

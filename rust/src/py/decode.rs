@@ -241,7 +241,11 @@ fn replay_lines(py: Python<'_>, tapes: TapeFeed<'_>) -> Vec<PyResult<Py<PyAny>>>
     let mut replay = crate::json::tape::Replay::new();
     let mut decoded = Vec::new();
     let mut lines = tapes.iter();
-    for taped in lines.by_ref() {
+    loop {
+        if let Some(side) = tapes.urgent_side_work() {
+            py.detach(|| while side.step() {});
+        }
+        let Some(taped) = lines.next() else { break };
         let value = match &taped.tape {
             Ok(tape) => replay.value(tape, &mut builder),
             Err(err) => Err(PyErr::from(err.clone())),
