@@ -45,8 +45,13 @@
 //! rollout's shared flock (so a put that failed and truncated its line is never observed),
 //! complete lines are folded in, a torn final line is left for later. A megabyte or more of
 //! new bytes is read through a memory map made and dropped under that lock (the private
-//! `mapped` module), less with `pread`: the same bytes either way, folded by the same scanner. A replaced or deleted
-//! file, or one shorter than the cursor, resets the rollout's index. Reading creates no file.
+//! `mapped` module), less with `pread`: the same bytes either way, folded by the same scanner.
+//! Those bytes stay with the resolve that read them: a winner among the lines just folded in
+//! (the usual case) takes its token arrays from them instead of reading them again, so a map
+//! and the shared lock it needs are held until the winner's tokens are built and verified.
+//! Nothing read is kept across resolves (a later resolve reads older lines from the file). A
+//! replaced or deleted file, or one shorter than the cursor, resets the rollout's index.
+//! Reading creates no file.
 
 pub mod fingerprint;
 #[cfg(any(target_os = "linux", target_os = "android"))]

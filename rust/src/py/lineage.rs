@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::Value;
 
-use super::bridge::{spawn_job, Completions};
+use super::bridge::{spawn_job, start_pool, Completions};
 use super::decode::untrack_atomic;
 use super::errors::{text, to_pyerr, ExceptionClass};
 use super::records::token_ids;
@@ -344,6 +344,7 @@ impl PyFileLineage {
         max_cached_tokens: usize,
         max_open_files: Option<usize>,
     ) -> Self {
+        start_pool();
         PyFileLineage {
             inner: Arc::new(FileLineage::with_max_open_files(
                 root,
