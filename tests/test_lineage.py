@@ -1196,3 +1196,32 @@ def test_lineage_module_is_importable_without_a_server_stack() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ}
     )
     assert out.stdout.strip() == "[]"
+
+
+POOL_THREADS = textwrap.dedent(
+    """
+    import os, sys
+    from tokencapture.lineage import FileLineageStore
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+    before = threads()
+    FileLineageStore(sys.argv[1])
+    print(before, threads())
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_file_resolver_starts_the_worker_pool_when_made(tmp_path: Path) -> None:
+    # A fresh process's first resolve does not pay for starting the native pool's threads:
+    # making the resolver starts them (and creates no file).
+    out = subprocess.run(
+        [sys.executable, "-c", POOL_THREADS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split()
+    before, after = int(out[0]), int(out[1])
+    assert after - before >= 8, (before, after)
+    assert list(tmp_path.iterdir()) == []

@@ -134,8 +134,7 @@ class FileLineageStore:
     open descriptor each, within the process's descriptor budget and, if given,
     `max_open_files`), at most `max_cached_tokens` tokens of verified cumulative sequences
     (8 bytes a token, LRU), and at most `max_cached_tokens` tokens of answer tuples (the last
-    answer per rollout, from which the next one is extended). Token ids below 2**18 share one
-    Python int per process (at most about 10 MB).
+    answer per rollout, from which the next one is extended, sharing its ints).
     """
 
     def __init__(

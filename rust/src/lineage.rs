@@ -45,8 +45,13 @@
 //! rollout's shared flock (so a put that failed and truncated its line is never observed),
 //! complete lines are folded in, a torn final line is left for later. A megabyte or more of
 //! new bytes is read through a memory map made and dropped under that lock (the private
-//! `mapped` module), less with `pread`: the same bytes either way, folded by the same scanner. A replaced or deleted
-//! file, or one shorter than the cursor, resets the rollout's index. Reading creates no file.
+//! `mapped` module), less with `pread`: the same bytes either way, folded by the same scanner.
+//! Those bytes stay with the resolve that read them: a winner among the lines just folded in
+//! (the usual case) takes its token arrays from them instead of reading them again, so a map
+//! and the shared lock it needs are held until the winner's tokens are built and verified.
+//! Nothing read is kept across resolves (a later resolve reads older lines from the file). A
+//! replaced or deleted file, or one shorter than the cursor, resets the rollout's index.
+//! Reading creates no file.
 
 pub mod fingerprint;
 #[cfg(any(target_os = "linux", target_os = "android"))]
@@ -914,10 +919,47 @@ impl Lines for MemoryLines {
     }
 }
 
-/// Lines of one pinned log file.
+/// Lines of one pinned log file, and the bytes this resolve's look read from it.
 struct FileLines<'f> {
     file: &'f File,
     path: &'f std::path::Path,
+    recent: &'f Recent,
+}
+
+/// The bytes a look read (or mapped) from a log, kept for the rest of that one resolve: the
+/// winner is usually a line the look just folded in, whose token arrays are then taken from
+/// these bytes instead of being read again. They are the bytes the index was built from, read
+/// under the rollout's shared lock in this same resolve; nothing is kept across resolves.
+enum Recent {
+    Nothing,
+    /// `buf[..len]` holds the log's bytes from `start`.
+    Read {
+        start: u64,
+        buf: Vec<u8>,
+        len: usize,
+    },
+    /// A map of the log from `start`, and the shared lock it was made under (see `mapped`:
+    /// the lock must outlive the map, and fields drop in declaration order).
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    Mapped {
+        start: u64,
+        map: mapped::Mapped,
+        _guard: RolloutLock,
+    },
+}
+
+impl Recent {
+    /// The `len` bytes at `offset` of the log, if this look read them.
+    fn bytes_at(&self, offset: u64, len: usize) -> Option<&[u8]> {
+        let (start, bytes) = match self {
+            Recent::Nothing => return None,
+            Recent::Read { start, buf, len } => (*start, &buf[..*len]),
+            #[cfg(any(target_os = "linux", target_os = "android"))]
+            Recent::Mapped { start, map, .. } => (*start, map.bytes()),
+        };
+        let from = usize::try_from(offset.checked_sub(start)?).ok()?;
+        bytes.get(from..from.checked_add(len)?)
+    }
 }
 
 impl Lines for FileLines<'_> {
@@ -933,6 +975,9 @@ impl Lines for FileLines<'_> {
                     return integrity("a token span past the end of its line");
                 }
                 let n = span.len();
+                if let Some(bytes) = self.recent.bytes_at(offset + span.start as u64, n) {
+                    return Ok(bytes);
+                }
                 if scratch.len() < n {
                     scratch.resize(n, 0);
                 }
@@ -1240,6 +1285,8 @@ pub struct FileLineage {
     cache: TokenCache,
     read_window: usize,
     map_at_least: u64,
+    /// A read buffer kept between looks (see `keep_spare`).
+    spare: Mutex<Vec<u8>>,
 }
 
 impl FileLineage {
@@ -1261,6 +1308,7 @@ impl FileLineage {
             cache: TokenCache::new(cached_tokens),
             read_window: READ_WINDOW,
             map_at_least: MAP_AT_LEAST,
+            spare: Mutex::new(Vec::new()),
         }
     }
 
@@ -1343,33 +1391,55 @@ impl FileLineage {
     ) -> Result<Step> {
         let mut state = lock(rollout);
         let paths = RolloutPaths::new(&self.root, rollout_id);
-        if let Err(err) = self.refresh(&mut state, &paths) {
-            // Whatever was half-read is discarded; the next resolve starts over.
-            state.reset();
-            return Err(err);
-        }
+        let recent = match self.refresh(&mut state, &paths) {
+            Ok(recent) => recent,
+            Err(err) => {
+                // Whatever was half-read is discarded; the next resolve starts over.
+                state.reset();
+                return Err(err);
+            }
+        };
         let state = &*state;
-        let Some(log) = &state.log else {
-            return Ok(Step::Done(Outcome::Unresolved {
+        let result = match &state.log {
+            None => Ok(Step::Done(Outcome::Unresolved {
                 reason: REASON_NO_MATCH,
-            }));
+            })),
+            Some(log) => {
+                let lines = FileLines {
+                    file: &log.file,
+                    path: &paths.log,
+                    recent: &recent,
+                };
+                resolve_in(
+                    &state.index,
+                    fingerprint,
+                    request,
+                    &lines,
+                    &self.cache,
+                    rollout_id,
+                )
+            }
         };
-        let lines = FileLines {
-            file: &log.file,
-            path: &paths.log,
-        };
-        resolve_in(
-            &state.index,
-            fingerprint,
-            request,
-            &lines,
-            &self.cache,
-            rollout_id,
-        )
+        self.keep_spare(recent);
+        result
+    }
+
+    /// Keep a read buffer for the next look (one per resolver, at most `MAX_SCRATCH`), so a
+    /// look at a new line reuses memory instead of faulting in fresh pages.
+    fn keep_spare(&self, recent: Recent) {
+        if let Recent::Read { buf, .. } = recent {
+            if buf.len() <= MAX_SCRATCH {
+                let mut spare = lock(&self.spare);
+                if spare.len() < buf.len() {
+                    *spare = buf;
+                }
+            }
+        }
     }
 
     /// Fold in whatever was appended since the last look; reset on replacement or deletion.
-    fn refresh(&self, state: &mut FileRollout, paths: &RolloutPaths) -> Result<()> {
+    /// Returns the bytes read (or mapped, with the lock it needs) for the rest of the resolve.
+    fn refresh(&self, state: &mut FileRollout, paths: &RolloutPaths) -> Result<Recent> {
         // Without a lock file there is nothing to lock (and we create no file); a log that
         // exists anyway (an operator removed the lock) is read without it.
         let guard = RolloutLock::acquire_if_exists(&paths.lock, LockMode::Shared)?;
@@ -1377,7 +1447,7 @@ impl FileLineage {
             Ok(meta) => (meta.dev(), meta.ino()),
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
                 state.reset();
-                return Ok(());
+                return Ok(Recent::Nothing);
             }
             Err(err) => return Err(err).ctx("stat log", &paths.log).map_err(Into::into),
         };
@@ -1385,7 +1455,7 @@ impl FileLineage {
             state.reset();
             let file = match descriptors::retry(|| OpenOptions::new().read(true).open(&paths.log)) {
                 Ok(file) => file,
-                Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+                Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(Recent::Nothing),
                 Err(err) => return Err(err).ctx("open log", &paths.log).map_err(Into::into),
             };
             let meta = file.metadata().ctx("stat log", &paths.log)?;
@@ -1396,7 +1466,7 @@ impl FileLineage {
             });
         }
         let Some(log) = &state.log else {
-            return Ok(());
+            return Ok(Recent::Nothing);
         };
         let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
         if len < state.cursor || !ends_a_line(&log.file, state.cursor, &paths.log)? {
@@ -1406,30 +1476,39 @@ impl FileLineage {
             state.index = RolloutIndex::default();
         }
         if len == state.cursor {
-            return Ok(());
+            return Ok(Recent::Nothing);
         }
         #[cfg(any(target_os = "linux", target_os = "android"))]
         if guard.is_some() && len - state.cursor >= self.map_at_least {
             // Only under the shared lock (see `mapped`); a map that fails (a filesystem that
             // cannot map, no address space) falls back to reading.
             if let Ok(map) = mapped::Mapped::new(&log.file, state.cursor, len) {
+                let start = state.cursor;
                 let chunk = map.bytes();
                 let complete = complete_prefix_len(chunk);
                 if complete > 0 {
-                    Self::fold(&mut state.index, &log.file, &paths.log, chunk, state.cursor)?;
+                    Self::fold(&mut state.index, &log.file, &paths.log, chunk, start)?;
                     state.cursor += complete as u64;
                 }
-                drop(map);
-                drop(guard);
-                return Ok(());
+                // The map lives on with the lock, for the materialization that follows.
+                return Ok(match guard {
+                    Some(guard) => Recent::Mapped {
+                        start,
+                        map,
+                        _guard: guard,
+                    },
+                    None => Recent::Nothing,
+                });
             }
         }
         // Read in windows, so a long log costs bounded memory; a line longer than a window
         // widens it. Every byte read was acknowledged before `len` was taken under the lock.
         let mut window = self.read_window;
-        // One buffer for every window: a fresh allocation is zeroed by the kernel as it is
-        // first touched, a reused one is overwritten (no memset of megabytes per window).
-        let mut buf = Vec::new();
+        // One buffer for every window (the resolver's spare, if it has one): a fresh allocation
+        // is zeroed by the kernel as it is first touched, a reused one is overwritten (no
+        // memset of megabytes per window).
+        let mut buf = std::mem::take(&mut *lock(&self.spare));
+        let mut read = (0u64, 0usize);
         while state.cursor < len {
             let start = state.cursor;
             let want = (len - start).min(window as u64) as usize;
@@ -1441,6 +1520,7 @@ impl FileLineage {
                 .read_exact_at(chunk, start)
                 .ctx("read log", &paths.log)?;
             let chunk = &*chunk;
+            read = (start, want);
             if complete_prefix_len(chunk) == 0 {
                 if start + want as u64 == len {
                     break; // a torn final line: left for a later look
@@ -1452,7 +1532,11 @@ impl FileLineage {
             state.cursor = start + complete_prefix_len(chunk) as u64;
         }
         drop(guard);
-        Ok(())
+        Ok(Recent::Read {
+            start: read.0,
+            buf,
+            len: read.1,
+        })
     }
 
     /// Add the complete lines of `chunk` (read at `start`) to the index.

@@ -9,7 +9,7 @@
 //! The one hazard of a file map is a file shortened under it: touching a page past the new
 //! end raises SIGBUS. [`Mapped`] is therefore only made while the rollout's shared lock is
 //! held, over bytes that were in the file when the length was taken under that lock, and it is
-//! dropped before the lock is: every writer (this crate's and NeMo Gym 0.7.0's store) shortens
+//! dropped before the lock is (a resolve keeps both until its answer is built): every writer (this crate's and NeMo Gym 0.7.0's store) shortens
 //! a log only under the exclusive lock, and only to cut a torn tail. A log read without a lock
 //! file (an operator removed it) is read with `pread`, never mapped.
 

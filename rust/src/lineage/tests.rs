@@ -1262,3 +1262,117 @@ fn the_one_pass_line_scan_agrees_with_split_then_scan() {
         .iter()
         .all(|(_, _, meta)| meta.is_ok()));
 }
+
+/// Integrity failures raise from a file as from memory, whichever way the winner's token
+/// arrays arrive: taken from the bytes this resolve's look just read (mapped, or read into
+/// the resolver's reused buffer, which a longer line of another rollout filled first, in one
+/// window or in many), or read again from the file by a resolver that folded the line in an
+/// earlier look. Sound lines answer their tokens all the same ways.
+#[test]
+fn file_integrity_failures_raise_from_the_bytes_a_look_read_and_from_the_file() {
+    let turns = conversation(3, "i");
+    let long = conversation(6, "long");
+    let c0 = turns[0].cumulative();
+    let cases: Vec<(&str, Vec<Vec<u8>>, usize)> = vec![
+        ("sound", vec![turns[0].line(None, None)], 0),
+        (
+            "sound delta",
+            vec![
+                turns[0].line(None, None),
+                turns[1].line(Some(&turns[0].call_id), Some(&c0)),
+            ],
+            1,
+        ),
+        (
+            "digest",
+            vec![corrupted(&turns[0], None, None, |v| {
+                v["digest"] = json!(token_digest(&[1, 2, 3]))
+            })],
+            0,
+        ),
+        (
+            "cum_len",
+            vec![corrupted(&turns[0], None, None, |v| {
+                v["cum_len"] = json!(3)
+            })],
+            0,
+        ),
+        (
+            "token array",
+            vec![corrupted(&turns[0], None, None, |v| {
+                v["generation_token_ids"] = json!([1, -2])
+            })],
+            0,
+        ),
+        (
+            "prompt changed",
+            vec![corrupted(&turns[0], None, None, |v| {
+                v["prompt_token_ids"][0] = json!(7)
+            })],
+            0,
+        ),
+        (
+            "delta parent changed",
+            vec![
+                corrupted(&turns[0], None, None, |v| {
+                    v["generation_token_ids"][0] = json!(7);
+                    v["digest"] = json!("");
+                }),
+                turns[1].line(Some(&turns[0].call_id), Some(&c0)),
+            ],
+            1,
+        ),
+    ];
+    for (name, lines, winner) in cases {
+        for (map_at, window, earlier_look) in [
+            (1, READ_WINDOW, false),
+            (u64::MAX, READ_WINDOW, false),
+            (u64::MAX, 97, false),
+            (u64::MAX, READ_WINDOW, true),
+            (1, READ_WINDOW, true),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut log = Vec::new();
+            for line in &lines {
+                log.extend_from_slice(line);
+                log.push(b'\n');
+            }
+            std::fs::write(dir.path().join("r.tokens.jsonl"), &log).unwrap();
+            std::fs::write(dir.path().join("r.tokens.lock"), b"").unwrap();
+            let mut other = Vec::new();
+            for turn in &long {
+                other.extend_from_slice(&turn.line(None, None));
+                other.push(b'\n');
+            }
+            std::fs::write(dir.path().join("o.tokens.jsonl"), &other).unwrap();
+            let lineage = FileLineage::new(dir.path(), 8, 1 << 20)
+                .with_read_window(window)
+                .with_map_at_least(map_at);
+            let last = long.last().unwrap();
+            let answer = resolve_file(&lineage, "o", &last.next_request("n")).unwrap();
+            assert_eq!(resolved(&answer).1, last.cumulative().as_slice());
+            if earlier_look {
+                let unrelated = conversation(1, "none")[0].next_request("n");
+                assert_eq!(
+                    resolve_file(&lineage, "r", &unrelated).unwrap(),
+                    unresolved(REASON_NO_MATCH)
+                );
+            }
+            let result = resolve_file(&lineage, "r", &turns[winner].next_request("n"));
+            let case = format!("{name} (map from {map_at}, window {window}, {earlier_look})");
+            if name.starts_with("sound") {
+                let outcome = result.unwrap_or_else(|e| panic!("{case}: {e}"));
+                assert_eq!(
+                    resolved(&outcome).1,
+                    turns[winner].cumulative().as_slice(),
+                    "{case}"
+                );
+            } else {
+                assert!(
+                    matches!(result, Err(LineageError::Integrity(_))),
+                    "{case}: {result:?}"
+                );
+            }
+        }
+    }
+}

@@ -33,6 +33,13 @@ fn worker_pool() -> PyResult<Arc<WorkerPool>> {
     Ok(pool)
 }
 
+/// Start the process-wide pool ahead of its first job (a lineage resolver does, when it is
+/// made, so that its first resolve does not start 64 threads). A pool that cannot start now
+/// is started again, or its failure reported, by the first job.
+pub(super) fn start_pool() {
+    let _ = worker_pool();
+}
+
 /// What a finished job hands back to the loop.
 pub(super) enum Outcome {
     Unit,

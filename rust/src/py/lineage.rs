@@ -2,7 +2,7 @@
 //! the GIL held; anything but plain JSON types (exact dict/list/str/int/float/bool/None) yields
 //! None so that Python's `tokencapture.fingerprint` decides. Hashing, file reads, locks and
 //! materialization run detached (or, for `FileLineage.submit`, on the worker pool). Answers carry
-//! the cumulative tokens as a tuple built from interned ints, or from the rollout's previous
+//! the cumulative tokens as a tuple of fresh ints, or from the rollout's previous
 //! answer plus the new ids. Integrity failures raise `tokencapture.lineage.LineageIntegrityError`
 //! (a `ValueError`); store errors map as in `errors`.
 
@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::Value;
 
-use super::bridge::{spawn_job, Completions};
+use super::bridge::{spawn_job, start_pool, Completions};
 use super::decode::untrack_atomic;
 use super::errors::{text, to_pyerr, ExceptionClass};
 use super::records::token_ids;
@@ -206,50 +206,18 @@ impl TupleMemo {
     }
 }
 
-/// Token ids below this share one interned Python int each (every vocabulary in use fits).
-const INTERNED_IDS: usize = 1 << 18;
-
-/// One Python int per small token id, created on first use. Building a 30k-token tuple
-/// then costs a reference count per id instead of an allocation (and its later free).
-/// Bounded: at most `INTERNED_IDS` ints (about 10 MB) per process.
-static INTERNED: Mutex<Vec<Option<Py<PyAny>>>> = Mutex::new(Vec::new());
-
-/// The interned ints, unless another thread holds them. Never waits: creating an int may
-/// run the cycle collector, whose finalizers may let another thread take the interpreter
-/// while this one holds the table; that thread, waiting for the table while attached,
-/// would deadlock both. The caller makes fresh ints instead.
-fn interned_ints() -> Option<std::sync::MutexGuard<'static, Vec<Option<Py<PyAny>>>>> {
-    let mut table = match INTERNED.try_lock() {
-        Ok(table) => table,
-        Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-        Err(std::sync::TryLockError::WouldBlock) => return None,
-    };
-    if table.is_empty() {
-        table.resize_with(INTERNED_IDS, || None);
-    }
-    Some(table)
-}
-
+/// A tuple of fresh Python ints (CPython shares the small ones itself). A process-wide table
+/// of interned ints was measured slower: each id cost two dependent cache misses (its slot in
+/// a 2 MB table, then the int), which a cold process also paid for in faults zeroing the
+/// table; a fresh int is a bump allocation from Python's allocator. Answers of one rollout
+/// still share their ints through `TupleMemo` (the next answer copies the references).
 fn token_tuple<'py>(py: Python<'py>, tokens: &[u64]) -> PyResult<Bound<'py, PyTuple>> {
-    let mut table = interned_ints();
     // Built straight into the tuple (an exact-size iterator): no second array of references,
     // whose fresh pages a cold process would fault in (a 70k-token answer: 560 KB).
-    let ints = tokens.iter().map(|&id| -> PyResult<Py<PyAny>> {
-        let slot = table
-            .as_mut()
-            .and_then(|table| usize::try_from(id).ok().and_then(|i| table.get_mut(i)));
-        let Some(slot) = slot else {
-            return Ok(id.into_pyobject(py)?.into_any().unbind());
-        };
-        Ok(match slot {
-            Some(int) => int.clone_ref(py),
-            None => slot
-                .insert(id.into_pyobject(py)?.into_any().unbind())
-                .clone_ref(py),
-        })
-    });
+    let ints = tokens
+        .iter()
+        .map(|&id| -> PyResult<Py<PyAny>> { Ok(id.into_pyobject(py)?.into_any().unbind()) });
     let tuple = try_tuple(py, ints)?;
-    drop(table);
     untrack_atomic(tuple.as_any());
     Ok(tuple)
 }
@@ -376,6 +344,7 @@ impl PyFileLineage {
         max_cached_tokens: usize,
         max_open_files: Option<usize>,
     ) -> Self {
+        start_pool();
         PyFileLineage {
             inner: Arc::new(FileLineage::with_max_open_files(
                 root,
