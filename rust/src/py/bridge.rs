@@ -5,11 +5,13 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use arc_swap::ArcSwapOption;
 use pyo3::prelude::*;
 
 use super::errors::to_pyerr;
 use crate::doorbell::Doorbell;
 use crate::error::Error;
+use crate::fork::current_pid;
 use crate::pool::WorkerPool;
 
 /// Workers of the process-wide pool: enough concurrent fsyncs to keep the disk busy. How many
@@ -17,20 +19,34 @@ use crate::pool::WorkerPool;
 /// (`descriptors::Budget::enter`), which Python's threads and callers' own share.
 const POOL_WORKERS: usize = crate::descriptors::MAX_IN_FLIGHT;
 
-static POOL: Mutex<Option<Arc<WorkerPool>>> = Mutex::new(None);
+static POOL: ArcSwapOption<WorkerPool> = ArcSwapOption::const_empty();
 
-/// The process-wide worker pool, restarted in a forked child (which inherits no threads).
+/// The process-wide worker pool, started on first use; a forked child (which inherits no
+/// threads) starts its own. Looked up lock-free: the parent's pool (its queue's mutex may be
+/// held by a worker that does not exist in the child) is never touched there, and never
+/// dropped (dropping it locks that queue): see `crate::fork`.
 fn worker_pool() -> PyResult<Arc<WorkerPool>> {
-    let mut slot = POOL.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(pool) = slot
-        .as_ref()
-        .filter(|pool| pool.pid() == std::process::id())
-    {
-        return Ok(Arc::clone(pool));
+    let pid = current_pid();
+    loop {
+        let seen = POOL.load_full();
+        if let Some(pool) = seen.as_ref().filter(|pool| pool.pid() == pid) {
+            return Ok(Arc::clone(pool));
+        }
+        let fresh = Arc::new(WorkerPool::new(POOL_WORKERS, "tokencapture-io")?);
+        let previous = POOL.compare_and_swap(&seen, Some(Arc::clone(&fresh)));
+        let swapped = match (previous.as_ref(), seen.as_ref()) {
+            (Some(previous), Some(seen)) => Arc::ptr_eq(previous, seen),
+            (None, None) => true,
+            _ => false,
+        };
+        if swapped {
+            if let Some(parents) = seen {
+                std::mem::forget(parents); // leaked, never dropped in this process
+            }
+            return Ok(fresh);
+        }
+        // Another thread started one first; this one's workers exit as it drops.
     }
-    let pool = Arc::new(WorkerPool::new(POOL_WORKERS, "tokencapture-io")?);
-    *slot = Some(Arc::clone(&pool));
-    Ok(pool)
 }
 
 /// What a finished job hands back to the loop.
