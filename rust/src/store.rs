@@ -204,12 +204,12 @@ struct Writers {
     queues: Mutex<Queues>,
 }
 
+/// Per store, so per process: a forked child never uses its parent's store (the bindings
+/// open a fresh one in a child, see `crate::fork`), nor its queued puts (the parent's to
+/// answer).
 #[derive(Default)]
 struct Queues {
     by_rollout: HashMap<String, Vec<QueuedPut>>,
-    /// The process they belong to. A forked child inherits the map but none of the writers'
-    /// threads: it starts with none (the parent's queued puts are the parent's to answer).
-    pid: u32,
 }
 
 impl std::fmt::Debug for Writers {
@@ -223,15 +223,7 @@ impl std::fmt::Debug for Writers {
 impl Writers {
     fn lock(&self) -> MutexGuard<'_, Queues> {
         // Only pushes and drains happen under it: a poisoned map is still consistent.
-        let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
-        let pid = std::process::id();
-        if queues.pid != pid {
-            // Leaked, not dropped: dropping a put answers it, and its answer (a completion
-            // queue's descriptor, a channel) belongs to the parent.
-            std::mem::forget(std::mem::take(&mut queues.by_rollout));
-            queues.pid = pid;
-        }
-        queues
+        self.queues.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Queue `put` behind the rollout's writer (`None`), or make the caller its writer, with
