@@ -32,17 +32,19 @@ from tests.test_ledger import make_commit
 
 from tokencapture import FileCaptureLedger, FileStagingStore, _core
 from tokencapture.descriptors import set_budget
+from tokencapture.jobs import native_job
+from tokencapture.ledger_rows import commit_line
 from tokencapture.lineage import FileLineageStore, stamp_continuation
 from tokencapture.records import ParentResolutionStatus, stamp_lineage
 from tokencapture.store import TokenCaptureStore, canonical_line
 
 # Enough forks that a child copying a locked mutex is near certain without the fix (a quarter
 # or more of forks beside a busy thread hung then), few enough to keep each test short.
-FORKS = 32
+FORKS = 48
 # A child's few operations take milliseconds; this only bounds a hang (the machine is shared).
 CHILD_DEADLINE = 20.0
-# Stop forking after this many hung children: the test has failed already.
-MAX_HUNG = 2
+# Stop forking at the first hung child: the test has failed already.
+MAX_HUNG = 1
 HAMMERS = 2
 # Calls the native workers have queued at once: enough that they are still inside the core
 # (without the GIL) when the main thread forks, more rollouts than a store caches (so their
@@ -222,9 +224,11 @@ def test_store_puts_and_freezes_in_children_forked_beside_busy_threads(
         assert descriptors["process_limit"] == small_budget
         assert descriptors["process_held"] <= small_budget
 
+    retries = [entry_line(f"native-{k}", "p0") for k in range(NATIVE_BATCH)]
+
     def repeats(n: int) -> list[Awaitable[object]]:
         # Identical retries: no fsync, just the gate, the cache and the rollout's lock.
-        return [store.put(entry_line(f"native-{k}", "p0")) for k in range(NATIVE_BATCH)]
+        return [store.put(entry) for entry in retries]
 
     with native_hammering(repeats) as native_errors, hammering(put) as errors:
         children = fork_children(child)
@@ -332,8 +336,14 @@ def test_ledger_records_in_children_forked_beside_busy_records(
             assert ledger.record_now(make_commit(f"c{k}", f"child-{index}"))
         assert ledger.has_rows_now(f"child-{index}")
 
+    # Built once: the loop's thread then spends its time handing rows to the native workers.
+    native_rows = [commit_line(make_commit("c0", f"native-{k}")) for k in range(NATIVE_BATCH)]
+
     def repeats(n: int) -> list[Awaitable[object]]:
-        return [ledger.record(make_commit("c0", f"native-{k}")) for k in range(NATIVE_BATCH)]
+        return [
+            native_job(ledger._native.submit_record, rollout_id, line)
+            for rollout_id, _, line in native_rows
+        ]
 
     with native_hammering(repeats) as native_errors, hammering(busy) as errors:
         children = fork_children(child)
@@ -447,8 +457,10 @@ def test_a_fork_pool_created_beside_a_busy_thread_works(tmp_path: Path, small_bu
     def busy(name: str, n: int) -> None:
         store.append(entry_line(f"busy-{name}", f"{name}-{n}"))
 
+    retries = [entry_line(f"native-{k}", "p0") for k in range(NATIVE_BATCH)]
+
     def repeats(n: int) -> list[Awaitable[object]]:
-        return [store.put(entry_line(f"native-{k}", "p0")) for k in range(NATIVE_BATCH)]
+        return [store.put(entry) for entry in retries]
 
     try:
         with native_hammering(repeats) as native_errors, hammering(busy) as errors:

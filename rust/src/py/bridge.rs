@@ -72,11 +72,20 @@ impl From<crate::Result<bool>> for Outcome {
 /// A completion queue for one event loop.
 #[pyclass(frozen, module = "tokencapture._core")]
 pub(super) struct Completions {
+    queue: Arc<Queue>,
+}
+
+/// What the workers hold of a completion queue: never a Python object, so a worker drops
+/// nothing that needs the interpreter. (A Python reference dropped while detached goes to
+/// PyO3's pool of deferred decrements, a process-wide mutex that every return from
+/// `Python::detach` takes: a worker holding it when another thread forks would hang the
+/// child's first native call.)
+struct Queue {
     done: Mutex<Vec<(u64, Outcome)>>,
     doorbell: Doorbell,
 }
 
-impl Completions {
+impl Queue {
     fn complete(&self, token: u64, outcome: Outcome) {
         let first = {
             let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
@@ -94,14 +103,16 @@ impl Completions {
     #[new]
     fn new() -> PyResult<Self> {
         Ok(Completions {
-            done: Mutex::new(Vec::new()),
-            doorbell: Doorbell::new()?,
+            queue: Arc::new(Queue {
+                done: Mutex::new(Vec::new()),
+                doorbell: Doorbell::new()?,
+            }),
         })
     }
 
     /// The descriptor to watch for readability.
     fn fileno(&self) -> i32 {
-        self.doorbell.fd()
+        self.queue.doorbell.fd()
     }
 
     /// Take every finished job: `[(token, value, failed)]`, `value` being the result or the
@@ -109,8 +120,14 @@ impl Completions {
     fn drain<'py>(&self, py: Python<'py>) -> Vec<(u64, Bound<'py, PyAny>, bool)> {
         // Clear the doorbell before taking the queue, so a completion racing this drain either
         // lands in this batch or rings for the next one.
-        self.doorbell.clear();
-        let done = std::mem::take(&mut *self.done.lock().unwrap_or_else(PoisonError::into_inner));
+        self.queue.doorbell.clear();
+        let done = std::mem::take(
+            &mut *self
+                .queue
+                .done
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
         done.into_iter()
             .map(|(token, outcome)| {
                 let (value, failed) = match outcome {
@@ -148,12 +165,12 @@ pub(super) fn spawn_job<T>(
 where
     T: Into<Outcome>,
 {
-    let completions: Py<Completions> = completions.clone().unbind();
+    let queue = Arc::clone(&completions.get().queue);
     worker_pool()?
         .submit(move || {
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(op))
                 .map_or(Outcome::Panicked, Into::into);
-            completions.get().complete(token, outcome);
+            queue.complete(token, outcome);
         })
         .map_err(|closed| pyo3::exceptions::PyRuntimeError::new_err(closed.to_string()))
 }
@@ -161,29 +178,29 @@ where
 /// Reports one job's outcome to its completion queue, exactly once: dropped unsent (the code
 /// that was to send it panicked, or never ran), it reports the panic.
 pub(super) struct Report {
-    completions: Option<Py<Completions>>,
+    queue: Option<Arc<Queue>>,
     token: u64,
 }
 
 impl Report {
     pub(super) fn new(completions: &Bound<'_, Completions>, token: u64) -> Self {
         Report {
-            completions: Some(completions.clone().unbind()),
+            queue: Some(Arc::clone(&completions.get().queue)),
             token,
         }
     }
 
     pub(super) fn send(mut self, outcome: impl Into<Outcome>) {
-        if let Some(completions) = self.completions.take() {
-            completions.get().complete(self.token, outcome.into());
+        if let Some(queue) = self.queue.take() {
+            queue.complete(self.token, outcome.into());
         }
     }
 }
 
 impl Drop for Report {
     fn drop(&mut self) {
-        if let Some(completions) = self.completions.take() {
-            completions.get().complete(self.token, Outcome::Panicked);
+        if let Some(queue) = self.queue.take() {
+            queue.complete(self.token, Outcome::Panicked);
         }
     }
 }

@@ -103,6 +103,7 @@ impl PyStore {
     ) -> PyResult<()> {
         let rollout_id = text(rollout_id, "rollout_id")?;
         let call_id = text(model_call_id, "model_call_id")?;
+        let store = self.store(completions.py())?;
         let report = Report::new(completions, token);
         let done = move |outcome: crate::Result<store::PutOutcome>| {
             report.send(outcome.map(|outcome| outcome == store::PutOutcome::Appended));
@@ -110,7 +111,6 @@ impl PyStore {
         // Queued here, on the caller's thread (a mutex, never the disk): a put behind the
         // rollout's writer is in its queue at once, so the writer's next batch takes it. Only
         // a new writer goes to the worker pool.
-        let store = self.store(completions.py())?;
         let Some(batch) = store.queue_put(rollout_id, call_id, line.to_vec(), Box::new(done))
         else {
             return Ok(());
