@@ -552,6 +552,12 @@ impl<V: Send + 'static> FdCache<V> {
         (self.max_open != usize::MAX).then_some(self.max_open)
     }
 
+    /// A permit of this cache's budget ([`Budget::enter`]): the process's budget when the
+    /// cache was made, without looking it up again (a `getpid`) on every operation.
+    pub fn enter(&self) -> Permit<'static> {
+        self.account.budget.enter()
+    }
+
     /// Keep within this cache's cap and the process budget, after an entry was put back.
     /// Call without holding the cache's lock.
     pub fn settle(&self) {

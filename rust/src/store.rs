@@ -821,7 +821,7 @@ impl Store {
         rollout_id: &str,
         op: impl FnOnce(&mut Cached, &RolloutPaths) -> Result<T>,
     ) -> Result<T> {
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
         // Taken out of the cache before locking: from here on no other thread can use its
         // kept lock descriptor, so the flock below excludes this process's threads too.
@@ -1416,7 +1416,7 @@ impl Store {
     /// `version` are exactly the current ones.
     pub fn drop_snapshot(&self, rollout_id: &str, snapshot_id: &str, version: u64) -> Result<bool> {
         validate_rollout_id(rollout_id)?;
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
         let Some(_lock) = self.lock_existing(&paths, LockMode::Exclusive)? else {
             return Ok(false);
@@ -1457,7 +1457,7 @@ impl Store {
         if ids.is_empty() {
             return Ok(Removal::default());
         }
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         for id in &ids {
             let paths = self.paths(id);
             let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
@@ -1498,7 +1498,7 @@ impl Store {
         if ids.is_empty() {
             return Ok(Removal::default());
         }
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let mut removal = Removal::default();
         for id in ids {
             let paths = self.paths(&id);
@@ -1570,7 +1570,7 @@ impl Store {
     /// The stored incomplete flag (a call in flight is not a hole until freeze judges it).
     pub fn is_incomplete(&self, rollout_id: &str) -> Result<bool> {
         validate_rollout_id(rollout_id)?;
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
         Ok(state::open_and_read(&paths.state)?.is_some_and(|(_, state)| state.incomplete))
     }
@@ -1580,7 +1580,7 @@ impl Store {
     /// the state and the number of unique records; `None` when the rollout has no files.
     pub fn inspect(&self, rollout_id: &str) -> Result<Option<(State, usize)>> {
         validate_rollout_id(rollout_id)?;
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
         let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
             return Ok(None);
@@ -1620,7 +1620,7 @@ impl Store {
         decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
     ) -> Result<(Records, Vec<Range<usize>>, D)> {
         validate_rollout_id(rollout_id)?;
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
         let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
             return Ok(no_records(decode));
