@@ -60,8 +60,9 @@ use std::io;
 use std::num::NonZeroUsize;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 
+use arc_swap::ArcSwapOption;
 use lru::LruCache;
 
 /// The budget is this fraction (1/`DEFAULT_SHARE`) of the process's soft descriptor limit.
@@ -164,10 +165,51 @@ impl fmt::Debug for Budget {
     }
 }
 
-/// The process's budget.
+/// The process's budget. One per process: a forked child makes its own on first use and
+/// never touches the parent's (whose gate and lists may be locked by threads the child does
+/// not have; see [`crate::fork`]). The caches the child inherited stay registered with the
+/// parent's budget, unused.
 pub fn budget() -> &'static Budget {
-    static BUDGET: OnceLock<Budget> = OnceLock::new();
-    BUDGET.get_or_init(|| Budget::new(env_limit()))
+    static BUDGETS: ArcSwapOption<ProcessBudget> = ArcSwapOption::const_empty();
+    budget_in(&BUDGETS, crate::fork::current_pid())
+}
+
+/// A process's budget, and the process.
+struct ProcessBudget {
+    pid: u32,
+    budget: &'static Budget,
+}
+
+/// The budget of process `pid` in `slot`, made if the slot holds none or another process's:
+/// lock-free (an atomic load, and a compare-and-swap once per process).
+fn budget_in(slot: &ArcSwapOption<ProcessBudget>, pid: u32) -> &'static Budget {
+    loop {
+        let seen = slot.load_full();
+        if let Some(current) = seen.as_ref().filter(|current| current.pid == pid) {
+            return current.budget;
+        }
+        // A child keeps the limit its parent fixed (`set_limit`): an atomic, read without
+        // touching anything else of the parent's budget.
+        let inherited = seen
+            .as_ref()
+            .map(|parent| parent.budget.fixed.load(Ordering::Relaxed))
+            .filter(|&fixed| fixed != usize::MAX);
+        // Leaked: `Account`s and permits refer to it for the rest of the process. (Threads
+        // of one process racing here each leak one; one is installed.)
+        let fresh = Arc::new(ProcessBudget {
+            pid,
+            budget: Box::leak(Box::new(Budget::new(inherited.or_else(env_limit)))),
+        });
+        let previous = slot.compare_and_swap(&seen, Some(Arc::clone(&fresh)));
+        let swapped = match (previous.as_ref(), seen.as_ref()) {
+            (Some(previous), Some(seen)) => Arc::ptr_eq(previous, seen),
+            (None, None) => true,
+            _ => false,
+        };
+        if swapped {
+            return fresh.budget;
+        }
+    }
 }
 
 /// A snapshot of the budget's counters.
@@ -510,6 +552,12 @@ impl<V: Send + 'static> FdCache<V> {
         (self.max_open != usize::MAX).then_some(self.max_open)
     }
 
+    /// A permit of this cache's budget ([`Budget::enter`]): the process's budget when the
+    /// cache was made, without looking it up again (a `getpid`) on every operation.
+    pub fn enter(&self) -> Permit<'static> {
+        self.account.budget.enter()
+    }
+
     /// Keep within this cache's cap and the process budget, after an entry was put back.
     /// Call without holding the cache's lock.
     pub fn settle(&self) {
@@ -717,6 +765,39 @@ mod tests {
         assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4, 5]);
         assert!(most.load(Ordering::SeqCst) <= MIN_IN_FLIGHT);
         assert_eq!(budget.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_forked_child_gets_a_budget_of_its_own() {
+        let slot = ArcSwapOption::const_empty();
+        let parent = budget_in(&slot, 100);
+        assert!(std::ptr::eq(parent, budget_in(&slot, 100)));
+        parent.set_limit(Some(7));
+        // The parent's gate is held by a thread a forked child does not have: locked forever.
+        std::mem::forget(parent.gate.lock().unwrap());
+        assert!(parent.gate.try_lock().is_err());
+        let child = budget_in(&slot, 101);
+        assert!(!std::ptr::eq(parent, child));
+        assert_eq!(
+            child.limit(),
+            7,
+            "the limit the parent fixed is the child's too"
+        );
+        // The child's budget works without ever touching the parent's mutexes.
+        drop(child.enter());
+        let cache = FdCache::<Vec<Kept<File>>>::with_budget(4, None, child);
+        open(&cache, "a", 2);
+        assert_eq!((child.held(), child.in_flight()), (2, 0));
+        assert!(std::ptr::eq(child, budget_in(&slot, 101)));
+        // Threads of a grandchild agree on one budget.
+        let seen: Vec<usize> = std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..4)
+                .map(|_| scope.spawn(|| std::ptr::from_ref(budget_in(&slot, 102)) as usize))
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let installed = std::ptr::from_ref(budget_in(&slot, 102)) as usize;
+        assert!(seen.iter().all(|&b| b == installed));
     }
 
     #[test]

@@ -34,6 +34,7 @@ pub mod digest;
 pub mod doorbell;
 pub mod error;
 pub mod fetched;
+pub mod fork;
 pub mod json;
 pub mod ledger;
 pub mod lineage;

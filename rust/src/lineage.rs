@@ -838,6 +838,14 @@ impl TokenCache {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Whether no thread holds the cache now (it never waits; see [`MemoryLineage::idle`]).
+    fn idle(&self) -> bool {
+        !matches!(
+            self.inner.try_lock(),
+            Err(std::sync::TryLockError::WouldBlock)
+        )
+    }
+
     fn get(&self, digest: &str) -> Option<Tokens> {
         self.lock().lru.get(digest).cloned()
     }
@@ -1713,6 +1721,21 @@ impl MemoryLineage {
     }
 
     /// Tokens of the stored entries.
+    /// Whether no thread holds any of this index's mutexes now; never waits. A forked child
+    /// checks it before using an index it inherited: one a thread of the parent held at the
+    /// fork stays locked in the child forever, while one nobody held is consistent there.
+    pub fn idle(&self) -> bool {
+        let state = match self.state.try_lock() {
+            Ok(state) => state,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        let free = |rollout: &Arc<Mutex<RolloutIndex>>| {
+            !matches!(rollout.try_lock(), Err(std::sync::TryLockError::WouldBlock))
+        };
+        state.rollouts.iter().all(|(_, rollout)| free(rollout)) && self.cache.idle()
+    }
+
     pub fn stored_tokens(&self) -> u64 {
         lock(&self.state).tokens
     }

@@ -206,12 +206,12 @@ struct Writers {
     queues: Mutex<Queues>,
 }
 
+/// Per store, so per process: a forked child never uses its parent's store (the bindings
+/// open a fresh one in a child, see `crate::fork`), nor its queued puts (the parent's to
+/// answer).
 #[derive(Default)]
 struct Queues {
     by_rollout: HashMap<String, Vec<QueuedPut>>,
-    /// The process they belong to. A forked child inherits the map but none of the writers'
-    /// threads: it starts with none (the parent's queued puts are the parent's to answer).
-    pid: u32,
 }
 
 impl std::fmt::Debug for Writers {
@@ -225,15 +225,7 @@ impl std::fmt::Debug for Writers {
 impl Writers {
     fn lock(&self) -> MutexGuard<'_, Queues> {
         // Only pushes and drains happen under it: a poisoned map is still consistent.
-        let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
-        let pid = std::process::id();
-        if queues.pid != pid {
-            // Leaked, not dropped: dropping a put answers it, and its answer (a completion
-            // queue's descriptor, a channel) belongs to the parent.
-            std::mem::forget(std::mem::take(&mut queues.by_rollout));
-            queues.pid = pid;
-        }
-        queues
+        self.queues.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Queue `put` behind the rollout's writer (`None`), or make the caller its writer, with
@@ -831,7 +823,7 @@ impl Store {
         rollout_id: &str,
         op: impl FnOnce(&mut Cached, &RolloutPaths) -> Result<T>,
     ) -> Result<T> {
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
         // Taken out of the cache before locking: from here on no other thread can use its
         // kept lock descriptor, so the flock below excludes this process's threads too.
@@ -1419,7 +1411,7 @@ impl Store {
     /// `version` are exactly the current ones.
     pub fn drop_snapshot(&self, rollout_id: &str, snapshot_id: &str, version: u64) -> Result<bool> {
         validate_rollout_id(rollout_id)?;
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
         let Some(_lock) = self.lock_existing(&paths, LockMode::Exclusive)? else {
             return Ok(false);
@@ -1460,7 +1452,7 @@ impl Store {
         if ids.is_empty() {
             return Ok(Removal::default());
         }
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         for id in &ids {
             let paths = self.paths(id);
             let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
@@ -1501,7 +1493,7 @@ impl Store {
         if ids.is_empty() {
             return Ok(Removal::default());
         }
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let mut removal = Removal::default();
         for id in ids {
             let paths = self.paths(&id);
@@ -1573,7 +1565,7 @@ impl Store {
     /// The stored incomplete flag (a call in flight is not a hole until freeze judges it).
     pub fn is_incomplete(&self, rollout_id: &str) -> Result<bool> {
         validate_rollout_id(rollout_id)?;
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
         Ok(state::open_and_read(&paths.state)?.is_some_and(|(_, state)| state.incomplete))
     }
@@ -1583,7 +1575,7 @@ impl Store {
     /// the state and the number of unique records; `None` when the rollout has no files.
     pub fn inspect(&self, rollout_id: &str) -> Result<Option<(State, usize)>> {
         validate_rollout_id(rollout_id)?;
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
         let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
             return Ok(None);
@@ -1623,7 +1615,7 @@ impl Store {
         decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
     ) -> Result<(Records, Vec<Range<usize>>, D)> {
         validate_rollout_id(rollout_id)?;
-        let _permit = descriptors::enter();
+        let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
         let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
             return Ok(no_records(decode));

@@ -5,11 +5,13 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use arc_swap::ArcSwapOption;
 use pyo3::prelude::*;
 
 use super::errors::to_pyerr;
 use crate::doorbell::Doorbell;
 use crate::error::Error;
+use crate::fork::current_pid;
 use crate::pool::WorkerPool;
 
 /// Workers of the process-wide pool: enough concurrent fsyncs to keep the disk busy. How many
@@ -17,20 +19,34 @@ use crate::pool::WorkerPool;
 /// (`descriptors::Budget::enter`), which Python's threads and callers' own share.
 const POOL_WORKERS: usize = crate::descriptors::MAX_IN_FLIGHT;
 
-static POOL: Mutex<Option<Arc<WorkerPool>>> = Mutex::new(None);
+static POOL: ArcSwapOption<WorkerPool> = ArcSwapOption::const_empty();
 
-/// The process-wide worker pool, restarted in a forked child (which inherits no threads).
+/// The process-wide worker pool, started on first use; a forked child (which inherits no
+/// threads) starts its own. Looked up lock-free: the parent's pool (its queue's mutex may be
+/// held by a worker that does not exist in the child) is never touched there, and never
+/// dropped (dropping it locks that queue): see `crate::fork`.
 fn worker_pool() -> PyResult<Arc<WorkerPool>> {
-    let mut slot = POOL.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(pool) = slot
-        .as_ref()
-        .filter(|pool| pool.pid() == std::process::id())
-    {
-        return Ok(Arc::clone(pool));
+    let pid = current_pid();
+    loop {
+        let seen = POOL.load_full();
+        if let Some(pool) = seen.as_ref().filter(|pool| pool.pid() == pid) {
+            return Ok(Arc::clone(pool));
+        }
+        let fresh = Arc::new(WorkerPool::new(POOL_WORKERS, "tokencapture-io")?);
+        let previous = POOL.compare_and_swap(&seen, Some(Arc::clone(&fresh)));
+        let swapped = match (previous.as_ref(), seen.as_ref()) {
+            (Some(previous), Some(seen)) => Arc::ptr_eq(previous, seen),
+            (None, None) => true,
+            _ => false,
+        };
+        if swapped {
+            if let Some(parents) = seen {
+                std::mem::forget(parents); // leaked, never dropped in this process
+            }
+            return Ok(fresh);
+        }
+        // Another thread started one first; this one's workers exit as it drops.
     }
-    let pool = Arc::new(WorkerPool::new(POOL_WORKERS, "tokencapture-io")?);
-    *slot = Some(Arc::clone(&pool));
-    Ok(pool)
 }
 
 /// Start the process-wide pool ahead of its first job (a lineage resolver does, when it is
@@ -63,11 +79,20 @@ impl From<crate::Result<bool>> for Outcome {
 /// A completion queue for one event loop.
 #[pyclass(frozen, module = "tokencapture._core")]
 pub(super) struct Completions {
+    queue: Arc<Queue>,
+}
+
+/// What the workers hold of a completion queue: never a Python object, so a worker drops
+/// nothing that needs the interpreter. (A Python reference dropped while detached goes to
+/// PyO3's pool of deferred decrements, a process-wide mutex that every return from
+/// `Python::detach` takes: a worker holding it when another thread forks would hang the
+/// child's first native call.)
+struct Queue {
     done: Mutex<Vec<(u64, Outcome)>>,
     doorbell: Doorbell,
 }
 
-impl Completions {
+impl Queue {
     fn complete(&self, token: u64, outcome: Outcome) {
         let first = {
             let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
@@ -85,14 +110,16 @@ impl Completions {
     #[new]
     fn new() -> PyResult<Self> {
         Ok(Completions {
-            done: Mutex::new(Vec::new()),
-            doorbell: Doorbell::new()?,
+            queue: Arc::new(Queue {
+                done: Mutex::new(Vec::new()),
+                doorbell: Doorbell::new()?,
+            }),
         })
     }
 
     /// The descriptor to watch for readability.
     fn fileno(&self) -> i32 {
-        self.doorbell.fd()
+        self.queue.doorbell.fd()
     }
 
     /// Take every finished job: `[(token, value, failed)]`, `value` being the result or the
@@ -100,8 +127,14 @@ impl Completions {
     fn drain<'py>(&self, py: Python<'py>) -> Vec<(u64, Bound<'py, PyAny>, bool)> {
         // Clear the doorbell before taking the queue, so a completion racing this drain either
         // lands in this batch or rings for the next one.
-        self.doorbell.clear();
-        let done = std::mem::take(&mut *self.done.lock().unwrap_or_else(PoisonError::into_inner));
+        self.queue.doorbell.clear();
+        let done = std::mem::take(
+            &mut *self
+                .queue
+                .done
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
         done.into_iter()
             .map(|(token, outcome)| {
                 let (value, failed) = match outcome {
@@ -139,12 +172,12 @@ pub(super) fn spawn_job<T>(
 where
     T: Into<Outcome>,
 {
-    let completions: Py<Completions> = completions.clone().unbind();
+    let queue = Arc::clone(&completions.get().queue);
     worker_pool()?
         .submit(move || {
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(op))
                 .map_or(Outcome::Panicked, Into::into);
-            completions.get().complete(token, outcome);
+            queue.complete(token, outcome);
         })
         .map_err(|closed| pyo3::exceptions::PyRuntimeError::new_err(closed.to_string()))
 }
@@ -152,29 +185,29 @@ where
 /// Reports one job's outcome to its completion queue, exactly once: dropped unsent (the code
 /// that was to send it panicked, or never ran), it reports the panic.
 pub(super) struct Report {
-    completions: Option<Py<Completions>>,
+    queue: Option<Arc<Queue>>,
     token: u64,
 }
 
 impl Report {
     pub(super) fn new(completions: &Bound<'_, Completions>, token: u64) -> Self {
         Report {
-            completions: Some(completions.clone().unbind()),
+            queue: Some(Arc::clone(&completions.get().queue)),
             token,
         }
     }
 
     pub(super) fn send(mut self, outcome: impl Into<Outcome>) {
-        if let Some(completions) = self.completions.take() {
-            completions.get().complete(self.token, outcome.into());
+        if let Some(queue) = self.queue.take() {
+            queue.complete(self.token, outcome.into());
         }
     }
 }
 
 impl Drop for Report {
     fn drop(&mut self) {
-        if let Some(completions) = self.completions.take() {
-            completions.get().complete(self.token, Outcome::Panicked);
+        if let Some(queue) = self.queue.take() {
+            queue.complete(self.token, Outcome::Panicked);
         }
     }
 }

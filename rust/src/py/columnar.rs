@@ -364,7 +364,7 @@ fn freeze_columns(
     shared_prefixes: bool,
 ) -> PyResult<(ColumnarEntries, bool, String, u64)> {
     let rollout_id = text(rollout_id, "rollout_id")?;
-    let store = &store.get().inner;
+    let store = &store.get().store(py)?;
     let frozen = py.detach(|| {
         columnar::freeze_columns(store, rollout_id, shared_prefixes).map(|snapshot| {
             let batch = batch_of(snapshot.entries);
@@ -390,7 +390,7 @@ fn read_columns(
     shared_prefixes: bool,
 ) -> PyResult<ColumnarEntries> {
     let rollout_id = text(rollout_id, "rollout_id")?;
-    let store = &store.get().inner;
+    let store = &store.get().store(py)?;
     let batch = py
         .detach(|| columnar::read_columns(store, rollout_id, shared_prefixes).map(batch_of))
         .map_err(|e| columns_err(py, e))?;

@@ -18,6 +18,7 @@ use super::bridge::{spawn_job, Completions, Outcome};
 use super::errors::{text, to_pyerr, ExceptionClass};
 use super::store::batch_removal;
 use crate::error::Error;
+use crate::fork::PerProcess;
 use crate::ledger::{self, Ledger, LedgerError, RecordOutcome, DEFAULT_CACHED_ROLLOUTS};
 
 static ROLLOUT_RETIRED: ExceptionClass = ExceptionClass::new("RolloutRetiredError");
@@ -61,8 +62,18 @@ fn row_to_py(py: Python<'_>, (offset, line): (u64, Vec<u8>)) -> (u64, Bound<'_, 
 
 /// The native ledger (`tokencapture.ledger.FileCaptureLedger`).
 #[pyclass(frozen, name = "Ledger", module = "tokencapture._core")]
+///
+/// Per process: a forked child opens its own ledger on the same root at its first call and
+/// never touches the parent's (see `crate::fork`).
 struct PyLedger {
-    inner: Arc<Ledger>,
+    handle: PerProcess<Ledger, crate::Error>,
+}
+
+impl PyLedger {
+    /// This process's ledger.
+    fn inner(&self, py: Python<'_>) -> PyResult<Arc<Ledger>> {
+        self.handle.get().map_err(|e| to_pyerr(py, e))
+    }
 }
 
 #[pymethods]
@@ -75,22 +86,25 @@ impl PyLedger {
         cached_rollouts: usize,
         max_open_files: Option<usize>,
     ) -> PyResult<Self> {
+        let reopen_root = root.clone();
         let inner = py
             .detach(|| Ledger::open_with(root, cached_rollouts, max_open_files))
             .map_err(|e| to_pyerr(py, e))?;
         Ok(PyLedger {
-            inner: Arc::new(inner),
+            handle: PerProcess::new(inner, move || {
+                Ledger::open_with(reopen_root.clone(), cached_rollouts, max_open_files)
+            }),
         })
     }
 
     /// Descriptors this ledger keeps (cached between operations, or in use now).
-    fn open_files(&self) -> usize {
-        self.inner.open_files()
+    fn open_files(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner(py)?.open_files())
     }
 
     /// This ledger's own cap on kept descriptors; None when only the process budget applies.
-    fn max_open_files(&self) -> Option<usize> {
-        self.inner.max_open_files()
+    fn max_open_files(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        Ok(self.inner(py)?.max_open_files())
     }
 
     /// Append one commit row (built as NeMo Gym writes it); see `stored` for the result.
@@ -100,8 +114,9 @@ impl PyLedger {
         rollout_id: &Bound<'_, PyString>,
         line: &[u8],
     ) -> PyResult<bool> {
+        let inner = self.inner(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
-        py.detach(|| self.inner.record(rollout_id, line))
+        py.detach(|| inner.record(rollout_id, line))
             .map(stored)
             .map_err(|e| ledger_err(py, e))
     }
@@ -114,9 +129,10 @@ impl PyLedger {
         rollout_id: &Bound<'_, PyString>,
         line: &[u8],
     ) -> PyResult<()> {
+        let inner = self.inner(completions.py())?;
         let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
         let line = line.to_vec();
-        let ledger = Arc::clone(&self.inner);
+        let ledger = inner;
         spawn_job(completions, token, move || {
             job_outcome(ledger.record(&rollout_id, &line))
         })
@@ -129,10 +145,11 @@ impl PyLedger {
         model_call_id: &Bound<'_, PyString>,
         reason: &Bound<'_, PyString>,
     ) -> PyResult<bool> {
+        let inner = self.inner(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
         let call_id = text(model_call_id, "model_call_id")?;
         let reason = text(reason, "reason")?;
-        py.detach(|| self.inner.record_failure(rollout_id, call_id, reason))
+        py.detach(|| inner.record_failure(rollout_id, call_id, reason))
             .map(stored)
             .map_err(|e| ledger_err(py, e))
     }
@@ -145,18 +162,20 @@ impl PyLedger {
         model_call_id: &Bound<'_, PyString>,
         reason: &Bound<'_, PyString>,
     ) -> PyResult<()> {
+        let inner = self.inner(completions.py())?;
         let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
         let call_id = text(model_call_id, "model_call_id")?.to_owned();
         let reason = text(reason, "reason")?.to_owned();
-        let ledger = Arc::clone(&self.inner);
+        let ledger = inner;
         spawn_job(completions, token, move || {
             job_outcome(ledger.record_failure(&rollout_id, &call_id, &reason))
         })
     }
 
     fn has_rows(&self, py: Python<'_>, rollout_id: &Bound<'_, PyString>) -> PyResult<bool> {
+        let inner = self.inner(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
-        py.detach(|| self.inner.has_rows(rollout_id))
+        py.detach(|| inner.has_rows(rollout_id))
             .map_err(|e| ledger_err(py, e))
     }
 
@@ -166,9 +185,10 @@ impl PyLedger {
         py: Python<'py>,
         rollout_id: &Bound<'py, PyString>,
     ) -> PyResult<Vec<(u64, Bound<'py, PyBytes>)>> {
+        let inner = self.inner(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
         let rows = py
-            .detach(|| self.inner.manifest_rows(rollout_id))
+            .detach(|| inner.manifest_rows(rollout_id))
             .map_err(|e| ledger_err(py, e))?;
         Ok(rows.into_iter().map(|row| row_to_py(py, row)).collect())
     }
@@ -180,10 +200,11 @@ impl PyLedger {
         rollout_id: &Bound<'py, PyString>,
         fingerprint: &Bound<'py, PyString>,
     ) -> PyResult<Option<(u64, Bound<'py, PyBytes>)>> {
+        let inner = self.inner(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
         let fingerprint = text(fingerprint, "fingerprint")?;
         let found = py
-            .detach(|| self.inner.candidate(rollout_id, fingerprint))
+            .detach(|| inner.candidate(rollout_id, fingerprint))
             .map_err(|e| ledger_err(py, e))?;
         Ok(found.map(|row| row_to_py(py, row)))
     }
@@ -194,7 +215,8 @@ impl PyLedger {
         py: Python<'_>,
         rollout_ids: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
-        batch_removal(py, || self.inner.retire(&rollout_ids))
+        let inner = self.inner(py)?;
+        batch_removal(py, || inner.retire(&rollout_ids))
     }
 
     /// Remove rows and fences; returns `(removed, absent)`.
@@ -203,15 +225,18 @@ impl PyLedger {
         py: Python<'_>,
         rollout_ids: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
-        batch_removal(py, || self.inner.delete(&rollout_ids))
+        let inner = self.inner(py)?;
+        batch_removal(py, || inner.delete(&rollout_ids))
     }
 
-    fn clear(&self, py: Python<'_>) {
-        py.detach(|| self.inner.clear());
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = self.inner(py)?;
+        py.detach(|| inner.clear());
+        Ok(())
     }
 
-    fn cached_rollouts(&self) -> usize {
-        self.inner.cached_rollouts()
+    fn cached_rollouts(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner(py)?.cached_rollouts())
     }
 }
 

@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use lru::LruCache;
@@ -20,6 +21,7 @@ use super::bridge::{spawn_job, start_pool, Completions};
 use super::decode::untrack_atomic;
 use super::errors::{text, to_pyerr, ExceptionClass};
 use super::records::token_ids;
+use crate::fork::{current_pid, PerProcess};
 use crate::lineage::{
     self, FileLineage, HashedRequest, ItemsRequest, LineageError, MemoryLineage, Missing, Outcome,
     Step, Tokens,
@@ -315,9 +317,21 @@ fn resolve_request<R: lineage::Request + Send>(
 
 /// The lineage resolver over a store directory (`tokencapture.lineage.FileLineageStore`).
 #[pyclass(frozen, name = "FileLineage", module = "tokencapture._core")]
+///
+/// Per process: a forked child opens its own resolver on the same root at its first call and
+/// never touches the parent's (see `crate::fork`). The tuple memo is only used attached to
+/// the interpreter, so no other thread holds it while one forks.
 struct PyFileLineage {
-    inner: Arc<FileLineage>,
+    handle: PerProcess<FileLineage, std::convert::Infallible>,
     memo: TupleMemo,
+}
+
+impl PyFileLineage {
+    /// This process's resolver.
+    fn inner(&self, _py: Python<'_>) -> PyResult<Arc<FileLineage>> {
+        let Ok(inner) = self.handle.get();
+        Ok(inner)
+    }
 }
 
 /// A resolve submitted to the worker pool (`FileLineage.prepare` / `submit` / `finish`):
@@ -345,25 +359,28 @@ impl PyFileLineage {
         max_open_files: Option<usize>,
     ) -> Self {
         start_pool();
-        PyFileLineage {
-            inner: Arc::new(FileLineage::with_max_open_files(
-                root,
+        let open = move || {
+            FileLineage::with_max_open_files(
+                root.clone(),
                 max_cached_rollouts,
                 max_cached_tokens,
                 max_open_files,
-            )),
+            )
+        };
+        PyFileLineage {
+            handle: PerProcess::new(open(), move || Ok(open())),
             memo: TupleMemo::new(max_cached_tokens),
         }
     }
 
     /// Descriptors this resolver keeps (cached between resolves, or in use now).
-    fn open_files(&self) -> usize {
-        self.inner.open_files()
+    fn open_files(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner(py)?.open_files())
     }
 
     /// This resolver's own cap on kept descriptors; None when only the process budget applies.
-    fn max_open_files(&self) -> Option<usize> {
-        self.inner.max_open_files()
+    fn max_open_files(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        Ok(self.inner(py)?.max_open_files())
     }
 
     /// Resolve with the native hashes; None when the items need Python's.
@@ -373,7 +390,8 @@ impl PyFileLineage {
         rollout_id: &Bound<'_, PyString>,
         items: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        resolve_items(py, &*self.inner, &self.memo, rollout_id, items)
+        let inner = self.inner(py)?;
+        resolve_items(py, &*inner, &self.memo, rollout_id, items)
     }
 
     /// Resolve with hashes computed by the caller; a list of prefix lengths means
@@ -386,8 +404,9 @@ impl PyFileLineage {
         n_items: usize,
         digests: HashMap<usize, String>,
     ) -> PyResult<Py<PyAny>> {
+        let inner = self.inner(py)?;
         let request = hashed(fingerprint, n_items, digests);
-        resolve_request(py, &*self.inner, &self.memo, rollout_id, request)
+        resolve_request(py, &*inner, &self.memo, rollout_id, request)
     }
 
     /// A job for `submit`, with the request items copied (None when they need Python's
@@ -412,6 +431,7 @@ impl PyFileLineage {
         token: u64,
         job: &Bound<'_, PyLineageJob>,
     ) -> PyResult<()> {
+        let inner = self.inner(completions.py())?;
         let job = job.get();
         let mut request = job
             .request
@@ -421,7 +441,7 @@ impl PyFileLineage {
             .ok_or_else(|| PyRuntimeError::new_err("this lineage job was already submitted"))?;
         let rollout_id = job.rollout_id.clone();
         let slot = Arc::clone(&job.result);
-        let lineage = Arc::clone(&self.inner);
+        let lineage = inner;
         spawn_job(completions, token, move || {
             let step = lineage.resolve(&rollout_id, &mut request);
             *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
@@ -442,25 +462,52 @@ impl PyFileLineage {
         step_to_py(py, step, &self.memo, &job.rollout_id)
     }
 
-    fn clear(&self, py: Python<'_>) {
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
         self.memo.clear();
-        py.detach(|| self.inner.clear());
+        let inner = self.inner(py)?;
+        py.detach(|| inner.clear());
+        Ok(())
     }
 
-    fn cached_tokens(&self) -> usize {
-        self.inner.cached_tokens()
+    fn cached_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner(py)?.cached_tokens())
     }
 
-    fn cached_rollouts(&self) -> usize {
-        self.inner.cached_rollouts()
+    fn cached_rollouts(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner(py)?.cached_rollouts())
     }
 }
 
 /// The bounded in-process resolver (`tokencapture.lineage.InMemoryLineageStore`).
 #[pyclass(frozen, name = "MemoryLineage", module = "tokencapture._core")]
+///
+/// In a forked child it is the parent's index, copied: usable if no thread of the parent held
+/// any of its mutexes at the fork (checked without waiting at the child's first call, while
+/// attached, so the child's own threads cannot race the check); otherwise every call raises
+/// `RuntimeError` instead of hanging (its state is unknowable there: create a new one).
 struct PyMemoryLineage {
     inner: MemoryLineage,
     memo: TupleMemo,
+    /// The process that may use `inner`: its creator, or a child that found it idle.
+    adopted: AtomicU32,
+}
+
+impl PyMemoryLineage {
+    /// The index, if this process may use it (see the type's documentation).
+    fn inner(&self, _py: Python<'_>) -> PyResult<&MemoryLineage> {
+        let pid = current_pid();
+        if self.adopted.load(Ordering::Acquire) == pid {
+            return Ok(&self.inner);
+        }
+        if !self.inner.idle() {
+            return Err(PyRuntimeError::new_err(
+                "this in-memory lineage index was in use by another thread when the process \
+                 forked: its state in the child is unknown; create a new one in the child",
+            ));
+        }
+        self.adopted.store(pid, Ordering::Release);
+        Ok(&self.inner)
+    }
 }
 
 #[pymethods]
@@ -470,13 +517,15 @@ impl PyMemoryLineage {
         PyMemoryLineage {
             inner: MemoryLineage::new(max_rollouts, max_tokens, max_cached_tokens),
             memo: TupleMemo::new(max_cached_tokens),
+            adopted: AtomicU32::new(current_pid()),
         }
     }
 
     /// Index one canonical entry line; False when the same bytes were already there.
     fn put(&self, py: Python<'_>, rollout_id: &Bound<'_, PyString>, line: &[u8]) -> PyResult<bool> {
+        let inner = self.inner(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
-        py.detach(|| self.inner.put(rollout_id, line))
+        py.detach(|| inner.put(rollout_id, line))
             .map_err(|e| lineage_err(py, e))
     }
 
@@ -486,7 +535,8 @@ impl PyMemoryLineage {
         rollout_id: &Bound<'_, PyString>,
         items: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        resolve_items(py, &self.inner, &self.memo, rollout_id, items)
+        let inner = self.inner(py)?;
+        resolve_items(py, inner, &self.memo, rollout_id, items)
     }
 
     fn resolve_hashed(
@@ -497,8 +547,9 @@ impl PyMemoryLineage {
         n_items: usize,
         digests: HashMap<usize, String>,
     ) -> PyResult<Py<PyAny>> {
+        let inner = self.inner(py)?;
         let request = hashed(fingerprint, n_items, digests);
-        resolve_request(py, &self.inner, &self.memo, rollout_id, request)
+        resolve_request(py, inner, &self.memo, rollout_id, request)
     }
 
     /// Forget rollouts; returns `(removed, absent)`.
@@ -507,25 +558,27 @@ impl PyMemoryLineage {
         py: Python<'_>,
         rollout_ids: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
-        py.detach(|| self.inner.delete(&rollout_ids))
+        let inner = self.inner(py)?;
+        py.detach(|| inner.delete(&rollout_ids))
             .map_err(|e| lineage_err(py, e))
     }
 
-    fn clear(&self) {
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
         self.memo.clear();
-        self.inner.clear();
+        self.inner(py)?.clear();
+        Ok(())
     }
 
-    fn stored_tokens(&self) -> u64 {
-        self.inner.stored_tokens()
+    fn stored_tokens(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.inner(py)?.stored_tokens())
     }
 
-    fn rollout_count(&self) -> usize {
-        self.inner.rollout_count()
+    fn rollout_count(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner(py)?.rollout_count())
     }
 
-    fn cached_tokens(&self) -> usize {
-        self.inner.cached_tokens()
+    fn cached_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner(py)?.cached_tokens())
     }
 }
 

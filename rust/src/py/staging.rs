@@ -15,6 +15,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use super::errors::{to_pyerr, ExceptionClass};
+use crate::fork::PerProcess;
 use crate::staging::digest::{
     self, CallFields, Digest32, DigestError, Extra, Mode, EXTRAS_DIGEST_VERSION,
     STAGING_DIGEST_VERSION, STAGING_SCHEMA_VERSION,
@@ -917,8 +918,18 @@ fn staging_decode_attachments<'py>(
 
 /// The native file staging store; `tokencapture.staging.FileStagingStore` wraps it.
 #[pyclass(frozen, name = "StagingFileStore", module = "tokencapture._core")]
+///
+/// Per process: a forked child opens its own store on the same root at its first call and
+/// never touches the parent's (see `crate::fork`).
 pub(super) struct PyStagingFileStore {
-    inner: Arc<FileStaging>,
+    handle: PerProcess<FileStaging, StagingError>,
+}
+
+impl PyStagingFileStore {
+    /// This process's store.
+    fn inner(&self, py: Python<'_>) -> PyResult<Arc<FileStaging>> {
+        self.handle.get().map_err(|e| staging_err(py, e))
+    }
 }
 
 #[pymethods]
@@ -926,11 +937,14 @@ impl PyStagingFileStore {
     #[new]
     #[pyo3(signature = (root, max_open_files = None))]
     fn new(py: Python<'_>, root: PathBuf, max_open_files: Option<usize>) -> PyResult<Self> {
+        let reopen_root = root.clone();
         let inner = py
             .detach(|| FileStaging::open_with(root, max_open_files))
             .map_err(|e| staging_err(py, e))?;
         Ok(PyStagingFileStore {
-            inner: Arc::new(inner),
+            handle: PerProcess::new(inner, move || {
+                FileStaging::open_with(reopen_root.clone(), max_open_files)
+            }),
         })
     }
 
@@ -942,10 +956,11 @@ impl PyStagingFileStore {
         record: &Bound<'_, PyAny>,
         attachments: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<String> {
+        let inner = self.inner(py)?;
         let call = call_of_record(record)?;
         let none = py.None().into_bound(py);
         let attachments = attachments_of(attachments.unwrap_or(&none))?;
-        let store = &self.inner;
+        let store = &inner;
         py.detach(|| {
             verified(&call)?;
             let blob = attachments
@@ -968,7 +983,8 @@ impl PyStagingFileStore {
         keys: Vec<String>,
         with_extras: bool,
     ) -> PyResult<Bound<'py, PyList>> {
-        let store = &self.inner;
+        let inner = self.inner(py)?;
+        let store = &inner;
         let decoded = py.detach(|| -> Result<Vec<Decoded>, StagingError> {
             let rows = store.fetch_rows(&keys)?;
             decode_rows(&rows, &keys, with_extras)
@@ -980,7 +996,8 @@ impl PyStagingFileStore {
 
     /// The attachments of one key: `(name, kind, format, dtype, shape, [bytes])` tuples.
     fn fetch_attachments<'py>(&self, py: Python<'py>, key: String) -> PyResult<Bound<'py, PyList>> {
-        let store = &self.inner;
+        let inner = self.inner(py)?;
+        let store = &inner;
         let list = py
             .detach(|| -> Result<Vec<Attachment>, StagingError> {
                 let blob = store.fetch_attachments_blob(&key)?;
@@ -1002,7 +1019,8 @@ impl PyStagingFileStore {
         py: Python<'_>,
         rollout_ids: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
-        py.detach(|| self.inner.retire(&rollout_ids))
+        let inner = self.inner(py)?;
+        py.detach(|| inner.retire(&rollout_ids))
             .map(|r| (r.removed, r.absent))
             .map_err(|e| staging_err(py, e))
     }
@@ -1013,7 +1031,8 @@ impl PyStagingFileStore {
         py: Python<'_>,
         rollout_ids: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
-        py.detach(|| self.inner.delete(&rollout_ids))
+        let inner = self.inner(py)?;
+        py.detach(|| inner.delete(&rollout_ids))
             .map(|r| (r.removed, r.absent))
             .map_err(|e| staging_err(py, e))
     }
@@ -1021,36 +1040,39 @@ impl PyStagingFileStore {
     /// Visible keys (of one rollout, or all), sorted.
     #[pyo3(signature = (rollout_id = None))]
     fn keys(&self, py: Python<'_>, rollout_id: Option<String>) -> PyResult<Vec<String>> {
-        py.detach(|| self.inner.keys(rollout_id.as_deref()))
+        let inner = self.inner(py)?;
+        py.detach(|| inner.keys(rollout_id.as_deref()))
             .map_err(|e| staging_err(py, e))
     }
 
     /// Every retired rollout id, sorted.
     fn retired(&self, py: Python<'_>) -> PyResult<Vec<String>> {
-        py.detach(|| self.inner.retired())
+        let inner = self.inner(py)?;
+        py.detach(|| inner.retired())
             .map_err(|e| staging_err(py, e))
     }
 
     /// `(batches, frames, syncs)` committed by this instance.
-    fn stats(&self) -> (u64, u64, u64) {
-        let s = self.inner.stats();
-        (s.batches, s.frames, s.syncs)
+    fn stats(&self, py: Python<'_>) -> PyResult<(u64, u64, u64)> {
+        let s = self.inner(py)?.stats();
+        Ok((s.batches, s.frames, s.syncs))
     }
 
     /// Descriptors this store keeps between calls (its segment, its store lock).
-    fn open_files(&self) -> usize {
-        self.inner.open_files()
+    fn open_files(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner(py)?.open_files())
     }
 
     /// This store's own cap on kept descriptors; None when only the process budget applies.
-    fn max_open_files(&self) -> Option<usize> {
-        self.inner.max_open_files()
+    fn max_open_files(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        Ok(self.inner(py)?.max_open_files())
     }
 
     /// Damaged ranges of acknowledged frames: `(segment, start, end)` byte offsets.
     fn damage(&self, py: Python<'_>) -> PyResult<Vec<(String, u64, u64)>> {
+        let inner = self.inner(py)?;
         let found = py
-            .detach(|| self.inner.damage())
+            .detach(|| inner.damage())
             .map_err(|e| staging_err(py, e))?;
         Ok(found
             .into_iter()
@@ -1059,18 +1081,19 @@ impl PyStagingFileStore {
     }
 
     /// The segment files this instance knows.
-    fn segment_names(&self) -> Vec<String> {
-        self.inner.segment_names()
+    fn segment_names(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        Ok(self.inner(py)?.segment_names())
     }
 
     /// Close the descriptors kept between calls.
-    fn release_cached_fds(&self) {
-        self.inner.release_cached_fds();
+    fn release_cached_fds(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner(py)?.release_cached_fds();
+        Ok(())
     }
 
     #[getter]
-    fn root(&self) -> PathBuf {
-        self.inner.root().to_path_buf()
+    fn root(&self, py: Python<'_>) -> PyResult<PathBuf> {
+        Ok(self.inner(py)?.root().to_path_buf())
     }
 }
 

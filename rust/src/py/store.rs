@@ -10,6 +10,7 @@ use pyo3::types::{PyBytes, PyString};
 use super::bridge::{spawn_detached, spawn_job, Completions, Report};
 use super::decode::{decode_in_python, select_records, DecodedRecords};
 use super::errors::{text, to_pyerr};
+use crate::fork::PerProcess;
 use crate::store::{self, Store, DEFAULT_CACHED_ROLLOUTS};
 
 /// Run a batch retire or delete detached from the interpreter; `(removed, absent)`.
@@ -23,9 +24,19 @@ pub(super) fn batch_removal(
 }
 
 /// The native store. The Python class `tokencapture.store.TokenCaptureStore` wraps it.
+///
+/// Per process: a forked child opens its own store on the same root at its first call and
+/// never touches the parent's (see `crate::fork`).
 #[pyclass(frozen, name = "Store", module = "tokencapture._core")]
 pub(super) struct PyStore {
-    pub(super) inner: Arc<Store>,
+    handle: PerProcess<Store, crate::Error>,
+}
+
+impl PyStore {
+    /// This process's store.
+    pub(super) fn store(&self, py: Python<'_>) -> PyResult<Arc<Store>> {
+        self.handle.get().map_err(|e| to_pyerr(py, e))
+    }
 }
 
 #[pymethods]
@@ -38,27 +49,31 @@ impl PyStore {
         cached_rollouts: usize,
         max_open_files: Option<usize>,
     ) -> PyResult<Self> {
+        let reopen_root = root.clone();
         let inner = py
             .detach(|| Store::open_with(root, cached_rollouts, max_open_files))
             .map_err(|e| to_pyerr(py, e))?;
         Ok(PyStore {
-            inner: Arc::new(inner),
+            handle: PerProcess::new(inner, move || {
+                Store::open_with(reopen_root.clone(), cached_rollouts, max_open_files)
+            }),
         })
     }
 
     /// Descriptors this store keeps (cached between operations, or in use now).
-    fn open_files(&self) -> usize {
-        self.inner.open_files()
+    fn open_files(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.store(py)?.open_files())
     }
 
     /// This store's own cap on kept descriptors; None when only the process budget applies.
-    fn max_open_files(&self) -> Option<usize> {
-        self.inner.max_open_files()
+    fn max_open_files(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        Ok(self.store(py)?.max_open_files())
     }
 
     /// Close every descriptor this store keeps between operations.
-    fn clear(&self) {
-        self.inner.clear();
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        self.store(py)?.clear();
+        Ok(())
     }
 
     /// Store one canonical line; True if appended, False if the same payload was already there.
@@ -69,9 +84,10 @@ impl PyStore {
         model_call_id: &Bound<'_, PyString>,
         line: &[u8],
     ) -> PyResult<bool> {
+        let inner = self.store(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
         let call_id = text(model_call_id, "model_call_id")?;
-        py.detach(|| self.inner.put(rollout_id, call_id, line))
+        py.detach(|| inner.put(rollout_id, call_id, line))
             .map(|outcome| outcome == store::PutOutcome::Appended)
             .map_err(|e| to_pyerr(py, e))
     }
@@ -87,6 +103,7 @@ impl PyStore {
     ) -> PyResult<()> {
         let rollout_id = text(rollout_id, "rollout_id")?;
         let call_id = text(model_call_id, "model_call_id")?;
+        let store = self.store(completions.py())?;
         let report = Report::new(completions, token);
         let done = move |outcome: crate::Result<store::PutOutcome>| {
             report.send(outcome.map(|outcome| outcome == store::PutOutcome::Appended));
@@ -94,13 +111,10 @@ impl PyStore {
         // Queued here, on the caller's thread (a mutex, never the disk): a put behind the
         // rollout's writer is in its queue at once, so the writer's next batch takes it. Only
         // a new writer goes to the worker pool.
-        let Some(batch) = self
-            .inner
-            .queue_put(rollout_id, call_id, line.to_vec(), Box::new(done))
+        let Some(batch) = store.queue_put(rollout_id, call_id, line.to_vec(), Box::new(done))
         else {
             return Ok(());
         };
-        let store = Arc::clone(&self.inner);
         let rollout_id = rollout_id.to_owned();
         spawn_detached(completions.py(), move || {
             store.write_puts(&rollout_id, batch)
@@ -118,7 +132,7 @@ impl PyStore {
     ) -> PyResult<()> {
         let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
         let call_id = text(model_call_id, "model_call_id")?.to_owned();
-        let store = Arc::clone(&self.inner);
+        let store = self.store(completions.py())?;
         spawn_job(completions, token, move || {
             store.begin_call(&rollout_id, &call_id)
         })
@@ -134,7 +148,7 @@ impl PyStore {
     ) -> PyResult<()> {
         let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
         let line = line.to_vec();
-        let store = Arc::clone(&self.inner);
+        let store = self.store(completions.py())?;
         spawn_job(completions, token, move || {
             store.mark_incomplete(&rollout_id, &line)
         })
@@ -146,9 +160,10 @@ impl PyStore {
         rollout_id: &Bound<'_, PyString>,
         model_call_id: &Bound<'_, PyString>,
     ) -> PyResult<()> {
+        let inner = self.store(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
         let call_id = text(model_call_id, "model_call_id")?;
-        py.detach(|| self.inner.begin_call(rollout_id, call_id))
+        py.detach(|| inner.begin_call(rollout_id, call_id))
             .map_err(|e| to_pyerr(py, e))
     }
 
@@ -158,8 +173,9 @@ impl PyStore {
         rollout_id: &Bound<'_, PyString>,
         line: &[u8],
     ) -> PyResult<()> {
+        let inner = self.store(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
-        py.detach(|| self.inner.mark_incomplete(rollout_id, line))
+        py.detach(|| inner.mark_incomplete(rollout_id, line))
             .map_err(|e| to_pyerr(py, e))
     }
 
@@ -170,16 +186,17 @@ impl PyStore {
         py: Python<'py>,
         rollout_id: &Bound<'py, PyString>,
     ) -> PyResult<(DecodedRecords<'py>, bool, String, u64)> {
+        let inner = self.store(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
         // The lines are decoded (attached) while another thread verifies them and makes the
         // freeze durable (detached); for a large log that thread also parses each line into a
         // tape, and this one only builds (and then helps hash): see `Store::freeze_decoding`.
         let (snapshot, ranges, decoded) = py
-            .detach(|| self.inner.freeze_decoding(rollout_id, decode_in_python))
+            .detach(|| inner.freeze_decoding(rollout_id, decode_in_python))
             .map_err(|e| to_pyerr(py, e))?;
-        let log = self.inner.paths(rollout_id).log;
+        let log = inner.paths(rollout_id).log;
         let selected = select_records(py, &log, &ranges, decoded, &snapshot.records);
-        self.inner.recycle_buffer(snapshot.records.buf);
+        inner.recycle_buffer(snapshot.records.buf);
         Ok((
             selected?,
             snapshot.incomplete,
@@ -195,9 +212,10 @@ impl PyStore {
         snapshot_id: &Bound<'_, PyString>,
         version: u64,
     ) -> PyResult<bool> {
+        let inner = self.store(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
         let snapshot_id = text(snapshot_id, "snapshot_id")?;
-        py.detach(|| self.inner.drop_snapshot(rollout_id, snapshot_id, version))
+        py.detach(|| inner.drop_snapshot(rollout_id, snapshot_id, version))
             .map_err(|e| to_pyerr(py, e))
     }
 
@@ -207,7 +225,8 @@ impl PyStore {
         py: Python<'_>,
         rollout_ids: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
-        batch_removal(py, || self.inner.retire(&rollout_ids))
+        let inner = self.store(py)?;
+        batch_removal(py, || inner.retire(&rollout_ids))
     }
 
     /// Delete a batch; returns `(removed, absent)`.
@@ -216,20 +235,23 @@ impl PyStore {
         py: Python<'_>,
         rollout_ids: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
-        batch_removal(py, || self.inner.delete(&rollout_ids))
+        let inner = self.store(py)?;
+        batch_removal(py, || inner.delete(&rollout_ids))
     }
 
     /// Remove the retired rollouts whose state was last modified at or before `cutoff` (Unix
     /// seconds); the swept ids, sorted (`dry_run`: only listed).
     #[pyo3(signature = (cutoff, dry_run = false))]
     fn sweep_retired(&self, py: Python<'_>, cutoff: f64, dry_run: bool) -> PyResult<Vec<String>> {
-        py.detach(|| self.inner.sweep_retired(cutoff, dry_run))
+        let inner = self.store(py)?;
+        py.detach(|| inner.sweep_retired(cutoff, dry_run))
             .map_err(|e| to_pyerr(py, e))
     }
 
     fn is_incomplete(&self, py: Python<'_>, rollout_id: &Bound<'_, PyString>) -> PyResult<bool> {
+        let inner = self.store(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
-        py.detach(|| self.inner.is_incomplete(rollout_id))
+        py.detach(|| inner.is_incomplete(rollout_id))
             .map_err(|e| to_pyerr(py, e))
     }
 
@@ -239,13 +261,14 @@ impl PyStore {
         py: Python<'py>,
         rollout_id: &Bound<'py, PyString>,
     ) -> PyResult<DecodedRecords<'py>> {
+        let inner = self.store(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
         let (records, ranges, decoded) = py
-            .detach(|| self.inner.read_decoding(rollout_id, decode_in_python))
+            .detach(|| inner.read_decoding(rollout_id, decode_in_python))
             .map_err(|e| to_pyerr(py, e))?;
-        let log = self.inner.paths(rollout_id).log;
+        let log = inner.paths(rollout_id).log;
         let selected = select_records(py, &log, &ranges, decoded, &records);
-        self.inner.recycle_buffer(records.buf);
+        inner.recycle_buffer(records.buf);
         selected
     }
 
@@ -256,9 +279,10 @@ impl PyStore {
         py: Python<'py>,
         rollout_id: &Bound<'py, PyString>,
     ) -> PyResult<Option<(Bound<'py, PyBytes>, usize)>> {
+        let inner = self.store(py)?;
         let rollout_id = text(rollout_id, "rollout_id")?;
         let found = py
-            .detach(|| self.inner.inspect(rollout_id))
+            .detach(|| inner.inspect(rollout_id))
             .map_err(|e| to_pyerr(py, e))?;
         Ok(found.map(|(state, records)| (PyBytes::new(py, &state.to_json()), records)))
     }
