@@ -10,9 +10,9 @@ per-process (`rust/src/fork.rs`), most runs of each test hung a child within its
 forks.
 
 The busy threads call the native objects themselves (`_native`), the children the public
-wrappers. The wrappers' own Python locks (the metrics' `threading.Lock`) can be copied locked
-too when a busy thread is preempted inside one; that is Python-level state, outside what
-these tests cover (see docs/decisions.md, "Fork").
+wrappers. The wrappers' own Python locks (metrics, OpenTelemetry recorders, the lazily made
+thread pool and capture ledger) are renewed in a child (`tokencapture.forking`); the last
+test holds each of them in another thread at the fork, deterministically.
 """
 
 from __future__ import annotations
@@ -501,3 +501,56 @@ def test_a_fork_pool_created_beside_a_busy_thread_works(tmp_path: Path, small_bu
     check = TokenCaptureStore(tmp_path)
     for index, calls in enumerate(written):
         assert [e.model_call_id for e in check.freeze_now(f"pool-{index}").entries] == calls
+
+
+def test_python_locks_held_by_another_thread_at_the_fork_are_renewed_in_the_child(
+    tmp_path: Path,
+) -> None:
+    """Every Python lock the package keeps, held by another thread while the main thread
+    forks: the child's calls that take them finish (without `tokencapture.forking` each
+    waits forever for a lock copied held)."""
+    from tokencapture import _otel, jobs, metrics
+
+    store = TokenCaptureStore(tmp_path / "store")
+    lineage = FileLineageStore(tmp_path / "store")
+    store.append(entry_line("warm", "w0"))  # the recorders exist before the fork
+    recorder = store._metrics._otel
+    assert recorder is not None, "opentelemetry-api is a test dependency"
+    holders = {
+        "store metrics": lambda: store._metrics._lock,
+        "metrics OpenTelemetry loader": lambda: metrics._otel_lock,
+        "OpenTelemetry instruments": lambda: _otel._lock,
+        "OpenTelemetry recorder": lambda: recorder._lock,
+        "thread pool": lambda: jobs._executor_lock,
+        "lineage's capture ledger": lambda: lineage._ledger_lock,
+    }
+
+    def child(held: int, index: int) -> None:
+        rollout = f"child-{held}-{index}"
+        store.append(entry_line(rollout, "c0"))  # metrics + recorder locks
+        store.freeze_now(rollout)
+        assert store.stats()["put"]["count"] >= 2
+        jobs.io_executor().submit(int).result(10)  # the pool is made anew in the child
+        lineage._capture_ledger()
+
+    for held, (name, lock_of) in enumerate(holders.items()):
+        lock = lock_of()
+        taken, release = threading.Event(), threading.Event()
+
+        def hold(
+            lock: Any = lock, taken: threading.Event = taken, release: threading.Event = release
+        ) -> None:
+            with lock:
+                taken.set()
+                release.wait(60)
+
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        assert taken.wait(10), name
+        try:
+            fork_children(functools.partial(child, held), forks=1)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
+        finally:
+            release.set()
+            holder.join(10)

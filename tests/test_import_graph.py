@@ -59,6 +59,7 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         "core",
         (
             "tokencapture.latency",
+            "tokencapture.forking",
             "tokencapture.descriptors",
             "tokencapture.validation",
             "tokencapture.rollout_files",

@@ -13,6 +13,7 @@ histogram does with its one measurement.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from typing import Any
 
 from opentelemetry import metrics as otel_metrics
 
+from tokencapture.forking import renew_after_fork
 from tokencapture.latency import BUCKET_BOUNDS_SECONDS
 
 __all__ = [
@@ -152,6 +154,7 @@ class _Instruments:
 
 
 _lock = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_lock")
 _default_provider: otel_metrics.MeterProvider | None = None  # None: the global provider
 _instruments: dict[int, tuple[object, _Instruments]] = {}  # id(provider or None) -> instruments
 _following_default: weakref.WeakSet[Recorder] = weakref.WeakSet()
@@ -181,6 +184,7 @@ class Recorder:
     ) -> None:
         self._base = {ATTR_STORE: store, ATTR_BACKEND: backend}
         self._lock = threading.Lock()
+        renew_after_fork(self, "_lock")
         self._successes: dict[str, _Tally] = {}
         self._failures: dict[tuple[str, type[BaseException] | None], _Tally] = {}
         if provider is None:

@@ -21,6 +21,7 @@ import functools
 import inspect
 import itertools
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Coroutine
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar, cast
 
 from tokencapture import _core
+from tokencapture.forking import renew_after_fork
 
 __all__ = ["checked_when_called", "io_executor", "native_job", "off_loop"]
 
@@ -40,6 +42,7 @@ _IO_THREADS = 64
 _executor: ThreadPoolExecutor | None = None
 _executor_pid = 0
 _executor_lock = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_executor_lock")
 
 
 def io_executor() -> ThreadPoolExecutor:

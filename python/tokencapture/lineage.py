@@ -45,6 +45,7 @@ from tokencapture.fingerprint import (
     assistant_fingerprint,
     conversation_digest,
 )
+from tokencapture.forking import renew_after_fork
 from tokencapture.jobs import native_job, off_loop
 from tokencapture.ledger import FileCaptureLedger
 from tokencapture.ledger_rows import (
@@ -154,6 +155,7 @@ class FileLineageStore:
         )
         self._ledger: FileCaptureLedger | None = None
         self._ledger_lock = threading.Lock()
+        renew_after_fork(self, "_ledger_lock")
 
     def __repr__(self) -> str:
         return f"FileLineageStore({self._root!r})"

@@ -29,6 +29,7 @@ from contextvars import ContextVar
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tokencapture.forking import renew_after_fork
 from tokencapture.latency import BUCKET_BOUNDS_SECONDS as BUCKET_BOUNDS_SECONDS
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ class Metrics:
         meter_provider: Any = None,
     ) -> None:
         self._lock = threading.Lock()
+        renew_after_fork(self, "_lock")
         self._operations: dict[str, _Operation] = {}
         otel = _load_otel()
         self._otel: Recorder | None = (
@@ -194,6 +196,7 @@ def snapshot() -> dict[str, dict[str, Any]]:
 _otel_module: ModuleType | None = None
 _otel_checked = False
 _otel_lock = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_otel_lock")
 _DISABLED = frozenset({"0", "false", "no", "off"})
 
 
