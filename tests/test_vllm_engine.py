@@ -144,7 +144,7 @@ def test_streaming_chat_puts_prompt_ids_in_the_first_chunk_and_token_ids_in_each
     (choice,) = first["choices"]
     assert choice["delta"] == {"role": "assistant", "content": ""}
     assert "token_ids" not in choice
-    # Then one chunk per generated token: its id and its log-prob, no prompt ids.
+    # Then the generated tokens (usually one a chunk) with their log-probs, no prompt ids.
     assert all("prompt_token_ids" not in chunk for chunk in rest)
     streamed = [tid for chunk in rest for tid in chunk["choices"][0]["token_ids"]]
     logprobs = [
@@ -180,7 +180,12 @@ def test_streaming_completions_put_both_id_lists_per_choice_prompt_ids_first_onl
     )
     streamed = [tid for chunk in chunks for tid in chunk["choices"][0]["token_ids"]]
     assert streamed == greedy_chat["choices"][0]["token_ids"]
-    assert all(len(c["choices"][0]["logprobs"]["token_logprobs"]) == 1 for c in chunks)
+    # Each chunk's log-probs match its ids one for one. A chunk usually holds one token, but
+    # vLLM's server sends what the engine produced since its last send, so on an idle, fast
+    # machine two tokens can share a chunk (seen here): the count is not pinned to 1.
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"]) >= 1
 
 
 def test_tools_and_tool_calls_are_rendered_by_the_template_with_arguments_reserialised(
