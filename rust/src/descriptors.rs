@@ -183,32 +183,27 @@ struct ProcessBudget {
 /// The budget of process `pid` in `slot`, made if the slot holds none or another process's:
 /// lock-free (an atomic load, and a compare-and-swap once per process).
 fn budget_in(slot: &ArcSwapOption<ProcessBudget>, pid: u32) -> &'static Budget {
-    loop {
-        let seen = slot.load_full();
-        if let Some(current) = seen.as_ref().filter(|current| current.pid == pid) {
-            return current.budget;
-        }
-        // A child keeps the limit its parent fixed (`set_limit`): an atomic, read without
-        // touching anything else of the parent's budget.
-        let inherited = seen
-            .as_ref()
-            .map(|parent| parent.budget.fixed.load(Ordering::Relaxed))
-            .filter(|&fixed| fixed != usize::MAX);
-        // Leaked: `Account`s and permits refer to it for the rest of the process. (Threads
-        // of one process racing here each leak one; one is installed.)
-        let fresh = Arc::new(ProcessBudget {
-            pid,
-            budget: Box::leak(Box::new(Budget::new(inherited.or_else(env_limit)))),
-        });
-        let previous = slot.compare_and_swap(&seen, Some(Arc::clone(&fresh)));
-        let swapped = match (previous.as_ref(), seen.as_ref()) {
-            (Some(previous), Some(seen)) => Arc::ptr_eq(previous, seen),
-            (None, None) => true,
-            _ => false,
-        };
-        if swapped {
-            return fresh.budget;
-        }
+    let made = crate::fork::this_process(
+        slot,
+        pid,
+        |current| current.pid,
+        |parent| {
+            // A child keeps the limit its parent fixed (`set_limit`): an atomic, read without
+            // touching anything else of the parent's budget.
+            let inherited = parent
+                .map(|parent| parent.budget.fixed.load(Ordering::Relaxed))
+                .filter(|&fixed| fixed != usize::MAX);
+            // Leaked: `Account`s and permits refer to it for the rest of the process.
+            // (Threads of one process racing here each leak one; one is installed.)
+            Ok::<_, std::convert::Infallible>(ProcessBudget {
+                pid,
+                budget: Box::leak(Box::new(Budget::new(inherited.or_else(env_limit)))),
+            })
+        },
+    );
+    match made {
+        Ok(current) => current.budget,
+        Err(never) => match never {},
     }
 }
 

@@ -23,11 +23,44 @@
 
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 
 /// The id of the calling process (`getpid`; never cached, so a forked child sees its own).
 pub fn current_pid() -> u32 {
     std::process::id()
+}
+
+/// The value in `slot` that process `pid` made (`pid_of` tells whose a value is), or one
+/// `make` makes, given the value of the process before (a forked child's parent's), installed
+/// with a compare-and-swap: lock-free, an atomic load and, once per process, a swap. The
+/// previous process's value is leaked, never dropped here (dropping it could lock what its
+/// threads held); threads of one process racing here agree on one value, the others' are
+/// dropped unshared. For process-wide state (the descriptor budget, the bindings' pool).
+pub fn this_process<T, E>(
+    slot: &ArcSwapOption<T>,
+    pid: u32,
+    pid_of: impl Fn(&T) -> u32,
+    mut make: impl FnMut(Option<&T>) -> Result<T, E>,
+) -> Result<Arc<T>, E> {
+    loop {
+        let seen = slot.load_full();
+        if let Some(current) = seen.as_ref().filter(|current| pid_of(current) == pid) {
+            return Ok(Arc::clone(current));
+        }
+        let fresh = Arc::new(make(seen.as_deref())?);
+        let previous = slot.compare_and_swap(&seen, Some(Arc::clone(&fresh)));
+        let swapped = match (previous.as_ref(), seen.as_ref()) {
+            (Some(previous), Some(seen)) => Arc::ptr_eq(previous, seen),
+            (None, None) => true,
+            _ => false,
+        };
+        if swapped {
+            if let Some(before) = seen {
+                std::mem::forget(before); // leaked, never dropped in this process
+            }
+            return Ok(fresh);
+        }
+    }
 }
 
 /// An object and the process that opened it.

@@ -26,27 +26,13 @@ static POOL: ArcSwapOption<WorkerPool> = ArcSwapOption::const_empty();
 /// held by a worker that does not exist in the child) is never touched there, and never
 /// dropped (dropping it locks that queue): see `crate::fork`.
 fn worker_pool() -> PyResult<Arc<WorkerPool>> {
-    let pid = current_pid();
-    loop {
-        let seen = POOL.load_full();
-        if let Some(pool) = seen.as_ref().filter(|pool| pool.pid() == pid) {
-            return Ok(Arc::clone(pool));
-        }
-        let fresh = Arc::new(WorkerPool::new(POOL_WORKERS, "tokencapture-io")?);
-        let previous = POOL.compare_and_swap(&seen, Some(Arc::clone(&fresh)));
-        let swapped = match (previous.as_ref(), seen.as_ref()) {
-            (Some(previous), Some(seen)) => Arc::ptr_eq(previous, seen),
-            (None, None) => true,
-            _ => false,
-        };
-        if swapped {
-            if let Some(parents) = seen {
-                std::mem::forget(parents); // leaked, never dropped in this process
-            }
-            return Ok(fresh);
-        }
-        // Another thread started one first; this one's workers exit as it drops.
-    }
+    // Where threads of a child race, the pools not installed drop and their workers exit.
+    Ok(crate::fork::this_process(
+        &POOL,
+        current_pid(),
+        WorkerPool::pid,
+        |_| WorkerPool::new(POOL_WORKERS, "tokencapture-io"),
+    )?)
 }
 
 /// Start the process-wide pool ahead of its first job (a lineage resolver does, when it is
