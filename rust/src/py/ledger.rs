@@ -61,10 +61,10 @@ fn row_to_py(py: Python<'_>, (offset, line): (u64, Vec<u8>)) -> (u64, Bound<'_, 
 }
 
 /// The native ledger (`tokencapture.ledger.FileCaptureLedger`).
-#[pyclass(frozen, name = "Ledger", module = "tokencapture._core")]
 ///
 /// Per process: a forked child opens its own ledger on the same root at its first call and
 /// never touches the parent's (see `crate::fork`).
+#[pyclass(frozen, name = "Ledger", module = "tokencapture._core")]
 struct PyLedger {
     handle: PerProcess<Ledger, crate::Error>,
 }

@@ -316,11 +316,11 @@ fn resolve_request<R: lineage::Request + Send>(
 }
 
 /// The lineage resolver over a store directory (`tokencapture.lineage.FileLineageStore`).
-#[pyclass(frozen, name = "FileLineage", module = "tokencapture._core")]
 ///
 /// Per process: a forked child opens its own resolver on the same root at its first call and
 /// never touches the parent's (see `crate::fork`). The tuple memo is only used attached to
 /// the interpreter, so no other thread holds it while one forks.
+#[pyclass(frozen, name = "FileLineage", module = "tokencapture._core")]
 struct PyFileLineage {
     handle: PerProcess<FileLineage, std::convert::Infallible>,
     memo: TupleMemo,
@@ -479,12 +479,12 @@ impl PyFileLineage {
 }
 
 /// The bounded in-process resolver (`tokencapture.lineage.InMemoryLineageStore`).
-#[pyclass(frozen, name = "MemoryLineage", module = "tokencapture._core")]
 ///
 /// In a forked child it is the parent's index, copied: usable if no thread of the parent held
 /// any of its mutexes at the fork (checked without waiting at the child's first call, while
 /// attached, so the child's own threads cannot race the check); otherwise every call raises
 /// `RuntimeError` instead of hanging (its state is unknowable there: create a new one).
+#[pyclass(frozen, name = "MemoryLineage", module = "tokencapture._core")]
 struct PyMemoryLineage {
     inner: MemoryLineage,
     memo: TupleMemo,

@@ -917,10 +917,10 @@ fn staging_decode_attachments<'py>(
 // ---- the file store ------------------------------------------------------------------------
 
 /// The native file staging store; `tokencapture.staging.FileStagingStore` wraps it.
-#[pyclass(frozen, name = "StagingFileStore", module = "tokencapture._core")]
 ///
 /// Per process: a forked child opens its own store on the same root at its first call and
 /// never touches the parent's (see `crate::fork`).
+#[pyclass(frozen, name = "StagingFileStore", module = "tokencapture._core")]
 pub(super) struct PyStagingFileStore {
     handle: PerProcess<FileStaging, StagingError>,
 }
