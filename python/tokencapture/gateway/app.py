@@ -620,6 +620,11 @@ class _Call:
             media_type="application/json",
         )
 
+    async def client_gone(self) -> bool:
+        """Whether the client has disconnected, as of the loop's latest look at its socket."""
+        await asyncio.sleep(0)  # one turn of the loop: a pending disconnect is read
+        return await self.request.is_disconnected()
+
     async def _relay(self, answer: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         """Pass the stream on chunk by chunk; hold the final chunk and `[DONE]` until stored."""
         accumulator = StreamAccumulator(self.kind)
@@ -648,6 +653,10 @@ class _Call:
                         held.append(event)
                     else:
                         yield event
+                    # Let the loop run between chunks: when the engine is ahead and its chunks
+                    # are all buffered, nothing here would wait, and the client's disconnect
+                    # (which cancels this relay) would not be seen until the stream is over.
+                    await asyncio.sleep(0)
             except TimeoutError:
                 await self.fail("upstream_timeout")
                 yield _event(_stream_error(504, "upstream timed out"))
@@ -669,6 +678,12 @@ class _Call:
             except CaptureError as exc:
                 await self.fail(f"capture_failed: {exc}")
                 yield _event(_stream_error(502, f"the upstream's stream cannot be captured: {exc}"))
+                return
+            if await self.client_gone():
+                # Gone before the final chunk: the call did not reach the client, so it is
+                # marked incomplete rather than stored (an entry is stored only for a stream
+                # the client was still there for).
+                await self.fail("client_disconnected")
                 return
             try:
                 await self.store(generation)
