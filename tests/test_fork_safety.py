@@ -165,6 +165,24 @@ def wait_or_kill(pid: int, deadline: float) -> int | None:
     return None
 
 
+def run_forked(work: Callable[[int], None], index: int) -> int | None:
+    """Fork one child that runs `work(index)` and exits (0 on success, 1 on an exception, or
+    the code it exits with itself); its exit code, or None if it hung (killed at the
+    deadline)."""
+    with forking_allowed():
+        pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        status = 1
+        try:
+            work(index)
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+    return wait_or_kill(pid, CHILD_DEADLINE)
+
+
 def fork_children(work: Callable[[int], None], forks: int = FORKS) -> list[int]:
     """Fork up to `forks` children, one at a time, each running `work(index)`; the indexes of
     the children that succeeded. Fails if any hung or failed."""
@@ -172,18 +190,7 @@ def fork_children(work: Callable[[int], None], forks: int = FORKS) -> list[int]:
     hung: list[int] = []
     failed: list[tuple[int, int]] = []
     for index in range(forks):
-        with forking_allowed():
-            pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            status = 1
-            try:
-                work(index)
-                status = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(status)
-        code = wait_or_kill(pid, CHILD_DEADLINE)
+        code = run_forked(work, index)
         if code is None:
             hung.append(index)
             if len(hung) >= MAX_HUNG:
@@ -432,18 +439,7 @@ def test_an_in_memory_index_inherited_busy_refuses_instead_of_hanging() -> None:
 
     with hammering(busy) as errors:
         for number in range(FORKS):
-            with forking_allowed():
-                pid = os.fork()
-            if pid == 0:
-                status = 1
-                try:
-                    work(number)
-                    status = 0
-                except BaseException:
-                    traceback.print_exc()
-                finally:
-                    os._exit(status)
-            code = wait_or_kill(pid, CHILD_DEADLINE)
+            code = run_forked(work, number)
             assert code is not None, f"child {number} hung"
             assert code in (0, 3), f"child {number} failed ({code})"
             outcomes.append("used" if code == 0 else "refused")
