@@ -17,7 +17,9 @@ which is what a real engine's re-rendering does to continuations.
 Per-request knobs in the body (a real vLLM ignores unknown fields too): `fake_status` (answer
 with that status), `fake_delay` (seconds before answering), `fake_break_after` (a stream drops
 the connection after that many chunks), `fake_no_token_ids` (answer as a non-vLLM server),
-`fake_chunk_delay` (seconds between stream chunks).
+`fake_chunk_delay` (seconds between stream chunks), `fake_one_write` (a stream's chunks and
+`[DONE]` all in one write: the engine ran ahead of the reader), `fake_reply` (the text the
+model answers, one chunk per byte when streamed).
 Run it as a process with `python tests/fake_upstream.py PORT [--drift]`.
 """
 
@@ -134,6 +136,11 @@ def _usage(prompt: list[int], ids: list[int]) -> dict[str, int]:
 
 def _event(data: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+async def _in_one_write(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The whole of `stream` as one body chunk (one write to the socket)."""
+    yield b"".join([chunk async for chunk in stream])
 
 
 class FakeUpstream:
@@ -264,6 +271,9 @@ class FakeUpstream:
         else:
             prompt = render_chat(messages)
             ids, text, call = self._generate(prompt, tools, messages[-1].get("role"))
+        if body.get("fake_reply") is not None:
+            text, call = str(body["fake_reply"]), None
+            ids = [*encode(text), IM_END]
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or self.max_tokens
         finish = "tool_calls" if call else "stop"
         if len(ids) > limit:
@@ -275,24 +285,22 @@ class FakeUpstream:
         no_ids = bool(body.get("fake_no_token_ids"))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.get("stream"):
-            return StreamingResponse(
-                self._tracked(
-                    self._chat_stream(
-                        rid,
-                        prompt,
-                        ids,
-                        logprobs,
-                        text,
-                        call,
-                        finish,
-                        want_ids,
-                        want_lp,
-                        body.get("fake_break_after"),
-                        body,
-                    )
-                ),
-                media_type="text/event-stream",
+            stream = self._chat_stream(
+                rid,
+                prompt,
+                ids,
+                logprobs,
+                text,
+                call,
+                finish,
+                want_ids,
+                want_lp,
+                body.get("fake_break_after"),
+                body,
             )
+            if body.get("fake_one_write"):
+                stream = _in_one_write(stream)
+            return StreamingResponse(self._tracked(stream), media_type="text/event-stream")
         message = {
             "role": "assistant",
             "content": None if call else text,

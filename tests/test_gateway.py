@@ -23,6 +23,7 @@ from tests.fake_upstream import (
     Server,
     ThreadServer,
     encode,
+    free_port,
     render_chat,
     start_fake,
 )
@@ -381,6 +382,97 @@ async def test_client_disconnect_mid_stream_drops_the_upstream_stream(tmp_path: 
             await asyncio.sleep(0.05)
     assert (fake.streams_cut, fake.streams_done) == (1, 0)
     assert store.read_entries("r1") == []
+
+
+@contextlib.asynccontextmanager
+async def _served_on_this_loop(app: Any) -> AsyncIterator[str]:
+    """`app` served by uvicorn on a loopback port from a task of the running event loop (the
+    test's own): a client on the same loop then runs only when the server's code awaits, so
+    what the server does between two of its awaits is one step the client cannot split."""
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    deadline = asyncio.get_running_loop().time() + 30
+    while not server.started:
+        assert not serving.done(), "the gateway did not start"
+        assert asyncio.get_running_loop().time() < deadline, "the gateway did not start"
+        await asyncio.sleep(0.01)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 30)
+
+
+# Long enough (one chunk per byte) that a relay letting the loop run between chunks gives a
+# client on the same loop many more turns than it needs to read a line and hang up.
+_LONG_REPLY = "a stream the engine finished before the client read its first line " * 2
+
+
+async def test_client_gone_while_the_engine_ran_ahead_is_marked_not_stored(
+    tmp_path: Path,
+) -> None:
+    """The engine sends its whole stream in one write (every chunk and `[DONE]` are buffered
+    in the gateway before the relay reads the first); the client reads the first chunk and
+    hangs up. The call is marked incomplete as `client_disconnected` and not stored, and the
+    rollout freezes incomplete (docs/gateway.md), as for a client that leaves while the engine
+    is still generating.
+
+    Deterministic: the gateway and the client share this test's event loop, so the client
+    reads and hangs up only when the relay awaits. A relay that never awaits while the chunks
+    are buffered (before bee5ca0) stores the call whole before the client ran at all; one
+    that lets the loop run between chunks sees the disconnect before the last chunk."""
+    root = tmp_path / "store"
+    fake = FakeUpstream()
+    upstream = ThreadServer(fake.app)
+    app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
+    store = TokenCaptureStore(root)
+    body = {
+        "model": MODEL,
+        "messages": [_user("everything at once")],
+        "stream": True,
+        "fake_one_write": True,
+        "fake_reply": _LONG_REPLY,
+    }
+    payload = orjson.dumps(body)
+    request = (
+        b"POST /rollouts/ahead/v1/chat/completions HTTP/1.1\r\n"
+        b"host: gateway\r\ncontent-type: application/json\r\n"
+        b"x-model-call-id: left\r\n" + b"content-length: %d\r\n\r\n" % len(payload) + payload
+    )
+    try:
+        async with _served_on_this_loop(app) as address:
+            host, port = address.split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(request)
+            status = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+            assert status.startswith(b"HTTP/1.1 200 "), status
+            first = b""
+            while not first.startswith(b"data: "):  # skip the chunked encoding's size line
+                first = await asyncio.wait_for(reader.readline(), 30)
+            assert orjson.loads(first[6:])["choices"][0]["finish_reason"] is None
+            writer.close()  # the client leaves after the first chunk
+            await writer.wait_closed()
+            deadline = asyncio.get_running_loop().time() + 10
+            while not store.is_incomplete("ahead"):
+                assert asyncio.get_running_loop().time() < deadline, (
+                    f"not marked incomplete; {len(store.read_entries('ahead'))} entries stored"
+                )
+                await asyncio.sleep(0.02)
+    finally:
+        upstream.stop()
+    assert (fake.streams_done, fake.streams_cut) == (1, 0)  # the engine had sent it all
+    assert store.read_entries("ahead") == []
+    assert json.loads((root / "ahead.lineage.jsonl").read_text()) == {
+        "failure_reason": "client_disconnected",
+        "model_call_id": "left",
+    }
+    assert store.freeze_now("ahead").incomplete
 
 
 async def test_answer_without_token_ids_is_502_not_captured(gw: Harness) -> None:

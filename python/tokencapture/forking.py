@@ -8,15 +8,23 @@ process (`rust/src/fork.rs`); this does the same for the few Python locks the pa
 child forked while other threads were working can use the same objects. The state those
 locks guard is kept: a counter a parent's thread was updating at the fork may be off by that
 one update in the child, which is acceptable for what they guard (counts, a lazy singleton).
+
+`leak` is the other half, for what a child must not use and must not release either: the
+parent's event loops, their connections and threads (the PostgreSQL classes). A child's copy
+of an event loop shares the parent's epoll instance, and closing or collecting a connection of
+it unregisters the parent's socket from that instance (or says goodbye on the parent's
+session): the parent's calls on that connection would then wait forever. The native core
+leaks the parent's objects in a child the same way (`rust/src/fork.rs`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import weakref
 
-__all__ = ["renew_after_fork"]
+__all__ = ["leak", "renew_after_fork"]
 
 # owner -> the names of its attributes that hold a lock to renew.
 _owners: weakref.WeakKeyDictionary[object, tuple[str, ...]] = weakref.WeakKeyDictionary()
@@ -29,6 +37,16 @@ def renew_after_fork(owner: object, *attributes: str) -> None:
     again for the same owner replaces its list.
     """
     _owners[owner] = attributes
+
+
+def leak(*objects: object) -> None:
+    """Keep `objects` (and all they hold) alive, unused, for the rest of this process.
+
+    For a forked child's copies of its parent's objects: one reference more that nothing ever
+    releases, so neither the collector nor the interpreter's exit (which clears the modules a
+    plain list would live in) ever runs their finalizers here.
+    """
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(objects))
 
 
 def _renew_in_child() -> None:

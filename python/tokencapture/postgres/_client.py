@@ -1,6 +1,13 @@
 """Connections for the PostgreSQL backend: a bounded asyncpg pool per event loop and process,
 timeouts on connect and on every statement, the durability check, a loop thread for the
 synchronous methods, and the mapping of connection failures to `OSError`.
+
+Fork: everything here is per process. A forked child's first call notices the process id
+changed and starts over with its own pools, batchers, loop thread and group-commit loops; the
+parent's are leaked there (`tokencapture.forking.leak`), never used, closed or collected: they
+share sockets and epoll instances with the parent, which keeps using them. The locks are
+renewed in the child at the fork itself (`tokencapture.forking.renew_after_fork`), since
+another thread of the parent may have held one at that moment.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from urllib.parse import urlsplit
 
 import asyncpg  # type: ignore[import-untyped, unused-ignore]
 
+from tokencapture.forking import leak, renew_after_fork
 from tokencapture.postgres._citus import is_distributed
 from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, schema_version
 
@@ -270,6 +278,9 @@ class Client:
         self._creating: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
             weakref.WeakKeyDictionary()
         )
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CallBatcher] = (
+            weakref.WeakKeyDictionary()
+        )
         self._pid = os.getpid()
         self._schema_checked = False
         # Whether the schema is distributed with Citus (None until the first pool is made).
@@ -278,7 +289,24 @@ class Client:
         self._workers_unchecked = True
         self._thread: _LoopThread | None = None
         self._thread_lock = threading.Lock()
+        renew_after_fork(self, "_thread_lock")
         self.closed = False
+
+    def this_process(self) -> None:
+        """In a forked child, on its first call: forget the parent's pools, batchers and loop
+        thread (made anew on demand). They are leaked, not closed: their connections are the
+        parent's sessions and their loops share the parent's epoll instances."""
+        if self._pid == os.getpid():
+            return
+        with self._thread_lock:  # a fresh lock in the child (renewed at the fork)
+            if self._pid == os.getpid():
+                return
+            leak(dict(self._pools), dict(self._creating), dict(self._batchers), self._thread)
+            self._pools = weakref.WeakKeyDictionary()
+            self._creating = weakref.WeakKeyDictionary()
+            self._batchers = weakref.WeakKeyDictionary()
+            self._thread = None
+            self._pid = os.getpid()
 
     # Pools -----------------------------------------------------------------------------------
 
@@ -354,11 +382,7 @@ class Client:
         """This event loop's pool (created, and the schema checked, on first use)."""
         if self.closed:
             raise RuntimeError("the store is closed")
-        if self._pid != os.getpid():  # a forked child: the parent's pools are not ours
-            self._pools = weakref.WeakKeyDictionary()
-            self._creating = weakref.WeakKeyDictionary()
-            self._thread = None
-            self._pid = os.getpid()
+        self.this_process()
         loop = asyncio.get_running_loop()
         pool = self._pools.get(loop)
         if pool is not None:
@@ -443,9 +467,7 @@ class Client:
 
     def _loop_thread(self) -> _LoopThread:
         """This client's loop thread (started on first use; a forked child starts its own)."""
-        if self._pid != os.getpid():
-            self._thread = None
-            self._pid = os.getpid()
+        self.this_process()
         thread = self._thread
         if thread is None:
             with self._thread_lock:
@@ -453,6 +475,17 @@ class Client:
                     self._thread = _LoopThread()
                 thread = self._thread
         return thread
+
+    def batcher(
+        self, loop: asyncio.AbstractEventLoop, sql: str, max_batch: int, max_flushing: int | None
+    ) -> CallBatcher:
+        """This process's `CallBatcher` of `sql` on `loop` (one batched statement per client)."""
+        self.this_process()
+        batcher = self._batchers.get(loop)
+        if batcher is None:
+            batcher = CallBatcher(self, loop, max_batch, sql, max_flushing)
+            self._batchers[loop] = batcher
+        return batcher
 
     def run_sync(self, coro: Coroutine[Any, Any, _T]) -> _T:
         """Run a coroutine of this client on its own loop thread, from synchronous code."""
@@ -471,6 +504,7 @@ class Client:
         """Close this loop's pool and the loop thread's; terminate pools of other loops."""
         if self.closed:
             return
+        self.this_process()  # a child closes its own connections, never the parent's
         self.closed = True
         try:
             loop = asyncio.get_running_loop()
@@ -493,6 +527,7 @@ class Client:
         """`close` from synchronous code."""
         if self.closed:
             return
+        self.this_process()
         thread = self._thread
         if thread is not None:
             self._thread = None
@@ -504,6 +539,7 @@ class Client:
         self._pools = weakref.WeakKeyDictionary()
 
     async def _close_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.this_process()
         pool = self._pools.pop(loop, None)
         if pool is not None:
             await pool.close()
@@ -637,13 +673,26 @@ class GroupCommit:
         self._leaders = 0
         self._closed = False
         self._pid = os.getpid()
+        renew_after_fork(self, "_lock")
+
+    def _this_process(self) -> None:
+        """In a forked child, on its first call: start with no queue, no leader and no loop.
+        The parent's waiters (their threads are not here) and loops (sharing the parent's
+        epoll instances, with the parent's connections) are leaked, never run or closed."""
+        if self._pid == os.getpid():
+            return
+        with self._lock:  # a fresh lock in the child (renewed at the fork)
+            if self._pid == os.getpid():
+                return
+            leak(self._queue, self._idle)
+            self._queue, self._idle, self._leaders = [], [], 0
+            self._pid = os.getpid()
 
     def stage(self, args: tuple[Any, ...]) -> int:
         """The server's status of one call (or its failure raised), once its batch committed."""
         waiter = _Waiter(args)
+        self._this_process()  # before anything of the parent's is touched
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's loops are not ours
-                self._pid, self._queue, self._idle, self._leaders = os.getpid(), [], [], 0
             if self._closed:
                 raise RuntimeError("the store is closed")
             self._queue.append(waiter)
@@ -711,6 +760,7 @@ class GroupCommit:
     def close(self, *, graceful: bool = True) -> None:
         """Close the idle loops (their connections first when `graceful` and no loop runs in
         this thread); a loop in use is closed by its leader when its batch is done."""
+        self._this_process()  # a child closes its own loops, never the parent's
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []

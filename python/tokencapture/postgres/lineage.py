@@ -10,12 +10,14 @@ retired rollout, or a deleted one whose id was reused, starts over.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import Any
 
 from tokencapture import _core
+from tokencapture.forking import leak, renew_after_fork
 from tokencapture.metrics import instrumented
 from tokencapture.postgres._client import Client
 from tokencapture.protocols import LineageResolution
@@ -51,18 +53,36 @@ class PostgresLineageStore:
         check_cache_limits(max_cached_rollouts, max_cached_tokens)
         self._client = Client(dsn, **options)
         self._max_rollouts = max_cached_rollouts
-        self._native = _core.MemoryLineage(
-            max_cached_rollouts + 1, _UNBOUNDED_TOKENS, max_cached_tokens
-        )
+        self._max_tokens = max_cached_tokens
+        self._native = self._new_index()
         # rollout id -> (incarnation, last seq indexed); LRU order.
         self._cursors: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._lock = threading.Lock()
+        renew_after_fork(self, "_lock")
+        self._pid = os.getpid()
+
+    def _new_index(self) -> _core.MemoryLineage:
+        return _core.MemoryLineage(self._max_rollouts + 1, _UNBOUNDED_TOKENS, self._max_tokens)
+
+    def _this_process(self) -> None:
+        """In a forked child, on its first call: start over with an empty index of its own (the
+        parent's, which another thread may have been updating at the fork, is leaked)."""
+        if self._pid == os.getpid():
+            return
+        with self._lock:  # a fresh lock in the child (renewed at the fork)
+            if self._pid == os.getpid():
+                return
+            leak(self._native, self._cursors)
+            self._native = self._new_index()
+            self._cursors = OrderedDict()
+            self._pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"PostgresLineageStore({self._client.where!r})"
 
     async def _refresh(self, rollout_id: str) -> None:
         """Index the rollout's lines committed since the last refresh."""
+        self._this_process()
         with self._lock:
             incarnation, after = self._cursors.get(rollout_id, (0, 0))
         rows = await self._client.fetch("rows", _NEW_LINES, rollout_id, incarnation, after)
@@ -116,20 +136,24 @@ class PostgresLineageStore:
         return True
 
     def cached_rollouts(self) -> int:
+        self._this_process()
         return len(self._cursors)
 
     def cached_tokens(self) -> int:
+        self._this_process()
         return self._native.cached_tokens()
 
     async def close(self) -> None:
         """Close the connections and drop the caches (idempotent)."""
         await self._client.close()
+        self._this_process()
         with self._lock:
             self._cursors.clear()
             self._native.clear()
 
     def close_sync(self) -> None:
         self._client.close_sync()
+        self._this_process()
         with self._lock:
             self._cursors.clear()
             self._native.clear()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import weakref
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -197,9 +196,6 @@ class PostgresStagingStore:
         self._batch_stages = batch_stages
         self._stage_batch_size = stage_batch_size
         self._stage_flushes = stage_flushes
-        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CallBatcher] = (
-            weakref.WeakKeyDictionary()
-        )
         self._group = GroupCommit(self._client, _STAGE_BATCH, stage_batch_size, stage_flushes)
 
     def __repr__(self) -> str:
@@ -245,13 +241,7 @@ class PostgresStagingStore:
         return models.ok(args[1])
 
     def _batcher(self, loop: asyncio.AbstractEventLoop) -> CallBatcher:
-        batcher = self._batchers.get(loop)
-        if batcher is None:
-            batcher = CallBatcher(
-                self._client, loop, self._stage_batch_size, _STAGE_BATCH, self._stage_flushes
-            )
-            self._batchers[loop] = batcher
-        return batcher
+        return self._client.batcher(loop, _STAGE_BATCH, self._stage_batch_size, self._stage_flushes)
 
     def _submit(
         self,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-import weakref
 from collections.abc import Coroutine, Sequence
 from time import perf_counter
 from typing import Any
@@ -22,7 +21,7 @@ from tokencapture import columnar as _columnar
 from tokencapture.entries import as_token_entry, canonical_line, marker_line
 from tokencapture.metrics import Metrics
 from tokencapture.operations import Operation, log_failure
-from tokencapture.postgres._client import CallBatcher, Client
+from tokencapture.postgres._client import Client
 from tokencapture.postgres._decode import decode_columns, decode_entries
 from tokencapture.protocols import (
     RolloutRemovalPayload,
@@ -104,9 +103,6 @@ class PostgresTokenCaptureStore:
         self._metrics = Metrics("postgres")
         self._batch_puts = batch_puts
         self._put_batch_size = put_batch_size
-        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CallBatcher] = (
-            weakref.WeakKeyDictionary()
-        )
 
     def __repr__(self) -> str:
         return f"PostgresTokenCaptureStore({self._client.where!r})"
@@ -154,11 +150,9 @@ class PostgresTokenCaptureStore:
             # would run on the coordinator and tie every put in it to every worker it spans.
             # (`distributed` is None until the first connection checked the schema: alone.)
             if self._batch_puts and self._client.distributed is False:
-                loop = asyncio.get_running_loop()
-                batcher = self._batchers.get(loop)
-                if batcher is None:
-                    batcher = CallBatcher(self._client, loop, self._put_batch_size, _PUT_BATCH)
-                    self._batchers[loop] = batcher
+                batcher = self._client.batcher(
+                    asyncio.get_running_loop(), _PUT_BATCH, self._put_batch_size, None
+                )
                 status = await batcher.submit(args)
             else:
                 status = await self._client.fetch("val", _PUT, *args)
