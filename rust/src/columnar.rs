@@ -936,7 +936,9 @@ fn decode_walked<'b>(
 }
 
 fn replay(builder: &mut ColumnBuilder, rows: &mut Vec<Result<Row, String>>, feed: TapeFeed<'_>) {
-    let mut replay = Replay::new();
+    // The values kept for later lines outlive the line they were built from (whose chunk may
+    // then be reused): they are arrays of plain integers, which borrow nothing (`kept`).
+    let mut replay: Replay<Col<'static>> = Replay::new();
     let mut lines = feed.iter();
     loop {
         if let Some(side) = feed.urgent_side_work() {
@@ -944,20 +946,42 @@ fn replay(builder: &mut ColumnBuilder, rows: &mut Vec<Result<Row, String>>, feed
         }
         let Some(taped) = lines.next() else { break };
         builder.start_line();
+        let mut this_line: Replay<Col<'_>> = replay;
         let walked = match &taped.tape {
-            Ok(tape) => replay.value(tape, builder).map(drop),
+            Ok(tape) => this_line.value(tape, taped.line(), builder).map(drop),
             Err(err) => Err(err.clone()),
         };
+        replay = this_line.filter_map(kept);
         let failed_in_replay = taped.tape.is_ok() && walked.is_err();
         feed.give_back(taped);
         rows.push(builder.finish_line(walked.map_err(|err| err.0)));
         if failed_in_replay {
             // Later tapes may repeat an array of this line that was never built: walk the
             // rest directly.
-            decode_walked(builder, rows, lines.map(|taped| taped.line));
+            let rest: Vec<_> = lines.collect();
+            decode_walked(builder, rows, rest.iter().map(|taped| taped.line()));
             return;
         }
     }
+}
+
+/// A value a replay keeps for later lines, free of its line: an array of plain integers
+/// borrows nothing. A value holding text (never kept: `Replay` keeps arrays of plain
+/// integers only) is dropped; a later line repeating it would then fail as a broken replay.
+fn kept(value: Col<'_>) -> Option<Col<'static>> {
+    Some(match value {
+        Col::Null => Col::Null,
+        Col::Bool(value) => Col::Bool(value),
+        Col::UInt(value) => Col::UInt(value),
+        Col::Ids(field, start, len) => Col::Ids(field, start, len),
+        Col::Probs(start, len) => Col::Probs(start, len),
+        Col::Float(value, None) => Col::Float(value, None),
+        Col::Array(items) => {
+            let items: Option<Vec<Col<'static>>> = items.iter().cloned().map(kept).collect();
+            Col::Array(Rc::new(items?))
+        }
+        Col::Int(_) | Col::Float(_, Some(_)) | Col::Str(..) | Col::Object(_) => return None,
+    })
 }
 
 // ---- assembling a snapshot -----------------------------------------------------------------

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::json::tape::{call_id_of, tape_channel, LineTape, LineTaper};
 use crate::json::{extract_call_id, LineError, Repeats};
 use crate::log::complete_lines;
+use crate::ring::LineBytes;
 use crate::store::{first_records, LinesToDecode, Records, PARALLEL_SCAN_BYTES, TAPES_AHEAD};
 
 /// What [`decode_fetched`] and [`decode_fetched_lines`] return: the records (the first line of
@@ -153,7 +154,10 @@ pub fn decode_fetched_lines<D>(
                 }
                 let tape = taper.tape(line);
                 call_ids.push(call_id_of(line, &tape));
-                let mut item = LineTape { line, tape };
+                let mut item = LineTape {
+                    line: LineBytes::Borrowed(line),
+                    tape,
+                };
                 loop {
                     match sink.try_send(item) {
                         Ok(()) | Err(TrySendError::Disconnected(_)) => break,
@@ -183,6 +187,14 @@ pub fn decode_fetched_lines<D>(
     let hashed = digests.map(|_| hashing.collect());
     let records = check(source, &lines, digests.zip(hashed), call_ids)?;
     Ok((records, ranges, decoded))
+}
+
+/// `(offset, length)` of each of `lines`.
+fn lengths(lines: &[(u64, &[u8])]) -> Vec<(u64, usize)> {
+    lines
+        .iter()
+        .map(|&(offset, line)| (offset, line.len()))
+        .collect()
 }
 
 fn holds_newline(line: &[u8]) -> bool {
@@ -216,7 +228,7 @@ fn check(
     }
     Ok(Records {
         buf: Vec::new(),
-        lines: first_records(source, lines, call_ids)?,
+        lines: first_records(source, &lengths(lines), call_ids)?,
     })
 }
 
@@ -234,7 +246,7 @@ mod tests {
                 .iter()
                 .map(|taped| {
                     assert!(taped.tape.is_ok());
-                    taped.line.to_vec()
+                    taped.line().to_vec()
                 })
                 .collect(),
         }

@@ -160,6 +160,24 @@ impl<'a, V: Clone> Repeats<'a, V> {
         Self::default()
     }
 
+    /// The remembered arrays, most recent first: `(text, items, value)`.
+    pub(crate) fn into_parts(self) -> Vec<(&'a [u8], usize, V)> {
+        let parts = self.arrays.into_iter();
+        parts
+            .map(|seen| (seen.text, seen.items, seen.value))
+            .collect()
+    }
+
+    /// Repeats remembering `parts` (as [`Repeats::into_parts`] gave them).
+    pub(crate) fn from_parts(parts: impl IntoIterator<Item = (&'a [u8], usize, V)>) -> Self {
+        let arrays = parts.into_iter();
+        Repeats {
+            arrays: arrays
+                .map(|(text, items, value)| Seen { text, items, value })
+                .collect(),
+        }
+    }
+
     fn remember(&mut self, text: &'a [u8], items: usize, value: &V) {
         if remembers(items) {
             let value = value.clone();

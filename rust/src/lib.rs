@@ -41,6 +41,7 @@ pub mod lineage;
 pub mod lock;
 pub mod log;
 pub mod pool;
+pub mod ring;
 pub mod staging;
 pub mod state;
 pub mod store;

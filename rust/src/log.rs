@@ -116,49 +116,6 @@ pub fn zeroed_to(buf: &mut Vec<u8>, len: usize) {
     }
 }
 
-/// Fill `buf` from the start of `file` in chunks, handing each complete line to `each_line`
-/// (`offset`, line without its newline) as soon as its newline has been read, so a consumer
-/// can work on the first lines while the rest is still being read. Returns the bytes after the
-/// last newline (a torn tail, usually empty). A file shorter than `buf` is an error, as
-/// `read_exact_at` would make it.
-pub fn read_lines_streaming<'b>(
-    file: &File,
-    buf: &'b mut [u8],
-    mut each_line: impl FnMut(u64, &'b [u8]),
-) -> io::Result<&'b [u8]> {
-    // The first chunk is small so that the first lines go out at once.
-    const FIRST_CHUNK: usize = 64 << 10;
-    const CHUNK: usize = 512 << 10;
-    let mut rest = buf;
-    let mut base = 0u64; // the file offset of `rest[0]`
-    let mut filled = 0; // bytes of `rest` read, all past its last complete line
-    let mut chunk = FIRST_CHUNK;
-    while filled < rest.len() {
-        let end = rest.len().min(filled + chunk);
-        let read = match file.read_at(&mut rest[filled..end], base + filled as u64) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(read) => read,
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-            Err(err) => return Err(err),
-        };
-        let new = filled..filled + read;
-        filled += read;
-        chunk = CHUNK;
-        if let Some(last) = memchr::memrchr(b'\n', &rest[new.clone()]) {
-            // Split the complete lines off: shared from now on, while the rest is written.
-            let cut = new.start + last + 1;
-            let (done, tail) = std::mem::take(&mut rest).split_at_mut(cut);
-            for (offset, line) in complete_lines(done, base) {
-                each_line(offset, line);
-            }
-            rest = tail;
-            base += cut as u64;
-            filled -= cut;
-        }
-    }
-    Ok(rest)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,44 +130,6 @@ mod tests {
         );
         assert_eq!(complete_prefix_len(buf), 16);
         assert_eq!(complete_prefix_len(b"torn"), 0);
-    }
-
-    #[test]
-    fn streaming_reads_hand_out_every_complete_line_once_in_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("x.jsonl");
-        // Lines shorter and longer than a chunk, one empty, and a torn tail.
-        let mut content = Vec::new();
-        for (i, len) in [3usize, 0, 70_000, 10, 600_000, 1, 200_000]
-            .iter()
-            .enumerate()
-        {
-            content.extend(std::iter::repeat_n(b'a' + i as u8, *len));
-            content.push(b'\n');
-        }
-        for torn in [&b""[..], b"{\"torn"] {
-            let mut bytes = content.clone();
-            bytes.extend_from_slice(torn);
-            std::fs::write(&path, &bytes).unwrap();
-            let file = File::open(&path).unwrap();
-            let mut buf = vec![0u8; bytes.len()];
-            let mut seen = Vec::new();
-            let tail = read_lines_streaming(&file, &mut buf, |offset, line| {
-                seen.push((offset, line.to_vec()));
-            })
-            .unwrap();
-            assert_eq!(tail, torn);
-            let expected: Vec<(u64, Vec<u8>)> = complete_lines(&bytes, 0)
-                .map(|(offset, line)| (offset, line.to_vec()))
-                .collect();
-            assert_eq!(seen, expected);
-            assert_eq!(buf, bytes);
-        }
-        // A file shorter than the buffer is an error, not a silent short read.
-        let file = File::open(&path).unwrap();
-        let mut buf = vec![0u8; content.len() + 100];
-        let err = read_lines_streaming(&file, &mut buf, |_, _| {}).unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
     }
 
     #[test]

@@ -19,10 +19,11 @@
 //! identically), except for a durable checkpoint every [`CHECKPOINT_ENTRIES`] entries or
 //! [`CHECKPOINT_BYTES`] bytes, which bounds how much a cold reader has to fold.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::{File, Metadata, OpenOptions};
 use std::io;
 use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::TrySendError;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -34,14 +35,15 @@ use crate::descriptors::{self, Account, FdCache, Kept};
 use crate::digest::payload_digest;
 use crate::error::{Error, IoContext, Result};
 use crate::json::tape::{
-    call_id_of, tape_channel, LineTape, LineTaper, SideWork, TapeFeed, TapeSink,
+    call_id_of, tape_channel, ChunkTaper, LineTape, SideWork, TapeFeed, TapeSink,
 };
 use crate::json::{extract_call_id, LineError, Repeats};
 use crate::lock::{FileId, LockMode, RolloutLock};
 use crate::log::{
     append_line, append_lines, complete_lines, complete_prefix_len, read_at, read_into,
-    read_lines_streaming, reserve_past,
+    reserve_past,
 };
+use crate::ring::{LineBytes, Ring, Shared, CHUNK_BYTES};
 use crate::state::{self, State};
 
 /// Longest accepted rollout id: the longest file name we derive from it must fit in 255 bytes.
@@ -294,7 +296,10 @@ fn panicked_put(log: &Path) -> Error {
     }
 }
 
-/// Unique records of a log, in file order: ranges into `buf` (lines without newlines).
+/// Unique records of a log, in file order: the byte ranges of their lines in the log (without
+/// newlines), and the log's bytes they index when the read kept them (`Store::freeze`,
+/// `Store::read_records` and small logs' reads do; a large log's streamed freeze or read goes
+/// through the chunk ring, `crate::ring`, and keeps none: `buf` is then empty).
 #[derive(Debug, Default)]
 pub struct Records {
     pub buf: Vec<u8>,
@@ -348,8 +353,11 @@ enum Scan {
 
 /// The complete lines of a log as a freeze, a read or an inspection checks them.
 struct LogLines<'b> {
-    /// `(file offset, line without its newline)`, in file order.
-    lines: Vec<(u64, &'b [u8])>,
+    /// `(file offset, length of the line without its newline)`, in file order.
+    lines: Vec<(u64, usize)>,
+    /// The bytes read, when they were kept whole; `None` for a streamed read, whose chunks
+    /// went back to their ring as soon as their lines were hashed, walked and built.
+    buf: Option<&'b [u8]>,
     /// The bytes read: the complete lines, then any torn tail.
     len: u64,
 }
@@ -357,20 +365,29 @@ struct LogLines<'b> {
 impl<'b> LogLines<'b> {
     fn of(buf: &'b [u8]) -> Self {
         LogLines {
-            lines: complete_lines(buf, 0).collect(),
+            lines: complete_lines(buf, 0)
+                .map(|(offset, line)| (offset, line.len()))
+                .collect(),
+            buf: Some(buf),
             len: buf.len() as u64,
         }
+    }
+
+    /// The bytes of a line of `lines`, if they were kept.
+    fn bytes(&self, (offset, len): (u64, usize)) -> Option<&'b [u8]> {
+        let start = offset as usize;
+        self.buf.map(|buf| &buf[start..start + len])
     }
 
     /// Where the complete lines end (and a torn tail, if any, starts).
     fn complete_end(&self) -> u64 {
         self.lines
             .last()
-            .map_or(0, |&(offset, line)| offset + line.len() as u64 + 1)
+            .map_or(0, |&(offset, len)| offset + len as u64 + 1)
     }
 
     fn ranges(&self) -> Vec<Range<usize>> {
-        let range = |&(offset, line): &(u64, &[u8])| offset as usize..offset as usize + line.len();
+        let range = |&(offset, len): &(u64, usize)| offset as usize..offset as usize + len;
         self.lines.iter().map(range).collect()
     }
 }
@@ -482,12 +499,19 @@ pub struct Store {
     cache: Arc<FdCache<Cached>>,
     /// A whole-log read buffer kept between reads (see `read_whole_log`).
     spare_buffer: Mutex<Vec<u8>>,
+    /// The chunk ring's buffers kept between streamed reads (see `crate::ring`).
+    spare_chunks: Mutex<Vec<Vec<u8>>>,
+    /// The length of a chunk of a streamed read (`CHUNK_BYTES`; tests make it small).
+    chunk_bytes: usize,
     /// Each rollout's one writer of puts, and the puts queued behind it (`put_then`).
     writers: Writers,
 }
 
 /// The largest read buffer a store keeps between reads.
 const MAX_SPARE_BUFFER: usize = 16 << 20;
+
+/// How many chunk-ring buffers a store keeps between streamed reads.
+const MAX_SPARE_CHUNKS: usize = 8;
 
 /// A store directory (the token store's or the ledger's): its path, by which creations,
 /// renames and removals in it are made durable. No descriptor is kept: each fsync opens the
@@ -694,8 +718,18 @@ impl Store {
             dir: RootDir::open(root)?,
             cache: rollout_cache(cached_rollouts, max_open_files),
             spare_buffer: Mutex::new(Vec::new()),
+            spare_chunks: Mutex::new(Vec::new()),
+            chunk_bytes: CHUNK_BYTES,
             writers: Writers::default(),
         })
+    }
+
+    /// This store, reading large logs through chunks of `chunk_bytes` (tests: many chunk
+    /// boundaries and lines longer than a chunk in small logs).
+    #[cfg(test)]
+    fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Self {
+        self.chunk_bytes = chunk_bytes;
+        self
     }
 
     /// Descriptors this store keeps (cached between operations, or in use now).
@@ -750,13 +784,6 @@ impl Store {
         Ok(buf)
     }
 
-    /// The spare buffer (see `read_whole_log`), `len` bytes long, to be overwritten.
-    fn spare_buffer(&self, len: usize) -> Vec<u8> {
-        let mut buf = std::mem::take(&mut *self.spare());
-        crate::log::zeroed_to(&mut buf, len);
-        buf
-    }
-
     /// Give a buffer from `read_whole_log` (a snapshot's or a read's records) back for the
     /// next read. The store keeps the largest one up to `MAX_SPARE_BUFFER`.
     pub fn recycle_buffer(&self, buf: Vec<u8>) {
@@ -766,6 +793,28 @@ impl Store {
                 *spare = buf;
             }
         }
+    }
+
+    /// A chunk ring for a streamed read, with the buffers an earlier one gave back.
+    fn ring(&self) -> Ring {
+        Ring::new(std::mem::take(&mut *self.spare_chunks()), self.chunk_bytes)
+    }
+
+    /// Keep a ring's buffers (those of the usual size, up to `MAX_SPARE_CHUNKS`) for the next
+    /// streamed read.
+    fn keep_ring(&self, ring: Ring) {
+        let mut spare = self.spare_chunks();
+        for buf in ring.into_spare() {
+            if spare.len() < MAX_SPARE_CHUNKS && buf.len() <= self.chunk_bytes {
+                spare.push(buf);
+            }
+        }
+    }
+
+    fn spare_chunks(&self) -> MutexGuard<'_, Vec<Vec<u8>>> {
+        self.spare_chunks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn spare(&self) -> MutexGuard<'_, Vec<u8>> {
@@ -1270,7 +1319,9 @@ impl Store {
     /// as soon as the line is read (the one walk it needs anyway for the call ids of lines
     /// past the index) and sends it to `decode`, which only builds. The hashing goes to
     /// whichever thread would otherwise wait: the verifying one while the tape channel is
-    /// full, this one once `decode` has returned.
+    /// full, this one once `decode` has returned. The chunks are a few reused buffers (see
+    /// `crate::ring`), not a copy of the whole log: the snapshot's `records.buf` is then
+    /// empty (its ranges are still the lines' places in the log).
     pub fn freeze_decoding<D>(
         &self,
         rollout_id: &str,
@@ -1309,26 +1360,31 @@ impl Store {
         len: u64,
         decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
     ) -> Result<(Snapshot, Vec<Range<usize>>, D)> {
-        let mut buf = self.spare_buffer(len as usize);
+        let mut ring = self.ring();
         // Each line's digest, hashed by whichever thread has time for it: the verifying one
-        // while the channel to `decode` is full, `decode`'s while it waits for a line and,
-        // once every line is read, before it builds the next (so the verifying thread can
-        // verify and start the freeze's syncs while the last lines are built), and this one
-        // once `decode` returns.
+        // while the channel to `decode` is full (or before it takes a new buffer while every
+        // chunk is still held), `decode`'s while it waits for a line and, once every line is
+        // read, before it builds the next (so the verifying thread can verify and start the
+        // freeze's syncs while the last lines are built), and this one once `decode` returns.
         let board = DigestBoard::default();
         let (verified, decoded) = std::thread::scope(|scope| {
             let (sink, feed) = tape_channel(TAPES_AHEAD);
             let feed = feed.with_side_work(&board);
-            let bytes: &mut [u8] = &mut buf;
             let board = &board;
+            let ring = &mut ring;
             let verifying = scope.spawn(move || {
+                let add = |chunk: &Shared, range| board.add(LineBytes::Chunk(chunk.clone(), range));
                 let (lines, call_ids) =
-                    stream_taped_lines(file, bytes, &sink, |line| board.add(line), || board.step())
+                    stream_taped_lines(file, len, ring, &sink, add, || board.step())
                         .ctx("read log", &paths.log)?;
                 board.all_read();
                 drop(sink); // every line is sent: `decode` may finish and help
                 let digests = board.collect();
-                let log = LogLines { lines, len };
+                let log = LogLines {
+                    lines,
+                    buf: None,
+                    len,
+                };
                 let scan = Scan::Scanned { digests, call_ids };
                 let settled = self.settle_freeze(cached, paths, &log, scan)?;
                 Ok::<_, Error>((settled, log.ranges()))
@@ -1337,8 +1393,9 @@ impl Store {
             while board.step() {}
             (verifying.join().expect("freeze thread"), decoded)
         });
+        self.keep_ring(ring);
         let (settled, lines) = verified?;
-        Ok((settled.into_snapshot(buf), lines, decoded))
+        Ok((settled.into_snapshot(Vec::new()), lines, decoded))
     }
 
     /// The length of the log of a rollout about to be frozen (0 when it has none).
@@ -1600,18 +1657,31 @@ impl Store {
     }
 
     /// The unique records of a rollout, under the shared lock; a torn tail is ignored.
+    /// The log is read whole: the records' ranges index `buf`.
     pub fn read_records(&self, rollout_id: &str) -> Result<Records> {
-        self.read_decoding(rollout_id, |_| ())
+        self.read_lines_with(rollout_id, true, |_| ())
             .map(|(records, _, ())| records)
     }
 
     /// [`Store::read_records`], handing every complete line to `decode` as
     /// [`Store::freeze_decoding`] does (a large log is read in chunks by a second thread,
     /// which tapes each line as soon as it is read), and returning the lines' ranges too. The
-    /// shared lock is held until `decode` returns.
+    /// shared lock is held until `decode` returns. A large log is read through the chunk ring
+    /// (`crate::ring`), and the records' `buf` is then empty.
     pub fn read_decoding<D>(
         &self,
         rollout_id: &str,
+        decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
+    ) -> Result<(Records, Vec<Range<usize>>, D)> {
+        self.read_lines_with(rollout_id, false, decode)
+    }
+
+    /// [`Store::read_decoding`]; `whole`: read the log into one buffer whatever its size, and
+    /// return it with the records.
+    fn read_lines_with<D>(
+        &self,
+        rollout_id: &str,
+        whole: bool,
         decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
     ) -> Result<(Records, Vec<Range<usize>>, D)> {
         validate_rollout_id(rollout_id)?;
@@ -1625,14 +1695,12 @@ impl Store {
             return Ok(no_records(decode));
         };
         let len = log.metadata().ctx("stat log", &paths.log)?.len();
-        if len < PARALLEL_SCAN_BYTES as u64 {
+        if whole || len < PARALLEL_SCAN_BYTES as u64 {
             let buf = self.read_whole_log(&log, len, &paths.log)?;
             let all = LogLines::of(&buf);
             let mut repeats = Repeats::new();
-            let call_ids = all
-                .lines
-                .iter()
-                .map(|&(_, line)| extract_call_id(line, Some(&mut repeats)));
+            let call_ids =
+                complete_lines(&buf, 0).map(|(_, line)| extract_call_id(line, Some(&mut repeats)));
             let lines = first_records(&paths.log, &all.lines, call_ids)?;
             let ranges = all.ranges();
             let decoded = decode(LinesToDecode::Whole {
@@ -1641,24 +1709,35 @@ impl Store {
             });
             return Ok((Records { buf, lines }, ranges, decoded));
         }
-        let mut buf = self.spare_buffer(len as usize);
+        let mut ring = self.ring();
         let (read, decoded) = std::thread::scope(|scope| {
             let (sink, feed) = tape_channel(TAPES_AHEAD);
-            let bytes: &mut [u8] = &mut buf;
             let log = &log;
+            let ring = &mut ring;
             let reading = scope.spawn(move || {
-                let (all, call_ids) = stream_taped_lines(log, bytes, &sink, |_| {}, || false)
-                    .ctx("read log", &paths.log)?;
+                let (lines, call_ids) =
+                    stream_taped_lines(log, len, ring, &sink, |_, _| {}, || false)
+                        .ctx("read log", &paths.log)?;
                 drop(sink);
-                let records = first_records(&paths.log, &all, call_ids)?;
-                let ranges = LogLines { lines: all, len }.ranges();
+                let records = first_records(&paths.log, &lines, call_ids)?;
+                let ranges = LogLines {
+                    lines,
+                    buf: None,
+                    len,
+                }
+                .ranges();
                 Ok::<_, Error>((records, ranges))
             });
             let decoded = decode(LinesToDecode::Taped(feed));
             (reading.join().expect("read thread"), decoded)
         });
+        self.keep_ring(ring);
         let (lines, ranges) = read?;
-        Ok((Records { buf, lines }, ranges, decoded))
+        let records = Records {
+            buf: Vec::new(),
+            lines,
+        };
+        Ok((records, ranges, decoded))
     }
 }
 
@@ -1696,12 +1775,14 @@ fn verify_and_fold(
         .collect();
     let mut lines = Vec::new();
     let mut seen: HashSet<String> = HashSet::new();
-    for line in scanned {
+    for mut line in scanned {
         let call_id = match (&line.call_id, by_digest.get(&line.digest)) {
             (None, Some(call_id)) => call_id.clone(),
             (Some(Ok(call_id)), _) => call_id.clone(),
             (Some(Err(err)), _) => return Err(Error::corrupt(&paths.log, line.offset, &err.0)),
-            (None, None) => extract_call_id(line.bytes, None)
+            (None, None) => line
+                .fallback
+                .call_id()
                 .map_err(|e| Error::corrupt(&paths.log, line.offset, e.0))?,
         };
         if line.offset < indexed {
@@ -1733,7 +1814,7 @@ fn verify_and_fold(
         }
         seen.insert(call_id);
         let start = line.offset as usize;
-        lines.push(start..start + line.bytes.len());
+        lines.push(start..start + line.len);
     }
     state.indexed_size = complete_end;
     Ok(lines)
@@ -1742,56 +1823,138 @@ fn verify_and_fold(
 /// One complete line with its payload digest and, past the index, its call id.
 struct ScannedLine<'a> {
     offset: u64,
-    bytes: &'a [u8],
+    len: usize,
     digest: String,
     call_id: Option<std::result::Result<String, LineError>>,
+    /// Where an indexed line's call id comes from if its digest names no entry.
+    fallback: CallIdFallback<'a>,
+}
+
+/// How `verify_and_fold` finds the call id of an indexed line whose digest names no entry
+/// (to word its refusal).
+enum CallIdFallback<'a> {
+    /// A walk of the line's bytes.
+    Walk(&'a [u8]),
+    /// The walk a streamed read made of the line (whose bytes are gone): `extract_call_id`'s
+    /// verdict on it (see `json::tape::call_id_of`).
+    Walked(Option<std::result::Result<String, LineError>>),
+}
+
+impl CallIdFallback<'_> {
+    fn call_id(&mut self) -> std::result::Result<String, LineError> {
+        match self {
+            CallIdFallback::Walk(bytes) => extract_call_id(bytes, None),
+            CallIdFallback::Walked(walked) => walked
+                .take()
+                .unwrap_or_else(|| Err(LineError("the line's call id was taken".to_owned()))),
+        }
+    }
 }
 
 /// How many lines a streamed freeze or read may tape ahead of the decoder.
 pub(crate) const TAPES_AHEAD: usize = 8;
 
-/// Read `buf.len()` bytes of `file` into `buf` on this thread, tape each complete line as
-/// soon as it is read and send it through `sink` (after showing it to `each`); while the
-/// channel is full, `when_full` does other work, and answers false when it has none left. A
-/// closed channel (the decoder stopped early) drops the tapes: the reading and walking go
-/// on. Returns the lines and their call ids as `json::extract_call_id` would answer them.
+/// Read the first `len` bytes of `file` on this thread through the chunks of `ring`, tape
+/// each complete line as soon as it is read and send it through `sink` (after showing it to
+/// `each`: its chunk and its range there); while the channel is full, or while every chunk is
+/// held and a new one would be allocated, `when_full` does other work, and answers false when
+/// it has none left. A closed channel (the decoder stopped early) drops the tapes: the reading
+/// and walking go on. Returns the lines (`(file offset, length)`) and their call ids as
+/// `json::extract_call_id` would answer them. A file shorter than `len` is an error, as
+/// `read_exact_at` would make it.
+///
+/// A chunk is filled whole (the first read is small, so that the first lines go out at once);
+/// the bytes after its last newline are carried to the start of the next one. A line longer
+/// than a chunk grows its chunk until it fits (the grown buffer is then that line's own).
 #[allow(clippy::type_complexity)]
-fn stream_taped_lines<'b>(
+fn stream_taped_lines(
     file: &File,
-    buf: &'b mut [u8],
-    sink: &TapeSink<'b>,
-    mut each: impl FnMut(&'b [u8]),
+    len: u64,
+    ring: &mut Ring,
+    sink: &TapeSink<'_>,
+    mut each: impl FnMut(&Shared, Range<usize>),
     mut when_full: impl FnMut() -> bool,
 ) -> io::Result<(
-    Vec<(u64, &'b [u8])>,
+    Vec<(u64, usize)>,
     Vec<std::result::Result<String, LineError>>,
 )> {
-    let mut taper = LineTaper::new();
+    /// The first read: small, so that the first lines go out at once.
+    const FIRST_READ: usize = 64 << 10;
+    let mut taper = ChunkTaper::new();
     let mut lines = Vec::new();
     let mut call_ids = Vec::new();
-    read_lines_streaming(file, buf, |offset, line| {
-        each(line);
-        let tape = taper.tape(line);
-        call_ids.push(call_id_of(line, &tape));
-        lines.push((offset, line));
-        let mut item = LineTape { line, tape };
-        loop {
-            match sink.try_send(item) {
-                Ok(()) | Err(TrySendError::Disconnected(_)) => return,
-                Err(TrySendError::Full(back)) if when_full() => item = back,
-                Err(TrySendError::Full(back)) => {
-                    sink.send(back);
-                    return;
+    let next_buffer = |ring: &mut Ring, when_full: &mut dyn FnMut() -> bool| loop {
+        if let Some(buf) = ring.reuse() {
+            return buf;
+        }
+        // Every chunk is held: hash a line (it may give one back) before allocating.
+        if !when_full() {
+            return ring.allocate();
+        }
+    };
+    let mut buf = next_buffer(ring, &mut when_full);
+    let mut base = 0u64; // the file offset of `buf[0]`
+    let mut filled = 0; // bytes of `buf` read, all past its last complete line
+    let mut first = true;
+    loop {
+        let left = (len - base) as usize - filled;
+        if left == 0 {
+            break;
+        }
+        if filled == buf.len() {
+            // A line longer than the buffer: grow it.
+            buf.resize(buf.len().max(ring.chunk_bytes()) * 2, 0);
+        }
+        let mut want = (buf.len() - filled).min(left);
+        if std::mem::take(&mut first) {
+            want = want.min(FIRST_READ);
+        }
+        file.read_exact_at(&mut buf[filled..filled + want], base + filled as u64)?;
+        let new = filled..filled + want;
+        filled += want;
+        let Some(last) = memchr::memrchr(b'\n', &buf[new.clone()]) else {
+            continue;
+        };
+        let cut = new.start + last + 1;
+        let chunk = ring.share(std::mem::take(&mut buf), filled);
+        for (offset, line) in complete_lines(&chunk.bytes()[..cut], 0) {
+            let range = offset as usize..offset as usize + line.len();
+            each(&chunk, range.clone());
+            let tape = taper.tape(&chunk, range.clone());
+            call_ids.push(call_id_of(line, &tape));
+            lines.push((base + offset, line.len()));
+            let mut item = LineTape {
+                line: LineBytes::Chunk(chunk.clone(), range),
+                tape,
+            };
+            loop {
+                match sink.try_send(item) {
+                    Ok(()) | Err(TrySendError::Disconnected(_)) => break,
+                    Err(TrySendError::Full(back)) if when_full() => item = back,
+                    Err(TrySendError::Full(back)) => {
+                        sink.send(back);
+                        break;
+                    }
                 }
             }
         }
-    })?;
+        // The bytes past the last newline start the next buffer.
+        buf = next_buffer(ring, &mut when_full);
+        let rest = &chunk.bytes()[cut..];
+        if buf.len() < rest.len() {
+            buf.resize(rest.len(), 0);
+        }
+        buf[..rest.len()].copy_from_slice(rest);
+        filled = rest.len();
+        base += cut as u64;
+    }
+    ring.give_back(buf);
     Ok((lines, call_ids))
 }
 
 /// The payload digests of a streamed freeze's lines (see `Store::freeze_streaming`), hashed
 /// by whichever threads take steps: lines are added as they are read, and each step claims
-/// the first unclaimed one.
+/// the first unclaimed one. A line is dropped once hashed (its chunk may go back to its ring).
 #[derive(Default)]
 struct DigestBoard<'b> {
     board: Mutex<Board<'b>>,
@@ -1800,10 +1963,12 @@ struct DigestBoard<'b> {
 
 #[derive(Default)]
 struct Board<'b> {
-    /// Every line read so far, in order, and its digest once hashed.
-    lines: Vec<(&'b [u8], Option<String>)>,
-    /// `lines[..claimed]` are hashed or being hashed.
-    claimed: usize,
+    /// The lines read and not yet claimed, oldest first, with their index.
+    waiting: VecDeque<(usize, LineBytes<'b>)>,
+    /// Every line's digest once hashed, in line order.
+    digests: Vec<Option<String>>,
+    /// How many digests are stored.
+    hashed: usize,
     read_all: bool,
 }
 
@@ -1815,8 +1980,11 @@ impl<'b> DigestBoard<'b> {
     }
 
     /// The next line read.
-    fn add(&self, line: &'b [u8]) {
-        self.lock().lines.push((line, None));
+    fn add(&self, line: LineBytes<'b>) {
+        let mut board = self.lock();
+        let index = board.digests.len();
+        board.digests.push(None);
+        board.waiting.push_back((index, line));
     }
 
     /// No line will be added.
@@ -1829,36 +1997,36 @@ impl<'b> DigestBoard<'b> {
     fn collect(&self) -> Vec<String> {
         while self.step() {}
         let mut board = self.lock();
-        while board.lines.iter().any(|(_, digest)| digest.is_none()) {
+        while board.hashed < board.digests.len() {
             board = self
                 .stored
                 .wait(board)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
-        let lines = std::mem::take(&mut board.lines);
-        lines.into_iter().filter_map(|(_, digest)| digest).collect()
+        let digests = std::mem::take(&mut board.digests);
+        board.hashed = 0;
+        digests.into_iter().flatten().collect()
     }
 }
 
 impl SideWork for DigestBoard<'_> {
     fn urgent(&self) -> bool {
         let board = self.lock();
-        board.read_all && board.claimed < board.lines.len()
+        board.read_all && !board.waiting.is_empty()
     }
 
     fn step(&self) -> bool {
-        let (index, line) = {
-            let mut board = self.lock();
-            let Some(&(line, _)) = board.lines.get(board.claimed) else {
-                return false;
-            };
-            board.claimed += 1;
-            (board.claimed - 1, line)
+        let Some((index, line)) = self.lock().waiting.pop_front() else {
+            return false;
         };
         // Hashing neither fails nor panics: a claimed line always gets its digest stored, so
         // `collect` never waits for a line no thread will hash.
-        let digest = payload_digest(line);
-        self.lock().lines[index].1 = Some(digest);
+        let digest = payload_digest(line.bytes());
+        drop(line);
+        let mut board = self.lock();
+        board.digests[index] = Some(digest);
+        board.hashed += 1;
+        drop(board);
         self.stored.notify_all();
         true
     }
@@ -1868,16 +2036,16 @@ impl SideWork for DigestBoard<'_> {
 /// call id (as `call_ids` answers for each of `lines`) is corruption.
 pub(crate) fn first_records(
     log: &Path,
-    lines: &[(u64, &[u8])],
+    lines: &[(u64, usize)],
     call_ids: impl IntoIterator<Item = std::result::Result<String, LineError>>,
 ) -> Result<Vec<Range<usize>>> {
     let mut seen = HashSet::new();
     let mut records = Vec::new();
-    for (&(offset, line), call_id) in lines.iter().zip(call_ids) {
+    for (&(offset, len), call_id) in lines.iter().zip(call_ids) {
         let call_id = call_id.map_err(|e| Error::corrupt(log, offset, e.0))?;
         if seen.insert(call_id) {
             let start = offset as usize;
-            records.push(start..start + line.len());
+            records.push(start..start + len);
         }
     }
     Ok(records)
@@ -1900,6 +2068,32 @@ pub(crate) const PARALLEL_SCAN_BYTES: usize = 256 << 10;
 
 fn scan_lines<'b>(log: &LogLines<'b>, indexed: u64, scan: Scan) -> Vec<ScannedLine<'b>> {
     let all = &log.lines;
+    if let Scan::Scanned { digests, call_ids } = scan {
+        // A streamed read: every line was walked (its bytes may be gone).
+        debug_assert!(digests.len() == all.len() && call_ids.len() == all.len());
+        return all
+            .iter()
+            .zip(digests.into_iter().zip(call_ids))
+            .map(|(&(offset, len), (digest, call_id))| {
+                let (call_id, walked) = if offset >= indexed {
+                    (Some(call_id), None)
+                } else {
+                    (None, Some(call_id))
+                };
+                ScannedLine {
+                    offset,
+                    len,
+                    digest,
+                    call_id,
+                    fallback: CallIdFallback::Walked(walked),
+                }
+            })
+            .collect();
+    }
+    let whole: Vec<(u64, &'b [u8])> = all
+        .iter()
+        .map(|&line| (line.0, log.bytes(line).expect("a whole log's bytes")))
+        .collect();
     let work = |chunk: &[(u64, &'b [u8])]| {
         let mut repeats = Repeats::new();
         chunk
@@ -1912,19 +2106,11 @@ fn scan_lines<'b>(log: &LogLines<'b>, indexed: u64, scan: Scan) -> Vec<ScannedLi
             .collect::<Vec<(String, Option<std::result::Result<String, LineError>>)>>()
     };
     let parallel = matches!(scan, Scan::Parallel) && log.len >= PARALLEL_SCAN_BYTES as u64;
-    let results = if let Scan::Scanned { digests, call_ids } = scan {
-        debug_assert!(digests.len() == all.len() && call_ids.len() == all.len());
-        let past_index = all.iter().map(|&(offset, _)| offset >= indexed);
-        digests
-            .into_iter()
-            .zip(call_ids.into_iter().zip(past_index))
-            .map(|(digest, (call_id, past))| (digest, past.then_some(call_id)))
-            .collect()
-    } else if parallel && all.len() > 1 {
+    let results = if parallel && whole.len() > 1 {
         // Split by bytes, not lines: one huge line must not leave the other thread idle.
         let half = log.len / 2;
-        let split = all.partition_point(|&(offset, _)| offset < half).max(1);
-        let (first, second) = all.split_at(split);
+        let split = whole.partition_point(|&(offset, _)| offset < half).max(1);
+        let (first, second) = whole.split_at(split);
         std::thread::scope(|scope| {
             let other = scope.spawn(|| work(second));
             let mut results = work(first);
@@ -1932,15 +2118,17 @@ fn scan_lines<'b>(log: &LogLines<'b>, indexed: u64, scan: Scan) -> Vec<ScannedLi
             results
         })
     } else {
-        work(all)
+        work(&whole)
     };
-    all.iter()
+    whole
+        .iter()
         .zip(results)
         .map(|(&(offset, bytes), (digest, call_id))| ScannedLine {
             offset,
-            bytes,
+            len: bytes.len(),
             digest,
             call_id,
+            fallback: CallIdFallback::Walk(bytes),
         })
         .collect()
 }
@@ -2093,16 +2281,22 @@ mod tests {
     fn replayed_and_walked(lines: LinesToDecode<'_>) -> (Vec<String>, Vec<String>) {
         let mut replay = crate::json::tape::Replay::new();
         let mut replayed = crate::json::tests::Echo::default();
+        let feed = taped(lines);
+        let mut built = Vec::new();
+        let mut copies = Vec::new();
+        for sent in feed.iter() {
+            let tape = sent.tape.as_ref().unwrap();
+            built.push(replay.value(tape, sent.line(), &mut replayed).unwrap());
+            copies.push(sent.line().to_vec());
+            feed.give_back(sent); // its chunk may be reused
+        }
         let mut repeats = Repeats::new();
         let mut walked = crate::json::tests::Echo::default();
-        taped(lines)
+        let walks = copies
             .iter()
-            .map(|sent| {
-                let built = replay.value(&sent.tape.unwrap(), &mut replayed).unwrap();
-                let walk = crate::json::build(sent.line, &mut walked, Some(&mut repeats));
-                (built, walk.unwrap())
-            })
-            .unzip()
+            .map(|line| crate::json::build(line, &mut walked, Some(&mut repeats)).unwrap())
+            .collect();
+        (built, walks)
     }
 
     #[test]
@@ -2157,7 +2351,8 @@ mod tests {
             .map(|(offset, line)| offset as usize..offset as usize + line.len())
             .collect();
         assert_eq!(ranges, expected);
-        assert_eq!(snapshot.records.buf, bytes);
+        // Read through the chunk ring: the snapshot keeps no copy of the log.
+        assert!(snapshot.records.buf.is_empty());
     }
 
     #[test]
@@ -2226,6 +2421,223 @@ mod tests {
         }
     }
 
+    /// Lines for the chunk-ring tests: records whose prompts grow by repeating the previous
+    /// prompt (so repeated arrays span chunk boundaries), one line that is not JSON, one
+    /// without a call id, and lines of a few bytes.
+    fn ring_test_lines() -> Vec<String> {
+        let mut rng = crate::json::tests::Lcg(7);
+        let mut prompt: Vec<String> = Vec::new();
+        let mut lines = Vec::new();
+        for i in 0..90 {
+            let add = rng.next(300) as usize;
+            prompt.extend((0..add).map(|k| ((k * 7919 + i * 31) % 151_936).to_string()));
+            lines.push(format!(
+                r#"{{"model_call_id":"c{i}","prompt_token_ids":[{}],"generation_log_probs":[-0.5,1e-3],"n":-{i}}}"#,
+                prompt.join(",")
+            ));
+            match i {
+                10 => lines.push("not json".to_owned()),
+                20 => lines.push(r#"{"prompt_token_ids":[1,2]}"#.to_owned()),
+                30 => lines.push("{}".to_owned()),
+                40 => lines.push(String::new()),
+                _ => {}
+            }
+        }
+        lines
+    }
+
+    #[test]
+    fn a_streamed_read_hands_out_each_line_and_its_tape_whatever_the_chunk_size() {
+        // The expected values come from the file's bytes alone: `complete_lines`, one direct
+        // walk (repeats carried across lines) and `extract_call_id` per line.
+        let lines = ring_test_lines();
+        let mut content = lines.join("\n").into_bytes();
+        content.push(b'\n');
+        let longest = lines.iter().map(String::len).max().unwrap();
+        assert!(
+            longest > 8_000 && content.len() > 400_000,
+            "{longest} {}",
+            content.len()
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.jsonl");
+        for torn in [
+            &b""[..],
+            b"{\"model_call_id\":\"torn\",\"prompt_token_ids\":[1,",
+        ] {
+            let mut bytes = content.clone();
+            bytes.extend_from_slice(torn);
+            std::fs::write(&path, &bytes).unwrap();
+            let expected_lines: Vec<(u64, usize)> = complete_lines(&bytes, 0)
+                .map(|(offset, line)| (offset, line.len()))
+                .collect();
+            assert_eq!(expected_lines.len(), lines.len());
+            let expected_ids: Vec<_> = lines
+                .iter()
+                .map(|line| extract_call_id(line.as_bytes(), None))
+                .collect();
+            let mut direct = crate::json::tests::Echo::default();
+            let mut repeats = Repeats::new();
+            let walked: Vec<_> = lines
+                .iter()
+                .map(|line| crate::json::build(line.as_bytes(), &mut direct, Some(&mut repeats)))
+                .collect();
+            // The integers a replay of one walk over the whole buffer is handed one by one (a
+            // tape walk forgets its repeats after a line that fails, a direct walk does not).
+            let ranges: Vec<Range<usize>> = expected_lines
+                .iter()
+                .map(|&(offset, len)| offset as usize..offset as usize + len)
+                .collect();
+            let mut whole_replayed = crate::json::tests::Echo::default();
+            let mut whole_replay = crate::json::tape::Replay::new();
+            crate::json::tape::tape_lines(&bytes, &ranges, |sent| {
+                if let Ok(tape) = &sent.tape {
+                    let _ = whole_replay.value(tape, sent.line(), &mut whole_replayed);
+                }
+                true
+            });
+            let mut plain = crate::json::tests::Echo::default();
+            for line in &lines {
+                let _ = crate::json::build(line.as_bytes(), &mut plain, None);
+            }
+            assert!(whole_replayed.parsed_unsigned * 5 < plain.parsed_unsigned);
+            // 1 and 7: every line is longer than a chunk; 4096: most are; the default: one.
+            for chunk_bytes in [1, 7, 4_096, 65_536 + 3, CHUNK_BYTES] {
+                let file = File::open(&path).unwrap();
+                let mut ring = Ring::new(Vec::new(), chunk_bytes);
+                let mut shown = Vec::new();
+                let (sink, feed) = tape_channel(TAPES_AHEAD);
+                let mut replayed = crate::json::tests::Echo::default();
+                let len = bytes.len() as u64;
+                let (streamed, got) = std::thread::scope(|scope| {
+                    let ring = &mut ring;
+                    let shown = &mut shown;
+                    let reading = scope.spawn(move || {
+                        let each = |chunk: &Shared, range: Range<usize>| {
+                            shown.push(chunk.bytes()[range].to_vec())
+                        };
+                        let read = stream_taped_lines(&file, len, ring, &sink, each, || false);
+                        drop(sink);
+                        read.unwrap()
+                    });
+                    let mut replay = crate::json::tape::Replay::new();
+                    let mut got = Vec::new();
+                    for sent in feed.iter() {
+                        let value = match &sent.tape {
+                            Ok(tape) => replay.value(tape, sent.line(), &mut replayed),
+                            Err(err) => Err(err.clone()),
+                        };
+                        got.push((sent.line().to_vec(), value));
+                        feed.give_back(sent);
+                    }
+                    (reading.join().unwrap(), got)
+                });
+                let (read_lines, call_ids) = streamed;
+                assert_eq!(read_lines, expected_lines, "chunk {chunk_bytes}");
+                assert_eq!(call_ids, expected_ids, "chunk {chunk_bytes}");
+                let expected_bytes: Vec<Vec<u8>> =
+                    lines.iter().map(|line| line.as_bytes().to_vec()).collect();
+                assert_eq!(shown, expected_bytes, "chunk {chunk_bytes}");
+                let (sent_bytes, values): (Vec<_>, Vec<_>) = got.into_iter().unzip();
+                assert_eq!(sent_bytes, expected_bytes, "chunk {chunk_bytes}");
+                assert_eq!(values, walked, "chunk {chunk_bytes}");
+                // Repeated arrays were reused across chunks as a direct walk reuses them.
+                assert_eq!(
+                    replayed.parsed_unsigned, whole_replayed.parsed_unsigned,
+                    "chunk {chunk_bytes}"
+                );
+                assert!(replayed.parsed_unsigned < direct.parsed_unsigned * 2);
+                // The buffers are recycled: a bounded few, whatever the number of chunks.
+                let chunks = bytes.len() / chunk_bytes.max(longest);
+                assert!(
+                    ring.allocated <= 30,
+                    "chunk {chunk_bytes}: {}",
+                    ring.allocated
+                );
+                if chunk_bytes == 4_096 {
+                    assert!(chunks > 30 && ring.allocated < chunks, "{chunks}");
+                }
+            }
+            // A file shorter than the length asked for is an error (a log cut under a read).
+            let file = File::open(&path).unwrap();
+            let (sink, _feed) = tape_channel(lines.len() + 1);
+            let short = stream_taped_lines(
+                &file,
+                bytes.len() as u64 + 1,
+                &mut Ring::new(Vec::new(), 4_096),
+                &sink,
+                |_, _| {},
+                || false,
+            );
+            assert_eq!(short.unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+        }
+    }
+
+    #[test]
+    fn a_freeze_reads_a_line_longer_than_its_chunk_and_checks_its_digest() {
+        // A 2.6 MB line among lines that cross the chunk boundaries (`CHUNK_BYTES`), frozen
+        // through the chunk ring and, for comparison, through one whole-log buffer
+        // (`Store::freeze`).
+        let (first, second) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let store = Store::open(first.path(), 8).unwrap();
+        let mut prompt: Vec<String> = Vec::new();
+        for call in 0..40usize {
+            let add: usize = if call == 17 { 400_000 } else { 6_000 };
+            prompt.extend((0..add).map(|i| ((call * 7919 + i * 104_729) % 151_936).to_string()));
+            let tokens = if call == 17 {
+                prompt.join(",")
+            } else {
+                prompt[prompt.len() - 6_000..].join(",")
+            };
+            let line = format!(r#"{{"model_call_id":"c{call}","prompt_token_ids":[{tokens}]}}"#);
+            store
+                .put("r", &format!("c{call}"), line.as_bytes())
+                .unwrap();
+        }
+        let log = store.paths("r").log;
+        let bytes = std::fs::read(&log).unwrap();
+        let longest = complete_lines(&bytes, 0)
+            .map(|(_, l)| l.len())
+            .max()
+            .unwrap();
+        assert!(longest > 2 * CHUNK_BYTES && bytes.len() > 4 * CHUNK_BYTES);
+        for name in ["r.tokens.jsonl", "r.tokens.state.json"] {
+            std::fs::copy(first.path().join(name), second.path().join(name)).unwrap();
+        }
+        let (snapshot, ranges, (replayed, walked)) =
+            store.freeze_decoding("r", replayed_and_walked).unwrap();
+        let expected: Vec<Range<usize>> = complete_lines(&bytes, 0)
+            .map(|(offset, line)| offset as usize..offset as usize + line.len())
+            .collect();
+        assert_eq!(ranges, expected);
+        assert_eq!(snapshot.records.lines, expected);
+        assert_eq!(replayed, walked);
+        assert_eq!(replayed.len(), 40);
+        let whole = Store::open(second.path(), 8).unwrap().freeze("r").unwrap();
+        assert_eq!(whole.records.lines, snapshot.records.lines);
+        assert_eq!(whole.version, snapshot.version);
+        // Every line is indexed now; one digit changed in the middle of the long line (still
+        // valid JSON, same length) must be refused by the next freeze.
+        let long = &expected[17];
+        let mut damaged = bytes.clone();
+        let at = (long.start + long.len() / 2..long.end)
+            .find(|&i| damaged[i].is_ascii_digit() && damaged[i - 1].is_ascii_digit())
+            .unwrap();
+        damaged[at] = if damaged[at] == b'9' {
+            b'1'
+        } else {
+            damaged[at] + 1
+        };
+        std::fs::write(&log, &damaged).unwrap();
+        let store = Store::open(first.path(), 8).unwrap();
+        let frozen = store.freeze_decoding("r", replaying_decode);
+        assert!(
+            matches!(&frozen, Err(Error::Corrupt { offset, detail, .. })
+                if detail.contains("payload digest") && *offset == long.start as u64),
+            "{frozen:?}"
+        );
+    }
+
     #[test]
     fn a_digest_board_hashes_every_line_once_whichever_threads_step() {
         // Lines are added one at a time while another thread takes every step it can; the
@@ -2249,7 +2661,7 @@ mod tests {
                     stepped
                 });
                 for (i, line) in lines.iter().enumerate() {
-                    board.add(line);
+                    board.add(LineBytes::Borrowed(line));
                     if (i + round) % 5 == 0 {
                         board.step();
                     }
@@ -2367,7 +2779,15 @@ mod tests {
                     std::fs::copy(&from, second.path().join(name)).unwrap();
                 }
             }
-            let streamed = Store::open(first.path(), 8).unwrap();
+            // Chunks from a few hundred bytes (every line longer than one) to the default.
+            let chunk_bytes = match round % 3 {
+                0 => CHUNK_BYTES,
+                1 => 200 + rng.next(2_000) as usize,
+                _ => 10_000 + rng.next(200_000) as usize,
+            };
+            let streamed = Store::open(first.path(), 8)
+                .unwrap()
+                .with_chunk_bytes(chunk_bytes);
             let whole = Store::open(second.path(), 8).unwrap();
             let streamed_result = streamed
                 .freeze_decoding("r", replaying_decode)

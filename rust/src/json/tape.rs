@@ -7,6 +7,11 @@
 //! into its own builder, handing that builder exactly the calls a direct [`super::build`]
 //! would have made: the same values, arrays reused from the same earlier arrays, the same
 //! errors.
+//!
+//! A tape holds no borrow of its line: its texts are [`Span`]s of the line, which the replay is
+//! handed beside the tape. So a line and its tape can travel as owned values, the line a range
+//! of a shared chunk of a streamed read (`crate::ring`), whose buffer is reused once the
+//! building thread has built its lines.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -15,42 +20,58 @@ use std::sync::mpsc::{
 };
 use std::sync::Arc;
 
+use crate::ring::{LineBytes, Shared};
+
 use super::{
     build, extract_call_id, found_call_id, keep_recent, note_call_id, remembers, Builder,
     LineError, Repeats, CALL_ID_KEY,
 };
 
-/// One value of a line, held in Rust: texts borrow the line, floats are already parsed.
+/// Where a text of a tape is in its line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    start: usize,
+    end: usize,
+}
+
+impl Span {
+    /// The text in `line` (the line the tape was made of).
+    pub fn of<'a>(&self, line: &'a [u8]) -> &'a [u8] {
+        &line[self.start..self.end]
+    }
+}
+
+/// One value of a line, held in Rust: texts are spans of the line, floats are already parsed.
 #[derive(Debug, Clone)]
-pub enum Tape<'a> {
+pub enum Tape {
     Null,
     Bool(bool),
     /// A plain non-negative integer and its digits.
-    Unsigned(u64, &'a [u8]),
+    Unsigned(u64, Span),
     /// A number with a fraction or an exponent, parsed, and its text.
-    Float(f64, &'a [u8]),
+    Float(f64, Span),
     /// Any other integer (negative, or beyond 64 bits): its text.
-    Integer(&'a [u8]),
+    Integer(Span),
     /// A string with its quotes, and whether it holds an escape.
-    String(&'a [u8], bool),
-    Array(Arc<TapeArray<'a>>),
+    String(Span, bool),
+    Array(Arc<TapeArray>),
     /// Members and nesting depth (1 for a line's top-level object).
-    Object(Vec<(Tape<'a>, Tape<'a>)>, usize),
+    Object(Vec<(Tape, Tape)>, usize),
 }
 
 /// An array: its items in order, runs of them taken from earlier arrays of the walk.
 #[derive(Debug)]
-pub struct TapeArray<'a> {
+pub struct TapeArray {
     /// Numbers the arrays of one walk, so a later run can name the array it repeats.
     id: u64,
-    parts: Vec<Part<'a>>,
+    parts: Vec<Part>,
     all_unsigned: bool,
     len: usize,
 }
 
 #[derive(Debug)]
-enum Part<'a> {
-    Item(Tape<'a>),
+enum Part {
+    Item(Tape),
     /// The first `count` items of the earlier array `source`.
     Reused {
         source: u64,
@@ -58,39 +79,58 @@ enum Part<'a> {
     },
 }
 
-/// Builds [`Tape`]s; see the module documentation.
+/// Builds [`Tape`]s of one line at a time (see [`TapeBuilder::start`]); see the module
+/// documentation.
 #[derive(Debug, Default)]
 pub struct TapeBuilder {
     next_id: u64,
+    /// The address of the first byte of the line being walked: every text the walk hands over
+    /// is a slice of that line, and its span is its place in it.
+    line: usize,
+}
+
+impl TapeBuilder {
+    /// Walk `line` next.
+    fn start(&mut self, line: &[u8]) {
+        self.line = line.as_ptr() as usize;
+    }
+
+    fn span(&self, text: &[u8]) -> Span {
+        let start = (text.as_ptr() as usize).wrapping_sub(self.line);
+        Span {
+            start,
+            end: start + text.len(),
+        }
+    }
 }
 
 /// An array of a [`TapeBuilder`] while its items are walked.
 #[derive(Debug, Default)]
-pub struct TapeItems<'a> {
-    parts: Vec<Part<'a>>,
+pub struct TapeItems {
+    parts: Vec<Part>,
     len: usize,
 }
 
 impl<'a> Builder<'a> for TapeBuilder {
-    type Value = Tape<'a>;
-    type Items = TapeItems<'a>;
+    type Value = Tape;
+    type Items = TapeItems;
     type Error = LineError;
 
-    fn null(&mut self) -> Result<Tape<'a>, LineError> {
+    fn null(&mut self) -> Result<Tape, LineError> {
         Ok(Tape::Null)
     }
 
-    fn boolean(&mut self, value: bool) -> Result<Tape<'a>, LineError> {
+    fn boolean(&mut self, value: bool) -> Result<Tape, LineError> {
         Ok(Tape::Bool(value))
     }
 
-    fn unsigned(&mut self, value: u64, text: &'a [u8]) -> Result<Tape<'a>, LineError> {
-        Ok(Tape::Unsigned(value, text))
+    fn unsigned(&mut self, value: u64, text: &'a [u8]) -> Result<Tape, LineError> {
+        Ok(Tape::Unsigned(value, self.span(text)))
     }
 
-    fn number(&mut self, text: &'a [u8], integer: bool) -> Result<Tape<'a>, LineError> {
+    fn number(&mut self, text: &'a [u8], integer: bool) -> Result<Tape, LineError> {
         if integer {
-            return Ok(Tape::Integer(text));
+            return Ok(Tape::Integer(self.span(text)));
         }
         // The walk checked the grammar, so the text is ASCII and parses (possibly to ±inf,
         // exactly as a direct build's parse would).
@@ -98,18 +138,18 @@ impl<'a> Builder<'a> for TapeBuilder {
             .ok()
             .and_then(|text| text.parse::<f64>().ok())
             .ok_or_else(|| LineError("invalid float".to_owned()))?;
-        Ok(Tape::Float(value, text))
+        Ok(Tape::Float(value, self.span(text)))
     }
 
-    fn string(&mut self, raw: &'a [u8], escaped: bool) -> Result<Tape<'a>, LineError> {
-        Ok(Tape::String(raw, escaped))
+    fn string(&mut self, raw: &'a [u8], escaped: bool) -> Result<Tape, LineError> {
+        Ok(Tape::String(self.span(raw), escaped))
     }
 
-    fn items(&mut self) -> Result<TapeItems<'a>, LineError> {
+    fn items(&mut self) -> Result<TapeItems, LineError> {
         Ok(TapeItems::default())
     }
 
-    fn push(&mut self, items: &mut TapeItems<'a>, item: Tape<'a>) -> Result<(), LineError> {
+    fn push(&mut self, items: &mut TapeItems, item: Tape) -> Result<(), LineError> {
         items.parts.push(Part::Item(item));
         items.len += 1;
         Ok(())
@@ -117,8 +157,8 @@ impl<'a> Builder<'a> for TapeBuilder {
 
     fn reuse(
         &mut self,
-        items: &mut TapeItems<'a>,
-        earlier: &Tape<'a>,
+        items: &mut TapeItems,
+        earlier: &Tape,
         count: usize,
     ) -> Result<(), LineError> {
         let Tape::Array(array) = earlier else {
@@ -132,7 +172,7 @@ impl<'a> Builder<'a> for TapeBuilder {
         Ok(())
     }
 
-    fn array(&mut self, items: TapeItems<'a>, all_unsigned: bool) -> Result<Tape<'a>, LineError> {
+    fn array(&mut self, items: TapeItems, all_unsigned: bool) -> Result<Tape, LineError> {
         let id = self.next_id;
         self.next_id += 1;
         Ok(Tape::Array(Arc::new(TapeArray {
@@ -143,23 +183,19 @@ impl<'a> Builder<'a> for TapeBuilder {
         })))
     }
 
-    fn object(
-        &mut self,
-        members: Vec<(Tape<'a>, Tape<'a>)>,
-        depth: usize,
-    ) -> Result<Tape<'a>, LineError> {
+    fn object(&mut self, members: Vec<(Tape, Tape)>, depth: usize) -> Result<Tape, LineError> {
         Ok(Tape::Object(members, depth))
     }
 }
 
 /// One line's walk: its tape, or why the line is not valid JSON.
-pub type TapedLine<'a> = Result<Tape<'a>, LineError>;
+pub type TapedLine = Result<Tape, LineError>;
 
 /// Walks the lines of one buffer into tapes, in order, repeated arrays reused across lines.
 /// After a line that fails, nothing earlier is reused: its arrays were never replayed.
 pub struct LineTaper<'a> {
     builder: TapeBuilder,
-    repeats: Repeats<'a, Tape<'a>>,
+    repeats: Repeats<'a, Tape>,
 }
 
 impl Default for LineTaper<'_> {
@@ -177,7 +213,8 @@ impl<'a> LineTaper<'a> {
     }
 
     /// The next line of the walk.
-    pub fn tape(&mut self, line: &'a [u8]) -> TapedLine<'a> {
+    pub fn tape(&mut self, line: &'a [u8]) -> TapedLine {
+        self.builder.start(line);
         let taped = build(line, &mut self.builder, Some(&mut self.repeats));
         if taped.is_err() {
             self.repeats = Repeats::new();
@@ -186,15 +223,65 @@ impl<'a> LineTaper<'a> {
     }
 }
 
+/// [`LineTaper`] over lines in shared chunks (a streamed read, `crate::ring`): the arrays it
+/// remembers for later lines hold their chunks, so a chunk goes back to its ring only once no
+/// later line can repeat its bytes.
+#[derive(Default)]
+pub struct ChunkTaper {
+    builder: TapeBuilder,
+    /// The remembered arrays (most recent first): where their text is, items, tape.
+    remembered: Vec<(Shared, Span, usize, Tape)>,
+}
+
+impl ChunkTaper {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The next line of the walk: `range` of `chunk`.
+    pub fn tape(&mut self, chunk: &Shared, range: Range<usize>) -> TapedLine {
+        let line = &chunk.bytes()[range];
+        let parts = self
+            .remembered
+            .iter()
+            .map(|(held, span, items, tape)| (span.of(held.bytes()), *items, tape.clone()));
+        let mut repeats = Repeats::from_parts(parts);
+        self.builder.start(line);
+        let taped = build(line, &mut self.builder, Some(&mut repeats));
+        if taped.is_err() {
+            self.remembered.clear();
+            return taped;
+        }
+        // Each remembered text is in this line's chunk or in one it already held.
+        let held = std::iter::once(chunk).chain(self.remembered.iter().map(|(held, ..)| held));
+        let held: Vec<&Shared> = held.collect();
+        let remembered = repeats
+            .into_parts()
+            .into_iter()
+            .filter_map(|(text, items, tape)| {
+                let at = text.as_ptr() as usize;
+                let (chunk, span) = held.iter().find_map(|chunk| {
+                    let start = at.checked_sub(chunk.bytes().as_ptr() as usize)?;
+                    let end = start.checked_add(text.len())?;
+                    (end <= chunk.bytes().len()).then_some((chunk, Span { start, end }))
+                })?;
+                Some((Arc::clone(chunk), span, items, tape))
+            })
+            .collect();
+        self.remembered = remembered;
+        taped
+    }
+}
+
 /// The top-level `model_call_id` of `line` from its tape, with the verdicts of
 /// [`super::extract_call_id`] on the same line (its walk and a tape's check the same grammar),
 /// so a thread that tapes lines need not walk them again for their call ids. A line it refuses
 /// (corrupt, so rare) is walked after all, so that the refusal is worded as the walk words it.
-pub fn call_id_of(line: &[u8], taped: &TapedLine<'_>) -> Result<String, LineError> {
-    taped_call_id(taped).or_else(|_| extract_call_id(line, None))
+pub fn call_id_of(line: &[u8], taped: &TapedLine) -> Result<String, LineError> {
+    taped_call_id(line, taped).or_else(|_| extract_call_id(line, None))
 }
 
-fn taped_call_id(taped: &TapedLine<'_>) -> Result<String, LineError> {
+fn taped_call_id(line: &[u8], taped: &TapedLine) -> Result<String, LineError> {
     let members = match taped {
         Ok(Tape::Object(members, _)) => members,
         Ok(_) => return Err(LineError("expected a JSON object".to_owned())),
@@ -202,9 +289,9 @@ fn taped_call_id(taped: &TapedLine<'_>) -> Result<String, LineError> {
     };
     let mut found = None;
     for (key, value) in members {
-        if matches!(key, Tape::String(raw, _) if *raw == CALL_ID_KEY) {
+        if matches!(key, Tape::String(raw, _) if raw.of(line) == CALL_ID_KEY) {
             let span = match value {
-                Tape::String(raw, _) => Some(*raw),
+                Tape::String(raw, _) => Some(raw.of(line)),
                 _ => None,
             };
             note_call_id(&mut found, span)?;
@@ -224,7 +311,7 @@ pub fn tape_lines<'a>(
     for range in ranges {
         let line = &buf[range.clone()];
         if !emit(LineTape {
-            line,
+            line: LineBytes::Borrowed(line),
             tape: taper.tape(line),
         }) {
             return;
@@ -234,8 +321,15 @@ pub fn tape_lines<'a>(
 
 /// A complete line and its tape, as a [`tape_channel`] carries them.
 pub struct LineTape<'a> {
-    pub line: &'a [u8],
-    pub tape: TapedLine<'a>,
+    pub line: LineBytes<'a>,
+    pub tape: TapedLine,
+}
+
+impl LineTape<'_> {
+    /// The line's bytes.
+    pub fn line(&self) -> &[u8] {
+        self.line.bytes()
+    }
 }
 
 /// A channel of lines and their tapes from the walking thread to the building one, `ahead`
@@ -356,40 +450,57 @@ impl<V: Clone> Replay<V> {
         Self::default()
     }
 
-    /// Hand `tape` (the next line of the walk) to `builder` as a direct build would.
+    /// Hand `tape` (the next line of the walk, made of `line`) to `builder` as a direct build
+    /// would.
     pub fn value<'a, B: Builder<'a, Value = V>>(
         &mut self,
-        tape: &Tape<'a>,
+        tape: &Tape,
+        line: &'a [u8],
         builder: &mut B,
     ) -> Result<V, B::Error> {
         match tape {
             Tape::Null => builder.null(),
             Tape::Bool(value) => builder.boolean(*value),
-            Tape::Unsigned(value, text) => builder.unsigned(*value, text),
-            Tape::Float(value, text) => builder.float(*value, text),
-            Tape::Integer(text) => builder.number(text, true),
-            Tape::String(raw, escaped) => builder.string(raw, *escaped),
-            Tape::Array(array) => self.array(array, builder),
+            Tape::Unsigned(value, text) => builder.unsigned(*value, text.of(line)),
+            Tape::Float(value, text) => builder.float(*value, text.of(line)),
+            Tape::Integer(text) => builder.number(text.of(line), true),
+            Tape::String(raw, escaped) => builder.string(raw.of(line), *escaped),
+            Tape::Array(array) => self.array(array, line, builder),
             Tape::Object(members, depth) => {
                 let mut built = Vec::with_capacity(members.len());
                 for (key, value) in members {
-                    built.push((self.value(key, builder)?, self.value(value, builder)?));
+                    let key = self.value(key, line, builder)?;
+                    built.push((key, self.value(value, line, builder)?));
                 }
                 builder.object(built, *depth)
             }
         }
     }
 
+    /// This replay with its remembered values mapped by `map`, those it answers `None` for
+    /// forgotten (a builder whose values borrow their line keeps them across lines of
+    /// different buffers this way; a later line repeating a forgotten array fails as a broken
+    /// replay).
+    pub fn filter_map<W>(self, mut map: impl FnMut(V) -> Option<W>) -> Replay<W> {
+        let arrays = self.arrays.into_iter();
+        Replay {
+            arrays: arrays
+                .filter_map(|(id, value)| Some((id, map(value)?)))
+                .collect(),
+        }
+    }
+
     fn array<'a, B: Builder<'a, Value = V>>(
         &mut self,
-        array: &TapeArray<'a>,
+        array: &TapeArray,
+        line: &'a [u8],
         builder: &mut B,
     ) -> Result<V, B::Error> {
         let mut items = builder.items()?;
         for part in &array.parts {
             match part {
                 Part::Item(item) => {
-                    let item = self.value(item, builder)?;
+                    let item = self.value(item, line, builder)?;
                     builder.push(&mut items, item)?;
                 }
                 Part::Reused { source, count } => {

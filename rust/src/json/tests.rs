@@ -50,7 +50,7 @@ fn refuses_what_is_not_one_record() {
 /// counts the integers it was handed one by one (the ones a repeat did not cover).
 #[derive(Default)]
 pub(crate) struct Echo {
-    parsed_unsigned: usize,
+    pub(crate) parsed_unsigned: usize,
 }
 
 impl Builder<'_> for Echo {
@@ -297,10 +297,12 @@ fn direct_and_replayed(lines: &[String]) -> [(Vec<Result<String, LineError>>, Ec
     let mut replay = Replay::new();
     let mut got = Vec::new();
     tape_lines(buf.as_bytes(), &ranges, |line| {
-        assert_eq!(line.line, lines[got.len()].as_bytes());
+        assert_eq!(line.line(), lines[got.len()].as_bytes());
+        let bytes = line.line();
         got.push(
             line.tape
-                .and_then(|tape| replay.value(&tape, &mut replayed)),
+                .clone()
+                .and_then(|tape| replay.value(&tape, bytes, &mut replayed)),
         );
         true
     });

@@ -247,7 +247,7 @@ fn replay_lines(py: Python<'_>, tapes: TapeFeed<'_>) -> Vec<PyResult<Py<PyAny>>>
         }
         let Some(taped) = lines.next() else { break };
         let value = match &taped.tape {
-            Ok(tape) => replay.value(tape, &mut builder),
+            Ok(tape) => replay.value(tape, taped.line(), &mut builder),
             Err(err) => Err(PyErr::from(err.clone())),
         };
         tapes.give_back(taped);
@@ -256,7 +256,8 @@ fn replay_lines(py: Python<'_>, tapes: TapeFeed<'_>) -> Vec<PyResult<Py<PyAny>>>
         if failed {
             // A line that failed here may have left an array unbuilt that the tapes offer to
             // later lines: decode the rest directly, in one walk.
-            decoded.extend(decode_lines(py, lines.map(|taped| taped.line)));
+            let rest: Vec<_> = lines.collect();
+            decoded.extend(decode_lines(py, rest.iter().map(|taped| taped.line())));
             break;
         }
     }
