@@ -212,7 +212,7 @@ class FileLineageStore:
     def _fenced(self, rollout_id: str, resolution: LineageResolution) -> LineageResolution:
         """A parent found among token entries of a rollout whose ledger is retired is not
         answered: a retired rollout resolves nothing (`FileCaptureLedger`'s rule)."""
-        if resolution.status is ParentResolutionStatus.RESOLVED and os.path.exists(
+        if resolution.status is ParentResolutionStatus.RESOLVED and _exists(
             os.path.join(self._root, f"{rollout_id}.lineage.retired")
         ):
             return _NO_MATCH
@@ -225,7 +225,7 @@ class FileLineageStore:
             return self._ledger
 
     def _ledger_may_answer(self, rollout_id: str, resolution: LineageResolution) -> bool:
-        return resolution.status is ParentResolutionStatus.UNRESOLVED and os.path.exists(
+        return resolution.status is ParentResolutionStatus.UNRESOLVED and _exists(
             os.path.join(self._root, f"{rollout_id}.lineage.jsonl")
         )
 
@@ -318,6 +318,14 @@ class FileLineageStore:
 _LOOKUP_COLUMNS: Final[frozenset[str]] = frozenset(
     {"fingerprint", "context_len", "context_digest", "digest"}
 )
+
+
+def _exists(path: str) -> bool:
+    """Whether `path` names a file (following links), as `os.path.exists` answers for the
+    paths built here, without the `FileNotFoundError` that `os.path.exists` makes and discards
+    when it does not (a resolve asks this of an absent fence on every answer: 0.6 against
+    1.4 us)."""
+    return os.access(path, os.F_OK)
 
 
 def _indexed_by_nemo(entry: TokenEntry) -> bool:

@@ -112,8 +112,9 @@ fn step_to_py(
             call_id,
             tokens,
             digest,
+            base,
         }) => {
-            let tokens = memo.tuple(py, rollout_id, &tokens)?;
+            let tokens = memo.tuple(py, rollout_id, &tokens, &base)?;
             ("resolved", call_id, tokens, digest, "")
                 .into_pyobject(py)?
                 .into_any()
@@ -157,11 +158,15 @@ impl TupleMemo {
         inner.tokens = 0;
     }
 
+    /// `base`: the sequence the answer was built by extending, when known (see
+    /// [`lineage::Base`]): if the memo holds that very allocation, the answer extends it
+    /// without comparing their ids.
     fn tuple<'py>(
         &self,
         py: Python<'py>,
         rollout_id: &str,
         tokens: &Tokens,
+        base: &lineage::Base,
     ) -> PyResult<Bound<'py, PyTuple>> {
         // The entry is taken out while the tuple is built: building allocates, which may
         // run the garbage collector and other threads, so no lock is held across it.
@@ -175,7 +180,7 @@ impl TupleMemo {
         };
         let built = match previous {
             Some((old, tuple)) if Arc::ptr_eq(&old, tokens) => tuple.into_bound(py),
-            Some((old, tuple)) if lineage::extends(&old, tokens) => {
+            Some((old, tuple)) if base.is(&old) || lineage::extends(&old, tokens) => {
                 let suffix = token_tuple(py, &tokens[old.len()..])?;
                 let joined = tuple
                     .bind(py)
