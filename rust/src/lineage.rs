@@ -796,6 +796,9 @@ pub enum Outcome {
         digest: String,
         /// The cached sequence `tokens` was built by extending, if any (not part of the value).
         base: Base,
+        /// Set only by [`FileLineage::resolve_unverified`]: the digest `tokens` must still be
+        /// checked against ([`FileLineage::verify`]) before they may be handed back.
+        unverified: Unverified,
     },
     Unresolved {
         reason: &'static str,
@@ -832,6 +835,26 @@ impl std::fmt::Debug for Base {
             Some(_) => "Base(Some(..))",
             None => "Base(None)",
         })
+    }
+}
+
+/// The recorded digest an answer's tokens have not been checked against yet (see
+/// [`FileLineage::resolve_unverified`]); `None` when they were (every other resolve). Not part
+/// of an outcome's equality.
+#[derive(Clone, Default)]
+pub struct Unverified(pub Option<String>);
+
+impl PartialEq for Unverified {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Unverified {}
+
+impl std::fmt::Debug for Unverified {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Unverified({:?})", self.0)
     }
 }
 
@@ -1081,6 +1104,7 @@ fn extend_cached_parent(
     lines: &dyn Lines,
     cache: &TokenCache,
     digest: &str,
+    defer: bool,
 ) -> Result<Option<(Vec<u64>, Tokens)>> {
     let parent = top
         .meta
@@ -1128,7 +1152,8 @@ fn extend_cached_parent(
         return Ok(None);
     }
     let fits = capacity.is_none_or(|n| n == tokens.len());
-    Ok((fits && token_digest(&tokens) == digest).then_some((tokens, parent)))
+    // Deferred: the caller checks the digest before the tokens leave (see `Unverified`).
+    Ok((fits && (defer || token_digest(&tokens) == digest)).then_some((tokens, parent)))
 }
 
 /// The position of the `n`-th comma (from 0) of `bytes`, or how many commas there are.
@@ -1178,17 +1203,25 @@ fn materialize(
     lines: &dyn Lines,
     cache: &TokenCache,
     rollout_id: &str,
-) -> Result<(Tokens, String, Base)> {
+    defer: bool,
+) -> Result<(Tokens, String, Base, Unverified)> {
     let top = &index.calls[winner];
     let recorded = top.meta.digest.clone();
     if let Some(digest) = &recorded {
         if let Some(tokens) = cache.get(digest).filter(|t| cached_fits(top, t)) {
-            return Ok((tokens, digest.clone(), Base(None)));
+            return Ok((tokens, digest.clone(), Base(None), Unverified(None)));
         }
-        if let Some((tokens, parent)) = extend_cached_parent(index, top, lines, cache, digest)? {
+        if let Some((tokens, parent)) =
+            extend_cached_parent(index, top, lines, cache, digest, defer)?
+        {
             let tokens = Arc::new(tokens);
+            if defer {
+                // Cached by `FileLineage::verify` once the digest is checked.
+                let unverified = Unverified(Some(digest.clone()));
+                return Ok((tokens, digest.clone(), Base(Some(parent)), unverified));
+            }
             cache.insert(digest.clone(), tokens.clone());
-            return Ok((tokens, digest.clone(), Base(Some(parent))));
+            return Ok((tokens, digest.clone(), Base(Some(parent)), Unverified(None)));
         }
     }
     let mut chain = vec![winner];
@@ -1261,7 +1294,12 @@ fn materialize(
     cache.insert(computed, tokens.clone());
     // The match carries the digest the entry records, "" when it records none (as NeMo Gym's
     // resolvers answer); the computed one only keys the cache.
-    Ok((tokens, recorded.unwrap_or_default(), Base(base)))
+    Ok((
+        tokens,
+        recorded.unwrap_or_default(),
+        Base(base),
+        Unverified(None),
+    ))
 }
 
 /// Run the rules on an up-to-date index and materialize the winner.
@@ -1272,6 +1310,7 @@ fn resolve_in(
     lines: &dyn Lines,
     cache: &TokenCache,
     rollout_id: &str,
+    defer: bool,
 ) -> Result<Step> {
     let decision = match index.decide(fingerprint, request) {
         Ok(decision) => decision,
@@ -1285,12 +1324,14 @@ fn resolve_in(
             reason: REASON_AMBIGUOUS,
         },
         Decision::Winner(winner) => {
-            let (tokens, digest, base) = materialize(index, winner, lines, cache, rollout_id)?;
+            let (tokens, digest, base, unverified) =
+                materialize(index, winner, lines, cache, rollout_id, defer)?;
             Outcome::Resolved {
                 call_id: index.calls[winner].meta.call_id.clone(),
                 tokens,
                 digest,
                 base,
+                unverified,
             }
         }
     }))
@@ -1446,6 +1487,36 @@ impl FileLineage {
 
     /// Resolve `request` against the committed entries of `rollout_id`.
     pub fn resolve(&self, rollout_id: &str, request: &mut dyn Request) -> Result<Step> {
+        self.resolve_with(rollout_id, request, false)
+    }
+
+    /// [`FileLineage::resolve`], except that an answer built by extending its parent's cached
+    /// tokens (the usual one) may come back before its digest is checked: then its
+    /// `unverified` names the recorded digest, and the tokens must pass
+    /// [`FileLineage::verify`] before they are handed to anyone. Lets the caller build the
+    /// answer's Python objects on one thread while another hashes. A failed check says only
+    /// that this shortcut does not hold: resolve again with [`FileLineage::resolve`], which
+    /// answers by the full path or raises.
+    pub fn resolve_unverified(&self, rollout_id: &str, request: &mut dyn Request) -> Result<Step> {
+        self.resolve_with(rollout_id, request, true)
+    }
+
+    /// Whether `tokens` hash to `digest` (a deferred answer's check); if so they are cached as
+    /// that digest's verified sequence.
+    pub fn verify(&self, tokens: &Tokens, digest: &str) -> bool {
+        let good = token_digest(tokens) == digest;
+        if good {
+            self.cache.insert(digest.to_owned(), tokens.clone());
+        }
+        good
+    }
+
+    fn resolve_with(
+        &self,
+        rollout_id: &str,
+        request: &mut dyn Request,
+        defer: bool,
+    ) -> Result<Step> {
         validate_rollout_id(rollout_id)?;
         let fingerprint = match request_fingerprint(request) {
             Ok(fp) => fp,
@@ -1453,7 +1524,7 @@ impl FileLineage {
         };
         let permit = descriptors::enter();
         let rollout = self.rollout(rollout_id);
-        let result = self.resolve_locked(&rollout, rollout_id, &fingerprint, request);
+        let result = self.resolve_locked(&rollout, rollout_id, &fingerprint, request, defer);
         drop(permit);
         drop(rollout);
         self.rollouts.settle();
@@ -1466,6 +1537,7 @@ impl FileLineage {
         rollout_id: &str,
         fingerprint: &str,
         request: &mut dyn Request,
+        defer: bool,
     ) -> Result<Step> {
         let mut state = lock(rollout);
         let paths = RolloutPaths::new(&self.root, rollout_id);
@@ -1494,6 +1566,7 @@ impl FileLineage {
                     &lines,
                     &self.cache,
                     rollout_id,
+                    defer,
                 )
             }
         };
@@ -1818,6 +1891,7 @@ impl MemoryLineage {
             &MemoryLines,
             &self.cache,
             rollout_id,
+            false,
         )
     }
 

@@ -1544,3 +1544,58 @@ fn a_kept_lock_opened_by_another_process_is_never_locked() {
     });
     assert_eq!(resolved(&outcome).0, turns[0].call_id);
 }
+
+#[test]
+fn an_unverified_answer_names_its_digest_and_is_cached_only_once_verified() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 8).unwrap();
+    let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
+    let turns = conversation(2, "u");
+    store
+        .put("r", &turns[0].call_id, &turns[0].line(None, None))
+        .unwrap();
+    // The first answer has no cached parent: verified as it is built, nothing deferred.
+    let mut request = ItemsRequest::new(turns[0].next_request("n"));
+    let Step::Done(Outcome::Resolved { unverified, .. }) =
+        lineage.resolve_unverified("r", &mut request).unwrap()
+    else {
+        panic!("expected resolved");
+    };
+    assert_eq!(unverified.0, None);
+    let cached = lineage.cached_tokens();
+    assert_eq!(cached, 8); // turn 0: 5 prompt + 3 generated ids
+    store
+        .put(
+            "r",
+            &turns[1].call_id,
+            &turns[1].line(Some(&turns[0].call_id), None),
+        )
+        .unwrap();
+    let mut request = ItemsRequest::new(turns[1].next_request("n"));
+    let Step::Done(Outcome::Resolved {
+        tokens, unverified, ..
+    }) = lineage.resolve_unverified("r", &mut request).unwrap()
+    else {
+        panic!("expected resolved");
+    };
+    let expected = turns[1].cumulative();
+    assert_eq!(*tokens, expected);
+    assert_eq!(
+        unverified.0.as_deref(),
+        Some(token_digest(&expected).as_str())
+    );
+    // Not cached before its check; a wrong digest fails it and caches nothing.
+    assert_eq!(lineage.cached_tokens(), cached);
+    assert!(!lineage.verify(&tokens, &token_digest(&[1, 2, 3])));
+    assert_eq!(lineage.cached_tokens(), cached);
+    assert!(lineage.verify(&tokens, &token_digest(&expected)));
+    assert_eq!(lineage.cached_tokens(), cached + 16);
+    // `resolve` never defers.
+    let mut request = ItemsRequest::new(turns[1].next_request("n"));
+    let Step::Done(Outcome::Resolved { unverified, .. }) =
+        lineage.resolve("r", &mut request).unwrap()
+    else {
+        panic!("expected resolved");
+    };
+    assert_eq!(unverified.0, None);
+}
