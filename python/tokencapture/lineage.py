@@ -131,11 +131,12 @@ class FileLineageStore:
     truncated or deleted file resets that rollout's index: a retired or deleted rollout resolves
     nothing, and a reused rollout id resolves against its new entries only.
 
-    Memory is bounded: the metadata indexes of at most `max_cached_rollouts` rollouts (LRU; one
-    open descriptor each, within the process's descriptor budget and, if given,
-    `max_open_files`), at most `max_cached_tokens` tokens of verified cumulative sequences
-    (8 bytes a token, LRU), and at most `max_cached_tokens` tokens of answer tuples (the last
-    answer per rollout, from which the next one is extended, sharing its ints).
+    Memory is bounded: the metadata indexes of at most `max_cached_rollouts` rollouts (LRU; two
+    open descriptors each, the log and the lock file, within the process's descriptor budget
+    and, if given, `max_open_files`), at most `max_cached_tokens` tokens of verified
+    cumulative sequences (8 bytes a token, LRU), and at most `max_cached_tokens` tokens of
+    answer tuples (the last answer per rollout, from which the next one is extended, sharing
+    its ints).
     """
 
     def __init__(
@@ -182,7 +183,7 @@ class FileLineageStore:
         The arguments are checked when this is called (`TypeError` / `ValueError`). When it
         is awaited the request items are copied; hashing, the file check and materialization
         run on the native worker pool (no GIL, no thread hop), and only the answer is built
-        on the loop.
+        on the loop, while the worker checks its digest: it is returned once that passed.
         """
         return self._resolve_job(rollout_id, check_resolve_args(rollout_id, request_items))
 

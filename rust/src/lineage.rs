@@ -41,7 +41,8 @@
 //!
 //! Incremental: each rollout keeps a cursor into `R.tokens.jsonl` and an open handle on it
 //! (the handle pins the inode, so "the path still names the inode we hold" proves the file was
-//! not replaced). Every resolve checks the file: new bytes past the cursor are read under the
+//! not replaced), and its lock file open, unlocked, between resolves (locked again through that
+//! descriptor only when the path still names it, and only by the process that opened it). Every resolve checks the file: new bytes past the cursor are read under the
 //! rollout's shared flock (so a put that failed and truncated its line is never observed),
 //! complete lines are folded in, a torn final line is left for later. A megabyte or more of
 //! new bytes is read through a memory map made and dropped under that lock (the private
