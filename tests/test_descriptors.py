@@ -302,3 +302,71 @@ def test_lowering_the_process_budget_closes_what_is_over_it(tmp_path: Path) -> N
     finally:
         set_budget(None)
     assert budget()["limit"] == before
+
+
+KEPT_LOCKS = """
+from tokencapture.descriptors import set_budget
+
+def fds_on(path):
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+        except OSError:
+            pass
+    return count
+
+async def main():
+    store = TokenCaptureStore(ROOT, max_open_files=0)  # keeps nothing of its own
+    for r in range(3):
+        await store.put(make_entry(f"r{r}", call=0))
+    items = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "an answer nobody stored"},
+    ]
+    lock0 = ROOT / "r0.tokens.lock"
+    seen = {"before": [budget()["held"], fds_on(lock0)]}
+    resolver = FileLineageStore(ROOT)
+    for r in range(3):
+        assert (await resolver.resolve(f"r{r}", items)).status.value == "unresolved"
+    stats = resolver.stats()["descriptors"]
+    seen["three"] = [stats["open_files"], stats["process_held"], fds_on(lock0)]
+    await resolver.resolve("r0", items)
+    seen["again"] = [resolver.stats()["descriptors"]["open_files"], fds_on(lock0)]
+    evicted = budget()["evicted"]
+    set_budget(2)  # r0 was used last: r1 and r2 go, each with its log and lock file
+    seen["budget_2"] = [
+        resolver.stats()["descriptors"]["open_files"], budget()["held"],
+        budget()["evicted"] - evicted,
+        [fds_on(ROOT / f"r{r}.tokens.lock") for r in range(3)],
+    ]
+    set_budget(None)
+    capped = FileLineageStore(ROOT, max_open_files=3)
+    for r in range(3):
+        await capped.resolve(f"r{r}", items)
+    seen["capped"] = [
+        capped.stats()["descriptors"]["open_files"],
+        [fds_on(ROOT / f"r{r}.tokens.lock") for r in range(3)],
+    ]
+    await resolver.close()
+    await capped.close()
+    seen["closed"] = [
+        budget()["held"], [fds_on(ROOT / f"r{r}.tokens.lock") for r in range(3)],
+    ]
+    print(json.dumps(seen))
+
+asyncio.run(main())
+"""
+
+
+def test_a_resolver_keeps_each_rollouts_lock_file_counted_and_evictable(tmp_path: Path) -> None:
+    """Between resolves a resolver keeps a rollout's log and its lock file open (2 each): both
+    count in `stats()` and towards the process budget, are reused, and go when evicted."""
+    seen = run_limited(tmp_path, KEPT_LOCKS)
+    assert seen["before"] == [0, 0]
+    assert seen["three"] == [6, 6, 1]
+    assert seen["again"] == [6, 1]
+    assert seen["budget_2"] == [2, 2, 2, [1, 0, 0]]
+    # Cap 3: one rollout's pair fits; the last one resolved (r2) is kept.
+    assert seen["capped"] == [2, [1, 0, 1]]
+    assert seen["closed"] == [0, [0, 0, 0]]

@@ -851,6 +851,69 @@ async def test_corrupted_chains_raise(tmp_path: Path, corruption: str) -> None:
     assert issubclass(LineageIntegrityError, ValueError)
 
 
+def two_calls(
+    second_prompt: list[int], second_digest: str | None = None
+) -> tuple[list[TokenEntry], list[Items]]:
+    """c0 (prompt [10], generation [20]) and c1 (full prompt `second_prompt`, generation [21]),
+    stamped; and the requests continuing each."""
+    request: Items = [{"role": "user", "content": "go"}]
+    entries, continuations = [], []
+    for i, prompt in enumerate(([10], second_prompt)):
+        output, follow = chat_turn(i)
+        entry = stamp_continuation(
+            TokenEntry(
+                rollout_id="r",
+                model_call_id=f"c{i}",
+                prompt_token_ids=prompt,
+                generation_token_ids=[20 + i],
+                generation_log_probs=[0.0],
+                output_items=output,
+            ),
+            request,
+        )
+        entry = stamp_lineage(
+            entry, f"c{i - 1}" if i else None, parent_resolution=RESOLVED if i else ROOT
+        )
+        entries.append(entry)
+        request = [*request, *output, *follow]
+        continuations.append(request)
+    if second_digest is not None:
+        entries[1].digest = second_digest
+    return entries, continuations
+
+
+async def test_an_answer_built_from_the_cached_parent_is_checked_before_it_is_handed_back(
+    tmp_path: Path,
+) -> None:
+    """The async resolve builds an answer from its parent's cached tokens while its digest is
+    checked on another thread: a wrong recorded digest still raises, and a prompt that does
+    not extend the parent's tokens (same length) still answers its own tokens."""
+    wrong, wrong_requests = two_calls([10, 20, 11], compute_digest([1, 2, 3]))
+    store = TokenCaptureStore(tmp_path / "wrong")
+    resolver = FileLineageStore(tmp_path / "wrong")
+    store.append(wrong[0])
+    first = await resolver.resolve("r", wrong_requests[0])
+    assert summary(first)[1:3] == ("c0", (10, 20))  # c0's tokens are cached now
+    store.append(wrong[1])
+    for _ in range(2):
+        with pytest.raises(LineageIntegrityError):
+            await resolver.resolve("r", wrong_requests[1])
+    await resolver.close()
+
+    # c1's prompt starts with 77, not with c0's 10: taking c0's cached ids and the rest of the
+    # prompt would build (10, 20, 11, 21), whose digest is not c1's.
+    retokenized, requests = two_calls([77, 20, 11])
+    store = TokenCaptureStore(tmp_path / "retokenized")
+    resolver = FileLineageStore(tmp_path / "retokenized")
+    store.append(retokenized[0])
+    assert summary(await resolver.resolve("r", requests[0]))[1:3] == ("c0", (10, 20))
+    store.append(retokenized[1])
+    for _ in range(2):
+        answer = await resolver.resolve("r", requests[1])
+        assert summary(answer)[1:4] == ("c1", (77, 20, 11, 21), compute_digest([77, 20, 11, 21]))
+    await resolver.close()
+
+
 async def test_corrupt_lines_raise_corruption(tmp_path: Path) -> None:
     entries, request = chain_entries()
     store = TokenCaptureStore(tmp_path)

@@ -131,11 +131,12 @@ class FileLineageStore:
     truncated or deleted file resets that rollout's index: a retired or deleted rollout resolves
     nothing, and a reused rollout id resolves against its new entries only.
 
-    Memory is bounded: the metadata indexes of at most `max_cached_rollouts` rollouts (LRU; one
-    open descriptor each, within the process's descriptor budget and, if given,
-    `max_open_files`), at most `max_cached_tokens` tokens of verified cumulative sequences
-    (8 bytes a token, LRU), and at most `max_cached_tokens` tokens of answer tuples (the last
-    answer per rollout, from which the next one is extended, sharing its ints).
+    Memory is bounded: the metadata indexes of at most `max_cached_rollouts` rollouts (LRU; two
+    open descriptors each, the log and the lock file, within the process's descriptor budget
+    and, if given, `max_open_files`), at most `max_cached_tokens` tokens of verified
+    cumulative sequences (8 bytes a token, LRU), and at most `max_cached_tokens` tokens of
+    answer tuples (the last answer per rollout, from which the next one is extended, sharing
+    its ints).
     """
 
     def __init__(
@@ -182,7 +183,7 @@ class FileLineageStore:
         The arguments are checked when this is called (`TypeError` / `ValueError`). When it
         is awaited the request items are copied; hashing, the file check and materialization
         run on the native worker pool (no GIL, no thread hop), and only the answer is built
-        on the loop.
+        on the loop, while the worker checks its digest: it is returned once that passed.
         """
         return self._resolve_job(rollout_id, check_resolve_args(rollout_id, request_items))
 
@@ -212,7 +213,7 @@ class FileLineageStore:
     def _fenced(self, rollout_id: str, resolution: LineageResolution) -> LineageResolution:
         """A parent found among token entries of a rollout whose ledger is retired is not
         answered: a retired rollout resolves nothing (`FileCaptureLedger`'s rule)."""
-        if resolution.status is ParentResolutionStatus.RESOLVED and os.path.exists(
+        if resolution.status is ParentResolutionStatus.RESOLVED and _exists(
             os.path.join(self._root, f"{rollout_id}.lineage.retired")
         ):
             return _NO_MATCH
@@ -225,7 +226,7 @@ class FileLineageStore:
             return self._ledger
 
     def _ledger_may_answer(self, rollout_id: str, resolution: LineageResolution) -> bool:
-        return resolution.status is ParentResolutionStatus.UNRESOLVED and os.path.exists(
+        return resolution.status is ParentResolutionStatus.UNRESOLVED and _exists(
             os.path.join(self._root, f"{rollout_id}.lineage.jsonl")
         )
 
@@ -318,6 +319,14 @@ class FileLineageStore:
 _LOOKUP_COLUMNS: Final[frozenset[str]] = frozenset(
     {"fingerprint", "context_len", "context_digest", "digest"}
 )
+
+
+def _exists(path: str) -> bool:
+    """Whether `path` names a file (following links), as `os.path.exists` answers for the
+    paths built here, without the `FileNotFoundError` that `os.path.exists` makes and discards
+    when it does not (a resolve asks this of an absent fence on every answer: 0.6 against
+    1.4 us)."""
+    return os.access(path, os.F_OK)
 
 
 def _indexed_by_nemo(entry: TokenEntry) -> bool:

@@ -971,6 +971,27 @@ fn nth_comma_finds_separators_across_blocks() {
 }
 
 #[test]
+fn comma_counts_survive_runs_of_nothing_but_commas() {
+    // The byte-wide counters hold at most 255: a run of commas longer than that must not wrap.
+    assert_eq!(count_commas(&[b','; 255]), 255);
+    assert_eq!(count_commas(&[b','; 256]), 256);
+    assert_eq!(count_commas(&[b','; 600]), 600);
+    assert_eq!(count_commas(b""), 0);
+    assert_eq!(count_commas(b"1,22,333"), 2);
+    let mut mixed = vec![b'7'; 1000];
+    for at in [0, 254, 255, 256, 510, 511, 999] {
+        mixed[at] = b',';
+    }
+    assert_eq!(count_commas(&mixed), 7);
+    // All commas: the n-th is at n, in and past the first 512-byte block.
+    let commas = [b','; 1300];
+    for n in [0, 254, 255, 511, 512, 1299] {
+        assert_eq!(nth_comma(&commas, n), Ok(n));
+    }
+    assert_eq!(nth_comma(&commas, 1300), Err(1300));
+}
+
+#[test]
 fn extends_is_a_prefix_check() {
     assert!(extends(&[], &[]));
     assert!(extends(&[1, 2], &[1, 2]));
@@ -1375,4 +1396,206 @@ fn file_integrity_failures_raise_from_the_bytes_a_look_read_and_from_the_file() 
             }
         }
     }
+}
+
+// ---- the kept lock file descriptor --------------------------------------------------------
+
+/// The file descriptors of this process open on `path` (by `/proc/self/fd`).
+#[cfg(target_os = "linux")]
+fn fds_on(path: &std::path::Path) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter(|target| target == path)
+        .count()
+}
+
+/// Run `work` on another thread while `held` is locked exclusively; it must still be waiting
+/// after a while (it takes the rollout's lock), and finish once `held` is dropped.
+fn waits_for<T: Send, H>(held: H, work: impl FnOnce() -> T + Send) -> T {
+    use std::sync::atomic::AtomicBool;
+    let done = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let worker = scope.spawn(|| {
+            let out = work();
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+            out
+        });
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let early = done.load(std::sync::atomic::Ordering::SeqCst);
+        drop(held);
+        let out = worker.join().unwrap();
+        assert!(
+            !early,
+            "the resolve went ahead while a writer held the rollout's lock"
+        );
+        out
+    })
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_resolver_keeps_the_lock_file_open_counted_and_evictable() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 8).unwrap();
+    let turns = conversation(2, "k");
+    for rollout in ["a", "b", "c"] {
+        store
+            .put(rollout, &turns[0].call_id, &turns[0].line(None, None))
+            .unwrap();
+    }
+    drop(store); // its own kept descriptors would muddle the counts below
+    let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
+    let lock_a = dir.path().join("a.tokens.lock");
+    assert_eq!(fds_on(&lock_a), 0);
+    for rollout in ["a", "b", "c"] {
+        let outcome = resolve_file(&lineage, rollout, &turns[0].next_request("n")).unwrap();
+        assert_eq!(resolved(&outcome).0, turns[0].call_id);
+    }
+    // Each rollout keeps its log and its lock file: 3 x 2, all counted.
+    assert_eq!(lineage.open_files(), 6);
+    assert_eq!(fds_on(&lock_a), 1);
+    // Resolving again reuses the kept descriptor instead of opening another.
+    resolve_file(&lineage, "a", &turns[0].next_request("n")).unwrap();
+    assert_eq!((fds_on(&lock_a), lineage.open_files()), (1, 6));
+    // A cap of 3 descriptors keeps one rollout (2); the evicted ones' lock files are closed.
+    let capped = FileLineage::with_max_open_files(dir.path(), 8, 1 << 20, Some(3));
+    for rollout in ["a", "b", "c"] {
+        resolve_file(&capped, rollout, &turns[0].next_request("n")).unwrap();
+    }
+    assert_eq!(capped.open_files(), 2);
+    assert_eq!(
+        fds_on(&lock_a),
+        1,
+        "only `lineage` still holds a's lock file"
+    );
+    assert_eq!(fds_on(&dir.path().join("c.tokens.lock")), 2);
+    // Clearing closes them all.
+    lineage.clear();
+    capped.clear();
+    assert_eq!((lineage.open_files(), capped.open_files()), (0, 0));
+    assert_eq!(fds_on(&lock_a), 0);
+}
+
+#[test]
+fn a_kept_lock_of_a_deleted_and_recreated_rollout_is_not_trusted() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 8).unwrap();
+    let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
+    let old = conversation(2, "old");
+    for turn in &old {
+        store
+            .put("r", &turn.call_id, &turn.line(None, None))
+            .unwrap();
+    }
+    let outcome = resolve_file(&lineage, "r", &old[1].next_request("n")).unwrap();
+    assert_eq!(resolved(&outcome).0, old[1].call_id);
+    // The resolver now keeps the old lock file open. Delete the rollout (which unlinks that
+    // lock file) and write it anew: a new lock file, new entries.
+    store.delete(&["r"]).unwrap();
+    let new = conversation(2, "new");
+    for turn in &new {
+        store
+            .put("r", &turn.call_id, &turn.line(None, None))
+            .unwrap();
+    }
+    // A writer holds the new lock file: the resolve must wait for it (locking the unlinked
+    // file it kept would exclude nobody), then answer from the new entries only.
+    let lock_path = dir.path().join("r.tokens.lock");
+    let held = RolloutLock::acquire(&lock_path, LockMode::Exclusive).unwrap();
+    let next = new[1].next_request("n");
+    let outcome = waits_for(held, || resolve_file(&lineage, "r", &next).unwrap());
+    assert_eq!(resolved(&outcome).0, "new-call-001");
+    assert_eq!(resolved(&outcome).1, new[1].cumulative().as_slice());
+    assert_eq!(
+        resolve_file(&lineage, "r", &old[1].next_request("n")).unwrap(),
+        unresolved(REASON_NO_MATCH)
+    );
+}
+
+#[test]
+fn a_kept_lock_opened_by_another_process_is_never_locked() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 8).unwrap();
+    let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
+    let turns = conversation(2, "p");
+    store
+        .put("r", &turns[0].call_id, &turns[0].line(None, None))
+        .unwrap();
+    resolve_file(&lineage, "r", &turns[0].next_request("n")).unwrap();
+    // A writer holds the lock; the resolver's kept descriptor is swapped for a duplicate of
+    // the writer's, marked as opened by another process (as a forked child inherits one).
+    // Locking through it would convert the writer's own lock and go ahead at once.
+    let lock_path = dir.path().join("r.tokens.lock");
+    let held = OpenOptions::new().read(true).open(&lock_path).unwrap();
+    held.lock().unwrap();
+    let id = FileId::of(&held.metadata().unwrap());
+    {
+        let rollout = lineage.rollouts.lock().peek("r").cloned().unwrap();
+        let mut state = lock(&rollout);
+        let kept = state.lock.as_mut().expect("a kept lock after a resolve");
+        // The same open file description as the writer's lock (a `dup`).
+        kept.file = lineage.rollouts.account().keep(held.try_clone().unwrap());
+        kept.id = id;
+        kept.pid = crate::fork::current_pid().wrapping_add(1);
+    }
+    let outcome = waits_for(held, || {
+        resolve_file(&lineage, "r", &turns[0].next_request("n")).unwrap()
+    });
+    assert_eq!(resolved(&outcome).0, turns[0].call_id);
+}
+
+#[test]
+fn an_unverified_answer_names_its_digest_and_is_cached_only_once_verified() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 8).unwrap();
+    let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
+    let turns = conversation(2, "u");
+    store
+        .put("r", &turns[0].call_id, &turns[0].line(None, None))
+        .unwrap();
+    // The first answer has no cached parent: verified as it is built, nothing deferred.
+    let mut request = ItemsRequest::new(turns[0].next_request("n"));
+    let Step::Done(Outcome::Resolved { unverified, .. }) =
+        lineage.resolve_unverified("r", &mut request).unwrap()
+    else {
+        panic!("expected resolved");
+    };
+    assert_eq!(unverified.0, None);
+    let cached = lineage.cached_tokens();
+    assert_eq!(cached, 8); // turn 0: 5 prompt + 3 generated ids
+    store
+        .put(
+            "r",
+            &turns[1].call_id,
+            &turns[1].line(Some(&turns[0].call_id), None),
+        )
+        .unwrap();
+    let mut request = ItemsRequest::new(turns[1].next_request("n"));
+    let Step::Done(Outcome::Resolved {
+        tokens, unverified, ..
+    }) = lineage.resolve_unverified("r", &mut request).unwrap()
+    else {
+        panic!("expected resolved");
+    };
+    let expected = turns[1].cumulative();
+    assert_eq!(*tokens, expected);
+    assert_eq!(
+        unverified.0.as_deref(),
+        Some(token_digest(&expected).as_str())
+    );
+    // Not cached before its check; a wrong digest fails it and caches nothing.
+    assert_eq!(lineage.cached_tokens(), cached);
+    assert!(!lineage.verify(&tokens, &token_digest(&[1, 2, 3])));
+    assert_eq!(lineage.cached_tokens(), cached);
+    assert!(lineage.verify(&tokens, &token_digest(&expected)));
+    assert_eq!(lineage.cached_tokens(), cached + 16);
+    // `resolve` never defers.
+    let mut request = ItemsRequest::new(turns[1].next_request("n"));
+    let Step::Done(Outcome::Resolved { unverified, .. }) =
+        lineage.resolve("r", &mut request).unwrap()
+    else {
+        panic!("expected resolved");
+    };
+    assert_eq!(unverified.0, None);
 }

@@ -9,7 +9,8 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::Duration;
 
 use lru::LruCache;
 use pyo3::exceptions::PyRuntimeError;
@@ -17,14 +18,14 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::Value;
 
-use super::bridge::{spawn_job, start_pool, Completions};
+use super::bridge::{spawn_detached, start_pool, Completions, Report};
 use super::decode::untrack_atomic;
 use super::errors::{text, to_pyerr, ExceptionClass};
 use super::records::token_ids;
 use crate::fork::{current_pid, PerProcess};
 use crate::lineage::{
     self, FileLineage, HashedRequest, ItemsRequest, LineageError, MemoryLineage, Missing, Outcome,
-    Step, Tokens,
+    Step, Tokens, Unverified,
 };
 
 static INTEGRITY: ExceptionClass =
@@ -109,11 +110,22 @@ fn step_to_py(
                 .unbind()
         }
         Step::Done(Outcome::Resolved {
+            unverified: Unverified(Some(_)),
+            ..
+        }) => {
+            // Only `FileLineage.finish` may take a deferred answer, after its check.
+            return Err(PyRuntimeError::new_err(
+                "an answer whose digest was not checked reached the bindings",
+            ));
+        }
+        Step::Done(Outcome::Resolved {
             call_id,
             tokens,
             digest,
+            base,
+            unverified: Unverified(None),
         }) => {
-            let tokens = memo.tuple(py, rollout_id, &tokens)?;
+            let tokens = memo.tuple(py, rollout_id, &tokens, &base)?;
             ("resolved", call_id, tokens, digest, "")
                 .into_pyobject(py)?
                 .into_any()
@@ -157,11 +169,29 @@ impl TupleMemo {
         inner.tokens = 0;
     }
 
+    /// `base`: the sequence the answer was built by extending, when known (see
+    /// [`lineage::Base`]): if the memo holds that very allocation, the answer extends it
+    /// without comparing their ids.
     fn tuple<'py>(
         &self,
         py: Python<'py>,
         rollout_id: &str,
         tokens: &Tokens,
+        base: &lineage::Base,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let built = self.build(py, rollout_id, tokens, base)?;
+        self.remember(rollout_id, tokens, &built);
+        Ok(built)
+    }
+
+    /// The answer's tuple, from the rollout's memoized one where it extends it; the memo
+    /// forgets that rollout until [`TupleMemo::remember`].
+    fn build<'py>(
+        &self,
+        py: Python<'py>,
+        rollout_id: &str,
+        tokens: &Tokens,
+        base: &lineage::Base,
     ) -> PyResult<Bound<'py, PyTuple>> {
         // The entry is taken out while the tuple is built: building allocates, which may
         // run the garbage collector and other threads, so no lock is held across it.
@@ -175,7 +205,7 @@ impl TupleMemo {
         };
         let built = match previous {
             Some((old, tuple)) if Arc::ptr_eq(&old, tokens) => tuple.into_bound(py),
-            Some((old, tuple)) if lineage::extends(&old, tokens) => {
+            Some((old, tuple)) if base.is(&old) || lineage::extends(&old, tokens) => {
                 let suffix = token_tuple(py, &tokens[old.len()..])?;
                 let joined = tuple
                     .bind(py)
@@ -188,6 +218,11 @@ impl TupleMemo {
             }
             _ => token_tuple(py, tokens)?,
         };
+        Ok(built)
+    }
+
+    /// Memoize `built` (the tuple of `tokens`) as the rollout's last answer.
+    fn remember(&self, rollout_id: &str, tokens: &Tokens, built: &Bound<'_, PyTuple>) {
         if tokens.len() <= self.budget {
             let mut inner = self.lock();
             inner.tokens += tokens.len();
@@ -204,7 +239,86 @@ impl TupleMemo {
                 }
             }
         }
-        Ok(built)
+    }
+}
+
+/// How long the loop waits for the worker's check of a deferred answer before hashing the
+/// tokens itself (the worker is mid-hash; this bounds what a descheduled worker can cost it).
+const WAIT_FOR_VERDICT: Duration = Duration::from_millis(1);
+
+/// The digest check of a deferred answer (`FileLineage::resolve_unverified`): made by the
+/// worker that resolved it, right after it told the loop, or by the loop once it has built the
+/// answer's tuple, whichever claims it first, so hashing and building overlap. Nothing is
+/// handed back before a check passed.
+#[derive(Default)]
+struct Verdict {
+    state: Mutex<Check>,
+    done: Condvar,
+}
+
+#[derive(Default, Clone, Copy)]
+enum Check {
+    #[default]
+    Unclaimed,
+    Claimed,
+    Done(bool),
+}
+
+impl Verdict {
+    fn state(&self) -> std::sync::MutexGuard<'_, Check> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Record a result (the first one stands: every check of the same tokens agrees).
+    fn record(&self, good: bool) {
+        let mut state = self.state();
+        if !matches!(*state, Check::Done(_)) {
+            *state = Check::Done(good);
+        }
+        drop(state);
+        self.done.notify_all();
+    }
+
+    /// The worker's side: check unless the loop already claimed it; never waits.
+    fn check_unless_claimed(&self, check: impl FnOnce() -> bool) {
+        {
+            let mut state = self.state();
+            if !matches!(*state, Check::Unclaimed) {
+                return;
+            }
+            *state = Check::Claimed;
+        }
+        self.record(check());
+    }
+
+    /// The loop's side: the result, checking here if nobody has claimed it, else waiting for
+    /// the claimer (at most `WAIT_FOR_VERDICT`, then checking here too).
+    fn result(&self, check: impl FnOnce() -> bool) -> bool {
+        let state = self.state();
+        let state = match *state {
+            Check::Done(good) => return good,
+            Check::Unclaimed => {
+                let mut state = state;
+                *state = Check::Claimed;
+                drop(state);
+                let good = check();
+                self.record(good);
+                return good;
+            }
+            Check::Claimed => {
+                self.done
+                    .wait_timeout_while(state, WAIT_FOR_VERDICT, |s| matches!(s, Check::Claimed))
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0
+            }
+        };
+        if let Check::Done(good) = *state {
+            return good;
+        }
+        drop(state);
+        let good = check();
+        self.record(good);
+        good
     }
 }
 
@@ -341,6 +455,7 @@ struct PyLineageJob {
     rollout_id: String,
     request: Mutex<Option<ItemsRequest>>,
     result: Arc<Mutex<Option<lineage::Result<Step>>>>,
+    verdict: Arc<Verdict>,
 }
 
 #[pymethods]
@@ -421,6 +536,7 @@ impl PyFileLineage {
             rollout_id,
             request: Mutex::new(Some(ItemsRequest::new(values))),
             result: Arc::new(Mutex::new(None)),
+            verdict: Arc::new(Verdict::default()),
         }))
     }
 
@@ -441,15 +557,33 @@ impl PyFileLineage {
             .ok_or_else(|| PyRuntimeError::new_err("this lineage job was already submitted"))?;
         let rollout_id = job.rollout_id.clone();
         let slot = Arc::clone(&job.result);
+        let verdict = Arc::clone(&job.verdict);
         let lineage = inner;
-        spawn_job(completions, token, move || {
-            let step = lineage.resolve(&rollout_id, &mut request);
+        let report = Report::new(completions, token);
+        spawn_detached(completions.py(), move || {
+            let step = lineage.resolve_unverified(&rollout_id, &mut request);
+            let deferred = match &step {
+                Ok(Step::Done(Outcome::Resolved {
+                    tokens,
+                    unverified: Unverified(Some(digest)),
+                    ..
+                })) => Some((tokens.clone(), digest.clone())),
+                _ => None,
+            };
             *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
-            Ok::<(), crate::error::Error>(())
-        })
+            // The loop builds the answer while this thread checks its digest (`Verdict`).
+            report.send(Ok::<(), crate::error::Error>(()));
+            if let Some((tokens, digest)) = deferred {
+                verdict.check_unless_claimed(|| lineage.verify(&tokens, &digest));
+            }
+            drop(request); // freed after the loop was told
+        });
+        Ok(())
     }
 
-    /// The decision of a completed job, shaped like `resolve`'s.
+    /// The decision of a completed job, shaped like `resolve`'s. A deferred answer's tuple is
+    /// built, then returned only once its digest check passed; if it failed, None (resolve
+    /// again by the path that verifies as it goes: it answers or raises).
     fn finish(&self, py: Python<'_>, job: &Bound<'_, PyLineageJob>) -> PyResult<Py<PyAny>> {
         let job = job.get();
         let result = job
@@ -459,7 +593,27 @@ impl PyFileLineage {
             .take()
             .ok_or_else(|| PyRuntimeError::new_err("this lineage job has not completed"))?;
         let step = result.map_err(|e| lineage_err(py, e))?;
-        step_to_py(py, step, &self.memo, &job.rollout_id)
+        let Step::Done(Outcome::Resolved {
+            call_id,
+            tokens,
+            digest,
+            base,
+            unverified: Unverified(Some(expected)),
+        }) = step
+        else {
+            return step_to_py(py, step, &self.memo, &job.rollout_id);
+        };
+        let inner = self.inner(py)?;
+        let tuple = self.memo.build(py, &job.rollout_id, &tokens, &base)?;
+        let good = py.detach(|| job.verdict.result(|| inner.verify(&tokens, &expected)));
+        if !good {
+            return Ok(py.None());
+        }
+        self.memo.remember(&job.rollout_id, &tokens, &tuple);
+        Ok(("resolved", call_id, tuple, digest, "")
+            .into_pyobject(py)?
+            .into_any()
+            .unbind())
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
