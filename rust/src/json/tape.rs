@@ -79,7 +79,7 @@ enum Part {
     },
 }
 
-/// Builds [`Tape`]s of one line at a time (see [`TapeBuilder::start`]); see the module
+/// Builds [`Tape`]s of one line at a time (each walk begins with `start`); see the module
 /// documentation.
 #[derive(Debug, Default)]
 pub struct TapeBuilder {
