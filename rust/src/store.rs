@@ -493,7 +493,6 @@ impl Cached {
 }
 
 /// The durable, rollout-keyed store over one directory.
-#[derive(Debug)]
 pub struct Store {
     dir: RootDir,
     cache: Arc<FdCache<Cached>>,
@@ -509,6 +508,24 @@ pub struct Store {
 
 /// The largest read buffer a store keeps between reads.
 const MAX_SPARE_BUFFER: usize = 16 << 20;
+
+// By hand: the spare buffers are shown by their sizes (a derived `Debug` would print up to
+// `MAX_SPARE_CHUNKS` chunks and the whole-log buffer byte by byte), and a buffer another
+// thread holds is not waited for.
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let spare_buffer = self.spare_buffer.try_lock().map(|buf| buf.capacity());
+        let spare_chunks = self.spare_chunks.try_lock().map(|bufs| bufs.len());
+        f.debug_struct("Store")
+            .field("dir", &self.dir)
+            .field("cache", &self.cache)
+            .field("spare_buffer_bytes", &spare_buffer.ok())
+            .field("spare_chunks", &spare_chunks.ok())
+            .field("chunk_bytes", &self.chunk_bytes)
+            .field("writers", &self.writers)
+            .finish()
+    }
+}
 
 /// How many chunk-ring buffers a store keeps between streamed reads.
 const MAX_SPARE_CHUNKS: usize = 8;
@@ -2318,6 +2335,22 @@ mod tests {
         let live = store.paths("live");
         assert!(live.intents.exists() && live.lock.exists());
         assert!(store.sweep_retired(later, false).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_store_shows_its_spare_read_buffers_by_size_not_by_content() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        growing_log(&store, "r", 4 * CHUNK_BYTES as u64);
+        store.freeze_decoding("r", |_| ()).unwrap();
+        assert!(
+            !store.spare_chunks().is_empty(),
+            "the ring's chunks are kept"
+        );
+        let shown = format!("{store:?}");
+        assert!(shown.contains("spare_chunks: Some("), "{shown}");
+        // Four 512 KiB chunks printed byte by byte would be megabytes.
+        assert!(shown.len() < 2_000, "{} bytes: {shown:.300}", shown.len());
     }
 
     #[test]
