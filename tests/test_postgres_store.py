@@ -1036,3 +1036,24 @@ async def test_a_coordinator_reporting_its_postmaster_gone_is_unavailable(pg_dsn
         await client.fetch("val", raise_sql.format("something else"))
     assert await client.fetch("val", "SELECT 1") == 1
     await client.close()
+
+
+def test_a_client_keeps_one_batcher_per_loop_and_batched_statement() -> None:
+    # Each store owns its client and batches one statement today; a second statement on the
+    # same client and loop must still get a batcher of its own, never the first one's.
+    from tokencapture.postgres._client import Client
+
+    client = Client("postgresql://127.0.0.1:1/none")  # never connects: no call is made
+    loop = asyncio.new_event_loop()
+    other_loop = asyncio.new_event_loop()
+    try:
+        puts = client.batcher(loop, "SELECT 'put'", 8, None)
+        stages = client.batcher(loop, "SELECT 'stage'", 8, None)
+        assert (puts.sql, stages.sql) == ("SELECT 'put'", "SELECT 'stage'")
+        assert client.batcher(loop, "SELECT 'put'", 8, None) is puts
+        assert client.batcher(loop, "SELECT 'stage'", 8, None) is stages
+        elsewhere = client.batcher(other_loop, "SELECT 'put'", 8, None)
+        assert elsewhere is not puts and elsewhere.loop is other_loop
+    finally:
+        loop.close()
+        other_loop.close()

@@ -278,9 +278,10 @@ class Client:
         self._creating: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
             weakref.WeakKeyDictionary()
         )
-        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CallBatcher] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Per event loop, one batcher per batched statement.
+        self._batchers: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, dict[str, CallBatcher]
+        ] = weakref.WeakKeyDictionary()
         self._pid = os.getpid()
         self._schema_checked = False
         # Whether the schema is distributed with Citus (None until the first pool is made).
@@ -479,12 +480,13 @@ class Client:
     def batcher(
         self, loop: asyncio.AbstractEventLoop, sql: str, max_batch: int, max_flushing: int | None
     ) -> CallBatcher:
-        """This process's `CallBatcher` of `sql` on `loop` (one batched statement per client)."""
+        """This process's `CallBatcher` of `sql` on `loop` (made by the first call that asks;
+        `max_batch` and `max_flushing` are that call's)."""
         self.this_process()
-        batcher = self._batchers.get(loop)
+        batchers = self._batchers.setdefault(loop, {})
+        batcher = batchers.get(sql)
         if batcher is None:
-            batcher = CallBatcher(self, loop, max_batch, sql, max_flushing)
-            self._batchers[loop] = batcher
+            batcher = batchers[sql] = CallBatcher(self, loop, max_batch, sql, max_flushing)
         return batcher
 
     def run_sync(self, coro: Coroutine[Any, Any, _T]) -> _T:
