@@ -23,7 +23,7 @@
 
 use std::sync::Arc;
 
-use arc_swap::{ArcSwap, ArcSwapOption};
+use arc_swap::ArcSwapOption;
 
 /// The id of the calling process (`getpid`; never cached, so a forked child sees its own).
 pub fn current_pid() -> u32 {
@@ -74,14 +74,18 @@ type Reopen<T, E> = Box<dyn Fn() -> Result<T, E> + Send + Sync>;
 /// An object of this process, reopened (by `reopen`) in a forked child on first use; see the
 /// module documentation.
 pub struct PerProcess<T, E> {
-    current: ArcSwap<Opened<T>>,
+    /// Always set (an `Option` only to share [`this_process`] with process-wide state).
+    current: ArcSwapOption<Opened<T>>,
     reopen: Reopen<T, E>,
 }
 
 impl<T, E> std::fmt::Debug for PerProcess<T, E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PerProcess")
-            .field("pid", &self.current.load().pid)
+            .field(
+                "pid",
+                &self.current.load().as_ref().map(|opened| opened.pid),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -90,12 +94,17 @@ impl<T, E> PerProcess<T, E> {
     /// `value`, opened in this process; `reopen` opens an equivalent one in a forked child.
     pub fn new(value: T, reopen: impl Fn() -> Result<T, E> + Send + Sync + 'static) -> Self {
         PerProcess {
-            current: ArcSwap::from_pointee(Opened {
+            current: ArcSwapOption::from_pointee(Opened {
                 pid: current_pid(),
                 value: Arc::new(value),
             }),
             reopen: Box::new(reopen),
         }
+    }
+
+    /// The object `open` opens now, which it opens again in a forked child.
+    pub fn open(open: impl Fn() -> Result<T, E> + Send + Sync + 'static) -> Result<Self, E> {
+        Ok(Self::new(open()?, open))
     }
 
     /// This process's object (opened now if this is a forked child's first use).
@@ -105,46 +114,38 @@ impl<T, E> PerProcess<T, E> {
 
     /// [`PerProcess::get`] as process `pid` (tests pretend to be a child with another id).
     fn get_in(&self, pid: u32) -> Result<Arc<T>, E> {
-        let seen = self.current.load_full();
-        if seen.pid == pid {
-            return Ok(Arc::clone(&seen.value));
-        }
-        // A forked child's first use (or one of its threads' first uses at once). Nothing of
-        // the parent's object is touched: a fresh one is opened beside it.
-        let fresh = Arc::new(Opened {
+        // In a forked child's first use a fresh object is opened beside the parent's, which is
+        // never touched and is leaked (see the module documentation).
+        let opened = this_process(
+            &self.current,
             pid,
-            value: Arc::new((self.reopen)()?),
-        });
-        let previous = self.current.compare_and_swap(&seen, Arc::clone(&fresh));
-        if Arc::ptr_eq(&*previous, &seen) {
-            // Swapped in. The parent's object is leaked: one reference that is never given
-            // back, so it is never dropped here (see the module documentation).
-            std::mem::forget(Arc::clone(&seen));
-            return Ok(Arc::clone(&fresh.value));
-        }
-        drop(previous);
-        // Another thread of this process swapped its own first: use that one (the fresh one
-        // built here was never shared, and is dropped).
-        let installed = self.current.load_full();
-        if installed.pid == pid {
-            Ok(Arc::clone(&installed.value))
-        } else {
-            self.get_in(pid)
-        }
+            |opened| opened.pid,
+            |_parents| {
+                Ok(Opened {
+                    pid,
+                    value: Arc::new((self.reopen)()?),
+                })
+            },
+        )?;
+        Ok(Arc::clone(&opened.value))
     }
 
     /// Whether the object in use was opened by this process (tests).
     pub fn opened_here(&self) -> bool {
-        self.current.load().pid == current_pid()
+        self.current
+            .load()
+            .as_ref()
+            .is_some_and(|opened| opened.pid == current_pid())
     }
 }
 
 impl<T, E> Drop for PerProcess<T, E> {
     fn drop(&mut self) {
         // A child dropping an object it never used: the parent's copy is leaked, not dropped.
-        let current = self.current.load_full();
-        if current.pid != current_pid() {
-            std::mem::forget(current);
+        if let Some(current) = self.current.load_full() {
+            if current.pid != current_pid() {
+                std::mem::forget(current);
+            }
         }
     }
 }

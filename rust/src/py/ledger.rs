@@ -86,15 +86,14 @@ impl PyLedger {
         cached_rollouts: usize,
         max_open_files: Option<usize>,
     ) -> PyResult<Self> {
-        let reopen_root = root.clone();
-        let inner = py
-            .detach(|| Ledger::open_with(root, cached_rollouts, max_open_files))
+        let handle = py
+            .detach(|| {
+                PerProcess::open(move || {
+                    Ledger::open_with(root.clone(), cached_rollouts, max_open_files)
+                })
+            })
             .map_err(|e| to_pyerr(py, e))?;
-        Ok(PyLedger {
-            handle: PerProcess::new(inner, move || {
-                Ledger::open_with(reopen_root.clone(), cached_rollouts, max_open_files)
-            }),
-        })
+        Ok(PyLedger { handle })
     }
 
     /// Descriptors this ledger keeps (cached between operations, or in use now).

@@ -474,16 +474,16 @@ impl PyFileLineage {
         max_open_files: Option<usize>,
     ) -> Self {
         start_pool();
-        let open = move || {
-            FileLineage::with_max_open_files(
+        let Ok(handle) = PerProcess::open(move || {
+            Ok(FileLineage::with_max_open_files(
                 root.clone(),
                 max_cached_rollouts,
                 max_cached_tokens,
                 max_open_files,
-            )
-        };
+            ))
+        });
         PyFileLineage {
-            handle: PerProcess::new(open(), move || Ok(open())),
+            handle,
             memo: TupleMemo::new(max_cached_tokens),
         }
     }

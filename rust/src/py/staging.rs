@@ -937,15 +937,12 @@ impl PyStagingFileStore {
     #[new]
     #[pyo3(signature = (root, max_open_files = None))]
     fn new(py: Python<'_>, root: PathBuf, max_open_files: Option<usize>) -> PyResult<Self> {
-        let reopen_root = root.clone();
-        let inner = py
-            .detach(|| FileStaging::open_with(root, max_open_files))
+        let handle = py
+            .detach(|| {
+                PerProcess::open(move || FileStaging::open_with(root.clone(), max_open_files))
+            })
             .map_err(|e| staging_err(py, e))?;
-        Ok(PyStagingFileStore {
-            handle: PerProcess::new(inner, move || {
-                FileStaging::open_with(reopen_root.clone(), max_open_files)
-            }),
-        })
+        Ok(PyStagingFileStore { handle })
     }
 
     /// Verify, encode and durably stage one record (and its attachments); returns its key.

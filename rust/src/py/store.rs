@@ -49,15 +49,14 @@ impl PyStore {
         cached_rollouts: usize,
         max_open_files: Option<usize>,
     ) -> PyResult<Self> {
-        let reopen_root = root.clone();
-        let inner = py
-            .detach(|| Store::open_with(root, cached_rollouts, max_open_files))
+        let handle = py
+            .detach(|| {
+                PerProcess::open(move || {
+                    Store::open_with(root.clone(), cached_rollouts, max_open_files)
+                })
+            })
             .map_err(|e| to_pyerr(py, e))?;
-        Ok(PyStore {
-            handle: PerProcess::new(inner, move || {
-                Store::open_with(reopen_root.clone(), cached_rollouts, max_open_files)
-            }),
-        })
+        Ok(PyStore { handle })
     }
 
     /// Descriptors this store keeps (cached between operations, or in use now).
