@@ -23,8 +23,9 @@ import ctypes
 import os
 import threading
 import weakref
+from collections.abc import Callable
 
-__all__ = ["leak", "renew_after_fork"]
+__all__ = ["ProcessOwner", "leak", "renew_after_fork"]
 
 # owner -> the names of its attributes that hold a lock to renew.
 _owners: weakref.WeakKeyDictionary[object, tuple[str, ...]] = weakref.WeakKeyDictionary()
@@ -47,6 +48,32 @@ def leak(*objects: object) -> None:
     plain list would live in) ever runs their finalizers here.
     """
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(objects))
+
+
+class ProcessOwner:
+    """The process an object's state belongs to, and its one start-over in a forked child.
+
+    An object whose state a child must not use (the parent's loops, sessions, indexes) calls
+    `start_over_in_child` first thing in each entry point: in the process that made it, one
+    pid compare; in a child, the first call runs `start_over` (which leaks the parent's state
+    and makes fresh state) under `lock`, once, however many threads arrive together.
+    """
+
+    __slots__ = ("_pid",)
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+
+    def start_over_in_child(self, lock: threading.Lock, start_over: Callable[[], None]) -> None:
+        """Run `start_over` if this process is not the owner yet; `lock` must be one that
+        `renew_after_fork` renews (a parent's thread may have held it at the fork)."""
+        if self._pid == os.getpid():
+            return
+        with lock:
+            if self._pid == os.getpid():
+                return
+            start_over()
+            self._pid = os.getpid()
 
 
 def _renew_in_child() -> None:

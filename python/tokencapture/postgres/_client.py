@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 import weakref
@@ -24,7 +23,7 @@ from urllib.parse import urlsplit
 
 import asyncpg  # type: ignore[import-untyped, unused-ignore]
 
-from tokencapture.forking import leak, renew_after_fork
+from tokencapture.forking import ProcessOwner, leak, renew_after_fork
 from tokencapture.postgres._citus import is_distributed
 from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, schema_version
 
@@ -282,7 +281,7 @@ class Client:
         self._batchers: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, dict[str, CallBatcher]
         ] = weakref.WeakKeyDictionary()
-        self._pid = os.getpid()
+        self._owner = ProcessOwner()
         self._schema_checked = False
         # Whether the schema is distributed with Citus (None until the first pool is made).
         self.distributed: bool | None = None
@@ -297,17 +296,14 @@ class Client:
         """In a forked child, on its first call: forget the parent's pools, batchers and loop
         thread (made anew on demand). They are leaked, not closed: their connections are the
         parent's sessions and their loops share the parent's epoll instances."""
-        if self._pid == os.getpid():
-            return
-        with self._thread_lock:  # a fresh lock in the child (renewed at the fork)
-            if self._pid == os.getpid():
-                return
-            leak(dict(self._pools), dict(self._creating), dict(self._batchers), self._thread)
-            self._pools = weakref.WeakKeyDictionary()
-            self._creating = weakref.WeakKeyDictionary()
-            self._batchers = weakref.WeakKeyDictionary()
-            self._thread = None
-            self._pid = os.getpid()
+        self._owner.start_over_in_child(self._thread_lock, self._start_over)
+
+    def _start_over(self) -> None:
+        leak(dict(self._pools), dict(self._creating), dict(self._batchers), self._thread)
+        self._pools = weakref.WeakKeyDictionary()
+        self._creating = weakref.WeakKeyDictionary()
+        self._batchers = weakref.WeakKeyDictionary()
+        self._thread = None
 
     # Pools -----------------------------------------------------------------------------------
 
@@ -674,21 +670,18 @@ class GroupCommit:
         self._idle: list[asyncio.AbstractEventLoop] = []
         self._leaders = 0
         self._closed = False
-        self._pid = os.getpid()
+        self._owner = ProcessOwner()
         renew_after_fork(self, "_lock")
 
     def _this_process(self) -> None:
         """In a forked child, on its first call: start with no queue, no leader and no loop.
         The parent's waiters (their threads are not here) and loops (sharing the parent's
         epoll instances, with the parent's connections) are leaked, never run or closed."""
-        if self._pid == os.getpid():
-            return
-        with self._lock:  # a fresh lock in the child (renewed at the fork)
-            if self._pid == os.getpid():
-                return
-            leak(self._queue, self._idle)
-            self._queue, self._idle, self._leaders = [], [], 0
-            self._pid = os.getpid()
+        self._owner.start_over_in_child(self._lock, self._start_over)
+
+    def _start_over(self) -> None:
+        leak(self._queue, self._idle)
+        self._queue, self._idle, self._leaders = [], [], 0
 
     def stage(self, args: tuple[Any, ...]) -> int:
         """The server's status of one call (or its failure raised), once its batch committed."""

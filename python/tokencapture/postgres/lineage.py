@@ -10,14 +10,13 @@ retired rollout, or a deleted one whose id was reused, starts over.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import Any
 
 from tokencapture import _core
-from tokencapture.forking import leak, renew_after_fork
+from tokencapture.forking import ProcessOwner, leak, renew_after_fork
 from tokencapture.metrics import instrumented
 from tokencapture.postgres._client import Client
 from tokencapture.protocols import LineageResolution
@@ -59,7 +58,7 @@ class PostgresLineageStore:
         self._cursors: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._lock = threading.Lock()
         renew_after_fork(self, "_lock")
-        self._pid = os.getpid()
+        self._owner = ProcessOwner()
 
     def _new_index(self) -> _core.MemoryLineage:
         return _core.MemoryLineage(self._max_rollouts + 1, _UNBOUNDED_TOKENS, self._max_tokens)
@@ -67,15 +66,12 @@ class PostgresLineageStore:
     def _this_process(self) -> None:
         """In a forked child, on its first call: start over with an empty index of its own (the
         parent's, which another thread may have been updating at the fork, is leaked)."""
-        if self._pid == os.getpid():
-            return
-        with self._lock:  # a fresh lock in the child (renewed at the fork)
-            if self._pid == os.getpid():
-                return
-            leak(self._native, self._cursors)
-            self._native = self._new_index()
-            self._cursors = OrderedDict()
-            self._pid = os.getpid()
+        self._owner.start_over_in_child(self._lock, self._start_over)
+
+    def _start_over(self) -> None:
+        leak(self._native, self._cursors)
+        self._native = self._new_index()
+        self._cursors = OrderedDict()
 
     def __repr__(self) -> str:
         return f"PostgresLineageStore({self._client.where!r})"
