@@ -18,6 +18,7 @@ test holds each of them in another thread at the fork, deterministically.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import multiprocessing
 import os
@@ -36,7 +37,7 @@ from tests.conftest import make_entry
 from tests.staging_backends import make_record
 from tests.test_ledger import make_commit
 
-from tokencapture import FileCaptureLedger, FileStagingStore, _core
+from tokencapture import FileCaptureLedger, FileStagingStore, TokenCaptureCorruptionError, _core
 from tokencapture.descriptors import set_budget
 from tokencapture.jobs import native_job
 from tokencapture.ledger_rows import commit_line
@@ -550,3 +551,65 @@ def test_python_locks_held_by_another_thread_at_the_fork_are_renewed_in_the_chil
         finally:
             release.set()
             holder.join(10)
+
+
+# A forked child holds a copy of every descriptor its parent had open, the kept lock files of
+# the store and the resolver among them, and a copy shares its open file description and so
+# its flock. When an operation of the parent locks such a descriptor and then fails, it must
+# release the lock: closing its descriptor alone would leave the lock held by the child's copy
+# for as long as the child lives, and every reader and writer of that rollout, in every
+# process, would wait for the child to exit.
+
+
+@contextmanager
+def idle_child() -> Iterator[int]:
+    """A forked child that only sleeps, holding what it inherited, until the block ends."""
+    with forking_allowed():
+        pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        time.sleep(60)
+        os._exit(0)
+    try:
+        yield pid
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def lock_is_free(lock_path: Path) -> bool:
+    """Whether another process could lock the rollout exclusively now (without waiting)."""
+    fd = os.open(lock_path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_put_that_fails_after_a_fork_leaves_the_rollout_unlocked(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    store.append(entry_line("r", "c0"))
+    store.append(entry_line("r", "c1"))  # the store keeps r's lock file open
+    with idle_child():
+        os.truncate(store.path_for("r"), 10)  # the log cut below its index
+        with pytest.raises(TokenCaptureCorruptionError):
+            store.append(entry_line("r", "c2"))
+        assert lock_is_free(tmp_path / "r.tokens.lock"), "r stays locked by the child"
+
+
+def test_a_resolve_that_fails_after_a_fork_leaves_the_rollout_unlocked(tmp_path: Path) -> None:
+    request: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    output = [{"role": "assistant", "content": "answer c0"}]
+    store = TokenCaptureStore(tmp_path)
+    store.append(stamped("r", "c0", request))
+    resolver = FileLineageStore(tmp_path)
+    continuation = [*request, *output, {"role": "user", "content": "more"}]
+    assert resolver.resolve_now("r", continuation).status is ParentResolutionStatus.RESOLVED
+    with idle_child():
+        with open(store.path_for("r"), "ab") as log:
+            log.write(b"not json\n")
+        with pytest.raises(TokenCaptureCorruptionError):
+            resolver.resolve_now("r", continuation)
+        assert lock_is_free(tmp_path / "r.tokens.lock"), "r stays locked by the child"

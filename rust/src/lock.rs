@@ -122,6 +122,13 @@ impl RolloutLock {
         self.file.as_raw_fd()
     }
 
+    /// A duplicate of the locked descriptor (the same open file description, as a forked
+    /// child holds one).
+    #[cfg(test)]
+    pub(crate) fn duplicate(&self) -> File {
+        self.file.try_clone().expect("dup")
+    }
+
     /// Try to lock without waiting; `Ok(None)` when another holder has it (used by tests and
     /// tooling that must not block).
     pub fn try_acquire(path: &Path, mode: LockMode) -> Result<Option<Self>> {
@@ -188,6 +195,54 @@ mod tests {
             .unwrap()
             .is_none());
         assert!(!path.exists());
+    }
+
+    /// A forked child holds a duplicate of every descriptor its parent had open, sharing the
+    /// open file description and with it the flock. A lock the parent lets go of by closing
+    /// its descriptor (an error path drops its `RolloutLock`) would then stay held for as
+    /// long as the child lives: every other reader and writer of the rollout, in every
+    /// process, would wait for the child to exit.
+    #[test]
+    fn a_dropped_lock_is_released_though_a_forked_child_shares_its_descriptor() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.tokens.lock");
+        for mode in [LockMode::Exclusive, LockMode::Shared] {
+            let held = RolloutLock::acquire(&path, mode).unwrap();
+            let childs_copy = held.duplicate();
+            drop(held);
+            assert!(
+                RolloutLock::try_acquire(&path, LockMode::Exclusive)
+                    .unwrap()
+                    .is_some(),
+                "{mode:?} lock still held through the child's copy of its descriptor"
+            );
+            drop(childs_copy);
+        }
+    }
+
+    /// `relock` through a kept descriptor whose path now names another file gives up the lock
+    /// it took on the old one, though a forked child shares that descriptor: a process that
+    /// opened the old file before it was replaced and waits to lock it must not wait for the
+    /// child (it then finds the file replaced and moves on to the new one).
+    #[test]
+    fn a_relock_that_finds_its_file_replaced_releases_the_old_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.tokens.lock");
+        let (kept, id) = RolloutLock::acquire(&path, LockMode::Exclusive)
+            .unwrap()
+            .unlock()
+            .unwrap();
+        let childs_copy = kept.try_clone().unwrap();
+        let waiter = OpenOptions::new().read(true).open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, b"").unwrap();
+        let relocked = RolloutLock::relock(kept, id, &path, LockMode::Exclusive).unwrap();
+        assert!(relocked.is_none(), "the path names another file now");
+        assert!(
+            waiter.try_lock().is_ok(),
+            "the old lock file is still locked through the child's copy"
+        );
+        drop(childs_copy);
     }
 
     #[test]

@@ -2997,6 +2997,45 @@ mod tests {
         });
     }
 
+    /// A forked child holds a copy of the lock descriptor the store keeps (the same open file
+    /// description). A later write in the parent that locks it and fails in a way that drops
+    /// the cached index (here: the log cut below its index, `Error::Corrupt`) must release the
+    /// exclusive lock, not just close its descriptor: the child's copy would hold it for as
+    /// long as the child lives, and every read, resolve and write of the rollout in every
+    /// process would wait for it.
+    #[test]
+    fn a_failed_write_releases_its_lock_though_a_forked_child_shares_the_descriptor() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        let line = |call: &str| format!(r#"{{"model_call_id":"{call}","n":1}}"#).into_bytes();
+        store.put("r", "c1", &line("c1")).unwrap();
+        store.put("r", "c2", &line("c2")).unwrap();
+        let childs_copy = {
+            let cache = store.cache();
+            let cached = cache.peek("r").expect("cached after a put");
+            let kept = cached.lock.as_ref().expect("a kept lock after a put");
+            kept.file.try_clone().unwrap()
+        };
+        let paths = store.paths("r");
+        OpenOptions::new()
+            .write(true)
+            .open(&paths.log)
+            .unwrap()
+            .set_len(5)
+            .unwrap();
+        assert!(matches!(
+            store.put("r", "c3", &line("c3")),
+            Err(Error::Corrupt { .. })
+        ));
+        assert!(
+            RolloutLock::try_acquire(&paths.lock, LockMode::Shared)
+                .unwrap()
+                .is_some(),
+            "the failed put left the rollout locked through the child's copy"
+        );
+        drop(childs_copy);
+    }
+
     #[test]
     fn a_kept_lock_is_reused_until_its_file_is_replaced() {
         let dir = tempfile::tempdir().unwrap();

@@ -1545,6 +1545,47 @@ fn a_kept_lock_opened_by_another_process_is_never_locked() {
     assert_eq!(resolved(&outcome).0, turns[0].call_id);
 }
 
+/// A forked child holds a copy of the lock file descriptor the resolver keeps (the same open
+/// file description). When a later resolve in the parent locks it and then fails (here: a
+/// corrupt line past the cursor, under the shared lock), the lock must be released, not just
+/// its descriptor closed: the child's copy would keep the shared lock for as long as the child
+/// lives, and every put of the rollout, in every process, would wait for it.
+#[test]
+fn a_failed_resolve_releases_its_lock_though_a_forked_child_shares_the_descriptor() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 8).unwrap();
+    let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
+    let turns = conversation(2, "f");
+    store
+        .put("r", &turns[0].call_id, &turns[0].line(None, None))
+        .unwrap();
+    let next = turns[0].next_request("n");
+    resolve_file(&lineage, "r", &next).unwrap();
+    // The fork: the child's copy of the kept descriptor.
+    let childs_copy = {
+        let rollout = lineage.rollouts.lock().peek("r").cloned().unwrap();
+        let state = lock(&rollout);
+        let kept = state.lock.as_ref().expect("a kept lock after a resolve");
+        kept.file.try_clone().unwrap()
+    };
+    let log = dir.path().join("r.tokens.jsonl");
+    let mut file = OpenOptions::new().append(true).open(&log).unwrap();
+    file.write_all(b"not json\n").unwrap();
+    assert!(matches!(
+        resolve_file(&lineage, "r", &next),
+        Err(LineageError::Store(Error::Corrupt { .. }))
+    ));
+    let lock_path = dir.path().join("r.tokens.lock");
+    assert!(
+        RolloutLock::try_acquire(&lock_path, LockMode::Exclusive)
+            .unwrap()
+            .is_some(),
+        "the failed resolve left the rollout locked through the child's copy"
+    );
+    drop(childs_copy);
+}
+
 #[test]
 fn an_unverified_answer_names_its_digest_and_is_cached_only_once_verified() {
     let dir = tempfile::tempdir().unwrap();
