@@ -43,11 +43,28 @@ impl FileId {
     }
 }
 
-/// A held lock; dropping it closes the descriptor, which releases the lock.
+/// A held lock; dropping it releases the lock, then closes the descriptor.
+///
+/// Released explicitly, not by the close alone: a forked child holds a copy of the descriptor
+/// (the same open file description, which is what an flock belongs to), so a close in the
+/// parent would leave the lock held for as long as the child lives, and every reader and
+/// writer of the rollout, in every process, would wait for it. The child never locks or
+/// unlocks a descriptor it inherited (the kept-lock pid checks), so the parent's unlock
+/// releases only what the parent took.
 #[derive(Debug)]
 pub struct RolloutLock {
-    file: File,
+    /// Always `Some` until [`RolloutLock::unlock`] takes it.
+    file: Option<File>,
     id: FileId,
+}
+
+impl Drop for RolloutLock {
+    fn drop(&mut self) {
+        if let Some(file) = &self.file {
+            // Failing to unlock leaves only the close, which is all there was before.
+            let _ = file.unlock();
+        }
+    }
 }
 
 impl RolloutLock {
@@ -91,8 +108,9 @@ impl RolloutLock {
     }
 
     /// Lock `file` again: the descriptor of an earlier lock on `path` (identity `id`) that
-    /// this process kept open after [`RolloutLock::unlock`]. `Ok(None)` (and the descriptor
-    /// closed) when `path` no longer names that file: the caller acquires afresh.
+    /// this process kept open after [`RolloutLock::unlock`]. `Ok(None)` (and the lock
+    /// released, the descriptor closed) when `path` no longer names that file: the caller
+    /// acquires afresh.
     pub(crate) fn relock(
         file: File,
         id: FileId,
@@ -100,8 +118,13 @@ impl RolloutLock {
         mode: LockMode,
     ) -> Result<Option<Self>> {
         lock_retrying_eintr(&file, mode).ctx("lock", path)?;
+        // Held from here on: dropped on any way out below, it is released.
+        let lock = RolloutLock {
+            file: Some(file),
+            id,
+        };
         match std::fs::metadata(path) {
-            Ok(now) if FileId::of(&now) == id => Ok(Some(RolloutLock { file, id })),
+            Ok(now) if FileId::of(&now) == id => Ok(Some(lock)),
             Ok(_) => Ok(None),
             Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(err) => Err(err).ctx("stat lock", path),
@@ -110,23 +133,29 @@ impl RolloutLock {
 
     /// Release the lock and keep the descriptor (with its identity) for [`RolloutLock::relock`].
     /// `None` if unlocking failed; the descriptor is then closed, which releases the lock.
-    pub(crate) fn unlock(self) -> Option<(File, FileId)> {
-        self.file.unlock().ok()?;
-        Some((self.file, self.id))
+    pub(crate) fn unlock(mut self) -> Option<(File, FileId)> {
+        let file = self.file.take()?;
+        file.unlock().ok()?;
+        Some((file, self.id))
+    }
+
+    #[cfg(test)]
+    fn file(&self) -> &File {
+        self.file.as_ref().expect("a held lock's descriptor")
     }
 
     /// The locked descriptor (tests check which one an acquisition used).
     #[cfg(test)]
     pub(crate) fn file_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
-        self.file.as_raw_fd()
+        self.file().as_raw_fd()
     }
 
     /// A duplicate of the locked descriptor (the same open file description, as a forked
     /// child holds one).
     #[cfg(test)]
     pub(crate) fn duplicate(&self) -> File {
-        self.file.try_clone().expect("dup")
+        self.file().try_clone().expect("dup")
     }
 
     /// Try to lock without waiting; `Ok(None)` when another holder has it (used by tests and
@@ -135,15 +164,16 @@ impl RolloutLock {
         let mut options = OpenOptions::new();
         options.read(true).write(true).create(true).truncate(false);
         let file = crate::descriptors::retry(|| options.open(path)).ctx("open lock", path)?;
+        let id = FileId::of(&file.metadata().ctx("stat lock", path)?);
         let attempt = match mode {
             LockMode::Shared => file.try_lock_shared(),
             LockMode::Exclusive => file.try_lock(),
         };
         match attempt {
-            Ok(()) => {
-                let id = FileId::of(&file.metadata().ctx("stat lock", path)?);
-                Ok(Some(RolloutLock { file, id }))
-            }
+            Ok(()) => Ok(Some(RolloutLock {
+                file: Some(file),
+                id,
+            })),
             Err(TryLockError::WouldBlock) => Ok(None),
             Err(TryLockError::Error(err)) => Err(err).ctx("lock", path),
         }
