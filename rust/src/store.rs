@@ -2671,6 +2671,153 @@ mod tests {
         );
     }
 
+    /// A log whose line lengths are picked around `chunk` (empty lines, `chunk - 1`, `chunk`,
+    /// `chunk + 1`, several chunks, a few bytes), so that lines end exactly at a chunk's end,
+    /// a newline is the first or the last byte of a read, and a line spans several chunks;
+    /// some end in `\r` (JSON whitespace, part of the line), some are not JSON, some repeat
+    /// the previous long token array (repeats across chunks); then a torn tail of any length.
+    fn boundary_log(rng: &mut crate::json::tests::Lcg, chunk: usize) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        let mut ids: Vec<String> = Vec::new();
+        for call in 0..12 + rng.next(12) as usize {
+            let target = match rng.next(9) {
+                0 => 0,
+                1 => chunk.saturating_sub(1),
+                2 => chunk,
+                3 => chunk + 1,
+                4 => 2 * chunk,
+                5 => 3 * chunk + 1,
+                6 => rng.next(40) as usize,
+                _ => chunk * (1 + rng.next(3) as usize) - 1 + rng.next(3) as usize,
+            };
+            let mut line = match rng.next(10) {
+                0 => b"not json".to_vec(),
+                1 if target > 0 => Vec::new(), // an empty line: no record
+                2..=4 => {
+                    // The previous prompt and a few more ids: a repeat of a long array.
+                    let start = ids.len() as u64;
+                    ids.extend((0..64 + rng.next(40)).map(|k| (k * 7919 + start).to_string()));
+                    format!(
+                        r#"{{"model_call_id":"c{call}","prompt_token_ids":[{}]}}"#,
+                        ids.join(",")
+                    )
+                    .into_bytes()
+                }
+                _ => format!(r#"{{"model_call_id":"c{call}","pad":""}}"#).into_bytes(),
+            };
+            if line.ends_with(br#""pad":""}"#) && line.len() < target {
+                // Pad the string up to the target length.
+                let fill = target - line.len();
+                let at = line.len() - 2;
+                line.splice(at..at, std::iter::repeat_n(b'x', fill));
+            }
+            if rng.next(5) == 0 {
+                line.push(b'\r');
+            }
+            bytes.extend_from_slice(&line);
+            bytes.push(b'\n');
+        }
+        let torn = match rng.next(4) {
+            0 => 0,
+            1 => 1 + rng.next(chunk as u64) as usize,
+            2 => chunk,
+            _ => 2 * chunk + 1,
+        };
+        bytes.extend(std::iter::repeat_n(b'7', torn));
+        bytes
+    }
+
+    #[test]
+    fn a_streamed_read_agrees_with_the_whole_log_at_every_chunk_boundary() {
+        // Chunk sizes from 1 byte up, rings that start with spare buffers of any size whose
+        // stale bytes are all newlines (a reused buffer is never cleared, so a read that looked
+        // past what it filled would cut phantom lines), and a `when_full` that has work to do
+        // now and then: every complete line comes out once, in order, with its call id and its
+        // value as a direct walk of the whole log gives them, and nothing of the torn tail.
+        let mut rng = crate::json::tests::Lcg(2024);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.jsonl");
+        for case in 0..160 {
+            let chunk = match case % 4 {
+                0 => 1 + rng.next(8) as usize,
+                1 => 8 + rng.next(64) as usize,
+                2 => 64 + rng.next(512) as usize,
+                _ => 1_000 + rng.next(3_000) as usize,
+            };
+            let bytes = boundary_log(&mut rng, chunk);
+            std::fs::write(&path, &bytes).unwrap();
+            let expected_lines: Vec<(u64, usize)> = complete_lines(&bytes, 0)
+                .map(|(offset, line)| (offset, line.len()))
+                .collect();
+            let expected_bytes: Vec<Vec<u8>> = complete_lines(&bytes, 0)
+                .map(|(_, line)| line.to_vec())
+                .collect();
+            let expected_ids: Vec<_> = complete_lines(&bytes, 0)
+                .map(|(_, line)| extract_call_id(line, None))
+                .collect();
+            let mut direct = crate::json::tests::Echo::default();
+            let mut repeats = Repeats::new();
+            let walked: Vec<_> = expected_bytes
+                .iter()
+                .map(|line| crate::json::build(line, &mut direct, Some(&mut repeats)))
+                .collect();
+            let spare: Vec<Vec<u8>> = (0..rng.next(4))
+                .map(|_| {
+                    let len = match rng.next(5) {
+                        0 => 0,
+                        1 => 1,
+                        2 => chunk / 2,
+                        3 => chunk,
+                        _ => 3 * chunk,
+                    };
+                    vec![b'\n'; len]
+                })
+                .collect();
+            let mut ring = Ring::new(spare, chunk);
+            let file = File::open(&path).unwrap();
+            let len = bytes.len() as u64;
+            let (sink, feed) = tape_channel(1 + rng.next(3) as usize);
+            let mut busy = 0u32;
+            let ((read_lines, call_ids), got) = std::thread::scope(|scope| {
+                let ring = &mut ring;
+                let reading = scope.spawn(move || {
+                    let when_full = || {
+                        busy += 1;
+                        busy % 3 != 0
+                    };
+                    let read = stream_taped_lines(&file, len, ring, &sink, |_, _| {}, when_full);
+                    drop(sink);
+                    read.unwrap()
+                });
+                let mut replayed = crate::json::tests::Echo::default();
+                let mut replay = crate::json::tape::Replay::new();
+                let mut got = Vec::new();
+                for sent in feed.iter() {
+                    let value = match &sent.tape {
+                        Ok(tape) => replay.value(tape, sent.line(), &mut replayed),
+                        Err(err) => Err(err.clone()),
+                    };
+                    got.push((sent.line().to_vec(), value));
+                    feed.give_back(sent);
+                }
+                (reading.join().unwrap(), got)
+            });
+            let what = format!("case {case}, chunk {chunk}, {} bytes", bytes.len());
+            assert_eq!(read_lines, expected_lines, "{what}");
+            assert_eq!(call_ids, expected_ids, "{what}");
+            let (sent_bytes, values): (Vec<_>, Vec<_>) = got.into_iter().unzip();
+            assert_eq!(sent_bytes, expected_bytes, "{what}");
+            // A replay stops reusing after a line that fails, so compare the values of lines
+            // that built (their errors are the walk's, checked through the call ids).
+            for (value, walk) in values.iter().zip(&walked) {
+                if let (Ok(value), Ok(walk)) = (value, walk) {
+                    assert_eq!(value, walk, "{what}");
+                }
+                assert_eq!(value.is_ok(), walk.is_ok(), "{what}");
+            }
+        }
+    }
+
     #[test]
     fn a_digest_board_hashes_every_line_once_whichever_threads_step() {
         // Lines are added one at a time while another thread takes every step it can; the
