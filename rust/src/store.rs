@@ -2819,6 +2819,66 @@ mod tests {
     }
 
     #[test]
+    fn a_streamed_freeze_racing_another_processes_puts_holds_exactly_the_acknowledged_ones() {
+        // Puts through a second store (another process: its own cache and kept descriptors)
+        // run while this store freezes a large log through the chunk ring. A put acknowledged
+        // before the freeze took the lock must be a record of the snapshot; one after it is
+        // refused as frozen. So: acknowledged <=> in the snapshot, and a second freeze agrees.
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        let other = Store::open(dir.path(), 8).unwrap();
+        let before = growing_log(&store, "r", PARALLEL_SCAN_BYTES as u64 * 2);
+        let started = std::sync::Barrier::new(2);
+        let (acknowledged, frozen) = std::thread::scope(|scope| {
+            let putting = scope.spawn(|| {
+                let mut acknowledged = Vec::new();
+                for n in 0.. {
+                    let call = format!("late{n}");
+                    let line = format!(r#"{{"model_call_id":"{call}","n":{n}}}"#);
+                    match other.put("r", &call, line.as_bytes()) {
+                        Ok(_) => acknowledged.push(call),
+                        Err(Error::Frozen(_)) => break,
+                        Err(err) => panic!("{err}"),
+                    }
+                    if n == 3 {
+                        started.wait();
+                    }
+                }
+                acknowledged
+            });
+            started.wait();
+            let frozen = store.freeze_decoding("r", replaying_decode).unwrap();
+            (putting.join().unwrap(), frozen)
+        });
+        let (snapshot, ranges, ()) = frozen;
+        assert!(acknowledged.len() >= 4);
+        let log = std::fs::read(store.paths("r").log).unwrap();
+        let records: Vec<String> = snapshot
+            .records
+            .lines
+            .iter()
+            .map(|range| extract_call_id(&log[range.clone()], None).unwrap())
+            .collect();
+        let expected: Vec<String> = (0..before)
+            .map(|call| format!("c{call}"))
+            .chain(acknowledged.iter().cloned())
+            .collect();
+        assert_eq!(records, expected);
+        assert_eq!(ranges, snapshot.records.lines);
+        // Nothing past the records is left in the log, and both stores freeze to the same.
+        let end = snapshot.records.lines.last().unwrap().end + 1;
+        assert_eq!(log.len(), end);
+        for again in [&store, &other] {
+            let (second, _, ()) = again.freeze_decoding("r", replaying_decode).unwrap();
+            assert_eq!(second.records.lines, snapshot.records.lines);
+            assert_eq!(
+                (second.snapshot_id.as_str(), second.version),
+                (snapshot.snapshot_id.as_str(), snapshot.version)
+            );
+        }
+    }
+
+    #[test]
     fn a_digest_board_hashes_every_line_once_whichever_threads_step() {
         // Lines are added one at a time while another thread takes every step it can; the
         // adding thread steps now and then, and collects: each digest is its line's, in order.
