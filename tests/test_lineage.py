@@ -1288,3 +1288,132 @@ def test_a_file_resolver_starts_the_worker_pool_when_made(tmp_path: Path) -> Non
     before, after = int(out[0]), int(out[1])
     assert after - before >= 8, (before, after)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- a reused rollout id, through the async resolve (deferred digest check, tuple memo) -----
+
+
+def incarnation(
+    new_ids: list[list[int]],
+    generations: list[list[int]],
+    retokenized: dict[int, int],
+) -> tuple[list[TokenEntry], list[Items], list[tuple[int, ...]]]:
+    """Full-prompt entries c0, c1, ... of rollout "r" (the requests are the same whatever the
+    tokens, so two incarnations have the same call ids, fingerprints and contexts), the request
+    continuing each, and each call's cumulative tokens. Turn i's prompt is the previous
+    cumulative tokens and `new_ids[i]`; for i in `retokenized`, the previous tokens with the id
+    at that position (mod their length) changed: a prompt sharing a prefix with its parent's
+    tokens that does not extend them."""
+    request: Items = [{"role": "user", "content": "go"}]
+    entries, requests, cumulatives = [], [], []
+    cumulative: list[int] = []
+    for i, (new, generation) in enumerate(zip(new_ids, generations, strict=True)):
+        before = list(cumulative)
+        if i in retokenized and before:
+            at = retokenized[i] % len(before)
+            before[at] += 1
+        prompt = [*before, *new]
+        output, follow = chat_turn(i)
+        entry = stamp_continuation(
+            TokenEntry(
+                rollout_id="r",
+                model_call_id=f"c{i}",
+                prompt_token_ids=prompt,
+                generation_token_ids=generation,
+                generation_log_probs=[0.0] * len(generation),
+                output_items=output,
+            ),
+            request,
+        )
+        parent = f"c{i - 1}" if i else None
+        entries.append(stamp_lineage(entry, parent, parent_resolution=RESOLVED if i else ROOT))
+        request = [*request, *output, *follow]
+        requests.append(request)
+        cumulative = [*prompt, *generation]
+        cumulatives.append(tuple(cumulative))
+    return entries, requests, cumulatives
+
+
+token_ids = st.lists(st.integers(0, 200_000), min_size=1, max_size=300)
+
+
+@st.composite
+def reused_rollouts(draw: st.DrawFn) -> dict[str, Any]:
+    turns = draw(st.integers(2, 4))
+    new_ids = [draw(token_ids) for _ in range(turns)]
+    generations = [draw(st.lists(st.integers(0, 200_000), min_size=1, max_size=4))] * turns
+    # The second incarnation: the first's ids with one changed (so its answers share a prefix
+    # with the first's, up to that id), and now and then a retokenized turn.
+    second_ids = [list(ids) for ids in new_ids]
+    turn = draw(st.integers(0, turns - 1))
+    at = draw(st.integers(0, len(second_ids[turn]) - 1))
+    second_ids[turn][at] += 1
+    retokenized = draw(st.dictionaries(st.integers(1, turns - 1), st.integers(0, 10_000)))
+    order = draw(st.permutations(range(turns)))
+    sync = draw(st.lists(st.booleans(), min_size=turns, max_size=turns))
+    return {
+        "resolve_between": draw(st.booleans()),
+        "first": incarnation(new_ids, generations, {}),
+        "second": incarnation(second_ids, generations, retokenized),
+        "order": order,
+        "sync": sync,
+    }
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(case=reused_rollouts())
+def test_a_deleted_and_reused_rollout_answers_only_its_new_tokens(
+    tmp_path_factory: pytest.TempPathFactory, case: dict[str, Any]
+) -> None:
+    """A rollout resolved turn by turn through the async resolve (each answer built from its
+    parent's cached tokens, its digest checked on the worker, its tuple extended from the last
+    answer's), deleted and written again under the same id with other tokens that share a
+    prefix with the old ones (same call ids, requests and fingerprints; now and then a prompt
+    that shares a prefix with its parent's tokens without extending them), with or without a
+    resolve between the delete and the new puts: every answer, async or not, in any order, is
+    the new incarnation's tokens with their digest, never the old one's, and never the old
+    answer's tuple extended."""
+    root = tmp_path_factory.mktemp("reused")
+    first_entries, requests, first_tokens = case["first"]
+    second_entries, _, second_tokens = case["second"]
+
+    async def answer(resolver: FileLineageStore, turn: int, sync: bool) -> tuple[Any, ...]:
+        if sync:
+            resolution = resolver.resolve_now("r", requests[turn])
+        else:
+            resolution = await resolver.resolve("r", requests[turn])
+        return summary(resolution)[1:4]
+
+    async def scenario() -> None:
+        store = TokenCaptureStore(root)
+        resolver = FileLineageStore(root)
+        for turn, entry in enumerate(first_entries):
+            store.append(entry)
+            expected = first_tokens[turn]
+            assert await answer(resolver, turn, False) == (
+                f"c{turn}",
+                expected,
+                compute_digest(expected),
+            )
+        store.delete_now(["r"])
+        if case["resolve_between"]:
+            assert (await resolver.resolve("r", requests[-1])).status is UNRESOLVED
+        # Written again turn by turn, each new turn resolved at once (its parent's new tokens
+        # cached by then), then every turn again in the drawn order.
+        for turn, entry in enumerate(second_entries):
+            store.append(entry)
+            expected = second_tokens[turn]
+            got = await answer(resolver, turn, case["sync"][turn])
+            assert got == (f"c{turn}", expected, compute_digest(expected)), f"turn {turn}"
+        for turn in case["order"]:
+            expected = second_tokens[turn]
+            for sync in (False, True):
+                got = await answer(resolver, turn, sync)
+                assert got == (f"c{turn}", expected, compute_digest(expected)), f"turn {turn}"
+        await resolver.close()
+
+    asyncio.run(scenario())
