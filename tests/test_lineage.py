@@ -1417,3 +1417,76 @@ def test_a_deleted_and_reused_rollout_answers_only_its_new_tokens(
         await resolver.close()
 
     asyncio.run(scenario())
+
+
+def damage_a_digit(log: Path, call_id: str, in_new_part: bool, skip: int) -> None:
+    """Change one digit of `call_id`'s prompt in the log, in place (same length, valid JSON),
+    after the first `skip` ids (`in_new_part`) or within them; its recorded digest is kept."""
+    data = bytearray(log.read_bytes())
+    line_start = data.index(f'"model_call_id":"{call_id}"'.encode())
+    line_start = data.rindex(b"\n", 0, line_start) + 1 if b"\n" in data[:line_start] else 0
+    prompt = data.index(b'"prompt_token_ids":[', line_start) + len(b'"prompt_token_ids":[')
+    at = prompt
+    for _ in range(skip if in_new_part else skip // 2):
+        at = data.index(b",", at) + 1
+    data[at] = ord("1") if data[at] != ord("1") else ord("2")
+    log.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("in_new_part", [True, False], ids=["new-ids", "parent-ids"])
+@pytest.mark.parametrize("parent_len", [8, 300_000], ids=["short", "long"])
+async def test_a_damaged_answer_line_is_never_handed_back_whatever_the_timing(
+    tmp_path: Path, parent_len: int, in_new_part: bool
+) -> None:
+    """c1's full prompt extends c0's cached tokens and its line is damaged on disk (one digit,
+    its recorded digest kept). Async resolves, eight at a time so that the worker's check and
+    the loop's tuple race each other (a long parent takes the worker milliseconds to hash,
+    past the loop's 1 ms wait), and a sync one: a digit changed among the new ids must raise
+    every time; one changed among the ids the parent covers (counted, not parsed) may only
+    answer c1's true tokens, which its recorded digest names."""
+    rng = random.Random(parent_len)
+    c0_prompt = [rng.randrange(100_000) for _ in range(parent_len)]
+    c0_tokens = [*c0_prompt, 7]
+    c1_prompt = [*c0_tokens, *(rng.randrange(10, 100_000) for _ in range(40))]
+    c1_tokens = (*c1_prompt, 8)
+    request: Items = [{"role": "user", "content": "go"}]
+    entries, requests = [], []
+    for i, (prompt, generation) in enumerate([(c0_prompt, [7]), (c1_prompt, [8])]):
+        output, follow = chat_turn(i)
+        entry = stamp_continuation(
+            TokenEntry(
+                rollout_id="r",
+                model_call_id=f"c{i}",
+                prompt_token_ids=prompt,
+                generation_token_ids=generation,
+                generation_log_probs=[0.0],
+                output_items=output,
+            ),
+            request,
+        )
+        entries.append(
+            stamp_lineage(entry, "c0" if i else None, parent_resolution=RESOLVED if i else ROOT)
+        )
+        request = [*request, *output, *follow]
+        requests.append(request)
+    store = TokenCaptureStore(tmp_path)
+    resolver = FileLineageStore(tmp_path)
+    store.append(entries[0])
+    assert summary(await resolver.resolve("r", requests[0]))[2] == tuple(c0_tokens)
+    store.append(entries[1])
+    damage_a_digit(store.path_for("r"), "c1", in_new_part, len(c0_tokens))
+    for _ in range(3):
+        answers = await asyncio.gather(
+            *(resolver.resolve("r", requests[1]) for _ in range(8)), return_exceptions=True
+        )
+        try:
+            answers.append(resolver.resolve_now("r", requests[1]))
+        except LineageIntegrityError as exc:
+            answers.append(exc)
+        for answer in answers:
+            if in_new_part:
+                assert isinstance(answer, LineageIntegrityError), answer
+            elif not isinstance(answer, LineageIntegrityError):
+                assert isinstance(answer, LineageResolution), answer
+                assert summary(answer)[1:4] == ("c1", c1_tokens, compute_digest(c1_tokens))
+    await resolver.close()

@@ -57,6 +57,7 @@
 pub mod fingerprint;
 #[cfg(any(target_os = "linux", target_os = "android"))]
 mod mapped;
+pub mod verdict;
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};

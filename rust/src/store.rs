@@ -2783,7 +2783,7 @@ mod tests {
                 let reading = scope.spawn(move || {
                     let when_full = || {
                         busy += 1;
-                        busy % 3 != 0
+                        !busy.is_multiple_of(3)
                     };
                     let read = stream_taped_lines(&file, len, ring, &sink, |_, _| {}, when_full);
                     drop(sink);

@@ -9,8 +9,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use lru::LruCache;
 use pyo3::exceptions::PyRuntimeError;
@@ -23,6 +22,7 @@ use super::decode::untrack_atomic;
 use super::errors::{text, to_pyerr, ExceptionClass};
 use super::records::token_ids;
 use crate::fork::{current_pid, PerProcess};
+use crate::lineage::verdict::Verdict;
 use crate::lineage::{
     self, FileLineage, HashedRequest, ItemsRequest, LineageError, MemoryLineage, Missing, Outcome,
     Step, Tokens, Unverified,
@@ -239,86 +239,6 @@ impl TupleMemo {
                 }
             }
         }
-    }
-}
-
-/// How long the loop waits for the worker's check of a deferred answer before hashing the
-/// tokens itself (the worker is mid-hash; this bounds what a descheduled worker can cost it).
-const WAIT_FOR_VERDICT: Duration = Duration::from_millis(1);
-
-/// The digest check of a deferred answer (`FileLineage::resolve_unverified`): made by the
-/// worker that resolved it, right after it told the loop, or by the loop once it has built the
-/// answer's tuple, whichever claims it first, so hashing and building overlap. Nothing is
-/// handed back before a check passed.
-#[derive(Default)]
-struct Verdict {
-    state: Mutex<Check>,
-    done: Condvar,
-}
-
-#[derive(Default, Clone, Copy)]
-enum Check {
-    #[default]
-    Unclaimed,
-    Claimed,
-    Done(bool),
-}
-
-impl Verdict {
-    fn state(&self) -> std::sync::MutexGuard<'_, Check> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Record a result (the first one stands: every check of the same tokens agrees).
-    fn record(&self, good: bool) {
-        let mut state = self.state();
-        if !matches!(*state, Check::Done(_)) {
-            *state = Check::Done(good);
-        }
-        drop(state);
-        self.done.notify_all();
-    }
-
-    /// The worker's side: check unless the loop already claimed it; never waits.
-    fn check_unless_claimed(&self, check: impl FnOnce() -> bool) {
-        {
-            let mut state = self.state();
-            if !matches!(*state, Check::Unclaimed) {
-                return;
-            }
-            *state = Check::Claimed;
-        }
-        self.record(check());
-    }
-
-    /// The loop's side: the result, checking here if nobody has claimed it, else waiting for
-    /// the claimer (at most `WAIT_FOR_VERDICT`, then checking here too).
-    fn result(&self, check: impl FnOnce() -> bool) -> bool {
-        let state = self.state();
-        let state = match *state {
-            Check::Done(good) => return good,
-            Check::Unclaimed => {
-                let mut state = state;
-                *state = Check::Claimed;
-                drop(state);
-                let good = check();
-                self.record(good);
-                return good;
-            }
-            Check::Claimed => {
-                self.done
-                    .wait_timeout_while(state, WAIT_FOR_VERDICT, |s| matches!(s, Check::Claimed))
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .0
-            }
-        };
-        if let Check::Done(good) = *state {
-            return good;
-        }
-        drop(state);
-        let good = check();
-        self.record(good);
-        good
     }
 }
 
