@@ -1586,6 +1586,59 @@ fn a_failed_resolve_releases_its_lock_though_a_forked_child_shares_the_descripto
     drop(childs_copy);
 }
 
+/// Six threads resolve every turn of four rollouts at random under a cap of 4 kept
+/// descriptors (two rollouts' log and lock file): entries are evicted by one thread's settle
+/// while another resolves through them (and a fresh entry is made beside the evicted one),
+/// kept lock files are reused, verified and closed with their entries. Every answer is the
+/// turn's tokens; at rest the cache is within its cap and what it counts is exactly what is
+/// open on the rollouts' files (nothing leaked uncounted, nothing counted and closed).
+#[cfg(target_os = "linux")]
+#[test]
+fn concurrent_resolves_under_a_small_descriptor_cap_answer_right_and_count_what_is_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 8).unwrap();
+    let turns = conversation(4, "e");
+    let rollouts = ["a", "b", "c", "d"];
+    for rollout in rollouts {
+        for (i, turn) in turns.iter().enumerate() {
+            let parent = i.checked_sub(1).map(|p| turns[p].call_id.as_str());
+            store
+                .put(rollout, &turn.call_id, &turn.line(parent, None))
+                .unwrap();
+        }
+    }
+    store.clear(); // the store's own kept descriptors would muddle the counts below
+    let lineage = FileLineage::with_max_open_files(dir.path(), 8, 1 << 20, Some(4));
+    std::thread::scope(|scope| {
+        for thread in 0..6u64 {
+            let (lineage, turns) = (&lineage, &turns);
+            scope.spawn(move || {
+                let mut rng = crate::json::tests::Lcg(thread);
+                for _ in 0..40 {
+                    let rollout = rollouts[rng.next(4) as usize];
+                    let turn = &turns[rng.next(4) as usize];
+                    let outcome = resolve_file(lineage, rollout, &turn.next_request("n")).unwrap();
+                    assert_eq!(resolved(&outcome).0, turn.call_id);
+                    assert_eq!(resolved(&outcome).1, turn.cumulative().as_slice());
+                }
+            });
+        }
+    });
+    let open: usize = rollouts
+        .iter()
+        .flat_map(|r| [format!("{r}.tokens.lock"), format!("{r}.tokens.jsonl")])
+        .map(|name| fds_on(&dir.path().join(name)))
+        .sum();
+    assert!(lineage.open_files() <= 4, "{}", lineage.open_files());
+    assert_eq!(open, lineage.open_files());
+    lineage.clear();
+    let open: usize = rollouts
+        .iter()
+        .map(|r| fds_on(&dir.path().join(format!("{r}.tokens.lock"))))
+        .sum();
+    assert_eq!((open, lineage.open_files()), (0, 0));
+}
+
 #[test]
 fn an_unverified_answer_names_its_digest_and_is_cached_only_once_verified() {
     let dir = tempfile::tempdir().unwrap();
