@@ -2879,6 +2879,47 @@ mod tests {
     }
 
     #[test]
+    fn a_store_keeps_at_most_eight_chunks_of_its_chunk_size_between_reads() {
+        // A decoder that holds every line until it returns makes the ring allocate a chunk
+        // for every few lines (300 KB of ~1 KB lines in 4 KiB chunks), and one 20 KB line grows
+        // its own buffer: between reads the store keeps at most `MAX_SPARE_CHUNKS` of them,
+        // none grown (the bound on what an idle store holds, 4 MiB at the default size).
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap().with_chunk_bytes(4_096);
+        let mut call = 0;
+        while store.paths("r").log.metadata().map_or(0, |m| m.len()) < 300_000 {
+            let pad = if call == 150 { 20_000 } else { 1_000 };
+            let line = format!(
+                r#"{{"model_call_id":"c{call}","pad":"{}"}}"#,
+                "x".repeat(pad)
+            );
+            store
+                .put("r", &format!("c{call}"), line.as_bytes())
+                .unwrap();
+            call += 1;
+        }
+        let hold_all = |lines: LinesToDecode<'_>| taped(lines).iter().collect::<Vec<_>>().len();
+        let kept = |store: &Store| {
+            let spare = store.spare_chunks();
+            assert!(spare.len() <= MAX_SPARE_CHUNKS, "{} kept", spare.len());
+            assert!(spare.iter().all(|buf| buf.len() == 4_096));
+            spare.len()
+        };
+        let (_, _, held) = store.read_decoding("r", hold_all).unwrap();
+        assert_eq!(held, call);
+        assert_eq!(kept(&store), MAX_SPARE_CHUNKS);
+        let (_, _, held) = store.freeze_decoding("r", hold_all).unwrap();
+        assert_eq!(held, call);
+        assert_eq!(kept(&store), MAX_SPARE_CHUNKS);
+        // A decoder that gives each line back at once: a few buffers go round, the grown one
+        // among them once its line is built; it is not kept.
+        for _ in 0..2 {
+            store.read_decoding("r", replaying_decode).unwrap();
+            assert!(kept(&store) > 0);
+        }
+    }
+
+    #[test]
     fn a_digest_board_hashes_every_line_once_whichever_threads_step() {
         // Lines are added one at a time while another thread takes every step it can; the
         // adding thread steps now and then, and collects: each digest is its line's, in order.
