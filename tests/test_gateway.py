@@ -475,6 +475,89 @@ async def test_client_gone_while_the_engine_ran_ahead_is_marked_not_stored(
     assert store.freeze_now("ahead").incomplete
 
 
+async def test_client_gone_before_the_store_is_marked_not_stored(tmp_path: Path) -> None:
+    """The relay's last look at the client, once the whole stream is in and before the entry
+    is stored: a client that left by then is not stored but marked `client_disconnected`.
+
+    Driven through the ASGI interface by hand, so that only that look can see the client
+    leave: the client goes as soon as the first chunk reaches it, and this server answers
+    `http.disconnect` to every `receive` called after that, but never wakes a `receive` that
+    was already pending (Starlette's disconnect listener, which would cancel the relay, is such
+    a one: a server's wake-up of it lags behind the relay when the engine's chunks are all
+    buffered). The pauses between chunks do not look at the client, so without the final check
+    the call is stored whole and `[DONE]` sent to a client that is gone."""
+    root = tmp_path / "store"
+    fake = FakeUpstream()
+    upstream = ThreadServer(fake.app)
+    app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
+    store = TokenCaptureStore(root)
+    payload = orjson.dumps(
+        {
+            "model": MODEL,
+            "messages": [_user("everything at once")],
+            "stream": True,
+            "fake_one_write": True,
+            "fake_reply": "a stream the client leaves after its first chunk",
+        }
+    )
+    gone = False
+    requested = False
+    never = asyncio.get_running_loop().create_future()  # a pending receive is never woken
+    sent: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        if gone:
+            return {"type": "http.disconnect"}
+        result: dict[str, Any] = await never
+        return result
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal gone
+        if message["type"] == "http.response.body" and message.get("body"):
+            sent.append(message["body"])
+            gone = True  # the client leaves once the first chunk reached it
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/rollouts/before-store/v1/chat/completions",
+        "raw_path": b"/rollouts/before-store/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"gateway"),
+            (b"content-type", b"application/json"),
+            (b"x-model-call-id", b"left"),
+            (b"content-length", str(len(payload)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    try:
+        await asyncio.wait_for(app(scope, receive, send), 30)
+    finally:
+        never.cancel()
+        await app.state.gateway.close()
+        upstream.stop()
+    assert sent and orjson.loads(sent[0][6:])["choices"][0]["finish_reason"] is None
+    assert not any(b"[DONE]" in body for body in sent)
+    assert fake.streams_done == 1  # the engine had sent it all
+    assert store.read_entries("before-store") == []
+    assert json.loads((root / "before-store.lineage.jsonl").read_text()) == {
+        "failure_reason": "client_disconnected",
+        "model_call_id": "left",
+    }
+    assert store.freeze_now("before-store").incomplete
+
+
 async def test_answer_without_token_ids_is_502_not_captured(gw: Harness) -> None:
     answer = await gw.chat("r1", [_user("x")], fake_no_token_ids=True)
     assert answer.status_code == 502
