@@ -136,6 +136,40 @@ async def test_continuation_resolves_to_parent(gw: Harness) -> None:
     assert child.prompt_token_ids[: len(prefix)] == prefix
 
 
+async def test_intent_and_parent_lookup_start_together(
+    gw: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat call's durable intent and its parent's lookup start together, the intent first
+    (one job of the store's worker pool: docs/gateway.md, Performance); a completion has no
+    parent to look up. The continuation still resolves (the lookup is done by then)."""
+    import tokencapture.gateway.app as app_module
+
+    started: list[list[str]] = []
+    real = app_module.start_together
+
+    def spy(*coroutines: Any) -> Any:
+        started.append([coroutine.__qualname__ for coroutine in coroutines])
+        return real(*coroutines)
+
+    monkeypatch.setattr(app_module, "start_together", spy)
+    messages = [_user("hello")]
+    first = (await gw.chat("together", messages, call="a")).json()
+    messages += [first["choices"][0]["message"], _user("more")]
+    assert (await gw.chat("together", messages, call="b")).status_code == 200
+    answer = await gw.client.post(
+        "/rollouts/together-text/v1/completions", json={"model": MODEL, "prompt": "hi"}
+    )
+    assert answer.status_code == 200
+    assert started == [
+        ["Backend.begin_call", "Backend.resolve"],
+        ["Backend.begin_call", "Backend.resolve"],
+        ["Backend.begin_call"],
+    ]
+    child = gw.store.read_entries("together")[1]
+    assert child.parent_resolution is ParentResolutionStatus.RESOLVED
+    assert child.parent_call_id == "a"
+
+
 async def test_rerendered_continuation_is_unresolved_with_reason(tmp_path: Path) -> None:
     harness = Harness(tmp_path / "store", FakeUpstream(drift=True))
     try:

@@ -53,6 +53,7 @@ from tokencapture.gateway.capture import (
     strip_completion,
 )
 from tokencapture.gateway.errors import HttpError, error_response
+from tokencapture.jobs import start_together
 from tokencapture.lineage import stamp_continuation
 from tokencapture.metrics import Metrics
 from tokencapture.protocols import LineageResolution, TokenCaptureFrozenError
@@ -394,11 +395,13 @@ class Gateway:
             messages = raw
         headers = {CALL_HEADER: raw_call_id}
         call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
-        # The parent is looked up while the intent is written (a read: nothing to undo).
-        call.start_resolution()
+        # The parent is looked up once the intent is written (a read: nothing to undo), by the
+        # same job of the store's worker pool: one worker wake-up for both. The lookup is done
+        # long before the engine answers (the call goes upstream only after the intent).
+        intent = call.start_intent()
         recorded = False
         try:
-            await self.backend.begin_call(rollout_id, call_id)
+            await intent
             recorded = True
         except TokenCaptureFrozenError as exc:
             raise HttpError(
@@ -456,6 +459,20 @@ class _Call:
         self.extra: dict[str, Any] = {}
 
     # Lineage -------------------------------------------------------------------------------
+
+    def start_intent(self) -> asyncio.Task[None]:
+        """Start writing the call's durable intent and, for a chat call, resolving its parent
+        (`start_together`: the store's native jobs of both as one); the intent's task."""
+        backend = self.gateway.backend
+        if self.kind != CHAT or self.resolution is not None:
+            (intent,) = start_together(backend.begin_call(self.rollout_id, self.call_id))
+            return intent
+        intent, resolution = start_together(
+            backend.begin_call(self.rollout_id, self.call_id),
+            backend.resolve(self.rollout_id, self.messages),
+        )
+        self.resolution = resolution
+        return intent
 
     def start_resolution(self) -> None:
         if self.kind == CHAT and self.resolution is None:
