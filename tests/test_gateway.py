@@ -231,6 +231,82 @@ async def test_completions_logprobs_zero_is_a_request(gw: Harness) -> None:
     assert entries[2].generation_token_ids == ids["choices"][0]["token_ids"]
 
 
+def test_captured_routes_are_matched_as_starlette_would(tmp_path: Path) -> None:
+    """The ASGI front's own match of the captured routes: what Starlette's `{rollout_id}` (one
+    non-empty path segment) would match, nothing else (that goes to Starlette)."""
+    app = create_app(open_backend(store_dir=tmp_path), GatewayConfig("http://127.0.0.1:9"))
+    route = app.route
+    assert route("/rollouts/r1/v1/chat/completions") == ("chat", "r1")
+    assert route("/rollouts/r 1.x/v1/completions") == ("completions", "r 1.x")
+    assert route("/v1/chat/completions") == ("chat", None)
+    assert route("/v1/completions") == ("completions", None)
+    for other in (
+        "/rollouts//v1/chat/completions",
+        "/rollouts/a/b/v1/chat/completions",
+        "/rollouts/r1/v1/chat/completions/",
+        "/rollouts/r1/v1/models",
+        "/rollouts/r1",
+        "/rollouts/r1/v1/chat/completionsx",
+        "/v1/chat/completions/",
+        "/v1/embeddings",
+        "/healthz",
+    ):
+        assert route(other) is None, other
+
+
+async def test_captured_routes_other_than_post_are_starlettes(gw: Harness) -> None:
+    """A GET of a captured route is Starlette's 405, an extra path segment its 404; a call
+    under a root path goes through Starlette's router and is captured alike."""
+    assert (await gw.client.get("/rollouts/r1/v1/chat/completions")).status_code == 405
+    answer = await gw.client.post(
+        "/rollouts/a/b/v1/chat/completions", json={"model": MODEL, "messages": [_user("x")]}
+    )
+    assert answer.status_code == 404
+    rooted = httpx.AsyncClient(
+        transport=httpx.ASGITransport(gw.app, root_path="/gw"), base_url="http://gateway"
+    )
+    async with rooted:
+        answer = await rooted.post(
+            "/gw/rollouts/rooted/v1/chat/completions",
+            json={"model": MODEL, "messages": [_user("x")]},
+            headers={"x-model-call-id": "c"},
+        )
+    assert answer.status_code == 200, answer.text
+    assert [e.model_call_id for e in gw.store.read_entries("rooted")] == ["c"]
+    assert gw.store.read_entries("a") == []
+
+
+async def test_the_upstream_client_keeps_no_cookies(tmp_path: Path) -> None:
+    """An engine's `Set-Cookie` is not sent back on later calls (of any client): the
+    gateway's upstream client has no cookie jar."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    seen: list[str | None] = []
+
+    async def models(request: Request) -> JSONResponse:
+        seen.append(request.headers.get("cookie"))
+        answer = JSONResponse({"object": "list", "data": []})
+        answer.set_cookie("engine", "session-of-someone-else")
+        return answer
+
+    upstream = ThreadServer(Starlette(routes=[Route("/v1/models", models)]))
+    # By name: aiohttp's default jar would keep no cookie of an IP address anyway.
+    url = f"http://localhost:{upstream.port}"
+    app = create_app(open_backend(store_dir=tmp_path), GatewayConfig(url))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gateway")
+    try:
+        for _ in range(2):
+            assert (await client.get("/v1/models")).status_code == 200
+    finally:
+        await client.aclose()
+        await app.state.gateway.close()
+        upstream.stop()
+    assert seen == [None, None]
+
+
 async def test_rollout_header_and_passthrough(gw: Harness) -> None:
     answer = await gw.client.post(
         "/v1/chat/completions",
