@@ -140,8 +140,9 @@ async def test_intent_and_parent_lookup_start_together(
     gw: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A chat call's durable intent and its parent's lookup start together, the intent first
-    (one job of the store's worker pool: docs/gateway.md, Performance); a completion has no
-    parent to look up. The continuation still resolves (the lookup is done by then)."""
+    (one job of the store's worker pool: docs/gateway.md, Performance); a completion, with no
+    parent to look up, writes its intent alone. The continuation still resolves (the lookup
+    is done by then)."""
     import tokencapture.gateway.app as app_module
 
     started: list[list[str]] = []
@@ -163,7 +164,9 @@ async def test_intent_and_parent_lookup_start_together(
     assert started == [
         ["Backend.begin_call", "Backend.resolve"],
         ["Backend.begin_call", "Backend.resolve"],
-        ["Backend.begin_call"],
+    ]
+    assert [e.model_call_id for e in gw.store.read_entries("together-text")] == [
+        answer.headers["x-model-call-id"]
     ]
     child = gw.store.read_entries("together")[1]
     assert child.parent_resolution is ParentResolutionStatus.RESOLVED

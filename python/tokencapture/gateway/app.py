@@ -460,13 +460,12 @@ class _Call:
 
     # Lineage -------------------------------------------------------------------------------
 
-    def start_intent(self) -> asyncio.Task[None]:
-        """Start writing the call's durable intent and, for a chat call, resolving its parent
-        (`start_together`: the store's native jobs of both as one); the intent's task."""
+    def start_intent(self) -> Awaitable[None]:
+        """The call's durable intent to await; for a chat call, with the lookup of its parent
+        started too (`start_together`: the store's native jobs of both as one)."""
         backend = self.gateway.backend
-        if self.kind != CHAT or self.resolution is not None:
-            (intent,) = start_together(backend.begin_call(self.rollout_id, self.call_id))
-            return intent
+        if self.kind != CHAT:
+            return backend.begin_call(self.rollout_id, self.call_id)
         intent, resolution = start_together(
             backend.begin_call(self.rollout_id, self.call_id),
             backend.resolve(self.rollout_id, self.messages),
