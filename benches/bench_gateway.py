@@ -49,6 +49,7 @@ from tests.fake_upstream import (  # noqa: E402
     Server,
     free_port,
     server_dir,
+    server_runner,
     start_fake,
     start_gateway,
 )
@@ -182,6 +183,19 @@ def _start_rllm(python: str, upstream: str, db: Path, log_dir: Path, sync: bool)
     return Server(argv, port, log_dir / f"rllm-{port}.log").start()
 
 
+def _start_baseline(sources: str, upstream: str, store: Path, log_dir: Path) -> Server:
+    """`tokencapture gateway` of another build: the `python/` of `sources` (a copy of another
+    commit's tree with its `_core` extension built in place) first on the path."""
+    runner, python = server_runner()
+    *interpreter, code = python
+    path = str(Path(sources).resolve() / "python")
+    code = code.replace("import runpy", f"sys.path.insert(0, {path!r}); import runpy", 1)
+    port = free_port()
+    argv = [*interpreter, code, "tokencapture", "gateway", "--upstream", upstream]
+    argv += ["--store", str(store), "--port", str(port)]
+    return Server(argv, port, log_dir / f"baseline-{port}.log", runner=runner).start()
+
+
 def _lost_rllm(
     python: str, upstream: str, db: Path, log_dir: Path, acknowledged: dict[str, int]
 ) -> int:
@@ -212,6 +226,9 @@ def _measure_target(
     if target == "tokencapture":
         server = start_gateway(upstream, store, work)
         prefix = f"{server.url}/rollouts/"
+    elif target == "baseline":
+        server = _start_baseline(args.baseline, upstream, store, work)
+        prefix = f"{server.url}/rollouts/"
     else:
         store.mkdir()
         server = _start_rllm(
@@ -232,7 +249,7 @@ def _measure_target(
     finally:
         server.kill()
     acknowledged = measured.pop("acknowledged")
-    if target == "tokencapture":
+    if target in ("tokencapture", "baseline"):
         lost = _lost_tokencapture(store, acknowledged)
     else:
         lost = _lost_rllm(args.rllm_python, upstream, store / "traces.db", work, acknowledged)
@@ -275,6 +292,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.start()
         upstreams.append(("vllm", engine.base_url, engine.model))
     targets = ["tokencapture"]
+    if args.baseline:
+        targets.append("baseline")
     if args.rllm_python:
         targets += ["rllm", "rllm-sync"]
     try:
@@ -349,7 +368,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             item["acknowledged_total"] = sum(r["acknowledged_total"] for r in rows)
             item["acknowledged_lost"] = sum(r["acknowledged_lost"] for r in rows)
         if target == "tokencapture":
-            for peer in ("rllm", "rllm-sync"):
+            for peer in ("baseline", "rllm", "rllm-sync"):
                 theirs = {r["round"]: r for r in groups.get((upstream, sessions, peer), [])}
                 pairs = [(r, theirs[r["round"]]) for r in rows if r["round"] in theirs]
                 if pairs:
@@ -378,7 +397,7 @@ def _summary_line(item: dict[str, Any]) -> str:
     text += fmt("added_p99_ms")
     if "acknowledged_total" in item:
         text += f" lost {item['acknowledged_lost']}/{item['acknowledged_total']}"
-    for peer in ("rllm", "rllm-sync"):
+    for peer in ("baseline", "rllm", "rllm-sync"):
         text += fmt(f"calls_per_s_x_{peer}", "x") + fmt(f"cpu_per_call_{peer}_over_ours", "x")
     return text
 
@@ -409,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rllm-python",
         default=None,
         help="python of a venv with rllm-model-gateway (measured beside ours)",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="a source tree of another build (its python/ with _core built in place), measured "
+        "as `baseline` in the same rounds (an interleaved A/B)",
     )
     parser.add_argument("--vllm", action="store_true", help="also against the tiny vLLM")
     parser.add_argument(

@@ -136,6 +136,43 @@ async def test_continuation_resolves_to_parent(gw: Harness) -> None:
     assert child.prompt_token_ids[: len(prefix)] == prefix
 
 
+async def test_intent_and_parent_lookup_start_together(
+    gw: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat call's durable intent and its parent's lookup start together, the intent first
+    (one job of the store's worker pool: docs/gateway.md, Performance); a completion, with no
+    parent to look up, writes its intent alone. The continuation still resolves (the lookup
+    is done by then)."""
+    import tokencapture.gateway.app as app_module
+
+    started: list[list[str]] = []
+    real = app_module.start_together
+
+    def spy(*coroutines: Any) -> Any:
+        started.append([coroutine.__qualname__ for coroutine in coroutines])
+        return real(*coroutines)
+
+    monkeypatch.setattr(app_module, "start_together", spy)
+    messages = [_user("hello")]
+    first = (await gw.chat("together", messages, call="a")).json()
+    messages += [first["choices"][0]["message"], _user("more")]
+    assert (await gw.chat("together", messages, call="b")).status_code == 200
+    answer = await gw.client.post(
+        "/rollouts/together-text/v1/completions", json={"model": MODEL, "prompt": "hi"}
+    )
+    assert answer.status_code == 200
+    assert started == [
+        ["Backend.begin_call", "Backend.resolve"],
+        ["Backend.begin_call", "Backend.resolve"],
+    ]
+    assert [e.model_call_id for e in gw.store.read_entries("together-text")] == [
+        answer.headers["x-model-call-id"]
+    ]
+    child = gw.store.read_entries("together")[1]
+    assert child.parent_resolution is ParentResolutionStatus.RESOLVED
+    assert child.parent_call_id == "a"
+
+
 async def test_rerendered_continuation_is_unresolved_with_reason(tmp_path: Path) -> None:
     harness = Harness(tmp_path / "store", FakeUpstream(drift=True))
     try:
@@ -195,6 +232,82 @@ async def test_completions_logprobs_zero_is_a_request(gw: Harness) -> None:
     entries = gw.store.read_entries("r1")
     assert [e.prompt_token_ids for e in entries] == [encode("abc"), encode("abc"), [40, 41]]
     assert entries[2].generation_token_ids == ids["choices"][0]["token_ids"]
+
+
+def test_captured_routes_are_matched_as_starlette_would(tmp_path: Path) -> None:
+    """The ASGI front's own match of the captured routes: what Starlette's `{rollout_id}` (one
+    non-empty path segment) would match, nothing else (that goes to Starlette)."""
+    app = create_app(open_backend(store_dir=tmp_path), GatewayConfig("http://127.0.0.1:9"))
+    route = app.route
+    assert route("/rollouts/r1/v1/chat/completions") == ("chat", "r1")
+    assert route("/rollouts/r 1.x/v1/completions") == ("completions", "r 1.x")
+    assert route("/v1/chat/completions") == ("chat", None)
+    assert route("/v1/completions") == ("completions", None)
+    for other in (
+        "/rollouts//v1/chat/completions",
+        "/rollouts/a/b/v1/chat/completions",
+        "/rollouts/r1/v1/chat/completions/",
+        "/rollouts/r1/v1/models",
+        "/rollouts/r1",
+        "/rollouts/r1/v1/chat/completionsx",
+        "/v1/chat/completions/",
+        "/v1/embeddings",
+        "/healthz",
+    ):
+        assert route(other) is None, other
+
+
+async def test_captured_routes_other_than_post_are_starlettes(gw: Harness) -> None:
+    """A GET of a captured route is Starlette's 405, an extra path segment its 404; a call
+    under a root path goes through Starlette's router and is captured alike."""
+    assert (await gw.client.get("/rollouts/r1/v1/chat/completions")).status_code == 405
+    answer = await gw.client.post(
+        "/rollouts/a/b/v1/chat/completions", json={"model": MODEL, "messages": [_user("x")]}
+    )
+    assert answer.status_code == 404
+    rooted = httpx.AsyncClient(
+        transport=httpx.ASGITransport(gw.app, root_path="/gw"), base_url="http://gateway"
+    )
+    async with rooted:
+        answer = await rooted.post(
+            "/gw/rollouts/rooted/v1/chat/completions",
+            json={"model": MODEL, "messages": [_user("x")]},
+            headers={"x-model-call-id": "c"},
+        )
+    assert answer.status_code == 200, answer.text
+    assert [e.model_call_id for e in gw.store.read_entries("rooted")] == ["c"]
+    assert gw.store.read_entries("a") == []
+
+
+async def test_the_upstream_client_keeps_no_cookies(tmp_path: Path) -> None:
+    """An engine's `Set-Cookie` is not sent back on later calls (of any client): the
+    gateway's upstream client has no cookie jar."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    seen: list[str | None] = []
+
+    async def models(request: Request) -> JSONResponse:
+        seen.append(request.headers.get("cookie"))
+        answer = JSONResponse({"object": "list", "data": []})
+        answer.set_cookie("engine", "session-of-someone-else")
+        return answer
+
+    upstream = ThreadServer(Starlette(routes=[Route("/v1/models", models)]))
+    # By name: aiohttp's default jar would keep no cookie of an IP address anyway.
+    url = f"http://localhost:{upstream.port}"
+    app = create_app(open_backend(store_dir=tmp_path), GatewayConfig(url))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gateway")
+    try:
+        for _ in range(2):
+            assert (await client.get("/v1/models")).status_code == 200
+    finally:
+        await client.aclose()
+        await app.state.gateway.close()
+        upstream.stop()
+    assert seen == [None, None]
 
 
 async def test_rollout_header_and_passthrough(gw: Harness) -> None:
@@ -473,6 +586,89 @@ async def test_client_gone_while_the_engine_ran_ahead_is_marked_not_stored(
         "model_call_id": "left",
     }
     assert store.freeze_now("ahead").incomplete
+
+
+async def test_client_gone_before_the_store_is_marked_not_stored(tmp_path: Path) -> None:
+    """The relay's last look at the client, once the whole stream is in and before the entry
+    is stored: a client that left by then is not stored but marked `client_disconnected`.
+
+    Driven through the ASGI interface by hand, so that only that look can see the client
+    leave: the client goes as soon as the first chunk reaches it, and this server answers
+    `http.disconnect` to every `receive` called after that, but never wakes a `receive` that
+    was already pending (Starlette's disconnect listener, which would cancel the relay, is such
+    a one: a server's wake-up of it lags behind the relay when the engine's chunks are all
+    buffered). The pauses between chunks do not look at the client, so without the final check
+    the call is stored whole and `[DONE]` sent to a client that is gone."""
+    root = tmp_path / "store"
+    fake = FakeUpstream()
+    upstream = ThreadServer(fake.app)
+    app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
+    store = TokenCaptureStore(root)
+    payload = orjson.dumps(
+        {
+            "model": MODEL,
+            "messages": [_user("everything at once")],
+            "stream": True,
+            "fake_one_write": True,
+            "fake_reply": "a stream the client leaves after its first chunk",
+        }
+    )
+    gone = False
+    requested = False
+    never = asyncio.get_running_loop().create_future()  # a pending receive is never woken
+    sent: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        if gone:
+            return {"type": "http.disconnect"}
+        result: dict[str, Any] = await never
+        return result
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal gone
+        if message["type"] == "http.response.body" and message.get("body"):
+            sent.append(message["body"])
+            gone = True  # the client leaves once the first chunk reached it
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/rollouts/before-store/v1/chat/completions",
+        "raw_path": b"/rollouts/before-store/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"gateway"),
+            (b"content-type", b"application/json"),
+            (b"x-model-call-id", b"left"),
+            (b"content-length", str(len(payload)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    try:
+        await asyncio.wait_for(app(scope, receive, send), 30)
+    finally:
+        never.cancel()
+        await app.state.gateway.close()
+        upstream.stop()
+    assert sent and orjson.loads(sent[0][6:])["choices"][0]["finish_reason"] is None
+    assert not any(b"[DONE]" in body for body in sent)
+    assert fake.streams_done == 1  # the engine had sent it all
+    assert store.read_entries("before-store") == []
+    assert json.loads((root / "before-store.lineage.jsonl").read_text()) == {
+        "failure_reason": "client_disconnected",
+        "model_call_id": "left",
+    }
+    assert store.freeze_now("before-store").incomplete
 
 
 async def test_answer_without_token_ids_is_502_not_captured(gw: Harness) -> None:

@@ -223,12 +223,16 @@ def test_client_disconnect_mid_stream_against_the_engine(
             lines = answer.iter_lines()
             assert next(lines).startswith("data: ")
         store = TokenCaptureStore(store_dir)
+        ledger = store_dir / "gone.lineage.jsonl"
         deadline = time.monotonic() + 30
-        while not store.is_incomplete("gone") and time.monotonic() < deadline:
+        # The gateway marks the call incomplete, then records why: wait for both.
+        while not (store.is_incomplete("gone") and ledger.exists()):
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.1)
         assert store.is_incomplete("gone")
         assert store.read_entries("gone") == []
-        row = json.loads((store_dir / "gone.lineage.jsonl").read_text())
+        row = json.loads(ledger.read_text())
         assert row == {"failure_reason": "client_disconnected", "model_call_id": "left"}
     finally:
         server.stop()

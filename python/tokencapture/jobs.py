@@ -7,6 +7,9 @@ Two ways to run blocking work without blocking the event loop:
   descriptor the loop watches; one wake-up drains every job finished since the last one, so a
   put costs the loop a future and a dictionary entry, not a thread hop. A cancelled await does
   not stop the job: a durable write completes or fails whole.
+* `start_together(*coroutines)`: start coroutines as tasks whose native jobs (those each
+  starts before it first waits) go to the worker pool as one job, run in order: one worker
+  wake-up instead of one per job.
 * `off_loop(func, *args)`: run a blocking call that builds Python objects (a freeze, a batch)
   on the process-wide thread pool (`io_executor()`, recreated in a forked child).
 
@@ -31,7 +34,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 from tokencapture import _core
 from tokencapture.forking import renew_after_fork
 
-__all__ = ["checked_when_called", "io_executor", "native_job", "off_loop"]
+__all__ = ["checked_when_called", "io_executor", "native_job", "off_loop", "start_together"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -125,15 +128,20 @@ _bridges: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopBridge] = (
 )
 
 
+def _bridge(loop: asyncio.AbstractEventLoop) -> _LoopBridge:
+    bridge = _bridges.get(loop)
+    if bridge is None:
+        bridge = _bridges[loop] = _LoopBridge(loop)
+    return bridge
+
+
 def native_job(start: Callable[..., None], *args: object) -> asyncio.Future[Any]:
     """Start `start(completions, token, *args)` on the worker pool; a future for its result.
 
     A cancelled await does not stop the job: a durable write either completes or fails whole.
     """
     loop = asyncio.get_running_loop()
-    bridge = _bridges.get(loop)
-    if bridge is None:
-        bridge = _bridges[loop] = _LoopBridge(loop)
+    bridge = _bridge(loop)
     token = next(bridge.tokens)
     future = loop.create_future()
     bridge.futures[token] = future
@@ -143,3 +151,25 @@ def native_job(start: Callable[..., None], *args: object) -> asyncio.Future[Any]
         del bridge.futures[token]
         raise
     return future
+
+
+def start_together(*coroutines: Coroutine[Any, Any, Any]) -> list[asyncio.Task[Any]]:
+    """Start `coroutines` as tasks, in order; the native jobs their first steps start (before
+    each first waits) go to the worker pool as one job that runs them in that order.
+
+    One worker wake-up for all of them (a futex wake on the loop's thread, and a worker's wake
+    and sleep) instead of one each. Each job still reports to its own future as it finishes,
+    but a job waits for the ones before it: start together only jobs where that costs nothing,
+    such as a durable intent and then a lookup needed only once the call's answer is back.
+
+    The loop runs the first steps right after one another (its ready queue is first in, first
+    out, and they are queued here back to back, between the hold and the release of this
+    loop's completion queue); a job started by anything else runs apart.
+    """
+    loop = asyncio.get_running_loop()
+    completions = _bridge(loop).completions
+    loop.call_soon(completions.hold)
+    try:
+        return [loop.create_task(coroutine) for coroutine in coroutines]
+    finally:
+        loop.call_soon(completions.release)

@@ -2,6 +2,10 @@
 //! `Completions` queue that the event loop watches (its doorbell is registered with
 //! `loop.add_reader`). Workers never take the GIL; the first completion after a drain rings the
 //! doorbell, so a burst of completions costs the loop one wake-up and one `drain` call.
+//!
+//! Jobs started while a `Completions` is held (`hold` ... `release`, on the loop's thread) go to
+//! the pool together, as one job that runs them in order: one worker wake-up (a futex wake on
+//! the loop's thread, a worker's wake and sleep) instead of one per job.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -62,10 +66,29 @@ impl From<crate::Result<bool>> for Outcome {
     }
 }
 
+/// A job for the worker pool.
+type Task = Box<dyn FnOnce() + Send + 'static>;
+
 /// A completion queue for one event loop.
 #[pyclass(frozen, module = "tokencapture._core")]
 pub(super) struct Completions {
     queue: Arc<Queue>,
+    /// The jobs started since `hold`, until `release` submits them as one.
+    held: Mutex<Option<Vec<Task>>>,
+}
+
+impl Completions {
+    /// Keep `task` with the held jobs; given back when nothing is held.
+    fn keep(&self, task: Task) -> Option<Task> {
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        match held.as_mut() {
+            Some(tasks) => {
+                tasks.push(task);
+                None
+            }
+            None => Some(task),
+        }
+    }
 }
 
 /// What the workers hold of a completion queue: never a Python object, so a worker drops
@@ -100,7 +123,54 @@ impl Completions {
                 done: Mutex::new(Vec::new()),
                 doorbell: Doorbell::new()?,
             }),
+            held: Mutex::new(None),
         })
+    }
+
+    /// Hold the jobs started from now on (by the submit calls given this queue) until
+    /// `release`. Holding already: no change.
+    fn hold(&self) {
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        held.get_or_insert_with(Vec::new);
+    }
+
+    /// Submit the held jobs as one job of the pool, which runs them in the order they were
+    /// started (a panic in one does not stop the next); stop holding. Where the pool cannot
+    /// take it, they run on this thread, detached from the interpreter, so that each still
+    /// reports its outcome. Returns how many there were.
+    fn release(&self, py: Python<'_>) -> usize {
+        let tasks = self
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .unwrap_or_default();
+        let count = tasks.len();
+        match count {
+            0 => {}
+            1 => {
+                if let Some(task) = tasks.into_iter().next() {
+                    submit_or_run(py, task);
+                }
+            }
+            _ => submit_or_run(
+                py,
+                Box::new(move || {
+                    for task in tasks {
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task));
+                    }
+                }),
+            ),
+        }
+        count
+    }
+
+    /// Whether jobs are being held.
+    fn holding(&self) -> bool {
+        self.held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
     }
 
     /// The descriptor to watch for readability.
@@ -159,12 +229,16 @@ where
     T: Into<Outcome>,
 {
     let queue = Arc::clone(&completions.get().queue);
+    let task: Task = Box::new(move || {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(op))
+            .map_or(Outcome::Panicked, Into::into);
+        queue.complete(token, outcome);
+    });
+    let Some(task) = completions.get().keep(task) else {
+        return Ok(());
+    };
     worker_pool()?
-        .submit(move || {
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(op))
-                .map_or(Outcome::Panicked, Into::into);
-            queue.complete(token, outcome);
-        })
+        .submit(task)
         .map_err(|closed| pyo3::exceptions::PyRuntimeError::new_err(closed.to_string()))
 }
 
@@ -198,10 +272,21 @@ impl Drop for Report {
     }
 }
 
-/// Run `job` on the worker pool; it reports its own outcomes (through [`Report`]s). Where the
-/// pool cannot take it (no worker could be started, or every one has exited), `job` runs on
-/// this thread instead, detached from the interpreter, so what it was to answer is answered.
-pub(super) fn spawn_detached(py: Python<'_>, job: impl FnOnce() + Send + 'static) {
+/// Run `job` on the worker pool (or keep it with `completions`' held jobs); it reports its own
+/// outcomes (through [`Report`]s). Where the pool cannot take it (no worker could be started,
+/// or every one has exited), `job` runs on this thread instead, detached from the
+/// interpreter, so what it was to answer is answered.
+pub(super) fn spawn_detached(
+    completions: &Bound<'_, Completions>,
+    job: impl FnOnce() + Send + 'static,
+) {
+    if let Some(task) = completions.get().keep(Box::new(job)) {
+        submit_or_run(completions.py(), task);
+    }
+}
+
+/// `task` on the worker pool, or on this thread (detached) where the pool cannot take it.
+fn submit_or_run(py: Python<'_>, job: Task) {
     let job = Arc::new(Mutex::new(Some(job)));
     let queued = Arc::clone(&job);
     let submitted = worker_pool().map(|pool| {

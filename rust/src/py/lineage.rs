@@ -480,7 +480,7 @@ impl PyFileLineage {
         let verdict = Arc::clone(&job.verdict);
         let lineage = inner;
         let report = Report::new(completions, token);
-        spawn_detached(completions.py(), move || {
+        spawn_detached(completions, move || {
             let step = lineage.resolve_unverified(&rollout_id, &mut request);
             let deferred = match &step {
                 Ok(Step::Done(Outcome::Resolved {

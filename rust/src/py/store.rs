@@ -115,9 +115,7 @@ impl PyStore {
             return Ok(());
         };
         let rollout_id = rollout_id.to_owned();
-        spawn_detached(completions.py(), move || {
-            store.write_puts(&rollout_id, batch)
-        });
+        spawn_detached(completions, move || store.write_puts(&rollout_id, batch));
         Ok(())
     }
 
