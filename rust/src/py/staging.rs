@@ -859,8 +859,8 @@ fn verify_row(r: &[u8], key: &str, with_extras: bool) -> Result<(), String> {
     verified.map_err(|e| format!("staged row of {key:?} is damaged: {e}"))
 }
 
-/// Row bytes worth a second thread: below this a fetch verifies, then builds, on one thread
-/// (starting a thread costs about what verifying this many bytes does).
+/// Row bytes worth the helper thread: below this a fetch verifies, then builds, on one thread
+/// (waking the helper and sharing the rows with it costs about what verifying a few rows does).
 const PARALLEL_VERIFY_BYTES: usize = 64 << 10;
 
 /// The field dicts of `rows` (the rows of `keys`, in order), each verified by [`verify_row`];
@@ -868,9 +868,9 @@ const PARALLEL_VERIFY_BYTES: usize = 64 << 10;
 ///
 /// The dicts are built from the row bytes as they read ([`row::view_unverified`]: bounded and
 /// panic-free on any bytes), and returned only once every row verified: a small fetch
-/// verifies first (detached); a large one starts a helper thread verifying rows while this
-/// one (holding the GIL) builds, then verifies whatever rows the helper has not taken
-/// (`crate::split`: on a loaded machine this thread may do them all).
+/// verifies first (detached); a large one hands the rows to the process's helper thread,
+/// which verifies them while this one (holding the GIL) builds, then verifies whatever rows
+/// the helper has not taken (`crate::split`: on a loaded machine this thread may do them all).
 fn verified_dicts<'py>(
     py: Python<'py>,
     rows: Vec<Vec<u8>>,
