@@ -28,6 +28,7 @@ Runs are interleaved (one run = every backend once, in rotated order); the repor
 median and range over runs, and the file backend's per-run ratios to the ceiling.
 
     python benches/bench_staging.py --runs 5 [--quick] [--json benches/results/staging.json]
+    python benches/bench_staging.py --fetch-only --fetch-repeats 40   # the fetch case alone
 """
 
 from __future__ import annotations
@@ -309,6 +310,15 @@ def main(argv: list[str] | None = None) -> int:
         "--cases", default="", help="comma-separated cases to run (W1x32,...): default all"
     )
     parser.add_argument("--no-fetch", action="store_true", help="leave out the fetch timing")
+    parser.add_argument(
+        "--fetch-only", action="store_true", help="only the fetch timing (no stage cases)"
+    )
+    parser.add_argument(
+        "--fetch-repeats",
+        type=int,
+        default=0,
+        help="fetch/re-freeze pairs to time (default: 4 per run, at least 5)",
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.backends.split(",") if BACKENDS.get(n) is not None]
     scale = 0.05 if args.quick else 1.0
@@ -325,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cases:
             wanted = set(args.cases.split(","))
             cases = [case for case in cases if case[0] in wanted]
+        if args.fetch_only:
+            cases = []
         for run in range(args.runs):
             for case, threads, shape, size in cases:
                 order = names[run % len(names) :] + names[: run % len(names)]
@@ -337,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                     measured = run_stages(factory(str(directory)), per_thread)
                     results.setdefault(case, {}).setdefault(name, []).append(measured)
                     shutil.rmtree(directory, ignore_errors=True)
-        fetch = None if args.no_fetch else fetch_vs_freeze(scratch, max(5, args.runs * 4))
+        repeats = args.fetch_repeats or max(5, args.runs * 4)
+        fetch = None if args.no_fetch else fetch_vs_freeze(scratch, repeats)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         for name in names:
@@ -377,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             f"store re-freeze {statistics.median(fetch['freeze_ms']):.2f} ms, ratio "
             f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})"
         )
+    report["load_average"] = list(os.getloadavg())
+    print("load average {:.2f} {:.2f} {:.2f}".format(*report["load_average"]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0

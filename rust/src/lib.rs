@@ -42,6 +42,7 @@ pub mod lock;
 pub mod log;
 pub mod pool;
 pub mod ring;
+pub mod split;
 pub mod staging;
 pub mod state;
 pub mod store;

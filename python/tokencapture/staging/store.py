@@ -28,6 +28,7 @@ from tokencapture.staging_attachments import (
 from tokencapture.staging_rows import (
     ModelsChoice,
     StagingModels,
+    built_models,
     checked_keys,
     checked_rollout_ids,
     failure_reason,
@@ -106,14 +107,12 @@ class FileStagingStore:
     def fetch(self, staging_keys: list[str]) -> list[Any]:
         """One digest-verified base snapshot per key, in the order asked."""
         keys = checked_keys(staging_keys)
-        build = self._models().base_snapshot.model_construct
-        return [build(**fields) for fields in self._native.fetch(keys, False)]
+        return built_models(self._models().base_snapshot, self._native.fetch(keys, False))
 
     def fetch_records(self, staging_keys: list[str]) -> list[Any]:
         """One digest-verified record (with its extras) per key, in the order asked."""
         keys = checked_keys(staging_keys)
-        build = self._models().record.model_construct
-        return [build(**fields) for fields in self._native.fetch(keys, True)]
+        return built_models(self._models().record, self._native.fetch(keys, True))
 
     def fetch_attachments(self, staging_key: str) -> dict[str, StagedAttachment]:
         """The attachments staged with one key (empty if it had none)."""

@@ -10,18 +10,20 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyOSError, PyRecursionError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use super::errors::{to_pyerr, ExceptionClass};
 use crate::fork::PerProcess;
+use crate::split::Split;
 use crate::staging::digest::{
     self, CallFields, Digest32, DigestError, Extra, Mode, EXTRAS_DIGEST_VERSION,
     STAGING_DIGEST_VERSION, STAGING_SCHEMA_VERSION,
 };
 use crate::staging::file::{FileStaging, Frame};
-use crate::staging::row::{self, Attachment, AttachmentKind, StagedCall};
+use crate::staging::row::{self, Attachment, AttachmentKind, BaseView, StagedCall};
 use crate::staging::StagingError;
 
 static RETIRED: ExceptionClass = ExceptionClass::new("TokenCaptureRetiredError");
@@ -763,102 +765,167 @@ fn staging_encode(
 }
 
 fn hex_str<'py>(py: Python<'py>, d: &Digest32) -> Bound<'py, PyString> {
-    PyString::new(py, &hex::encode(d))
+    let mut text = [0u8; 64];
+    hex::encode_to_slice(d, &mut text).expect("64 hex digits for 32 bytes");
+    PyString::new(
+        py,
+        std::str::from_utf8(&text).expect("hex digits are ASCII"),
+    )
 }
 
 /// A list of floats where every exact `0.0` and `1.0` (by bits: `-0.0` stays its own object) is
 /// one shared object: a staged mask holds nothing else and a prompt carry's log-probs are
 /// `0.0`, so a fetch allocates a float only for generated log-probs (float objects are
 /// immutable; sharing equal ones is what a Python literal does too).
-fn float_list<'py>(py: Python<'py>, values: &[f64]) -> PyResult<Bound<'py, PyList>> {
+fn float_list<'py>(
+    py: Python<'py>,
+    values: impl ExactSizeIterator<Item = f64>,
+) -> PyResult<Bound<'py, PyList>> {
     let zero = PyFloat::new(py, 0.0).into_any();
     let one = PyFloat::new(py, 1.0).into_any();
-    let items = values.iter().map(|v| {
+    let items = values.map(|v| {
         if v.to_bits() == 0f64.to_bits() {
             zero.clone()
         } else if v.to_bits() == 1f64.to_bits() {
             one.clone()
         } else {
-            PyFloat::new(py, *v).into_any()
+            PyFloat::new(py, v).into_any()
         }
     });
     PyList::new(py, items)
 }
 
-/// The model fields of a decoded row, as a dict (`model_construct(**fields)` builds the model;
-/// the digests were verified natively).
+/// The model fields of a row, as a dict (`model_construct(**fields)` builds the model; the
+/// row is verified natively, see [`verified_dicts`]). `extras`: `None` leaves the key out.
 fn fields_dict<'py>(
     py: Python<'py>,
-    fields: &CallFields,
-    digest_value: &Digest32,
+    view: &BaseView<'_>,
     extras: Option<Option<&[(String, Extra)]>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("schema_version", fields.schema_version)?;
-    d.set_item("digest_version", fields.digest_version)?;
-    d.set_item("extras_digest_version", fields.extras_digest_version)?;
-    d.set_item("rollout_id", &fields.rollout_id)?;
-    d.set_item("model_call_id", &fields.model_call_id)?;
-    d.set_item("parent_call_id", fields.parent_call_id.as_deref())?;
-    d.set_item("mode", fields.mode.as_str())?;
-    d.set_item("prev_len", fields.prev_len)?;
-    d.set_item("delta_len", fields.delta_len)?;
-    d.set_item("cum_len", fields.cum_len)?;
-    d.set_item("weight_version", fields.weight_version)?;
-    d.set_item("digest", hex_str(py, digest_value))?;
-    d.set_item("token_ids_delta", PyList::new(py, &fields.token_ids)?)?;
-    d.set_item("token_mask_delta", float_list(py, &fields.token_mask)?)?;
+    d.set_item(intern!(py, "schema_version"), view.schema_version)?;
+    d.set_item(intern!(py, "digest_version"), view.digest_version)?;
     d.set_item(
-        "generation_log_probs_delta",
-        float_list(py, &fields.log_probs)?,
+        intern!(py, "extras_digest_version"),
+        view.extras_digest_version,
     )?;
-    d.set_item("extras_digest", hex_str(py, &fields.extras_digest))?;
-    d.set_item("chain_hash", hex_str(py, &fields.chain_hash))?;
-    d.set_item("cumulative_hash", hex_str(py, &fields.cumulative_hash))?;
+    d.set_item(intern!(py, "rollout_id"), view.rollout_id)?;
+    d.set_item(intern!(py, "model_call_id"), view.model_call_id)?;
+    d.set_item(intern!(py, "parent_call_id"), view.parent_call_id)?;
+    d.set_item(intern!(py, "mode"), view.mode.as_str())?;
+    d.set_item(intern!(py, "prev_len"), view.prev_len)?;
+    d.set_item(intern!(py, "delta_len"), view.delta_len)?;
+    d.set_item(intern!(py, "cum_len"), view.cum_len)?;
+    d.set_item(intern!(py, "weight_version"), view.weight_version)?;
+    d.set_item(intern!(py, "digest"), hex_str(py, &view.digest))?;
+    d.set_item(
+        intern!(py, "token_ids_delta"),
+        PyList::new(py, view.token_ids())?,
+    )?;
+    d.set_item(
+        intern!(py, "token_mask_delta"),
+        float_list(py, view.token_mask())?,
+    )?;
+    d.set_item(
+        intern!(py, "generation_log_probs_delta"),
+        float_list(py, view.log_probs())?,
+    )?;
+    d.set_item(
+        intern!(py, "extras_digest"),
+        hex_str(py, &view.extras_digest),
+    )?;
+    d.set_item(intern!(py, "chain_hash"), hex_str(py, &view.chain_hash))?;
+    d.set_item(
+        intern!(py, "cumulative_hash"),
+        hex_str(py, &view.cumulative_hash),
+    )?;
     if let Some(extras) = extras {
         match extras {
-            None => d.set_item("extras", py.None())?,
-            Some(entries) => d.set_item("extras", map_to_py(py, entries)?)?,
+            None => d.set_item(intern!(py, "extras"), py.None())?,
+            Some(entries) => d.set_item(intern!(py, "extras"), map_to_py(py, entries)?)?,
         }
     }
     Ok(d)
 }
 
-enum Decoded {
-    Base(CallFields, Digest32),
-    Full(StagedCall),
+/// Verify one row: its checksum, its staging digest, the extras digest with `with_extras`,
+/// and that it is the row of `key`.
+fn verify_row(r: &[u8], key: &str, with_extras: bool) -> Result<(), String> {
+    let verified = if with_extras {
+        row::decode_verified(r).and_then(|call| row::check_key(&call.fields, key))
+    } else {
+        row::decode_verified_base(r).and_then(|(fields, _, _)| row::check_key(&fields, key))
+    };
+    verified.map_err(|e| format!("staged row of {key:?} is damaged: {e}"))
 }
 
-fn decode_rows(
-    rows: &[Vec<u8>],
-    keys: &[String],
+/// Row bytes worth the helper thread: below this a fetch verifies, then builds, on one thread
+/// (waking the helper and sharing the rows with it costs about what verifying a few rows does).
+const PARALLEL_VERIFY_BYTES: usize = 64 << 10;
+
+/// The field dicts of `rows` (the rows of `keys`, in order), each verified by [`verify_row`];
+/// `Ok(Err((i, message)))` when row `i` does not verify, and then nothing built is returned.
+///
+/// The dicts are built from the row bytes as they read ([`row::view_unverified`]: bounded and
+/// panic-free on any bytes), and returned only once every row verified: a small fetch
+/// verifies first (detached); a large one hands the rows to the process's helper thread,
+/// which verifies them while this one (holding the GIL) builds, then verifies whatever rows
+/// the helper has not taken (`crate::split`: on a loaded machine this thread may do them all).
+fn verified_dicts<'py>(
+    py: Python<'py>,
+    rows: Vec<Vec<u8>>,
+    keys: Vec<String>,
     with_extras: bool,
-) -> Result<Vec<Decoded>, String> {
-    rows.iter()
-        .zip(keys)
-        .map(|(r, key)| {
-            let decoded = if with_extras {
-                row::decode_verified(r).map(Decoded::Full)
-            } else {
-                row::decode_verified_base(r).map(|(f, d, _)| Decoded::Base(f, d))
-            };
-            decoded.map_err(|e| format!("staged row of {key:?} is damaged: {e}"))
-        })
-        .collect()
+) -> PyResult<Result<Bound<'py, PyList>, (usize, String)>> {
+    let total: usize = rows.iter().map(Vec::len).sum();
+    let (built, verdicts) = if total < PARALLEL_VERIFY_BYTES {
+        let verdicts = py.detach(|| {
+            rows.iter()
+                .zip(&keys)
+                .map(|(r, key)| verify_row(r, key, with_extras))
+                .collect::<Vec<_>>()
+        });
+        if verdicts.iter().all(Result::is_ok) {
+            (unverified_to_py(py, &rows, with_extras), verdicts)
+        } else {
+            (Ok(None), verdicts)
+        }
+    } else {
+        let count = rows.len();
+        let split = Split::start(
+            (rows, keys, with_extras),
+            count,
+            |(rows, keys, with_extras), i| verify_row(&rows[i], &keys[i], *with_extras),
+        );
+        let built = unverified_to_py(py, &split.data().0, with_extras);
+        (built, py.detach(|| split.finish()))
+    };
+    if let Some((i, Err(m))) = verdicts.into_iter().enumerate().find(|(_, v)| v.is_err()) {
+        return Ok(Err((i, m)));
+    }
+    match built? {
+        Some(list) => Ok(Ok(list)),
+        None => Ok(Err((0, "staged rows verified but did not decode".into()))),
+    }
 }
 
-fn decoded_to_py<'py>(py: Python<'py>, decoded: &[Decoded]) -> PyResult<Bound<'py, PyList>> {
-    let list = PyList::empty(py);
-    for item in decoded {
-        let dict = match item {
-            Decoded::Base(f, d) => fields_dict(py, f, d, None)?,
-            Decoded::Full(call) => {
-                fields_dict(py, &call.fields, &call.digest, Some(call.extras.as_deref()))?
-            }
+/// The field dicts of rows read *without verification* (`None` at the first row that does
+/// not parse): only [`verified_dicts`] calls this, and returns nothing of it unless every row
+/// verified.
+fn unverified_to_py<'py>(
+    py: Python<'py>,
+    rows: &[Vec<u8>],
+    with_extras: bool,
+) -> PyResult<Option<Bound<'py, PyList>>> {
+    let mut dicts = Vec::with_capacity(rows.len());
+    for r in rows {
+        let Ok((view, extras)) = row::view_unverified(r, with_extras) else {
+            return Ok(None);
         };
-        list.append(dict)?;
+        let extras = extras.as_ref().map(|e| e.as_deref());
+        dicts.push(fields_dict(py, &view, extras)?);
     }
-    Ok(list)
+    PyList::new(py, dicts).map(Some)
 }
 
 /// Decode and verify stored rows (from any backend): a list of field dicts, in order. A row
@@ -874,10 +941,7 @@ fn staging_decode<'py>(
     if rows.len() != keys.len() {
         return value_err(format!("{} rows for {} keys", rows.len(), keys.len()));
     }
-    let decoded = py
-        .detach(|| decode_rows(&rows, &keys, with_extras))
-        .map_err(|m| CORRUPT.err(py, m))?;
-    decoded_to_py(py, &decoded)
+    verified_dicts(py, rows, keys, with_extras)?.map_err(|(_, m)| CORRUPT.err(py, m))
 }
 
 fn attachments_to_py<'py>(py: Python<'py>, list: &[Attachment]) -> PyResult<Bound<'py, PyList>> {
@@ -982,13 +1046,20 @@ impl PyStagingFileStore {
     ) -> PyResult<Bound<'py, PyList>> {
         let inner = self.inner(py)?;
         let store = &inner;
-        let decoded = py.detach(|| -> Result<Vec<Decoded>, StagingError> {
-            let rows = store.fetch_rows(&keys)?;
-            decode_rows(&rows, &keys, with_extras)
-                .map_err(|m| StagingError::Corrupt(crate::Error::corrupt(store.root(), 0, m)))
-        });
-        let decoded = decoded.map_err(|e| staging_err(py, e))?;
-        decoded_to_py(py, &decoded)
+        let rows = py
+            .detach(|| store.fetch_stored_rows(&keys))
+            .map_err(|e| staging_err(py, e))?;
+        let (bytes, places): (Vec<_>, Vec<_>) = rows
+            .into_iter()
+            .map(|r| (r.bytes, (r.path, r.offset)))
+            .unzip();
+        verified_dicts(py, bytes, keys, with_extras)?.map_err(|(i, m)| {
+            let (path, offset) = &places[i];
+            staging_err(
+                py,
+                StagingError::Corrupt(crate::Error::corrupt(path, *offset, m)),
+            )
+        })
     }
 
     /// The attachments of one key: `(name, kind, format, dtype, shape, [bytes])` tuples.

@@ -88,15 +88,18 @@ impl Framer {
             self.0.update(&buf[..chunk.len() * 8]);
         }
     }
-    fn float32s(&mut self, values: &[f32]) {
+    /// `u64_be(count)` and each value's float32 pattern, big-endian, narrowed with
+    /// [`to_float32`]'s refusals (the first value refused stops it: nothing is finished).
+    fn float32s(&mut self, values: &[f64], field: &str) -> DigestResult<()> {
         self.u64(values.len() as u64);
         let mut buf = [0u8; 4096];
         for chunk in values.chunks(buf.len() / 4) {
             for (slot, value) in buf.chunks_exact_mut(4).zip(chunk) {
-                slot.copy_from_slice(&value.to_bits().to_be_bytes());
+                slot.copy_from_slice(&to_float32(*value, field)?.to_bits().to_be_bytes());
             }
             self.0.update(&buf[..chunk.len() * 4]);
         }
+        Ok(())
     }
     fn finish(self) -> Digest32 {
         self.0.finalize().into()
@@ -392,16 +395,8 @@ pub fn check_call(call: &CallFields) -> DigestResult<()> {
 /// narrowing refusals are raised here, as NeMo Gym raises them while encoding).
 pub fn staging_digest(call: &CallFields) -> DigestResult<Digest32> {
     check_call(call)?;
-    let masks = call
-        .token_mask
-        .iter()
-        .map(|v| to_float32(*v, "token_mask_delta"))
-        .collect::<DigestResult<Vec<f32>>>()?;
-    let log_probs = call
-        .log_probs
-        .iter()
-        .map(|v| to_float32(*v, "generation_log_probs_delta"))
-        .collect::<DigestResult<Vec<f32>>>()?;
+    // Masks and log-probabilities are narrowed while they are hashed: every mask (and its
+    // refusal) comes before any log-probability, as NeMo Gym encodes them.
     let mut framer = Framer::new(CALL_DOMAIN);
     framer.raw(&[
         call.schema_version as u8,
@@ -425,10 +420,10 @@ pub fn staging_digest(call: &CallFields) -> DigestResult<Digest32> {
     // Each column is itself length-framed: u64(len(encoded)) + encoded.
     framer.u64(8 + 8 * call.token_ids.len() as u64);
     framer.tokens(&call.token_ids);
-    framer.u64(8 + 4 * masks.len() as u64);
-    framer.float32s(&masks);
-    framer.u64(8 + 4 * log_probs.len() as u64);
-    framer.float32s(&log_probs);
+    framer.u64(8 + 4 * call.token_mask.len() as u64);
+    framer.float32s(&call.token_mask, "token_mask_delta")?;
+    framer.u64(8 + 4 * call.log_probs.len() as u64);
+    framer.float32s(&call.log_probs, "generation_log_probs_delta")?;
     framer.raw(&call.extras_digest);
     framer.raw(&[1]);
     framer.raw(&call.chain_hash);

@@ -336,10 +336,13 @@ impl<'a> In<'a> {
         Ok(self.take(32)?.try_into().expect("32 bytes"))
     }
     fn text(&mut self) -> RowResult<String> {
+        self.text_ref().map(str::to_owned)
+    }
+    fn text_ref(&mut self) -> RowResult<&'a str> {
         let len = self.u32()?;
         let bytes = self.take(len)?;
         match std::str::from_utf8(bytes) {
-            Ok(s) => Ok(s.to_owned()),
+            Ok(s) => Ok(s),
             Err(_) => bad("a text field is not UTF-8"),
         }
     }
@@ -397,86 +400,164 @@ pub struct ExtrasAt(usize);
 
 /// Decode a row's base columns and digest (the extras are left unread).
 pub fn decode_base(row: &[u8]) -> RowResult<(CallFields, Digest32, ExtrasAt)> {
-    let row = unseal(row, "the row")?;
-    let mut r = In { buf: row, at: 0 };
-    if r.take(4)? != ROW_MAGIC {
-        return bad("not a staged-call row (bad magic)");
-    }
-    let schema_version = u64::from(r.u8()?);
-    let digest_version = u64::from(r.u8()?);
-    let extras_digest_version = u64::from(r.u8()?);
-    let rollout_id = r.text()?;
-    let model_call_id = r.text()?;
-    let parent_call_id = match r.u8()? {
-        0 => None,
-        1 => Some(r.text()?),
-        other => return bad(format!("bad parent flag {other}")),
-    };
-    let mode = match r.u8()? {
-        0 => Mode::Text,
-        1 => Mode::TokenIn,
-        other => return bad(format!("bad mode byte {other}")),
-    };
-    let prev_len = r.u64()?;
-    let delta_len = r.u64()?;
-    let cum_len = r.u64()?;
-    let weight_version = r.u64()?;
-    let digest = r.d32()?;
-    let extras_digest = r.d32()?;
-    let chain_hash = r.d32()?;
-    let cumulative_hash = r.d32()?;
-    let n = r.u64()?;
-    let n = usize::try_from(n)
-        .ok()
-        .filter(|n| n.saturating_mul(17) <= row.len() - r.at);
-    let Some(n) = n else {
-        return bad("the token count exceeds the row");
-    };
-    let token_ids = r
-        .take(8 * n)?
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().expect("8")))
-        .collect();
-    let token_mask = r
-        .take(n)?
-        .iter()
-        .map(|code| match code {
-            0 => Ok(0.0),
-            1 => Ok(1.0),
-            2 => Ok(-0.0),
-            other => bad(format!("bad mask code {other}")),
+    parse_base(unseal(row, "the row")?)
+}
+
+/// A row's base columns where they lie in its bytes: borrowed, nothing copied, nothing
+/// verified (the parse itself is bounds-checked: [`BaseView::parse`]).
+#[derive(Debug, Clone, Copy)]
+pub struct BaseView<'a> {
+    pub schema_version: u8,
+    pub digest_version: u8,
+    pub extras_digest_version: u8,
+    pub rollout_id: &'a str,
+    pub model_call_id: &'a str,
+    pub parent_call_id: Option<&'a str>,
+    pub mode: Mode,
+    pub prev_len: u64,
+    pub delta_len: u64,
+    pub cum_len: u64,
+    pub weight_version: u64,
+    pub digest: Digest32,
+    pub extras_digest: Digest32,
+    pub chain_hash: Digest32,
+    pub cumulative_hash: Digest32,
+    /// `n x u64` little-endian.
+    ids: &'a [u8],
+    /// `n` mask codes, each checked to be 0, 1 or 2.
+    codes: &'a [u8],
+    /// `n x f64` little-endian.
+    log_probs: &'a [u8],
+    /// Where the extras start.
+    pub extras_at: ExtrasAt,
+}
+
+impl<'a> BaseView<'a> {
+    /// Parse a row's body (the bytes before its checksum): bounded and panic-free on any
+    /// bytes; the token count is checked against what is left before anything is sized by it.
+    pub fn parse(row: &'a [u8]) -> RowResult<Self> {
+        let mut r = In { buf: row, at: 0 };
+        if r.take(4)? != ROW_MAGIC {
+            return bad("not a staged-call row (bad magic)");
+        }
+        let schema_version = r.u8()?;
+        let digest_version = r.u8()?;
+        let extras_digest_version = r.u8()?;
+        let rollout_id = r.text_ref()?;
+        let model_call_id = r.text_ref()?;
+        let parent_call_id = match r.u8()? {
+            0 => None,
+            1 => Some(r.text_ref()?),
+            other => return bad(format!("bad parent flag {other}")),
+        };
+        let mode = match r.u8()? {
+            0 => Mode::Text,
+            1 => Mode::TokenIn,
+            other => return bad(format!("bad mode byte {other}")),
+        };
+        let prev_len = r.u64()?;
+        let delta_len = r.u64()?;
+        let cum_len = r.u64()?;
+        let weight_version = r.u64()?;
+        let digest = r.d32()?;
+        let extras_digest = r.d32()?;
+        let chain_hash = r.d32()?;
+        let cumulative_hash = r.d32()?;
+        let n = r.u64()?;
+        let n = usize::try_from(n)
+            .ok()
+            .filter(|n| n.saturating_mul(17) <= row.len() - r.at);
+        let Some(n) = n else {
+            return bad("the token count exceeds the row");
+        };
+        let ids = r.take(8 * n)?;
+        let codes = r.take(n)?;
+        if let Some(other) = codes.iter().find(|code| **code > 2) {
+            return bad(format!("bad mask code {other}"));
+        }
+        let log_probs = r.take(8 * n)?;
+        Ok(BaseView {
+            schema_version,
+            digest_version,
+            extras_digest_version,
+            rollout_id,
+            model_call_id,
+            parent_call_id,
+            mode,
+            prev_len,
+            delta_len,
+            cum_len,
+            weight_version,
+            digest,
+            extras_digest,
+            chain_hash,
+            cumulative_hash,
+            ids,
+            codes,
+            log_probs,
+            extras_at: ExtrasAt(r.at),
         })
-        .collect::<RowResult<Vec<f64>>>()?;
-    let log_probs = r
-        .take(8 * n)?
-        .chunks_exact(8)
-        .map(|c| f64::from_bits(u64::from_le_bytes(c.try_into().expect("8"))))
-        .collect();
-    let fields = CallFields {
-        schema_version,
-        digest_version,
-        extras_digest_version,
-        rollout_id,
-        model_call_id,
-        parent_call_id,
-        mode,
-        prev_len,
-        delta_len,
-        cum_len,
-        weight_version,
-        token_ids,
-        token_mask,
-        log_probs,
-        extras_digest,
-        chain_hash,
-        cumulative_hash,
-    };
-    Ok((fields, digest, ExtrasAt(r.at)))
+    }
+
+    /// The token ids.
+    pub fn token_ids(&self) -> impl ExactSizeIterator<Item = u64> + 'a {
+        self.ids
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8")))
+    }
+
+    /// The masks (`0.0`, `1.0` or `-0.0`).
+    pub fn token_mask(&self) -> impl ExactSizeIterator<Item = f64> + 'a {
+        self.codes.iter().map(|code| match code {
+            1 => 1.0,
+            2 => -0.0,
+            _ => 0.0,
+        })
+    }
+
+    /// The log-probabilities, exactly as staged.
+    pub fn log_probs(&self) -> impl ExactSizeIterator<Item = f64> + 'a {
+        self.log_probs
+            .chunks_exact(8)
+            .map(|c| f64::from_bits(u64::from_le_bytes(c.try_into().expect("8"))))
+    }
+
+    /// The owned columns.
+    pub fn fields(&self) -> CallFields {
+        CallFields {
+            schema_version: u64::from(self.schema_version),
+            digest_version: u64::from(self.digest_version),
+            extras_digest_version: u64::from(self.extras_digest_version),
+            rollout_id: self.rollout_id.to_owned(),
+            model_call_id: self.model_call_id.to_owned(),
+            parent_call_id: self.parent_call_id.map(str::to_owned),
+            mode: self.mode,
+            prev_len: self.prev_len,
+            delta_len: self.delta_len,
+            cum_len: self.cum_len,
+            weight_version: self.weight_version,
+            token_ids: self.token_ids().collect(),
+            token_mask: self.token_mask().collect(),
+            log_probs: self.log_probs().collect(),
+            extras_digest: self.extras_digest,
+            chain_hash: self.chain_hash,
+            cumulative_hash: self.cumulative_hash,
+        }
+    }
+}
+
+/// The base columns of a row's body (the bytes before its checksum, which the caller checked).
+fn parse_base(row: &[u8]) -> RowResult<(CallFields, Digest32, ExtrasAt)> {
+    let view = BaseView::parse(row)?;
+    Ok((view.fields(), view.digest, view.extras_at))
 }
 
 /// Decode the extras of a row whose base columns ended at `at`.
 pub fn decode_extras(row: &[u8], at: ExtrasAt) -> RowResult<Option<Vec<(String, Extra)>>> {
-    let row = unseal(row, "the row")?;
+    parse_extras(unseal(row, "the row")?, at)
+}
+
+fn parse_extras(row: &[u8], at: ExtrasAt) -> RowResult<Option<Vec<(String, Extra)>>> {
     let mut r = In { buf: row, at: at.0 };
     let extras = match r.u8()? {
         0 => None,
@@ -492,11 +573,10 @@ pub fn decode_extras(row: &[u8], at: ExtrasAt) -> RowResult<Option<Vec<(String, 
     Ok(extras)
 }
 
-/// Decode a row's base columns and check its staging digest against them.
-pub fn decode_verified_base(row: &[u8]) -> RowResult<(CallFields, Digest32, ExtrasAt)> {
-    let (fields, digest, at) = decode_base(row)?;
-    match digest::staging_digest(&fields) {
-        Ok(actual) if actual == digest => Ok((fields, digest, at)),
+/// Check a decoded row's staging digest against its columns.
+fn verify_base(fields: &CallFields, digest: &Digest32) -> RowResult<()> {
+    match digest::staging_digest(fields) {
+        Ok(actual) if actual == *digest => Ok(()),
         Ok(_) => bad("the staged digest does not match the stored columns"),
         Err(err) => bad(format!(
             "the stored columns are not a valid staged call: {err}"
@@ -504,10 +584,19 @@ pub fn decode_verified_base(row: &[u8]) -> RowResult<(CallFields, Digest32, Extr
     }
 }
 
-/// Decode a whole row and verify both digests.
+/// Decode a row's base columns and check its staging digest against them.
+pub fn decode_verified_base(row: &[u8]) -> RowResult<(CallFields, Digest32, ExtrasAt)> {
+    let (fields, digest, at) = decode_base(row)?;
+    verify_base(&fields, &digest)?;
+    Ok((fields, digest, at))
+}
+
+/// Decode a whole row and verify both digests (the row's checksum is checked once).
 pub fn decode_verified(row: &[u8]) -> RowResult<StagedCall> {
-    let (fields, digest, at) = decode_verified_base(row)?;
-    let extras = decode_extras(row, at)?;
+    let body = unseal(row, "the row")?;
+    let (fields, digest, at) = parse_base(body)?;
+    verify_base(&fields, &digest)?;
+    let extras = parse_extras(body, at)?;
     match digest::extras_digest(extras.as_deref()) {
         Ok(actual) if actual == fields.extras_digest => Ok(StagedCall {
             fields,
@@ -516,6 +605,46 @@ pub fn decode_verified(row: &[u8]) -> RowResult<StagedCall> {
         }),
         Ok(_) => bad("the stored extras do not match their extras_digest"),
         Err(err) => bad(format!("the stored extras cannot be digested: {err}")),
+    }
+}
+
+/// A row's base columns (and, with `with_extras`, its extras) *as they read, nothing
+/// verified*: for building a result while the same bytes are verified
+/// (`decode_verified_base` or `decode_verified`), which must succeed before anything built
+/// from them is returned.
+#[allow(clippy::type_complexity)]
+pub fn view_unverified(
+    row: &[u8],
+    with_extras: bool,
+) -> RowResult<(BaseView<'_>, Option<Option<Vec<(String, Extra)>>>)> {
+    if row.len() < CHECK_LEN {
+        return bad("the row is shorter than its checksum");
+    }
+    let body = &row[..row.len() - CHECK_LEN];
+    let view = BaseView::parse(body)?;
+    let extras = if with_extras {
+        Some(parse_extras(body, view.extras_at)?)
+    } else {
+        None
+    };
+    Ok((view, extras))
+}
+
+/// That a decoded row is the row of `key` (`"{rollout_id}/{model_call_id}"`): a fetch asks an
+/// index for a key's row, and a row that verifies but is another key's must not pass.
+pub fn check_key(fields: &CallFields, key: &str) -> RowResult<()> {
+    let (rollout, call) = (fields.rollout_id.as_str(), fields.model_call_id.as_str());
+    let matches = key.len() == rollout.len() + 1 + call.len()
+        && key.starts_with(rollout)
+        && key.as_bytes()[rollout.len()] == b'/'
+        && key.ends_with(call);
+    if matches {
+        Ok(())
+    } else {
+        bad(format!(
+            "the stored row is the row of {:?}",
+            staging_key(rollout, call)
+        ))
     }
 }
 
