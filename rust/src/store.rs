@@ -2293,6 +2293,25 @@ mod tests {
         }
     }
 
+    /// Every line `feed` hands out, in order, with the value its tape replays to (or its tape's
+    /// error); each line is given back to the ring once replayed.
+    fn replay_feed(
+        feed: &TapeFeed<'_>,
+        replayed: &mut crate::json::tests::Echo,
+    ) -> Vec<(Vec<u8>, std::result::Result<String, LineError>)> {
+        let mut replay = crate::json::tape::Replay::new();
+        let mut got = Vec::new();
+        for sent in feed.iter() {
+            let value = match &sent.tape {
+                Ok(tape) => replay.value(tape, sent.line(), replayed),
+                Err(err) => Err(err.clone()),
+            };
+            got.push((sent.line().to_vec(), value));
+            feed.give_back(sent);
+        }
+        got
+    }
+
     /// Each line a freeze sent, built from its tape and, for comparison, by one walk over the
     /// lines (repeats reused) as a decoder without tapes builds them.
     fn replayed_and_walked(lines: LinesToDecode<'_>) -> (Vec<String>, Vec<String>) {
@@ -2553,16 +2572,7 @@ mod tests {
                         drop(sink);
                         read.unwrap()
                     });
-                    let mut replay = crate::json::tape::Replay::new();
-                    let mut got = Vec::new();
-                    for sent in feed.iter() {
-                        let value = match &sent.tape {
-                            Ok(tape) => replay.value(tape, sent.line(), &mut replayed),
-                            Err(err) => Err(err.clone()),
-                        };
-                        got.push((sent.line().to_vec(), value));
-                        feed.give_back(sent);
-                    }
+                    let got = replay_feed(&feed, &mut replayed);
                     (reading.join().unwrap(), got)
                 });
                 let (read_lines, call_ids) = streamed;
@@ -2789,17 +2799,7 @@ mod tests {
                     drop(sink);
                     read.unwrap()
                 });
-                let mut replayed = crate::json::tests::Echo::default();
-                let mut replay = crate::json::tape::Replay::new();
-                let mut got = Vec::new();
-                for sent in feed.iter() {
-                    let value = match &sent.tape {
-                        Ok(tape) => replay.value(tape, sent.line(), &mut replayed),
-                        Err(err) => Err(err.clone()),
-                    };
-                    got.push((sent.line().to_vec(), value));
-                    feed.give_back(sent);
-                }
+                let got = replay_feed(&feed, &mut crate::json::tests::Echo::default());
                 (reading.join().unwrap(), got)
             });
             let what = format!("case {case}, chunk {chunk}, {} bytes", bytes.len());
