@@ -1,7 +1,7 @@
 //! The digest check of a deferred answer ([`super::FileLineage::resolve_unverified`]), shared
 //! by the worker that resolved it and the event loop that builds its Python tuple: whoever
 //! claims it first makes it, the other takes its result, the loop waiting at most
-//! [`WAIT_FOR_VERDICT`] for the worker before checking itself. Nothing is handed back before a
+//! `WAIT_FOR_VERDICT` for the worker before checking itself. Nothing is handed back before a
 //! check passed, whatever the timing.
 
 use std::sync::{Condvar, Mutex, PoisonError};
