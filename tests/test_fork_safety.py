@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import functools
+import gc
 import multiprocessing
 import os
 import signal
@@ -28,7 +29,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -613,3 +614,121 @@ def test_a_resolve_that_fails_after_a_fork_leaves_the_rollout_unlocked(tmp_path:
         with pytest.raises(TokenCaptureCorruptionError):
             resolver.resolve_now("r", continuation)
         assert lock_is_free(tmp_path / "r.tokens.lock"), "r stays locked by the child"
+
+
+# A parent that dies while it holds a rollout's lock (SIGKILL mid-put) runs no unlock: a
+# child's copy of that lock descriptor would keep the lock held for as long as the child
+# lives. So a forked child gives up its copies of the parent's lock file descriptors first
+# thing (tokencapture.forking's after-fork hook puts /dev/null in their place).
+
+
+def descriptors_naming(paths: set[Path]) -> list[int]:
+    """This process's descriptors that refer to any of `paths`."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except FileNotFoundError:  # the listing's own descriptor, gone already
+            continue
+        if Path(target) in paths:
+            found.append(int(name))
+    return found
+
+
+def test_a_forked_child_holds_no_lock_file_of_its_parent(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path / "tokens")
+    store.append(stamped("r", "c0", [{"role": "user", "content": "go"}]))
+    store.append(entry_line("r", "c1"))  # the store keeps r's lock file open
+    resolver = FileLineageStore(tmp_path / "tokens")
+    continuation = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "answer c0"},
+        {"role": "user", "content": "more"},
+    ]
+    resolver.resolve_now("r", continuation)  # and so does the resolver
+    staging = FileStagingStore(tmp_path / "staging")
+    assert staging.stage(make_record("s", "c0")).ok  # and the staging store its store.lock
+    locks = {tmp_path / "tokens" / "r.tokens.lock", tmp_path / "staging" / "store.lock"}
+    assert len(descriptors_naming(locks)) >= 3, "the parent keeps its lock files open"
+
+    def child(_: int) -> None:
+        if descriptors_naming(locks):
+            os._exit(3)  # a copy of a parent's lock descriptor survived the fork
+        # The child's own objects lock and keep their own descriptors as usual.
+        TokenCaptureStore(tmp_path / "tokens").append(entry_line("r", "child"))
+        assert FileStagingStore(tmp_path / "staging").stage(make_record("s", "child")).ok
+
+    assert run_forked(child, 0) == 0
+    # The parent's descriptors are untouched: it goes on locking through them.
+    store.append(entry_line("r", "c2"))
+    assert staging.stage(make_record("s", "c1")).ok
+    assert len(descriptors_naming(locks)) >= 3
+
+
+def test_a_parent_killed_mid_put_leaves_no_lock_held_through_its_child(tmp_path: Path) -> None:
+    for attempt in range(3):  # without the hook, a kill lands while the lock is held ~4 in 5
+        root = tmp_path / f"attempt-{attempt}"
+        read_end, write_end = os.pipe()
+        with forking_allowed():
+            writer = os.fork()
+        if writer == 0:  # the writer: never returns into pytest
+            try:
+                os.close(read_end)
+                store = TokenCaptureStore(root)
+                store.append(entry_line("r", "first"))  # r's lock file kept from here on
+                with forking_allowed():
+                    idle = os.fork()
+                if idle == 0:
+                    time.sleep(60)
+                    os._exit(0)
+                os.write(write_end, f"{idle}\n".encode())
+                n = 0
+                while True:
+                    store.append(entry_line("r", f"c{n}"))
+                    n += 1
+            finally:
+                os._exit(1)
+        os.close(write_end)
+        with os.fdopen(read_end) as pipe:
+            idle = int(pipe.readline())
+        try:
+            time.sleep(0.3)
+            os.kill(writer, signal.SIGKILL)
+            os.waitpid(writer, 0)
+            deadline = time.monotonic() + 5
+            while not lock_is_free(root / "r.tokens.lock"):
+                assert time.monotonic() < deadline, "r stays locked by the dead writer's child"
+                time.sleep(0.05)
+        finally:
+            os.kill(idle, signal.SIGKILL)
+            with suppress(ChildProcessError):  # not ours: the writer's child
+                os.waitpid(idle, 0)
+
+
+def test_a_forked_child_keeps_what_reused_the_number_of_a_closed_lock_file(
+    tmp_path: Path,
+) -> None:
+    lock = tmp_path / "tokens" / "r.tokens.lock"
+    store = TokenCaptureStore(tmp_path / "tokens")
+    store.append(entry_line("r", "c0"))
+    store.append(entry_line("r", "c1"))
+    numbers = set(descriptors_naming({lock}))
+    assert numbers, "the store keeps r's lock file open"
+    del store
+    gc.collect()
+    assert not descriptors_naming({lock}), "the store's lock descriptor is closed"
+    # Files opened now take the lowest free numbers, the lock file's among them.
+    others = [open(tmp_path / f"other-{i}", "w") for i in range(64)]  # noqa: SIM115
+    try:
+        assert numbers & {f.fileno() for f in others}, "a lock file's number was reused"
+        expected = {f.fileno(): Path(f.name) for f in others}
+
+        def child(_: int) -> None:
+            for fd, path in expected.items():
+                if Path(os.readlink(f"/proc/self/fd/{fd}")) != path:
+                    os._exit(3)  # the hook replaced a descriptor that is no lock file
+
+        assert run_forked(child, 0) == 0
+    finally:
+        for f in others:
+            f.close()

@@ -15,15 +15,24 @@ of an event loop shares the parent's epoll instance, and closing or collecting a
 it unregisters the parent's socket from that instance (or says goodbye on the parent's
 session): the parent's calls on that connection would then wait forever. The native core
 leaks the parent's objects in a child the same way (`rust/src/fork.rs`).
+
+A child also gives up, first thing, its copies of the parent's lock file descriptors: an
+flock belongs to the open file description a copy shares, so a parent that died holding a
+rollout's lock (SIGKILL mid-put) would otherwise leave it held for as long as the child lived.
+Each is replaced by `/dev/null` rather than closed, so its number is never reused under the
+parent's leaked objects (`rust/src/lock.rs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 import weakref
 from collections.abc import Callable
+
+from tokencapture import _core
 
 __all__ = ["ProcessOwner", "leak", "renew_after_fork"]
 
@@ -77,9 +86,24 @@ class ProcessOwner:
 
 
 def _renew_in_child() -> None:
+    _release_inherited_locks()
     for owner, attributes in list(_owners.items()):
         for name in attributes:
             setattr(owner, name, threading.Lock())
+
+
+def _release_inherited_locks() -> None:
+    """Put `/dev/null` in place of every lock file descriptor the parent had open."""
+    inherited = _core.take_inherited_lock_files()
+    if not inherited:
+        return
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in inherited:
+            with contextlib.suppress(OSError):  # a failed swap leaves what was there
+                os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
 
 
 os.register_at_fork(after_in_child=_renew_in_child)

@@ -75,7 +75,7 @@ use serde_json::Value;
 use crate::descriptors::{self, FdCache, Kept};
 use crate::digest::token_digest;
 use crate::error::{Error, IoContext};
-use crate::lock::{FileId, LockMode, RolloutLock};
+use crate::lock::{FileId, LockFile, LockMode, RolloutLock};
 use crate::log::complete_prefix_len;
 use crate::store::{validate_rollout_id, RolloutPaths};
 
@@ -1374,7 +1374,7 @@ struct PinnedLog {
 /// whose flock would be the parent's too.
 #[derive(Debug)]
 struct KeptLock {
-    file: Kept<File>,
+    file: Kept<LockFile>,
     id: FileId,
     pid: u32,
 }

@@ -12,11 +12,22 @@
 //! `RolloutLock::relock`): opening it by name was the costliest step of a put after the
 //! fsync. A kept descriptor is only ever used by one thread at a time (it travels with the
 //! rollout's cached index, which a thread takes out of the cache while it works).
+//!
+//! A forked child inherits a copy of every lock descriptor its parent has open, and an flock
+//! belongs to the open file description the copy shares: were the parent to die while holding
+//! a lock (SIGKILL mid-put), the lock would stay held for as long as the child lived. So every
+//! lock file's descriptor is a [`LockFile`], listed while it is open, and a forked child puts
+//! `/dev/null` in place of each (`tokencapture.forking`'s after-fork hook, through
+//! [`take_inherited_lock_files`]): the child never uses its parent's objects (`crate::fork`),
+//! and a number that stays taken by `/dev/null` is never reused under a leaked one.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
+use std::ops::Deref;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::sync::{Mutex, PoisonError};
 
 use crate::error::{IoContext, Result};
 
@@ -43,6 +54,78 @@ impl FileId {
     }
 }
 
+/// The lock file descriptors open in this process: the process that listed them, and their
+/// numbers.
+static OPEN_LOCK_FILES: Mutex<(u32, Vec<RawFd>)> = Mutex::new((0, Vec::new()));
+
+/// A lock file's descriptor, listed in `OPEN_LOCK_FILES` from its open to its close (see the
+/// module documentation).
+#[derive(Debug)]
+pub struct LockFile(File);
+
+impl LockFile {
+    /// `file`, listed until it is closed.
+    pub(crate) fn new(file: File) -> Self {
+        let pid = crate::fork::current_pid();
+        let mut open = OPEN_LOCK_FILES
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if open.0 != pid {
+            // Another process's list (a child forked without the after-fork hook): its numbers
+            // say nothing about this process's descriptors.
+            *open = (pid, Vec::new());
+        }
+        open.1.push(file.as_raw_fd());
+        LockFile(file)
+    }
+}
+
+impl Drop for LockFile {
+    fn drop(&mut self) {
+        // Off the list before the number is closed (the `File` is dropped after this), so the
+        // list never names a number this process has reused.
+        let fd = self.0.as_raw_fd();
+        let mut open = OPEN_LOCK_FILES
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if open.0 == crate::fork::current_pid() {
+            if let Some(at) = open.1.iter().rposition(|&listed| listed == fd) {
+                open.1.swap_remove(at);
+            }
+        }
+    }
+}
+
+impl Deref for LockFile {
+    type Target = File;
+    fn deref(&self) -> &File {
+        &self.0
+    }
+}
+
+/// In a forked child, first thing: the numbers of the lock file descriptors its parent had
+/// open at the fork (the child's copies now), for the caller to put `/dev/null` in their place;
+/// the list is then this process's, and empty. Empty when the list is not the parent's (the
+/// parent forked from a child of its own without this hook) or when a thread of the parent
+/// was changing it at the fork (that thread is not here to finish): those copies stay open.
+pub fn take_inherited_lock_files() -> Vec<RawFd> {
+    let Ok(mut open) = OPEN_LOCK_FILES.try_lock() else {
+        return Vec::new();
+    };
+    let pid = crate::fork::current_pid();
+    if open.0 == pid {
+        return Vec::new(); // not a child's first call: these are this process's own
+    }
+    let parents = open.0 == std::os::unix::process::parent_id();
+    let listed = std::mem::take(&mut open.1);
+    open.0 = pid;
+    if parents {
+        listed
+    } else {
+        Vec::new()
+    }
+}
+
 /// A held lock; dropping it releases the lock, then closes the descriptor.
 ///
 /// Released explicitly, not by the close alone: a forked child holds a copy of the descriptor
@@ -54,7 +137,7 @@ impl FileId {
 #[derive(Debug)]
 pub struct RolloutLock {
     /// Always `Some` until [`RolloutLock::unlock`] takes it.
-    file: Option<File>,
+    file: Option<LockFile>,
     id: FileId,
 }
 
@@ -94,7 +177,7 @@ impl RolloutLock {
                 .truncate(false);
             let opened = crate::descriptors::retry(|| options.open(path));
             let file = match opened {
-                Ok(file) => file,
+                Ok(file) => LockFile::new(file),
                 Err(err) if !create && err.kind() == io::ErrorKind::NotFound => return Ok(None),
                 Err(err) => return Err(err).ctx("open lock", path),
             };
@@ -112,7 +195,7 @@ impl RolloutLock {
     /// released, the descriptor closed) when `path` no longer names that file: the caller
     /// acquires afresh.
     pub(crate) fn relock(
-        file: File,
+        file: LockFile,
         id: FileId,
         path: &Path,
         mode: LockMode,
@@ -133,7 +216,7 @@ impl RolloutLock {
 
     /// Release the lock and keep the descriptor (with its identity) for [`RolloutLock::relock`].
     /// `None` if unlocking failed; the descriptor is then closed, which releases the lock.
-    pub(crate) fn unlock(mut self) -> Option<(File, FileId)> {
+    pub(crate) fn unlock(mut self) -> Option<(LockFile, FileId)> {
         let file = self.file.take()?;
         file.unlock().ok()?;
         Some((file, self.id))
@@ -164,6 +247,7 @@ impl RolloutLock {
         let mut options = OpenOptions::new();
         options.read(true).write(true).create(true).truncate(false);
         let file = crate::descriptors::retry(|| options.open(path)).ctx("open lock", path)?;
+        let file = LockFile::new(file);
         let id = FileId::of(&file.metadata().ctx("stat lock", path)?);
         let attempt = match mode {
             LockMode::Shared => file.try_lock_shared(),

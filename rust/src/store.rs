@@ -38,7 +38,7 @@ use crate::json::tape::{
     call_id_of, tape_channel, ChunkTaper, LineTape, SideWork, TapeFeed, TapeSink,
 };
 use crate::json::{extract_call_id, LineError, Repeats};
-use crate::lock::{FileId, LockMode, RolloutLock};
+use crate::lock::{FileId, LockFile, LockMode, RolloutLock};
 use crate::log::{
     append_line, append_lines, complete_lines, complete_prefix_len, read_at, read_into,
     reserve_past,
@@ -452,7 +452,7 @@ impl Pinned {
 /// A rollout's lock file, unlocked but kept open for its next write (see `lock.rs`).
 #[derive(Debug)]
 struct KeptLock {
-    file: Kept<File>,
+    file: Kept<LockFile>,
     id: FileId,
     /// The process that opened it. A forked child shares the descriptor's open file
     /// description with its parent, so its flock would not exclude the parent: the child

@@ -1535,7 +1535,10 @@ fn a_kept_lock_opened_by_another_process_is_never_locked() {
         let mut state = lock(&rollout);
         let kept = state.lock.as_mut().expect("a kept lock after a resolve");
         // The same open file description as the writer's lock (a `dup`).
-        kept.file = lineage.rollouts.account().keep(held.try_clone().unwrap());
+        kept.file = lineage
+            .rollouts
+            .account()
+            .keep(crate::lock::LockFile::new(held.try_clone().unwrap()));
         kept.id = id;
         kept.pid = crate::fork::current_pid().wrapping_add(1);
     }

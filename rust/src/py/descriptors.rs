@@ -1,6 +1,6 @@
 //! The process-wide descriptor budget (`rust/src/descriptors.rs`): its counters, and setting
 //! its limit at run time (the environment variable `TOKENCAPTURE_MAX_OPEN_FILES` sets it at
-//! import).
+//! import); and the lock file descriptors a forked child inherited (`rust/src/lock.rs`).
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -31,8 +31,17 @@ fn set_descriptor_budget(py: Python<'_>, limit: Option<usize>) {
     py.detach(|| budget().set_limit(limit));
 }
 
+/// In a forked child, first thing (`tokencapture.forking`'s after-fork hook): the numbers of
+/// the lock file descriptors the parent had open, which the caller replaces with `/dev/null`
+/// so that no lock of the parent's stays held through the child (`rust/src/lock.rs`).
+#[pyfunction]
+fn take_inherited_lock_files() -> Vec<i32> {
+    crate::lock::take_inherited_lock_files()
+}
+
 pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(descriptor_budget, module)?)?;
+    module.add_function(wrap_pyfunction!(take_inherited_lock_files, module)?)?;
     module.add_function(wrap_pyfunction!(set_descriptor_budget, module)?)?;
     Ok(())
 }

@@ -64,7 +64,7 @@ use super::row::{self, StagedCall};
 use super::StagingError;
 use crate::descriptors::{FdCache, Kept};
 use crate::error::Error;
-use crate::lock::{FileId, LockMode, RolloutLock};
+use crate::lock::{FileId, LockFile, LockMode, RolloutLock};
 use crate::log::reserve_past;
 use crate::split::Split;
 use crate::store::RootDir;
@@ -328,7 +328,7 @@ struct Writer {
     leading: bool,
     segment: Option<OwnSegment>,
     /// The leader's kept `store.lock` descriptor (see `RolloutLock::unlock`).
-    kept_lock: Option<(Kept<File>, FileId)>,
+    kept_lock: Option<(Kept<LockFile>, FileId)>,
 }
 
 struct OwnSegment {
@@ -435,7 +435,7 @@ impl FileStaging {
 
     /// Keep the store lock's descriptor for the next batch, within this instance's cap (the
     /// segment being written comes first).
-    fn keep_lock(&self, file: File, id: FileId) -> Option<(Kept<File>, FileId)> {
+    fn keep_lock(&self, file: LockFile, id: FileId) -> Option<(Kept<LockFile>, FileId)> {
         let room = self.fds.max_open().is_none_or(|cap| self.fds.held() < cap);
         room.then(|| (self.fds.account().keep(file), id))
     }
@@ -737,8 +737,8 @@ impl FileStaging {
         &self,
         batch: Vec<Pending>,
         segment: &mut Option<OwnSegment>,
-        kept: Option<(File, FileId)>,
-    ) -> Option<(File, FileId)> {
+        kept: Option<(LockFile, FileId)>,
+    ) -> Option<(LockFile, FileId)> {
         let locked = match kept {
             Some((file, id)) => {
                 match RolloutLock::relock(file, id, &self.lock_path, LockMode::Exclusive) {
