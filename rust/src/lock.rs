@@ -27,7 +27,9 @@ use std::ops::Deref;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use arc_swap::ArcSwapOption;
 
 use crate::error::{IoContext, Result};
 
@@ -54,44 +56,76 @@ impl FileId {
     }
 }
 
-/// The lock file descriptors open in this process: the process that listed them, and their
-/// numbers.
-static OPEN_LOCK_FILES: Mutex<(u32, Vec<RawFd>)> = Mutex::new((0, Vec::new()));
+/// The lock file descriptors open in one process. Each process lists its own: a forked child
+/// never locks its parent's list (a parent's thread may have held it at the fork, and would
+/// never release it in the child), except once, without waiting, to take what it inherited.
+struct OpenLockFiles {
+    pid: u32,
+    fds: Mutex<Vec<RawFd>>,
+}
 
-/// A lock file's descriptor, listed in `OPEN_LOCK_FILES` from its open to its close (see the
-/// module documentation).
+static OPEN_LOCK_FILES: ArcSwapOption<OpenLockFiles> = ArcSwapOption::const_empty();
+
+/// This process's list (made on first use; a forked child's parent's is leaked, never used).
+fn open_lock_files() -> Arc<OpenLockFiles> {
+    let pid = crate::fork::current_pid();
+    let made = crate::fork::this_process(
+        &OPEN_LOCK_FILES,
+        pid,
+        |list| list.pid,
+        |_| {
+            Ok::<_, std::convert::Infallible>(OpenLockFiles {
+                pid,
+                fds: Mutex::new(Vec::new()),
+            })
+        },
+    );
+    match made {
+        Ok(list) => list,
+        Err(never) => match never {},
+    }
+}
+
+/// A lock file's descriptor, on its process's list from its open to its close (see the module
+/// documentation).
 #[derive(Debug)]
-pub struct LockFile(File);
+pub struct LockFile {
+    file: File,
+    list: Arc<OpenLockFiles>,
+}
+
+impl std::fmt::Debug for OpenLockFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenLockFiles")
+            .field("pid", &self.pid)
+            .finish_non_exhaustive()
+    }
+}
 
 impl LockFile {
     /// `file`, listed until it is closed.
     pub(crate) fn new(file: File) -> Self {
-        let pid = crate::fork::current_pid();
-        let mut open = OPEN_LOCK_FILES
+        let list = open_lock_files();
+        list.fds
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if open.0 != pid {
-            // Another process's list (a child forked without the after-fork hook): its numbers
-            // say nothing about this process's descriptors.
-            *open = (pid, Vec::new());
-        }
-        open.1.push(file.as_raw_fd());
-        LockFile(file)
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(file.as_raw_fd());
+        LockFile { file, list }
     }
 }
 
 impl Drop for LockFile {
     fn drop(&mut self) {
         // Off the list before the number is closed (the `File` is dropped after this), so the
-        // list never names a number this process has reused.
-        let fd = self.0.as_raw_fd();
-        let mut open = OPEN_LOCK_FILES
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if open.0 == crate::fork::current_pid() {
-            if let Some(at) = open.1.iter().rposition(|&listed| listed == fd) {
-                open.1.swap_remove(at);
-            }
+        // list never names a number this process has reused. A parent's descriptor dropped in
+        // a child is on the parent's list, which the child leaves alone.
+        if self.list.pid != crate::fork::current_pid() {
+            return;
+        }
+        let fd = self.file.as_raw_fd();
+        let mut fds = self.list.fds.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(at) = fds.iter().rposition(|&listed| listed == fd) {
+            fds.swap_remove(at);
         }
     }
 }
@@ -99,31 +133,33 @@ impl Drop for LockFile {
 impl Deref for LockFile {
     type Target = File;
     fn deref(&self) -> &File {
-        &self.0
+        &self.file
     }
 }
 
 /// In a forked child, first thing: the numbers of the lock file descriptors its parent had
-/// open at the fork (the child's copies now), for the caller to put `/dev/null` in their place;
-/// the list is then this process's, and empty. Empty when the list is not the parent's (the
-/// parent forked from a child of its own without this hook) or when a thread of the parent
-/// was changing it at the fork (that thread is not here to finish): those copies stay open.
+/// open at the fork (the child's copies now), for the caller to put `/dev/null` in their
+/// place. Empty in a process that is not a child of the list's process (a second call, a
+/// grandchild of a parent that forked without this hook), and when a thread of the parent was
+/// changing the list at the fork (that thread is not here to finish): those copies stay open.
 pub fn take_inherited_lock_files() -> Vec<RawFd> {
-    let Ok(mut open) = OPEN_LOCK_FILES.try_lock() else {
+    let Some(parents) = OPEN_LOCK_FILES.load_full() else {
         return Vec::new();
     };
-    let pid = crate::fork::current_pid();
-    if open.0 == pid {
-        return Vec::new(); // not a child's first call: these are this process's own
+    if parents.pid == crate::fork::current_pid()
+        || parents.pid != std::os::unix::process::parent_id()
+    {
+        return Vec::new();
     }
-    let parents = open.0 == std::os::unix::process::parent_id();
-    let listed = std::mem::take(&mut open.1);
-    open.0 = pid;
-    if parents {
-        listed
-    } else {
-        Vec::new()
-    }
+    let taken = match parents.fds.try_lock() {
+        Ok(mut fds) => std::mem::take(&mut *fds),
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => {
+            std::mem::take(&mut *poisoned.into_inner())
+        }
+        Err(std::sync::TryLockError::WouldBlock) => Vec::new(),
+    };
+    open_lock_files(); // this process's own list from here on
+    taken
 }
 
 /// A held lock; dropping it releases the lock, then closes the descriptor.
