@@ -334,8 +334,10 @@ struct Writer {
 struct OwnSegment {
     index: usize,
     /// Counted in the process descriptor budget; never closed while this instance writes
-    /// (its `flock` tells other processes the segment has a live writer).
-    file: Kept<File>,
+    /// (its `flock` tells other processes the segment has a live writer). A `LockFile`, so
+    /// that a forked child gives up its copy (else a dead writer's segment would look live
+    /// for as long as the child lived).
+    file: Kept<LockFile>,
     len: u64,
     reserved: Option<u64>,
 }
@@ -986,7 +988,7 @@ impl FileStaging {
         view.segments[index].scanned = SEGMENT_MAGIC.len() as u64;
         Ok(OwnSegment {
             index,
-            file: self.fds.account().keep(file),
+            file: self.fds.account().keep(LockFile::new(file)),
             len: SEGMENT_MAGIC.len() as u64,
             reserved: None,
         })
