@@ -1228,7 +1228,9 @@ impl FileStaging {
         Ok(buf)
     }
 
-    /// The rows of `keys`, in order, as stored (nothing verified: see [`FileStaging::fetch_stored_rows`]).
+    /// The rows of `keys`, in order, as stored (nothing verified: see
+    /// [`FileStaging::fetch_stored_rows`]); for tests.
+    #[cfg(test)]
     pub fn fetch_rows(&self, keys: &[String]) -> Result<Vec<Vec<u8>>> {
         Ok(self
             .fetch_stored_rows(keys)?

@@ -48,12 +48,17 @@ fn seal(mut out: Vec<u8>) -> Vec<u8> {
     out
 }
 
-/// The bytes before a blob's checksum, if the checksum matches.
-fn unseal<'a>(blob: &'a [u8], what: &str) -> RowResult<&'a [u8]> {
+/// A blob's body and its checksum, not compared.
+fn split_sealed<'a>(blob: &'a [u8], what: &str) -> RowResult<(&'a [u8], &'a [u8])> {
     if blob.len() < CHECK_LEN {
         return bad(format!("{what} is shorter than its checksum"));
     }
-    let (body, check) = blob.split_at(blob.len() - CHECK_LEN);
+    Ok(blob.split_at(blob.len() - CHECK_LEN))
+}
+
+/// The bytes before a blob's checksum, if the checksum matches.
+fn unseal<'a>(blob: &'a [u8], what: &str) -> RowResult<&'a [u8]> {
+    let (body, check) = split_sealed(blob, what)?;
     if checksum(body) != check {
         return bad(format!("{what} does not match its checksum"));
     }
@@ -617,10 +622,7 @@ pub fn view_unverified(
     row: &[u8],
     with_extras: bool,
 ) -> RowResult<(BaseView<'_>, Option<Option<Vec<(String, Extra)>>>)> {
-    if row.len() < CHECK_LEN {
-        return bad("the row is shorter than its checksum");
-    }
-    let body = &row[..row.len() - CHECK_LEN];
+    let (body, _) = split_sealed(row, "the row")?;
     let view = BaseView::parse(body)?;
     let extras = if with_extras {
         Some(parse_extras(body, view.extras_at)?)
@@ -633,18 +635,11 @@ pub fn view_unverified(
 /// That a decoded row is the row of `key` (`"{rollout_id}/{model_call_id}"`): a fetch asks an
 /// index for a key's row, and a row that verifies but is another key's must not pass.
 pub fn check_key(fields: &CallFields, key: &str) -> RowResult<()> {
-    let (rollout, call) = (fields.rollout_id.as_str(), fields.model_call_id.as_str());
-    let matches = key.len() == rollout.len() + 1 + call.len()
-        && key.starts_with(rollout)
-        && key.as_bytes()[rollout.len()] == b'/'
-        && key.ends_with(call);
-    if matches {
+    let stored = staging_key(&fields.rollout_id, &fields.model_call_id);
+    if stored == key {
         Ok(())
     } else {
-        bad(format!(
-            "the stored row is the row of {:?}",
-            staging_key(rollout, call)
-        ))
+        bad(format!("the stored row is the row of {stored:?}"))
     }
 }
 
