@@ -64,6 +64,7 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "tokencapture.validation",
             "tokencapture.rollout_files",
             "tokencapture.entries",
+            "tokencapture.model_building",
             "tokencapture.jobs",
             "tokencapture.resolution",
             "tokencapture.ledger_rows",

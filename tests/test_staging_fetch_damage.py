@@ -202,56 +202,17 @@ def _state(model: Any) -> tuple[Any, ...]:
 @pytest.mark.parametrize("with_extras", [False, True])
 def test_fetched_models_are_what_model_construct_builds(tmp_path: Path, with_extras: bool) -> None:
     """A fetch builds its models without ``model_construct``'s per-field lookups
-    (`staging_rows.built_models`): the same instances, field for field and in field order."""
-    from tokencapture import _core
-    from tokencapture.staging_rows import _constructor, built_models
+    (`tokencapture.model_building`): the same instances, field for field and in field order."""
+    from tokencapture import _core, model_building
 
     _, chain = _chain(tmp_path, "small")
     keys = [f"r/{record.model_call_id}" for record in chain]
     native = _core.StagingFileStore(tmp_path, None)
     dicts = native.fetch(keys, with_extras)
     cls = models.StagedCallRecord if with_extras else models.StagedCallBaseSnapshot
-    assert _constructor(cls, dicts[0]) is not None  # the fast way applies to our models
-    built = built_models(cls, dicts)
+    built = model_building.construct_all(cls, dicts)
+    assert model_building.fast_way(cls)  # the fast way applies to our models
     assert [_state(m) for m in built] == [_state(cls.model_construct(**d)) for d in dicts]
     store = FileStagingStore(tmp_path, models="tokencapture")
     fetch = store.fetch_records if with_extras else store.fetch
     assert [_state(m) for m in fetch(keys)] == [_state(m) for m in built]
-
-
-def test_other_models_are_built_by_model_construct() -> None:
-    """An alias, kept extras, a private attribute or a missing field: ``model_construct``."""
-    import pydantic
-
-    from tokencapture.staging_rows import _constructor, built_models
-
-    class Aliased(pydantic.BaseModel):
-        a: int = pydantic.Field(alias="b")
-
-    class Extra(pydantic.BaseModel):
-        model_config = pydantic.ConfigDict(extra="allow")
-        a: int
-
-    class Private(pydantic.BaseModel):
-        a: int
-        _p: int = 3
-
-    class Defaulted(pydantic.BaseModel):
-        a: int
-        b: int = 5
-
-    for cls, rows in (
-        (Aliased, [{"b": 1}]),
-        (Extra, [{"a": 1, "z": 2}]),
-        (Private, [{"a": 1}]),
-    ):
-        assert _constructor(cls, rows[0]) is None
-        assert [_state(m) for m in built_models(cls, rows)] == [
-            _state(cls.model_construct(**row)) for row in rows
-        ]
-    # The fast way, then a row without a field: model_construct fills the default.
-    rows = [{"a": 1, "b": 2}, {"a": 3}]
-    assert _constructor(Defaulted, rows[0]) is not None
-    assert [_state(m) for m in built_models(Defaulted, rows)] == [
-        _state(Defaulted.model_construct(**row)) for row in rows
-    ]

@@ -22,6 +22,7 @@ import orjson
 from pydantic import BaseModel
 
 from tokencapture import _core
+from tokencapture.model_building import construct
 from tokencapture.protocols import TokenCaptureCorruptionError
 from tokencapture.records import (
     BOOL_FIELDS,
@@ -77,19 +78,6 @@ ENTRY_FIELDS = _core.EntryFields(
 )
 
 
-# A record that holds exactly the model's fields (what every current writer stores) becomes an
-# entry by setting the four attributes `model_construct` would set, in its field order: ~1 us
-# instead of ~10 us per entry, a few percent of a freeze. Anything else (older records missing
-# defaulted fields, extra keys) goes through `model_construct`. tests/test_entry_fields.py
-# checks both give identical entries, so a pydantic upgrade that changes them is caught.
-_FIELD_ORDER = tuple(TokenEntry.model_fields)
-_FIELD_SET = frozenset(_FIELD_ORDER)
-_FAST_CONSTRUCT = (
-    not TokenEntry.__private_attributes__ and TokenEntry.model_config.get("extra") == "allow"
-)
-_set_attribute = object.__setattr__
-
-
 def entry_from_record(record: dict[str, Any]) -> TokenEntry:
     """Build an entry from a decoded, digest-verified record without a second full validation
     (the field type checks and the model's invariants still run; the decoder already checked
@@ -98,14 +86,8 @@ def entry_from_record(record: dict[str, Any]) -> TokenEntry:
     status = record.get("parent_resolution")
     if status is not None:
         record["parent_resolution"] = ParentResolutionStatus(status)
-    if _FAST_CONSTRUCT and record.keys() == _FIELD_SET:
-        entry = TokenEntry.__new__(TokenEntry)
-        _set_attribute(entry, "__dict__", {name: record[name] for name in _FIELD_ORDER})
-        _set_attribute(entry, "__pydantic_fields_set__", set(_FIELD_ORDER))
-        _set_attribute(entry, "__pydantic_extra__", {})
-        _set_attribute(entry, "__pydantic_private__", None)
-    else:
-        entry = TokenEntry.model_construct(**record)
+    # Not a second validation, nor model_construct's per-field lookups (`model_building`).
+    entry = construct(TokenEntry, record)
     check_entry_invariants(entry)
     return entry
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
 from tokencapture import _core
 from tokencapture import staging_records as _ours
+from tokencapture.model_building import construct_all
 from tokencapture.staging_attachments import (
     StagedAttachment,
     decode_attachments,
@@ -39,7 +40,6 @@ __all__ = [
     "ModelsChoice",
     "StagingModels",
     "attachments_from_blob",
-    "built_models",
     "checked_keys",
     "checked_rollout_ids",
     "encode_stage",
@@ -104,72 +104,6 @@ class StagingModels:
 OURS = StagingModels.of_module(_ours)
 
 
-_new = object.__new__
-_set = object.__setattr__
-_constructors: dict[type[Any], Callable[[dict[str, Any]], Any] | None] = {}
-
-
-def _constructor(cls: type[Any], sample: dict[str, Any]) -> Callable[[dict[str, Any]], Any] | None:
-    """A faster ``cls.model_construct(**fields)`` for a plain pydantic model (no aliases, no
-    extras kept, no post-init or private attributes, not a root model) and fields that name
-    every field: what ``model_construct`` does then, without its per-field alias and default
-    lookups. Checked once per class against ``model_construct`` itself on `sample` (the
-    instance's ``__dict__`` in field order, its fields set, extra and private): ``None`` (use
-    ``model_construct``) for any other model, or another pydantic."""
-    fields = getattr(cls, "__pydantic_fields__", None)
-    if (
-        not isinstance(fields, dict)
-        or getattr(cls, "__pydantic_root_model__", True)
-        or getattr(cls, "__pydantic_post_init__", True)
-        or getattr(cls, "__private_attributes__", True)
-        or cls.model_config.get("extra") == "allow"
-    ):
-        return None
-    for name, field in fields.items():
-        if getattr(field, "alias", name) not in (None, name):
-            return None
-        if getattr(field, "validation_alias", name) not in (None, name):
-            return None
-    names = tuple(fields)
-    every = frozenset(names)
-
-    def build(values: dict[str, Any]) -> Any:
-        model = _new(cls)
-        _set(model, "__dict__", {name: values[name] for name in names})
-        _set(model, "__pydantic_fields_set__", set(every))
-        _set(model, "__pydantic_extra__", None)
-        _set(model, "__pydantic_private__", None)
-        return model
-
-    try:
-        fast, slow = build(sample), cls.model_construct(**sample)
-    except KeyError:
-        return None
-    same = (
-        list(fast.__dict__.items()) == list(slow.__dict__.items())
-        and fast.__pydantic_fields_set__ == slow.__pydantic_fields_set__
-        and fast.__pydantic_extra__ == slow.__pydantic_extra__
-        and fast.__pydantic_private__ == slow.__pydantic_private__
-    )
-    return build if same else None
-
-
-def built_models(cls: type[Any], rows: list[dict[str, Any]]) -> list[Any]:
-    """``[cls.model_construct(**fields) for fields in rows]`` for the natively verified field
-    dicts of a fetch, built the faster way `_constructor` checks when it applies."""
-    if not rows:
-        return []
-    if cls not in _constructors:
-        _constructors[cls] = _constructor(cls, rows[0])
-    build = _constructors[cls]
-    if build is not None:
-        try:
-            return [build(fields) for fields in rows]
-        except KeyError:  # a dict without some field: model_construct's defaults apply
-            pass
-    return [cls.model_construct(**fields) for fields in rows]
-
-
 def checked_keys(staging_keys: Sequence[str]) -> list[str]:
     """The staging keys a fetch asked for, as a list: a list of str, not one str."""
     if isinstance(staging_keys, str):
@@ -209,14 +143,14 @@ def snapshots_from_rows(
 ) -> list[Any]:
     """Verified base snapshots of stored rows (raises `TokenCaptureCorruptionError`)."""
     fields = _core.staging_decode(list(rows), list(keys), False)
-    return built_models(models.base_snapshot, fields)
+    return construct_all(models.base_snapshot, fields)
 
 
 def records_from_rows(
     rows: Sequence[bytes], keys: Sequence[str], models: StagingModels
 ) -> list[Any]:
     """Verified whole records (with extras) of stored rows."""
-    return built_models(models.record, _core.staging_decode(list(rows), list(keys), True))
+    return construct_all(models.record, _core.staging_decode(list(rows), list(keys), True))
 
 
 def attachments_from_blob(blob: bytes, key: str) -> dict[str, StagedAttachment]:

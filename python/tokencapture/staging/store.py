@@ -19,6 +19,7 @@ from typing import Any
 
 from tokencapture import _core
 from tokencapture.descriptors import check_max_open_files, descriptor_stats
+from tokencapture.model_building import construct_all
 from tokencapture.protocols import RolloutRemovalPayload
 from tokencapture.staging_attachments import (
     StagedAttachment,
@@ -28,7 +29,6 @@ from tokencapture.staging_attachments import (
 from tokencapture.staging_rows import (
     ModelsChoice,
     StagingModels,
-    built_models,
     checked_keys,
     checked_rollout_ids,
     failure_reason,
@@ -107,12 +107,12 @@ class FileStagingStore:
     def fetch(self, staging_keys: list[str]) -> list[Any]:
         """One digest-verified base snapshot per key, in the order asked."""
         keys = checked_keys(staging_keys)
-        return built_models(self._models().base_snapshot, self._native.fetch(keys, False))
+        return construct_all(self._models().base_snapshot, self._native.fetch(keys, False))
 
     def fetch_records(self, staging_keys: list[str]) -> list[Any]:
         """One digest-verified record (with its extras) per key, in the order asked."""
         keys = checked_keys(staging_keys)
-        return built_models(self._models().record, self._native.fetch(keys, True))
+        return construct_all(self._models().record, self._native.fetch(keys, True))
 
     def fetch_attachments(self, staging_key: str) -> dict[str, StagedAttachment]:
         """The attachments staged with one key (empty if it had none)."""
