@@ -48,6 +48,18 @@ def make_entry(rollout_id: str = "r1", call: int | str = 1, **fields: Any) -> To
     return TokenEntry(**values)
 
 
+def model_state(model: Any) -> tuple[Any, ...]:
+    """Everything that makes a pydantic instance what it is: two instances with equal states
+    are indistinguishable (what ``model_construct`` would build, compared field by field)."""
+    return (
+        type(model),
+        list(model.__dict__.items()),
+        model.__pydantic_fields_set__,
+        model.__pydantic_extra__,
+        model.__pydantic_private__,
+    )
+
+
 def sha(text: str) -> str:
     """The SHA-256 hex digest of `text` (a well-formed digest value for test records)."""
     return hashlib.sha256(text.encode()).hexdigest()

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 import pydantic
-from tests.conftest import make_entry
+from tests.conftest import make_entry, model_state
 
 from tokencapture import model_building
 from tokencapture.records import TokenEntry
@@ -16,19 +16,10 @@ from tokencapture.staging_records import StagedCallBaseSnapshot
 from tokencapture.store import canonical_line
 
 
-def _state(model: Any) -> tuple[Any, ...]:
-    return (
-        type(model),
-        list(model.__dict__.items()),
-        model.__pydantic_fields_set__,
-        model.__pydantic_extra__,
-        model.__pydantic_private__,
-    )
-
-
 def _same_as_model_construct(cls: type[pydantic.BaseModel], rows: list[dict[str, Any]]) -> None:
     built = model_building.construct_all(cls, [dict(row) for row in rows])
-    assert [_state(m) for m in built] == [_state(cls.model_construct(**row)) for row in rows]
+    expected = [cls.model_construct(**row) for row in rows]
+    assert [model_state(m) for m in built] == [model_state(m) for m in expected]
 
 
 def test_token_entries_are_built_the_fast_way_and_keep_extras_through_model_construct() -> None:

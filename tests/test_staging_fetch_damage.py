@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.conftest import model_state
 
 from tokencapture import FileStagingStore, TokenCaptureCorruptionError
 from tokencapture.conformance_staging import build_chain
@@ -189,16 +190,6 @@ def test_an_undamaged_fetch_returns_what_was_staged(tmp_path: Path, size: str) -
         assert snapshot.digest == record.digest
 
 
-def _state(model: Any) -> tuple[Any, ...]:
-    return (
-        type(model),
-        list(model.__dict__.items()),
-        model.__pydantic_fields_set__,
-        model.__pydantic_extra__,
-        model.__pydantic_private__,
-    )
-
-
 @pytest.mark.parametrize("with_extras", [False, True])
 def test_fetched_models_are_what_model_construct_builds(tmp_path: Path, with_extras: bool) -> None:
     """A fetch builds its models without ``model_construct``'s per-field lookups
@@ -212,7 +203,7 @@ def test_fetched_models_are_what_model_construct_builds(tmp_path: Path, with_ext
     cls = models.StagedCallRecord if with_extras else models.StagedCallBaseSnapshot
     built = model_building.construct_all(cls, dicts)
     assert model_building.fast_way(cls)  # the fast way applies to our models
-    assert [_state(m) for m in built] == [_state(cls.model_construct(**d)) for d in dicts]
+    assert [model_state(m) for m in built] == [model_state(cls.model_construct(**d)) for d in dicts]
     store = FileStagingStore(tmp_path, models="tokencapture")
     fetch = store.fetch_records if with_extras else store.fetch
-    assert [_state(m) for m in fetch(keys)] == [_state(m) for m in built]
+    assert [model_state(m) for m in fetch(keys)] == [model_state(m) for m in built]
