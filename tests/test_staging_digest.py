@@ -268,3 +268,31 @@ def test_the_float_edges_reach_the_digest_as_float32_bits() -> None:
     same32 = struct.unpack(">f", struct.pack(">f", -0.1))[0]
     assert same32 != -0.1 and digest(same32) == digest(-0.1)
     assert digest(math.nan)[0] == "raised" and digest(math.inf)[0] == "raised"
+
+
+@pytest.mark.parametrize("with_attachments", [False, True])
+def test_encoded_stage_content_digest_is_sha256_of_row_and_attachments(
+    with_attachments: bool,
+) -> None:
+    """`staging_encode` computes the content digest with the row, in one release of the GIL;
+    it is the SHA-256 of the row bytes and the attachments blob (what PostgreSQL stores and
+    compares for idempotency), and a record whose digest does not verify is still refused."""
+    import hashlib
+
+    from tokencapture.conformance_staging import build_chain
+    from tokencapture.staging import records as models
+    from tokencapture.staging_rows import encode_stage
+
+    (record,) = build_chain(models, "enc", 1, prompt_tokens=3, generated_tokens=2)
+    attachments = {"blob": b"\x01\x02" * 40} if with_attachments else None
+    encoded = encode_stage(record, attachments)
+    assert encoded.has_attachments is with_attachments
+    assert bool(encoded.attachments) is with_attachments
+    expected = hashlib.sha256(encoded.row + encoded.attachments).hexdigest()
+    assert encoded.content_digest == expected
+    other = encode_stage(record, {"blob": b"\x03"})
+    assert other.content_digest != encoded.content_digest
+    assert other.row == encoded.row
+    tampered = record.model_copy(update={"token_ids_delta": [*record.token_ids_delta[:-1], 7]})
+    with pytest.raises(ValueError):
+        encode_stage(tampered, attachments)
