@@ -850,12 +850,8 @@ fn fields_dict<'py>(
 /// Verify one row: its checksum, its staging digest, the extras digest with `with_extras`,
 /// and that it is the row of `key`.
 fn verify_row(r: &[u8], key: &str, with_extras: bool) -> Result<(), String> {
-    let verified = if with_extras {
-        row::decode_verified(r).and_then(|call| row::check_key(&call.fields, key))
-    } else {
-        row::decode_verified_base(r).and_then(|(fields, _, _)| row::check_key(&fields, key))
-    };
-    verified.map_err(|e| format!("staged row of {key:?} is damaged: {e}"))
+    row::verify_stored(r, key, with_extras)
+        .map_err(|e| format!("staged row of {key:?} is damaged: {e}"))
 }
 
 /// Row bytes worth the helper thread: below this a fetch verifies, then builds, on one thread

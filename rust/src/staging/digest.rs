@@ -78,28 +78,49 @@ impl Framer {
         self.u64(value.len() as u64);
         self.0.update(value.as_bytes());
     }
-    fn tokens(&mut self, ids: &[u64]) {
+    /// `u64_be(count)` and each id, big-endian (hashed a buffer at a time).
+    fn tokens(&mut self, mut ids: impl ExactSizeIterator<Item = u64>) {
         self.u64(ids.len() as u64);
         let mut buf = [0u8; 4096];
-        for chunk in ids.chunks(buf.len() / 8) {
-            for (slot, id) in buf.chunks_exact_mut(8).zip(chunk) {
+        loop {
+            let mut used = 0;
+            // `zip` takes a slot before an id: an id is never taken without a slot for it.
+            for (slot, id) in buf.chunks_exact_mut(8).zip(ids.by_ref()) {
                 slot.copy_from_slice(&id.to_be_bytes());
+                used += 8;
             }
-            self.0.update(&buf[..chunk.len() * 8]);
+            if used == 0 {
+                return;
+            }
+            self.0.update(&buf[..used]);
         }
     }
-    /// `u64_be(count)` and each value's float32 pattern, big-endian, narrowed with
-    /// [`to_float32`]'s refusals (the first value refused stops it: nothing is finished).
-    fn float32s(&mut self, values: &[f64], field: &str) -> DigestResult<()> {
+    /// `u64_be(count)` and each value's float32 pattern, big-endian, with NeMo Gym's refusals
+    /// ([`float32_refusal`]; the first value refused stops it: nothing is finished).
+    fn float32s(
+        &mut self,
+        mut values: impl ExactSizeIterator<Item = f64>,
+        field: &str,
+    ) -> DigestResult<()> {
         self.u64(values.len() as u64);
         let mut buf = [0u8; 4096];
-        for chunk in values.chunks(buf.len() / 4) {
-            for (slot, value) in buf.chunks_exact_mut(4).zip(chunk) {
-                slot.copy_from_slice(&to_float32(*value, field)?.to_bits().to_be_bytes());
+        loop {
+            let mut used = 0;
+            for (slot, value) in buf.chunks_exact_mut(4).zip(values.by_ref()) {
+                // Finite after narrowing is exactly a finite value float32 can hold (NaN and
+                // infinities stay so, and a finite value out of range rounds to infinity).
+                let narrowed = value as f32;
+                if !narrowed.is_finite() {
+                    return Err(float32_refusal(value, field));
+                }
+                slot.copy_from_slice(&narrowed.to_bits().to_be_bytes());
+                used += 4;
             }
-            self.0.update(&buf[..chunk.len() * 4]);
+            if used == 0 {
+                return Ok(());
+            }
+            self.0.update(&buf[..used]);
         }
-        Ok(())
     }
     fn finish(self) -> Digest32 {
         self.0.finalize().into()
@@ -109,7 +130,7 @@ impl Framer {
 /// `hash_token_ids`: the digest of one exact cumulative token prefix.
 pub fn hash_token_ids(ids: &[u64]) -> Digest32 {
     let mut framer = Framer::new(PREFIX_DOMAIN);
-    framer.tokens(ids);
+    framer.tokens(ids.iter().copied());
     framer.finish()
 }
 
@@ -133,7 +154,7 @@ pub fn chain_hash(parent: Option<&Digest32>, delta: &[u64]) -> Digest32 {
             framer.raw(parent);
         }
     }
-    framer.tokens(delta);
+    framer.tokens(delta.iter().copied());
     framer.finish()
 }
 
@@ -189,18 +210,21 @@ fn frame_extra(framer: &mut Framer, value: &Extra) -> DigestResult<()> {
                 frame_extra(framer, item)?;
             }
         }
-        Extra::Map(entries) => {
-            let mut sorted: Vec<&(String, Extra)> = entries.iter().collect();
-            // Python's sort is stable; duplicate keys cannot occur in a dict, but a decoded
-            // row could carry them, and then the first-seen order is kept like a stable sort.
-            sorted.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            framer.raw(b"D");
-            framer.u64(sorted.len() as u64);
-            for (key, item) in sorted {
-                framer.text(key);
-                frame_extra(framer, item)?;
-            }
-        }
+        Extra::Map(entries) => frame_map(framer, entries)?,
+    }
+    Ok(())
+}
+
+fn frame_map(framer: &mut Framer, entries: &[(String, Extra)]) -> DigestResult<()> {
+    let mut sorted: Vec<&(String, Extra)> = entries.iter().collect();
+    // Python's sort is stable; duplicate keys cannot occur in a dict, but a decoded row could
+    // carry them, and then the first-seen order is kept like a stable sort.
+    sorted.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    framer.raw(b"D");
+    framer.u64(sorted.len() as u64);
+    for (key, item) in sorted {
+        framer.text(key);
+        frame_extra(framer, item)?;
     }
     Ok(())
 }
@@ -211,7 +235,7 @@ pub fn extras_digest(extras: Option<&[(String, Extra)]>) -> DigestResult<Digest3
     framer.raw(&[EXTRAS_DIGEST_VERSION as u8]);
     match extras {
         None => framer.raw(b"N"),
-        Some(entries) => frame_extra(&mut framer, &Extra::Map(entries.to_vec()))?,
+        Some(entries) => frame_map(&mut framer, entries)?,
     }
     Ok(framer.finish())
 }
@@ -268,6 +292,69 @@ pub struct CallFields {
     pub cumulative_hash: Digest32,
 }
 
+/// The scalar fields and digests of one staged call, borrowed (see [`StagedFields`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CallHead<'a> {
+    pub schema_version: u64,
+    pub digest_version: u64,
+    pub extras_digest_version: u64,
+    pub rollout_id: &'a str,
+    pub model_call_id: &'a str,
+    pub parent_call_id: Option<&'a str>,
+    pub mode: Mode,
+    pub prev_len: u64,
+    pub delta_len: u64,
+    pub cum_len: u64,
+    pub weight_version: u64,
+    pub extras_digest: &'a Digest32,
+    pub chain_hash: &'a Digest32,
+    pub cumulative_hash: &'a Digest32,
+}
+
+/// The base columns of one staged call wherever they are held: [`CallFields`] (owned), or a
+/// stored row read in place (`row::BaseView`), so [`check_call`] and [`staging_digest`] read
+/// either without copying it into the other.
+pub trait StagedFields {
+    /// The scalar fields and digests.
+    fn head(&self) -> CallHead<'_>;
+    /// The token ids of the delta.
+    fn token_ids(&self) -> impl ExactSizeIterator<Item = u64> + '_;
+    /// The masks, as the caller's f64 values.
+    fn token_mask(&self) -> impl ExactSizeIterator<Item = f64> + '_;
+    /// The log-probabilities, as the caller's f64 values.
+    fn log_probs(&self) -> impl ExactSizeIterator<Item = f64> + '_;
+}
+
+impl StagedFields for CallFields {
+    fn head(&self) -> CallHead<'_> {
+        CallHead {
+            schema_version: self.schema_version,
+            digest_version: self.digest_version,
+            extras_digest_version: self.extras_digest_version,
+            rollout_id: &self.rollout_id,
+            model_call_id: &self.model_call_id,
+            parent_call_id: self.parent_call_id.as_deref(),
+            mode: self.mode,
+            prev_len: self.prev_len,
+            delta_len: self.delta_len,
+            cum_len: self.cum_len,
+            weight_version: self.weight_version,
+            extras_digest: &self.extras_digest,
+            chain_hash: &self.chain_hash,
+            cumulative_hash: &self.cumulative_hash,
+        }
+    }
+    fn token_ids(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
+        self.token_ids.iter().copied()
+    }
+    fn token_mask(&self) -> impl ExactSizeIterator<Item = f64> + '_ {
+        self.token_mask.iter().copied()
+    }
+    fn log_probs(&self) -> impl ExactSizeIterator<Item = f64> + '_ {
+        self.log_probs.iter().copied()
+    }
+}
+
 /// Python's `repr` of a float, for messages (`nan`, `inf`, `-inf`, `1e+300`, `0.5`).
 pub fn py_float_repr(value: f64) -> String {
     if value.is_nan() {
@@ -299,136 +386,138 @@ pub fn py_float_repr(value: f64) -> String {
     }
 }
 
-/// One float32 pattern of a mask or log-probability, with NeMo Gym's refusals.
-fn to_float32(value: f64, field: &str) -> DigestResult<f32> {
-    if !value.is_finite() {
-        return value_err(format!(
-            "{field} values must be finite Python floats, got {}",
-            py_float_repr(value)
-        ));
-    }
-    let narrowed = value as f32;
-    if narrowed.is_infinite() {
-        return value_err(format!(
+/// Why a mask or log-probability has no float32 pattern (`value as f32` is not finite), in
+/// NeMo Gym's words: the value itself is not finite, or it is beyond float32's range.
+#[cold]
+fn float32_refusal(value: f64, field: &str) -> DigestError {
+    DigestError::Value(if value.is_finite() {
+        format!(
             "{field} value cannot be represented as float32: {}",
             py_float_repr(value)
-        ));
-    }
-    Ok(narrowed)
+        )
+    } else {
+        format!(
+            "{field} values must be finite Python floats, got {}",
+            py_float_repr(value)
+        )
+    })
 }
 
 /// The semantic checks of `compute_staging_digest` that typed fields can still fail, in NeMo
 /// Gym's order and words (the versions, non-empty identifiers, root/child shape, lengths, masks,
 /// prompt-carry log-probabilities, `cum_len`, finiteness).
-pub fn check_call(call: &CallFields) -> DigestResult<()> {
-    if call.schema_version != STAGING_SCHEMA_VERSION {
+pub fn check_call(call: &impl StagedFields) -> DigestResult<()> {
+    let head = call.head();
+    if head.schema_version != STAGING_SCHEMA_VERSION {
         return value_err(format!(
             "unsupported staging schema version {}",
-            call.schema_version
+            head.schema_version
         ));
     }
-    if call.digest_version != STAGING_DIGEST_VERSION {
+    if head.digest_version != STAGING_DIGEST_VERSION {
         return value_err(format!(
             "unsupported staging digest version {}",
-            call.digest_version
+            head.digest_version
         ));
     }
-    if call.extras_digest_version != EXTRAS_DIGEST_VERSION {
+    if head.extras_digest_version != EXTRAS_DIGEST_VERSION {
         return value_err(format!(
             "unsupported extras digest version {}",
-            call.extras_digest_version
+            head.extras_digest_version
         ));
     }
-    if call.rollout_id.is_empty() || call.model_call_id.is_empty() {
+    if head.rollout_id.is_empty() || head.model_call_id.is_empty() {
         return value_err("rollout_id and model_call_id must be non-empty");
     }
-    if call.parent_call_id.as_deref() == Some("") {
+    if head.parent_call_id == Some("") {
         return value_err("parent_call_id must be non-empty when present");
     }
-    match &call.parent_call_id {
-        None if call.prev_len != 0 || call.mode != Mode::Text => {
+    match head.parent_call_id {
+        None if head.prev_len != 0 || head.mode != Mode::Text => {
             return value_err("a parentless call must be a text-mode root with prev_len == 0");
         }
-        Some(_) if call.prev_len == 0 || call.mode != Mode::TokenIn => {
+        Some(_) if head.prev_len == 0 || head.mode != Mode::TokenIn => {
             return value_err("a child call must use token_in mode with prev_len > 0");
         }
         _ => {}
     }
-    if call.delta_len == 0 {
+    if head.delta_len == 0 {
         return value_err("a staged call delta must contain at least one token");
     }
-    if call.delta_len != call.token_ids.len() as u64 {
+    let ids = call.token_ids().len();
+    if head.delta_len != ids as u64 {
         return value_err(format!(
-            "delta_len {} does not match {} token IDs",
-            call.delta_len,
-            call.token_ids.len()
+            "delta_len {} does not match {ids} token IDs",
+            head.delta_len
         ));
     }
-    if call.token_ids.len() != call.token_mask.len()
-        || call.token_mask.len() != call.log_probs.len()
-    {
+    if ids != call.token_mask().len() || call.token_mask().len() != call.log_probs().len() {
         return value_err("token IDs, masks, and log probabilities must have equal lengths");
     }
-    if call.token_mask.iter().any(|m| *m != 0.0 && *m != 1.0) {
+    if call.token_mask().any(|m| m != 0.0 && m != 1.0) {
         return value_err("token_mask_delta must contain only 0.0 or 1.0");
     }
     if call
-        .token_mask
-        .iter()
-        .zip(&call.log_probs)
-        .any(|(m, lp)| *m == 0.0 && *lp != 0.0)
+        .token_mask()
+        .zip(call.log_probs())
+        .any(|(m, lp)| m == 0.0 && lp != 0.0)
     {
         return value_err("prompt-carry log probabilities must be 0.0");
     }
-    let expected = call.prev_len.checked_add(call.delta_len);
-    if expected != Some(call.cum_len) {
+    let expected = head.prev_len.checked_add(head.delta_len);
+    if expected != Some(head.cum_len) {
         return value_err(format!(
             "cum_len {} does not equal prev_len + delta_len ({})",
-            call.cum_len,
-            u128::from(call.prev_len) + u128::from(call.delta_len)
+            head.cum_len,
+            u128::from(head.prev_len) + u128::from(head.delta_len)
         ));
     }
     Ok(())
 }
 
 /// `compute_staging_digest` of checked fields (run [`check_call`] first; the float32
-/// narrowing refusals are raised here, as NeMo Gym raises them while encoding).
-pub fn staging_digest(call: &CallFields) -> DigestResult<Digest32> {
+/// narrowing refusals are raised here, as NeMo Gym raises them while encoding). The fields
+/// are read where they are held ([`StagedFields`]): a stored row is hashed in place.
+pub fn staging_digest(call: &impl StagedFields) -> DigestResult<Digest32> {
     check_call(call)?;
+    let head = call.head();
     // Masks and log-probabilities are narrowed while they are hashed: every mask (and its
     // refusal) comes before any log-probability, as NeMo Gym encodes them.
     let mut framer = Framer::new(CALL_DOMAIN);
     framer.raw(&[
-        call.schema_version as u8,
-        call.digest_version as u8,
-        call.extras_digest_version as u8,
+        head.schema_version as u8,
+        head.digest_version as u8,
+        head.extras_digest_version as u8,
     ]);
-    framer.text(&call.rollout_id);
-    framer.text(&call.model_call_id);
-    match &call.parent_call_id {
+    framer.text(head.rollout_id);
+    framer.text(head.model_call_id);
+    match head.parent_call_id {
         None => framer.raw(&[0]),
         Some(parent) => {
             framer.raw(&[1]);
             framer.text(parent);
         }
     }
-    framer.text(call.mode.as_str());
-    framer.u64(call.prev_len);
-    framer.u64(call.delta_len);
-    framer.u64(call.cum_len);
-    framer.u64(call.weight_version);
+    framer.text(head.mode.as_str());
+    framer.u64(head.prev_len);
+    framer.u64(head.delta_len);
+    framer.u64(head.cum_len);
+    framer.u64(head.weight_version);
     // Each column is itself length-framed: u64(len(encoded)) + encoded.
-    framer.u64(8 + 8 * call.token_ids.len() as u64);
-    framer.tokens(&call.token_ids);
-    framer.u64(8 + 4 * call.token_mask.len() as u64);
-    framer.float32s(&call.token_mask, "token_mask_delta")?;
-    framer.u64(8 + 4 * call.log_probs.len() as u64);
-    framer.float32s(&call.log_probs, "generation_log_probs_delta")?;
-    framer.raw(&call.extras_digest);
+    let ids = call.token_ids();
+    framer.u64(8 + 8 * ids.len() as u64);
+    framer.tokens(ids);
+    let masks = call.token_mask();
+    framer.u64(8 + 4 * masks.len() as u64);
+    framer.float32s(masks, "token_mask_delta")?;
+    let log_probs = call.log_probs();
+    framer.u64(8 + 4 * log_probs.len() as u64);
+    framer.float32s(log_probs, "generation_log_probs_delta")?;
+    framer.raw(head.extras_digest);
     framer.raw(&[1]);
-    framer.raw(&call.chain_hash);
+    framer.raw(head.chain_hash);
     framer.raw(&[1]);
-    framer.raw(&call.cumulative_hash);
+    framer.raw(head.cumulative_hash);
     Ok(framer.finish())
 }
 

@@ -33,7 +33,7 @@
 
 use sha2::{Digest, Sha256};
 
-use super::digest::{self, CallFields, Digest32, DigestError, Extra, Mode};
+use super::digest::{self, CallFields, CallHead, Digest32, DigestError, Extra, Mode, StagedFields};
 
 const CHECK_LEN: usize = 16;
 
@@ -403,11 +403,6 @@ impl<'a> In<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExtrasAt(usize);
 
-/// Decode a row's base columns and digest (the extras are left unread).
-pub fn decode_base(row: &[u8]) -> RowResult<(CallFields, Digest32, ExtrasAt)> {
-    parse_base(unseal(row, "the row")?)
-}
-
 /// A row's base columns where they lie in its bytes: borrowed, nothing copied, nothing
 /// verified (the parse itself is bounds-checked: [`BaseView::parse`]).
 #[derive(Debug, Clone, Copy)]
@@ -551,10 +546,35 @@ impl<'a> BaseView<'a> {
     }
 }
 
-/// The base columns of a row's body (the bytes before its checksum, which the caller checked).
-fn parse_base(row: &[u8]) -> RowResult<(CallFields, Digest32, ExtrasAt)> {
-    let view = BaseView::parse(row)?;
-    Ok((view.fields(), view.digest, view.extras_at))
+/// The staging digest reads a row's columns where they lie (no [`CallFields`] copy).
+impl StagedFields for BaseView<'_> {
+    fn head(&self) -> CallHead<'_> {
+        CallHead {
+            schema_version: u64::from(self.schema_version),
+            digest_version: u64::from(self.digest_version),
+            extras_digest_version: u64::from(self.extras_digest_version),
+            rollout_id: self.rollout_id,
+            model_call_id: self.model_call_id,
+            parent_call_id: self.parent_call_id,
+            mode: self.mode,
+            prev_len: self.prev_len,
+            delta_len: self.delta_len,
+            cum_len: self.cum_len,
+            weight_version: self.weight_version,
+            extras_digest: &self.extras_digest,
+            chain_hash: &self.chain_hash,
+            cumulative_hash: &self.cumulative_hash,
+        }
+    }
+    fn token_ids(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
+        BaseView::token_ids(self)
+    }
+    fn token_mask(&self) -> impl ExactSizeIterator<Item = f64> + '_ {
+        BaseView::token_mask(self)
+    }
+    fn log_probs(&self) -> impl ExactSizeIterator<Item = f64> + '_ {
+        BaseView::log_probs(self)
+    }
 }
 
 /// Decode the extras of a row whose base columns ended at `at`.
@@ -578,10 +598,10 @@ fn parse_extras(row: &[u8], at: ExtrasAt) -> RowResult<Option<Vec<(String, Extra
     Ok(extras)
 }
 
-/// Check a decoded row's staging digest against its columns.
-fn verify_base(fields: &CallFields, digest: &Digest32) -> RowResult<()> {
-    match digest::staging_digest(fields) {
-        Ok(actual) if actual == *digest => Ok(()),
+/// Check a row's staging digest against its columns, hashed where they lie.
+fn verify_base(view: &BaseView<'_>) -> RowResult<()> {
+    match digest::staging_digest(view) {
+        Ok(actual) if actual == view.digest => Ok(()),
         Ok(_) => bad("the staged digest does not match the stored columns"),
         Err(err) => bad(format!(
             "the stored columns are not a valid staged call: {err}"
@@ -589,34 +609,47 @@ fn verify_base(fields: &CallFields, digest: &Digest32) -> RowResult<()> {
     }
 }
 
-/// Decode a row's base columns and check its staging digest against them.
-pub fn decode_verified_base(row: &[u8]) -> RowResult<(CallFields, Digest32, ExtrasAt)> {
-    let (fields, digest, at) = decode_base(row)?;
-    verify_base(&fields, &digest)?;
-    Ok((fields, digest, at))
-}
-
-/// Decode a whole row and verify both digests (the row's checksum is checked once).
-pub fn decode_verified(row: &[u8]) -> RowResult<StagedCall> {
-    let body = unseal(row, "the row")?;
-    let (fields, digest, at) = parse_base(body)?;
-    verify_base(&fields, &digest)?;
-    let extras = parse_extras(body, at)?;
-    match digest::extras_digest(extras.as_deref()) {
-        Ok(actual) if actual == fields.extras_digest => Ok(StagedCall {
-            fields,
-            digest,
-            extras,
-        }),
+/// Check decoded extras against the row's extras digest.
+fn verify_extras(extras: Option<&[(String, Extra)]>, expected: &Digest32) -> RowResult<()> {
+    match digest::extras_digest(extras) {
+        Ok(actual) if actual == *expected => Ok(()),
         Ok(_) => bad("the stored extras do not match their extras_digest"),
         Err(err) => bad(format!("the stored extras cannot be digested: {err}")),
     }
 }
 
+/// Decode a whole row and verify both digests (the row's checksum is checked once).
+pub fn decode_verified(row: &[u8]) -> RowResult<StagedCall> {
+    let body = unseal(row, "the row")?;
+    let view = BaseView::parse(body)?;
+    verify_base(&view)?;
+    let extras = parse_extras(body, view.extras_at)?;
+    verify_extras(extras.as_deref(), &view.extras_digest)?;
+    Ok(StagedCall {
+        fields: view.fields(),
+        digest: view.digest,
+        extras,
+    })
+}
+
+/// Verify a stored row as a fetch of `key` must before anything read from it is returned:
+/// its checksum, its staging digest (recomputed from the columns where they lie in the
+/// bytes), with `with_extras` its extras (to their end) and their extras digest, and last
+/// [`check_key`], that it is the row of `key`.
+pub fn verify_stored(row: &[u8], key: &str, with_extras: bool) -> RowResult<()> {
+    let body = unseal(row, "the row")?;
+    let view = BaseView::parse(body)?;
+    verify_base(&view)?;
+    if with_extras {
+        let extras = parse_extras(body, view.extras_at)?;
+        verify_extras(extras.as_deref(), &view.extras_digest)?;
+    }
+    check_key(view.rollout_id, view.model_call_id, key)
+}
+
 /// A row's base columns (and, with `with_extras`, its extras) *as they read, nothing
-/// verified*: for building a result while the same bytes are verified
-/// (`decode_verified_base` or `decode_verified`), which must succeed before anything built
-/// from them is returned.
+/// verified*: for building a result while the same bytes are verified ([`verify_stored`]),
+/// which must succeed before anything built from them is returned.
 #[allow(clippy::type_complexity)]
 pub fn view_unverified(
     row: &[u8],
@@ -634,8 +667,8 @@ pub fn view_unverified(
 
 /// That a decoded row is the row of `key` (`"{rollout_id}/{model_call_id}"`): a fetch asks an
 /// index for a key's row, and a row that verifies but is another key's must not pass.
-pub fn check_key(fields: &CallFields, key: &str) -> RowResult<()> {
-    let stored = staging_key(&fields.rollout_id, &fields.model_call_id);
+pub fn check_key(rollout_id: &str, model_call_id: &str, key: &str) -> RowResult<()> {
+    let stored = staging_key(rollout_id, model_call_id);
     if stored == key {
         Ok(())
     } else {
@@ -748,6 +781,196 @@ mod tests {
             assert_eq!(back, call);
             assert!(back.fields.token_mask[0].is_sign_negative());
         }
+    }
+
+    /// A deterministic stream of bits for varied rows.
+    struct Bits(u64);
+
+    impl Bits {
+        fn next(&mut self) -> u64 {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            self.0 >> 11
+        }
+    }
+
+    /// Varied calls, valid and not: roots and children, every mask code (`-0.0` too), prompt
+    /// carries with `0.0` and `-0.0` log-probs, log-probs that narrow to float32 zero or
+    /// infinity, deltas that cross the framer's 4096-byte buffers, an empty delta, extras or
+    /// none, and calls NeMo Gym refuses for each reason a row can carry.
+    fn varied_calls() -> Vec<StagedCall> {
+        let mut bits = Bits(7);
+        let mut out = Vec::new();
+        for (i, n) in [1usize, 2, 3, 511, 512, 513, 1023, 1024, 1025, 1500]
+            .into_iter()
+            .enumerate()
+        {
+            let child = i % 2 == 1;
+            let token_ids: Vec<u64> = (0..n)
+                .map(|k| match k % 5 {
+                    0 => u64::MAX - bits.next() % 3,
+                    1 => 0,
+                    _ => bits.next() % 200_000,
+                })
+                .collect();
+            let token_mask: Vec<f64> = (0..n)
+                .map(|k| match (k + i) % 3 {
+                    0 => 1.0,
+                    1 => 0.0,
+                    _ => -0.0,
+                })
+                .collect();
+            let log_probs = token_mask
+                .iter()
+                .enumerate()
+                .map(|(k, m)| match (*m == 1.0, k % 4) {
+                    (false, 0) => -0.0,
+                    (false, _) => 0.0,
+                    (true, 0) => -1e-300, // float32 -0.0
+                    (true, 1) => -3.0e38,
+                    (true, 2) => -((bits.next() % 1_000_000) as f64) / 7919.0,
+                    (true, _) => -50.0 * bits.next() as f64 / (1u64 << 53) as f64,
+                })
+                .collect();
+            let extras = (i % 3 == 0).then(|| {
+                vec![
+                    (
+                        "z".to_string(),
+                        Extra::List(vec![Extra::Null, Extra::Int(-1)]),
+                    ),
+                    ("a".to_string(), Extra::Float(0.25)),
+                ]
+            });
+            let fields = CallFields {
+                schema_version: 2,
+                digest_version: 2,
+                extras_digest_version: 1,
+                rollout_id: format!("rollout-{i}/é"),
+                model_call_id: format!("call-{i}"),
+                parent_call_id: child.then(|| format!("call-{}", i - 1)),
+                mode: if child { Mode::TokenIn } else { Mode::Text },
+                prev_len: if child { 100 * i as u64 } else { 0 },
+                delta_len: n as u64,
+                cum_len: if child { 100 * i as u64 } else { 0 } + n as u64,
+                weight_version: bits.next(),
+                extras_digest: digest::extras_digest(extras.as_deref()).unwrap(),
+                chain_hash: chain_hash(None, &token_ids),
+                cumulative_hash: hash_token_ids(&token_ids),
+                token_ids,
+                token_mask,
+                log_probs,
+            };
+            out.push(StagedCall {
+                digest: digest::staging_digest(&fields).unwrap(),
+                fields,
+                extras,
+            });
+        }
+        let base = sample(None);
+        let refused = |change: &dyn Fn(&mut CallFields)| {
+            let mut call = base.clone();
+            change(&mut call.fields);
+            call
+        };
+        out.extend([
+            refused(&|f| {
+                f.token_ids.clear();
+                f.token_mask.clear();
+                f.log_probs.clear();
+                f.delta_len = 0;
+                f.cum_len = 0;
+            }),
+            refused(&|f| f.delta_len = 4),
+            refused(&|f| f.cum_len = 4),
+            refused(&|f| f.prev_len = u64::MAX),
+            refused(&|f| f.schema_version = 1),
+            refused(&|f| f.digest_version = 3),
+            refused(&|f| f.extras_digest_version = 0),
+            refused(&|f| f.model_call_id.clear()),
+            refused(&|f| f.parent_call_id = Some(String::new())),
+            refused(&|f| f.parent_call_id = Some("p".into())),
+            refused(&|f| f.mode = Mode::TokenIn),
+            refused(&|f| f.log_probs[0] = -0.5),
+            refused(&|f| f.log_probs[1] = 1e300),
+            refused(&|f| f.log_probs[2] = f64::NAN),
+            refused(&|f| f.log_probs[2] = f64::NEG_INFINITY),
+        ]);
+        out
+    }
+
+    #[test]
+    fn the_digest_of_a_row_read_in_place_is_the_digest_of_its_owned_columns() {
+        let calls = varied_calls();
+        let mut refusals = 0;
+        for call in &calls {
+            let row = encode_row(call);
+            let (body, _) = split_sealed(&row, "the row").unwrap();
+            let view = BaseView::parse(body).unwrap();
+            let owned = digest::staging_digest(&call.fields);
+            assert_eq!(
+                digest::staging_digest(&view),
+                owned,
+                "{:?}",
+                call.fields.rollout_id
+            );
+            match owned {
+                Ok(d) => {
+                    assert_eq!(d, call.digest);
+                    verify_stored(&row, &call.key(), false).unwrap();
+                    verify_stored(&row, &call.key(), true).unwrap();
+                }
+                Err(_) => {
+                    refusals += 1;
+                    assert!(verify_stored(&row, &call.key(), false).is_err());
+                }
+            }
+        }
+        assert_eq!(refusals, 15);
+        // The view's digest is NeMo Gym's: the golden vector (staging/conformance/
+        // golden_vectors.json), stored as a row and hashed where it lies.
+        let golden = CallFields {
+            schema_version: 2,
+            digest_version: 2,
+            extras_digest_version: 1,
+            rollout_id: "rollout-1".into(),
+            model_call_id: "call-1".into(),
+            parent_call_id: Some("parent-1".into()),
+            mode: Mode::TokenIn,
+            prev_len: 3,
+            delta_len: 2,
+            cum_len: 5,
+            weight_version: 7,
+            token_ids: vec![10, 11],
+            token_mask: vec![0.0, 1.0],
+            log_probs: vec![0.0, -0.25],
+            extras_digest: digest::parse_digest(
+                "032024e899456be6e9a78c6d0399c5112d2ca7fa18d4ea9cf0d8cb7d0094f3a3",
+            )
+            .unwrap(),
+            chain_hash: [0x11; 32],
+            cumulative_hash: [0x22; 32],
+        };
+        let row = encode_row(&StagedCall {
+            fields: golden,
+            digest: [0; 32],
+            extras: None,
+        });
+        let (body, _) = split_sealed(&row, "the row").unwrap();
+        assert_eq!(
+            hex::encode(digest::staging_digest(&BaseView::parse(body).unwrap()).unwrap()),
+            "1122c7fe7e914c809eb9b1c09b26d94a50c1eb2790e7430fbcd8363b846ccf27"
+        );
+    }
+
+    #[test]
+    fn a_verified_row_of_another_key_is_refused() {
+        let call = sample(None);
+        let row = encode_row(&call);
+        verify_stored(&row, "r/é/c", false).unwrap();
+        let err = verify_stored(&row, "r/é/d", false).unwrap_err();
+        assert_eq!(err.0, "the stored row is the row of \"r/é/c\"");
     }
 
     #[test]
