@@ -112,3 +112,26 @@ def test_each_model_owns_its_bookkeeping() -> None:
     assert second.model_call_id == "c1"
     assert first.__pydantic_fields_set__ is not second.__pydantic_fields_set__
     assert first.__dict__ is not second.__dict__
+
+
+def test_a_given_dict_in_field_order_becomes_the_model_dict_and_any_other_is_copied() -> None:
+    """``given=True`` (a fetch's fresh dicts): a dict naming the fields in field order is the
+    model's ``__dict__`` itself; one in another order is copied in field order; without
+    ``given`` every dict is copied. The models are ``model_construct``'s either way."""
+
+    class Pair(pydantic.BaseModel):
+        a: int
+        b: list[int]
+
+    model_building.construct(Pair, {"a": 0, "b": []})  # the class's first build: checked
+    in_order, reordered, kept = {"a": 1, "b": [2]}, {"b": [4], "a": 3}, {"a": 5, "b": [6]}
+    given = model_building.construct_all(Pair, [in_order, reordered], given=True)
+    copied = model_building.construct(Pair, kept)
+    assert given[0].__dict__ is in_order
+    assert given[1].__dict__ is not reordered
+    assert list(given[1].__dict__.items()) == [("a", 3), ("b", [4])]
+    assert copied.__dict__ is not kept
+    assert [model_state(m) for m in [*given, copied]] == [
+        model_state(Pair.model_construct(**row))
+        for row in ({"a": 1, "b": [2]}, {"a": 3, "b": [4]}, {"a": 5, "b": [6]})
+    ]

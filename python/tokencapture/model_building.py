@@ -6,8 +6,9 @@ dicts the native decoder produced and verified. ``cls.model_construct(**fields)`
 most of its time looking up aliases and defaults that such dicts never need: a `TokenEntry`
 takes it 6.3-7.6 us against 3.1-3.3 us the direct way (a loaded 2-core machine). `construct`
 sets what ``model_construct`` would set (the instance's ``__dict__`` in field order, its
-fields set, its extra and private values) directly, for plain models (no aliases, no post-init, no private attributes, not a root model) and fields that
-name exactly the model's fields. The first time a class is built, the two ways are compared on
+fields set, its extra and private values) directly, for plain models (no aliases, no
+post-init, no private attributes, not a root model) and fields that name exactly the
+model's fields. The first time a class is built, the two ways are compared on
 that call's fields; a model or a pydantic version where they differ is built by
 ``model_construct`` from then on. Anything else (a missing field, so a default applies, or a
 key that is not a field, which a model with ``extra="allow"`` keeps) goes through
@@ -27,27 +28,34 @@ Model = TypeVar("Model", bound=BaseModel)
 
 _new = object.__new__
 _set = object.__setattr__
-# Per class: its fast constructor, or None where `model_construct` is used. A class is absent
-# until a call brings fields naming exactly its fields (the sample the two ways are compared on).
-_builders: dict[type[BaseModel], Callable[[dict[str, Any]], Any] | None] = {}
+# Per class: its fast constructor (given the fields and whether it may keep their dict), or
+# None where `model_construct` is used. A class is absent until a call brings fields naming
+# exactly its fields (the sample the two ways are compared on).
+_builders: dict[type[BaseModel], Callable[[dict[str, Any], bool], Any] | None] = {}
 
 
-def construct(cls: type[Model], fields: dict[str, Any]) -> Model:
-    """``cls.model_construct(**fields)``, the faster way where it gives the same model."""
+def construct(cls: type[Model], fields: dict[str, Any], *, given: bool = False) -> Model:
+    """``cls.model_construct(**fields)``, the faster way where it gives the same model.
+
+    `given`: the caller gives `fields` away (a fetch's freshly decoded dict, used for nothing
+    else): a dict naming the fields in field order then becomes the model's ``__dict__``
+    itself, as ``model_construct`` would have copied it; otherwise it is copied."""
     if cls not in _builders:
         return _first(cls, fields)
     build = _builders[cls]
     if build is not None:
         try:
-            return build(fields)  # type: ignore[no-any-return]
+            return build(fields, given)  # type: ignore[no-any-return]
         except KeyError:  # not exactly the model's fields
             pass
     return cls.model_construct(**fields)
 
 
-def construct_all(cls: type[Model], rows: list[dict[str, Any]]) -> list[Model]:
-    """``[construct(cls, fields) for fields in rows]``."""
-    return [construct(cls, fields) for fields in rows]
+def construct_all(
+    cls: type[Model], rows: list[dict[str, Any]], *, given: bool = False
+) -> list[Model]:
+    """``[construct(cls, fields, given=given) for fields in rows]``."""
+    return [construct(cls, fields, given=given) for fields in rows]
 
 
 def fast_way(cls: type[BaseModel]) -> bool:
@@ -65,7 +73,7 @@ def _first(cls: type[Model], fields: dict[str, Any]) -> Model:
         _builders[cls] = None
         return slow
     try:
-        fast = build(fields)
+        fast = build(fields, False)
     except KeyError:
         return slow
     same = (
@@ -78,7 +86,7 @@ def _first(cls: type[Model], fields: dict[str, Any]) -> Model:
     return slow
 
 
-def _fast_constructor(cls: type[BaseModel]) -> Callable[[dict[str, Any]], Any] | None:
+def _fast_constructor(cls: type[BaseModel]) -> Callable[[dict[str, Any], bool], Any] | None:
     """The direct way for a plain pydantic model; None for any other class."""
     fields = getattr(cls, "__pydantic_fields__", None)
     if (
@@ -100,11 +108,14 @@ def _fast_constructor(cls: type[BaseModel]) -> Callable[[dict[str, Any]], Any] |
     # extras, None otherwise.
     keeps_extra = cls.model_config.get("extra") == "allow"
 
-    def build(values: dict[str, Any]) -> Any:
+    def build(values: dict[str, Any], given: bool) -> Any:
         if len(values) != count:  # a field missing (a default applies) or an extra key
             raise KeyError
         model = _new(cls)
-        _set(model, "__dict__", {name: values[name] for name in names})
+        # Exactly the fields in field order: what model_construct would copy it into.
+        if not (given and tuple(values) == names):
+            values = {name: values[name] for name in names}
+        _set(model, "__dict__", values)
         _set(model, "__pydantic_fields_set__", set(every))
         _set(model, "__pydantic_extra__", {} if keeps_extra else None)
         _set(model, "__pydantic_private__", None)

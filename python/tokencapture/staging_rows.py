@@ -143,14 +143,15 @@ def snapshots_from_rows(
 ) -> list[Any]:
     """Verified base snapshots of stored rows (raises `TokenCaptureCorruptionError`)."""
     fields = _core.staging_decode(list(rows), list(keys), False)
-    return construct_all(models.base_snapshot, fields)
+    return construct_all(models.base_snapshot, fields, given=True)
 
 
 def records_from_rows(
     rows: Sequence[bytes], keys: Sequence[str], models: StagingModels
 ) -> list[Any]:
     """Verified whole records (with extras) of stored rows."""
-    return construct_all(models.record, _core.staging_decode(list(rows), list(keys), True))
+    fields = _core.staging_decode(list(rows), list(keys), True)
+    return construct_all(models.record, fields, given=True)
 
 
 def attachments_from_blob(blob: bytes, key: str) -> dict[str, StagedAttachment]:

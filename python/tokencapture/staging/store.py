@@ -107,12 +107,14 @@ class FileStagingStore:
     def fetch(self, staging_keys: list[str]) -> list[Any]:
         """One digest-verified base snapshot per key, in the order asked."""
         keys = checked_keys(staging_keys)
-        return construct_all(self._models().base_snapshot, self._native.fetch(keys, False))
+        return construct_all(
+            self._models().base_snapshot, self._native.fetch(keys, False), given=True
+        )
 
     def fetch_records(self, staging_keys: list[str]) -> list[Any]:
         """One digest-verified record (with its extras) per key, in the order asked."""
         keys = checked_keys(staging_keys)
-        return construct_all(self._models().record, self._native.fetch(keys, True))
+        return construct_all(self._models().record, self._native.fetch(keys, True), given=True)
 
     def fetch_attachments(self, staging_key: str) -> dict[str, StagedAttachment]:
         """The attachments staged with one key (empty if it had none)."""
