@@ -577,11 +577,6 @@ impl StagedFields for BaseView<'_> {
     }
 }
 
-/// Decode the extras of a row whose base columns ended at `at`.
-pub fn decode_extras(row: &[u8], at: ExtrasAt) -> RowResult<Option<Vec<(String, Extra)>>> {
-    parse_extras(unseal(row, "the row")?, at)
-}
-
 fn parse_extras(row: &[u8], at: ExtrasAt) -> RowResult<Option<Vec<(String, Extra)>>> {
     let mut r = In { buf: row, at: at.0 };
     let extras = match r.u8()? {
