@@ -11,7 +11,8 @@
 //! (an unlinked inode cannot be reused while open), so "the path still names the inode we hold"
 //! proves the file was not replaced. Under the lock, a cached entry is used only if that holds
 //! for both files; a log that grew behind our back (another process appended) is folded
-//! incrementally, anything else reloads from disk.
+//! incrementally, anything else reloads from disk. `begin_call`, which reads only the state
+//! file's fences, checks only the state file; the next put checks the log.
 //!
 //! **What a put writes.** The line and its newline, then `fdatasync`. The first put of a
 //! rollout also writes the state index durably and fsyncs the directory. Later puts leave the
