@@ -7,8 +7,14 @@ import os
 import warnings
 from pathlib import Path
 
+import pytest
 from tests.conftest import make_entry
 
+from tokencapture.protocols import (
+    TokenCaptureConflictError,
+    TokenCaptureFrozenError,
+    TokenCaptureRetiredError,
+)
 from tokencapture.store import TokenCaptureStore, canonical_line
 
 WRITERS = 4
@@ -90,3 +96,61 @@ def test_a_forked_child_and_its_parent_share_a_store_object_safely(tmp_path: Pat
     assert stored == sorted(expected)
     assert snapshot.version == len(expected) + 1
     assert not snapshot.incomplete
+
+
+def other_process(root: str, action: str, rollout_id: str, call: str) -> None:
+    """One store operation in a process of its own (spawned: nothing shared with the test)."""
+    store = TokenCaptureStore(root)
+    if action == "retire":
+        store.retire_now([rollout_id])
+    elif action == "freeze":
+        store.freeze_now(rollout_id)
+    elif action == "delete":
+        store.delete_now([rollout_id])
+    else:
+        store.append(make_entry(rollout_id, call=call, prompt_token_ids=[7, 7, 7]))
+
+
+def test_fences_and_appends_of_another_process_reach_a_warm_store(tmp_path: Path) -> None:
+    """A store's cached index of a rollout is checked against the files under the lock before
+    every write: a retire or freeze by another process refuses the next `begin_call` and put
+    here, an entry another process appended is known to the next put here (same id, other
+    payload: a conflict), and a rollout another process deleted and wrote again is read
+    afresh (its new entry is a duplicate here, not a new one)."""
+    root = str(tmp_path)
+    store = TokenCaptureStore(root)
+    for rollout_id in ("retired", "frozen", "appended", "reborn"):
+        store._begin_call(rollout_id, "warm")  # every rollout's index cached and pinned
+        store.append(make_entry(rollout_id, call="warm"))
+        store._begin_call(rollout_id, "next")
+    context = multiprocessing.get_context("spawn")
+
+    def run(*args: str) -> None:
+        process = context.Process(target=other_process, args=(root, *args))
+        process.start()
+        process.join()
+        assert process.exitcode == 0
+
+    run("retire", "retired", "")
+    with pytest.raises(TokenCaptureRetiredError):
+        store._begin_call("retired", "after")
+    with pytest.raises(TokenCaptureRetiredError):
+        store.append(make_entry("retired", call="after"))
+
+    run("freeze", "frozen", "")
+    with pytest.raises(TokenCaptureFrozenError):
+        store._begin_call("frozen", "after")
+    with pytest.raises(TokenCaptureFrozenError):
+        store.append(make_entry("frozen", call="after"))
+
+    run("append", "appended", "theirs")
+    with pytest.raises(TokenCaptureConflictError):
+        store.append(make_entry("appended", call="theirs", prompt_token_ids=[8]))
+
+    run("delete", "reborn", "")
+    run("append", "reborn", "new")
+    store._begin_call("reborn", "new")
+    store.append(make_entry("reborn", call="new", prompt_token_ids=[7, 7, 7]))  # a duplicate
+    snapshot = TokenCaptureStore(root).freeze_now("reborn")
+    assert [e.model_call_id for e in snapshot.entries] == ["new"]
+    assert snapshot.version == 2  # the other process's entry and the freeze: no second put

@@ -11,7 +11,8 @@
 //! (an unlinked inode cannot be reused while open), so "the path still names the inode we hold"
 //! proves the file was not replaced. Under the lock, a cached entry is used only if that holds
 //! for both files; a log that grew behind our back (another process appended) is folded
-//! incrementally, anything else reloads from disk.
+//! incrementally, anything else reloads from disk. `begin_call`, which reads only the state
+//! file's fences, checks only the state file; the next put checks the log.
 //!
 //! **What a put writes.** The line and its newline, then `fdatasync`. The first put of a
 //! rollout also writes the state index durably and fsyncs the directory. Later puts leave the
@@ -460,6 +461,15 @@ struct KeptLock {
     pid: u32,
 }
 
+/// What of a rollout's cached index an operation relies on (see `Store::checkout`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Uses {
+    /// The state file only: its fences and flags (`begin_call`).
+    State,
+    /// The state file and the log (everything that reads or writes the log's index).
+    Log,
+}
+
 /// One rollout's folded index as this process last saw it.
 #[derive(Debug, Default)]
 struct Cached {
@@ -483,6 +493,11 @@ struct Cached {
     /// A state that points into a line (a damaged or foreign index) must not be appended to:
     /// the torn-line truncation would keep half a line and glue the next record onto it.
     boundary_checked: bool,
+    /// The log's length as `checkout` (or `load`) found it under this operation's lock, for
+    /// `fold_tail`, which takes it instead of asking the kernel again. Never kept between
+    /// operations (`cache_back` clears it): another process may append as soon as the lock
+    /// is released.
+    log_len: Option<u64>,
 }
 
 impl Cached {
@@ -783,7 +798,8 @@ impl Store {
     }
 
     /// Return a rollout's index to the cache (which may close others to stay in budget).
-    fn cache_back(&self, rollout_id: &str, cached: Cached) {
+    fn cache_back(&self, rollout_id: &str, mut cached: Cached) {
+        cached.log_len = None; // another process may append once the lock is released
         cache_put(&self.cache, rollout_id, cached);
     }
 
@@ -840,19 +856,33 @@ impl Store {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// The rollout's cached index (taken out of the cache by the caller) if both of its files
-    /// are still the ones it pins (and the state file unchanged), otherwise the index loaded
-    /// from disk. Call only under the rollout's exclusive lock.
-    fn checkout(&self, cached: Option<Cached>, paths: &RolloutPaths) -> Result<Cached> {
-        if let Some(cached) = cached {
+    /// The rollout's cached index (taken out of the cache by the caller) if its files are
+    /// still the ones it pins (and the state file unchanged), otherwise the index loaded from
+    /// disk. Call only under the rollout's exclusive lock.
+    ///
+    /// `uses` says which files the operation relies on. The state file (which carries the
+    /// fences: a retire or freeze by another process replaces it) is always checked. The log
+    /// is checked, and its length noted for `fold_tail` (one `statx` gives both), unless the
+    /// operation reads nothing the log decides ([`Uses::State`]: `begin_call`); the index it
+    /// returns to the cache still pins the log it was built from, so the next operation that
+    /// relies on the log checks it then.
+    fn checkout(&self, cached: Option<Cached>, paths: &RolloutPaths, uses: Uses) -> Result<Cached> {
+        if let Some(mut cached) = cached {
             let state_same = match (path_metadata(&paths.state)?, &cached.state_file) {
                 (Some(now), Some(pinned)) => pinned.unchanged(&now),
                 (None, None) => true,
                 _ => false,
             };
-            let log_now = file_id(&paths.log)?;
-            if state_same && log_now == cached.log.as_ref().map(|p| p.id) {
+            if state_same && uses == Uses::State {
                 return Ok(cached);
+            }
+            if state_same {
+                let log_now = path_metadata(&paths.log)?;
+                let pinned = cached.log.as_ref().map(|p| p.id);
+                if log_now.as_ref().map(FileId::of) == pinned {
+                    cached.log_len = log_now.map(|meta| meta.len());
+                    return Ok(cached);
+                }
             }
         }
         self.load(paths)
@@ -870,6 +900,7 @@ impl Store {
         };
         Ok(Cached {
             lock: None,
+            log_len: log.as_ref().map(|log| log.len),
             log,
             state_file,
             disk_indexed_size: state.indexed_size,
@@ -887,6 +918,7 @@ impl Store {
     fn exclusive<T>(
         &self,
         rollout_id: &str,
+        uses: Uses,
         op: impl FnOnce(&mut Cached, &RolloutPaths) -> Result<T>,
     ) -> Result<T> {
         let _permit = self.cache.enter();
@@ -897,7 +929,7 @@ impl Store {
         let kept = taken.as_mut().and_then(|cached| cached.lock.take());
         let pid = std::process::id();
         let lock = self.lock_exclusive(kept, pid, &paths)?;
-        let mut cached = self.checkout(taken, &paths)?;
+        let mut cached = self.checkout(taken, &paths, uses)?;
         let result = op(&mut cached, &paths);
         if matches!(result, Err(Error::Io { .. } | Error::Corrupt { .. })) {
             return result; // dropping the lock closes its descriptor
@@ -973,7 +1005,10 @@ impl Store {
         let Some(log) = &cached.log else {
             return missing_log(cached, paths);
         };
-        let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
+        let len = match cached.log_len.take() {
+            Some(len) => len,
+            None => log.file.metadata().ctx("stat log", &paths.log)?.len(),
+        };
         let covered = cached.state.indexed_size;
         if len < covered {
             return Err(Error::corrupt(
@@ -1166,7 +1201,7 @@ impl Store {
         // The puts an error of the operation belongs to: all of them until the rollout's tail
         // is folded and it is known to be writable, then the group being committed.
         let mut failing: Vec<usize> = (0..items.len()).collect();
-        let outcome = self.exclusive(rollout_id, |cached, paths| {
+        let outcome = self.exclusive(rollout_id, Uses::Log, |cached, paths| {
             self.fold_tail(cached, paths)?;
             check_writable(rollout_id, &cached.state)?;
             let mut group: Vec<usize> = Vec::new();
@@ -1288,7 +1323,7 @@ impl Store {
     pub fn begin_call(&self, rollout_id: &str, call_id: &str) -> Result<()> {
         validate_rollout_id(rollout_id)?;
         validate_call_id(call_id)?;
-        self.exclusive(rollout_id, |cached, paths| {
+        self.exclusive(rollout_id, Uses::State, |cached, paths| {
             check_writable(rollout_id, &cached.state)?;
             if self.append_marker(&paths.intents, call_id.as_bytes())? {
                 self.sync_dir()?;
@@ -1302,7 +1337,7 @@ impl Store {
     pub fn mark_incomplete(&self, rollout_id: &str, line: &[u8]) -> Result<()> {
         validate_rollout_id(rollout_id)?;
         validate_line(line, "an incomplete-marker line")?;
-        self.exclusive(rollout_id, |cached, paths| {
+        self.exclusive(rollout_id, Uses::Log, |cached, paths| {
             if cached.state.retired {
                 return Err(Error::Retired(rollout_id.to_owned()));
             }
@@ -1317,7 +1352,7 @@ impl Store {
     /// Freeze the rollout (first call mints the snapshot id) and return its records.
     pub fn freeze(&self, rollout_id: &str) -> Result<Snapshot> {
         validate_rollout_id(rollout_id)?;
-        self.exclusive(rollout_id, |cached, paths| {
+        self.exclusive(rollout_id, Uses::Log, |cached, paths| {
             let len = self.log_len_for_freeze(rollout_id, cached, paths)?;
             let buf = self.read_for_freeze(cached, len, paths)?;
             let settled = self.settle_freeze(cached, paths, &LogLines::of(&buf), Scan::Parallel)?;
@@ -1345,7 +1380,7 @@ impl Store {
         decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
     ) -> Result<(Snapshot, Vec<Range<usize>>, D)> {
         validate_rollout_id(rollout_id)?;
-        self.exclusive(rollout_id, |cached, paths| {
+        self.exclusive(rollout_id, Uses::Log, |cached, paths| {
             let len = self.log_len_for_freeze(rollout_id, cached, paths)?;
             match &cached.log {
                 Some(log) if len >= PARALLEL_SCAN_BYTES as u64 => {
@@ -1491,7 +1526,7 @@ impl Store {
             return Ok(false);
         };
         let taken = self.cache().pop(rollout_id);
-        let mut cached = self.checkout(taken, &paths)?;
+        let mut cached = self.checkout(taken, &paths, Uses::Log)?;
         self.fold_tail(&mut cached, &paths)?;
         let state = &cached.state;
         if !(state.frozen && state.snapshot_id == snapshot_id && state.version == version) {
@@ -1534,7 +1569,7 @@ impl Store {
             // corrupt line if there is one (the records are about to go). A corrupt state gives
             // a bare fence: retiring is how a damaged rollout gets cleaned up.
             let taken = self.cache().pop(id.as_str());
-            let state = match self.checkout(taken, &paths) {
+            let state = match self.checkout(taken, &paths, Uses::Log) {
                 Ok(mut cached) => {
                     let _partial = self.fold_tail(&mut cached, &paths);
                     cached.state
