@@ -212,6 +212,7 @@ def test_an_older_distributed_schema_is_upgraded_in_place(citus_cluster: CitusCl
         "003_ledger.sql",
         "004_lineage_rows.sql",
         "005_staging.sql",
+        "006_staging_key_order.sql",
     ]
     tables = fetch(
         dsn,

@@ -53,7 +53,7 @@ def both(tmp_path: Path, dsn: str) -> Iterator[tuple[FileStagingStore, PostgresS
 
 def test_exported_from_tokencapture_lazily() -> None:
     assert tokencapture.PostgresStagingStore is PostgresStagingStore
-    assert SCHEMA_VERSION == 5
+    assert SCHEMA_VERSION == 6
 
 
 def test_stage_then_fetch_in_the_order_asked(staging: Store) -> None:
@@ -258,7 +258,7 @@ def test_upgrade_from_schema_version_4(pg_dsn: str) -> None:  # noqa: F811
     assert refused.error is not None and "PostgresSchemaError" in refused.error
     assert "schema version 4" in refused.error
     old.close_sync()
-    assert install_schema_sync(pg_dsn) == ["005_staging.sql"]
+    assert install_schema_sync(pg_dsn) == ["005_staging.sql", "006_staging_key_order.sql"]
     assert install_schema_sync(pg_dsn) == []
     store = PostgresStagingStore(pg_dsn)
     try:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tests.pg_server import PgServer, PgServerUnavailable
@@ -174,3 +175,52 @@ def test_processes_racing_retire_leave_no_stage_behind(dsn: str) -> None:
     for rollout_id in rollouts:
         removed_by = [p for _, _, p in retire_rows if rollout_id in p["removed"]]
         assert len(removed_by) <= 1
+
+
+def test_batches_of_the_same_keys_in_opposite_orders_never_deadlock(dsn: str) -> None:
+    """Two workers restaging the same calls of one rollout at once (a retry racing the
+    original), their batches holding the keys in opposite orders: `stage_batch` inserts a
+    rollout's keys in key order, so neither batch waits on a key the other is about to wait
+    for (PostgreSQL would abort one after `deadlock_timeout`, a second's stall and a retry)."""
+    import asyncio
+
+    import asyncpg
+
+    keys = [f"r/call-{i:03d}" for i in range(64)]
+
+    def args(order: list[str]) -> tuple[list[Any], ...]:
+        return (
+            ["r"] * len(order),
+            order,
+            ["d" * 64] * len(order),
+            [key.encode() for key in order],
+            [None] * len(order),
+        )
+
+    async def race(round_: int) -> list[Any]:
+        rollout_keys = [f"{key}-{round_}" for key in keys]
+        one, two = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+        try:
+            await asyncio.gather(
+                one.execute("SET deadlock_timeout = '50ms'"),
+                two.execute("SET deadlock_timeout = '50ms'"),
+            )
+            return list(
+                await asyncio.gather(
+                    one.fetchval(_STAGE_BATCH_SQL, *args(rollout_keys)),
+                    two.fetchval(_STAGE_BATCH_SQL, *args(rollout_keys[::-1])),
+                    return_exceptions=True,
+                )
+            )
+        finally:
+            await asyncio.gather(one.close(), two.close())
+
+    for round_ in range(10):
+        outcomes = asyncio.run(race(round_))
+        assert not [o for o in outcomes if isinstance(o, BaseException)], outcomes
+        first, second = outcomes
+        # Each key stored by exactly one batch (status 0), a duplicate (1) in the other.
+        assert all(a + b == 1 for a, b in zip(first, reversed(second), strict=True))
+
+
+_STAGE_BATCH_SQL = "SELECT tokencapture.stage_batch($1, $2, $3, $4, $5)"

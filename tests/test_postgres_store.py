@@ -47,6 +47,7 @@ SCHEMA_FILES = [
     "003_ledger.sql",
     "004_lineage_rows.sql",
     "005_staging.sql",
+    "006_staging_key_order.sql",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -74,8 +74,8 @@ END
 $$;
 
 -- Stages that arrive together share one call and one commit (the client gathers the stages
--- waiting for a connection); each keeps its own status. Rollouts are locked in id order, so
--- concurrent batches never deadlock.
+-- waiting for a connection); each keeps its own status. Rollouts are locked in id order.
+-- (Version 6 replaces it: a rollout's stages in key order too, see 006_staging_key_order.sql.)
 CREATE FUNCTION tokencapture.stage_batch(
     p_rollouts text[], p_keys text[], p_digests text[], p_rows bytea[], p_attachments bytea[])
 RETURNS smallint[]
