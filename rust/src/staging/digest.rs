@@ -531,35 +531,42 @@ pub fn parse_digest(text: &str) -> Option<Digest32> {
     Some(out)
 }
 
+/// NeMo Gym 0.7.0's golden staged call (`staging/conformance/golden_vectors.json`), for the
+/// tests of every module that hashes one.
+#[cfg(test)]
+pub(crate) fn golden_call() -> CallFields {
+    CallFields {
+        schema_version: 2,
+        digest_version: 2,
+        extras_digest_version: 1,
+        rollout_id: "rollout-1".into(),
+        model_call_id: "call-1".into(),
+        parent_call_id: Some("parent-1".into()),
+        mode: Mode::TokenIn,
+        prev_len: 3,
+        delta_len: 2,
+        cum_len: 5,
+        weight_version: 7,
+        token_ids: vec![10, 11],
+        token_mask: vec![0.0, 1.0],
+        log_probs: vec![0.0, -0.25],
+        extras_digest: parse_digest(
+            "032024e899456be6e9a78c6d0399c5112d2ca7fa18d4ea9cf0d8cb7d0094f3a3",
+        )
+        .unwrap(),
+        chain_hash: [0x11; 32],
+        cumulative_hash: [0x22; 32],
+    }
+}
+
+/// The staging digest NeMo Gym's golden vectors give [`golden_call`].
+#[cfg(test)]
+pub(crate) const GOLDEN_STAGING_DIGEST: &str =
+    "1122c7fe7e914c809eb9b1c09b26d94a50c1eb2790e7430fbcd8363b846ccf27";
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn golden_call() -> CallFields {
-        // NeMo Gym 0.7.0's staging/conformance/golden_vectors.json.
-        CallFields {
-            schema_version: 2,
-            digest_version: 2,
-            extras_digest_version: 1,
-            rollout_id: "rollout-1".into(),
-            model_call_id: "call-1".into(),
-            parent_call_id: Some("parent-1".into()),
-            mode: Mode::TokenIn,
-            prev_len: 3,
-            delta_len: 2,
-            cum_len: 5,
-            weight_version: 7,
-            token_ids: vec![10, 11],
-            token_mask: vec![0.0, 1.0],
-            log_probs: vec![0.0, -0.25],
-            extras_digest: parse_digest(
-                "032024e899456be6e9a78c6d0399c5112d2ca7fa18d4ea9cf0d8cb7d0094f3a3",
-            )
-            .unwrap(),
-            chain_hash: [0x11; 32],
-            cumulative_hash: [0x22; 32],
-        }
-    }
 
     #[test]
     fn golden_vectors() {
@@ -575,7 +582,7 @@ mod tests {
         );
         assert_eq!(
             hex::encode(staging_digest(&golden_call()).unwrap()),
-            "1122c7fe7e914c809eb9b1c09b26d94a50c1eb2790e7430fbcd8363b846ccf27"
+            GOLDEN_STAGING_DIGEST
         );
     }
 

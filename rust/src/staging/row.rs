@@ -925,37 +925,15 @@ mod tests {
         assert_eq!(refusals, 15);
         // The view's digest is NeMo Gym's: the golden vector (staging/conformance/
         // golden_vectors.json), stored as a row and hashed where it lies.
-        let golden = CallFields {
-            schema_version: 2,
-            digest_version: 2,
-            extras_digest_version: 1,
-            rollout_id: "rollout-1".into(),
-            model_call_id: "call-1".into(),
-            parent_call_id: Some("parent-1".into()),
-            mode: Mode::TokenIn,
-            prev_len: 3,
-            delta_len: 2,
-            cum_len: 5,
-            weight_version: 7,
-            token_ids: vec![10, 11],
-            token_mask: vec![0.0, 1.0],
-            log_probs: vec![0.0, -0.25],
-            extras_digest: digest::parse_digest(
-                "032024e899456be6e9a78c6d0399c5112d2ca7fa18d4ea9cf0d8cb7d0094f3a3",
-            )
-            .unwrap(),
-            chain_hash: [0x11; 32],
-            cumulative_hash: [0x22; 32],
-        };
         let row = encode_row(&StagedCall {
-            fields: golden,
+            fields: digest::golden_call(),
             digest: [0; 32],
             extras: None,
         });
         let (body, _) = split_sealed(&row, "the row").unwrap();
         assert_eq!(
             hex::encode(digest::staging_digest(&BaseView::parse(body).unwrap()).unwrap()),
-            "1122c7fe7e914c809eb9b1c09b26d94a50c1eb2790e7430fbcd8363b846ccf27"
+            digest::GOLDEN_STAGING_DIGEST
         );
     }
 
