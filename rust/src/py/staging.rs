@@ -742,13 +742,7 @@ fn staging_encode(
                 .as_deref()
                 .map(row::encode_attachments)
                 .unwrap_or_default();
-            let digest = {
-                use sha2::{Digest, Sha256};
-                let mut h = Sha256::new();
-                h.update(&row);
-                h.update(&blob);
-                hex::encode(h.finalize())
-            };
+            let digest = hex::encode(row::content_digest(&row, &blob));
             Ok((row, blob, digest))
         })
         .map_err(|e| staging_err(py, e))?;

@@ -278,6 +278,16 @@ pub fn encode_row(call: &StagedCall) -> Vec<u8> {
     seal(out.0)
 }
 
+/// SHA-256 of a stage's row and attachments blob: equal exactly when two stages of a key carry
+/// the same content (what idempotency and conflict compare; a file frame keeps its first 16
+/// bytes, the PostgreSQL backend all of it).
+pub fn content_digest(row: &[u8], attachments: &[u8]) -> Digest32 {
+    let mut hasher = Sha256::new();
+    hasher.update(row);
+    hasher.update(attachments);
+    hasher.finalize().into()
+}
+
 /// Encode attachments (in the given order) as one blob.
 pub fn encode_attachments(attachments: &[Attachment]) -> Vec<u8> {
     let size: usize = attachments
