@@ -1242,9 +1242,10 @@ impl FileStaging {
     /// The rows of `keys`, in order, with where they were read: the row bytes only (a frame's
     /// attachments are neither read nor hashed). Nothing is verified here: the caller must
     /// verify each row before using it (`row::verify_stored`: the row's own checksum, its
-    /// staging digest, and `row::check_key`, that it is the row of the key asked for). The frame's content hash covered the same row bytes plus the
-    /// attachments, so checking it too would hash every row twice. At most the segments these
-    /// keys live in are opened, and closed again before returning.
+    /// staging digest, and `row::check_key`, that it is the row of the key asked for). The
+    /// frame's content hash covered the same row bytes plus the attachments, so checking it
+    /// too would hash every row twice. At most the segments these keys live in are opened, and
+    /// closed again before returning.
     pub fn fetch_stored_rows(&self, keys: &[String]) -> Result<Vec<StoredRow>> {
         let locs = self.locate(keys)?;
         let mut files: HashMap<PathBuf, File> = HashMap::new();
