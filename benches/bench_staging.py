@@ -29,6 +29,8 @@ median and range over runs, and the file backend's per-run ratios to the ceiling
 
     python benches/bench_staging.py --runs 5 [--quick] [--json benches/results/staging.json]
     python benches/bench_staging.py --fetch-only --fetch-repeats 40   # the fetch case alone
+    python benches/bench_staging.py --backends file,postgres,pg1 \
+        --postgres-variant pg1:stage_flushes=1      # store options side by side, one server
 """
 
 from __future__ import annotations
@@ -114,7 +116,14 @@ class PostgresColumn:
     database of one server: $TOKENCAPTURE_BENCH_PG_DSN, or a throwaway one started on these
     cores on first use (tests/pg_server.py: fsync and synchronous_commit on)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: PostgresColumn | None = None, **options: Any) -> None:
+        """`options` go to every store this column opens; `shared`: a column whose server
+        (and databases' owner) this one uses too, so variants of one run share a server."""
+        self.shared = shared
+        self.options = options
+        self.variants: list[PostgresColumn] = []
+        if shared is not None:
+            shared.variants.append(self)
         self.base = os.environ.get("TOKENCAPTURE_BENCH_PG_DSN")
         self.server: Any = None
         self.opened: list[Any] = []
@@ -136,6 +145,21 @@ class PostgresColumn:
     def __call__(self, _directory: str) -> Any:
         from tokencapture.postgres import PostgresStagingStore, install_schema_sync
 
+        if self.shared is not None:
+            self.shared.start()
+            self.base = self.shared.base
+        self.start()
+        assert self.base is not None
+        name = f"bench_staging_{uuid.uuid4().hex[:10]}"
+        self._admin(f"CREATE DATABASE {name}")
+        dsn = self.base.rsplit("/", 1)[0] + "/" + name
+        install_schema_sync(dsn)
+        store = PostgresStagingStore(dsn, **self.options)
+        self.opened.append(store)
+        return store
+
+    def start(self) -> None:
+        """Start the throwaway server unless a DSN is given or it runs already."""
         if self.base is None:
             if str(ROOT) not in sys.path:
                 sys.path.insert(0, str(ROOT))
@@ -144,19 +168,17 @@ class PostgresColumn:
             self.server = PgServer()
             self.server.start()
             self.base = self.server.dsn
-        name = f"bench_staging_{uuid.uuid4().hex[:10]}"
-        self._admin(f"CREATE DATABASE {name}")
-        dsn = self.base.rsplit("/", 1)[0] + "/" + name
-        install_schema_sync(dsn)
-        store = PostgresStagingStore(dsn)
-        self.opened.append(store)
-        return store
 
     def close(self) -> None:
+        """Close this column's stores (and its variants', before the server they share)."""
+        for variant in self.variants:
+            variant.close()
         for store in self.opened:
             store.close()
+        self.opened.clear()
         if self.server is not None:
             self.server.cleanup()
+            self.server = None
 
 
 def _postgres() -> PostgresColumn | None:
@@ -184,6 +206,23 @@ BACKENDS: dict[str, Callable[[str], Any] | None] = {
     "transferqueue": _transferqueue(),
     "postgres": _postgres(),
 }
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME:KEY=VALUE,...`` -> (NAME, options); a value is JSON where it parses."""
+    name, _, spec = text.partition(":")
+    if not name or name in BACKENDS:
+        raise SystemExit(f"--postgres-variant {text!r}: give a new column name before ':'")
+    options: dict[str, Any] = {}
+    for item in filter(None, spec.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--postgres-variant {text!r}: {item!r} is not KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return name, options
 
 
 def w1_records(threads: int, per_thread: int, tag: str) -> list[list[Any]]:
@@ -319,7 +358,23 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="fetch/re-freeze pairs to time (default: 4 per run, at least 5)",
     )
+    parser.add_argument(
+        "--postgres-variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="another postgres column, NAME, whose stores get these options (values read as "
+        "JSON where they parse, else as text), on the postgres column's server; name it in "
+        "--backends too (e.g. --postgres-variant pg1:stage_flushes=1 "
+        "--backends file,postgres,pg1)",
+    )
     args = parser.parse_args(argv)
+    for variant in args.postgres_variant:
+        name, options = parse_variant(variant)
+        base = BACKENDS["postgres"]
+        if not isinstance(base, PostgresColumn):
+            parser.error(f"--postgres-variant {name}: the postgres column cannot run here")
+        BACKENDS[name] = PostgresColumn(shared=base, **options)
     names = [n for n in args.backends.split(",") if BACKENDS.get(n) is not None]
     scale = 0.05 if args.quick else 1.0
     (BENCHES / ".scratch").mkdir(exist_ok=True)
@@ -353,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         fetch = None if args.no_fetch else fetch_vs_freeze(scratch, repeats)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        for name in names:
+        # The postgres column owns the server its variants share: closed even when unnamed.
+        for name in [*names, *(["postgres"] if args.postgres_variant else [])]:
             close = getattr(BACKENDS[name], "close", None)
             if close is not None:
                 close()
