@@ -63,15 +63,21 @@ class Backend:
         resolution: LineageResolution = await self.resolver.resolve(rollout_id, request_items)
         return resolution
 
-    async def fail(self, rollout_id: str, model_call_id: str, reason: str) -> None:
-        """Mark the call incomplete (the rollout is masked at freeze) and record why.
+    async def fail(
+        self, rollout_id: str, model_call_id: str, reason: str, *, mark: bool = True
+    ) -> None:
+        """Mark the call incomplete (the rollout is masked at freeze) and record why; with
+        `mark=False` only record why (the ledger's failure row).
 
         Never raises: it runs on error paths, where the caller answers with the first error.
         """
-        try:
-            await self.store.mark_incomplete(rollout_id, model_call_id)
-        except Exception:
-            logger.exception("could not mark call %r of %r incomplete", model_call_id, rollout_id)
+        if mark:
+            try:
+                await self.store.mark_incomplete(rollout_id, model_call_id)
+            except Exception:
+                logger.exception(
+                    "could not mark call %r of %r incomplete", model_call_id, rollout_id
+                )
         try:
             await self.ledger.record_failure(rollout_id, model_call_id, reason)
         except Exception:
@@ -89,6 +95,28 @@ class Backend:
             entries = await store.read_entries_async(rollout_id)
             incomplete = await store.is_incomplete_async(rollout_id)
         return list(entries), bool(incomplete)
+
+    async def state(self, rollout_id: str) -> dict[str, Any] | None:
+        """For the operator summary, over a directory: `{"state": "open" | "frozen" |
+        "retired" | "empty", "intents": [call ids with a durable intent]}`; None over
+        PostgreSQL (not reported there)."""
+        if self.kind != "file":
+            return None
+        store: Any = self.store
+
+        def read() -> dict[str, Any]:
+            found = store.inspect(rollout_id)
+            if found is None:
+                return {"state": "empty", "intents": []}
+            state = "retired" if found["retired"] else "frozen" if found["frozen"] else "open"
+            try:
+                raw = store.intents_path_for(rollout_id).read_bytes()
+            except FileNotFoundError:
+                raw = b""
+            intents = [line.decode("utf-8", "replace") for line in raw.split(b"\n") if line]
+            return {"state": state, "intents": intents}
+
+        return await asyncio.to_thread(read)
 
     async def close(self) -> None:
         for part in (self.store, self.resolver, self.ledger):
