@@ -230,7 +230,14 @@ async def test_engine_tool_calls_stream_and_not_are_captured_and_continued(
         {"id": call["id"], "type": "function", "function": call["function"]}
     ]
     assert streamed_entry.generation_token_ids == streamed_ids
-    assert streamed_entry.output_items[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    deltas = [
+        tool for c in chunks for ch in c["choices"] for tool in ch["delta"].get("tool_calls") or []
+    ]
+    arguments = "".join(tool["function"].get("arguments") or "" for tool in deltas)
+    assert json.loads(arguments)["city"]  # the client's streamed call, whole
+    [streamed_call] = streamed_entry.output_items[0]["tool_calls"]
+    assert streamed_call["function"] == {"name": "get_weather", "arguments": arguments}
+    assert streamed_call["id"] == deltas[0]["id"]
     messages += [
         {"role": "assistant", "content": message["content"], "tool_calls": [call]},
         {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
