@@ -963,3 +963,83 @@ async def test_rollout_summary_tells_the_state_and_the_calls_without_entry(gw: H
     retired = (await gw.client.get("/rollouts/r1")).json()
     assert (retired["state"], retired["entries"]) == ("retired", 0)
     assert (await gw.client.get("/rollouts/never")).json()["state"] == "empty"
+
+
+async def test_a_call_failing_after_its_rollout_froze_keeps_the_snapshot_droppable(
+    gw: Harness,
+) -> None:
+    """The same for a call that fails (here the engine's 500) after the trainer froze its
+    rollout: recorded in the ledger, not marked, so the snapshot's version does not move."""
+    await gw.chat("r1", [_user("first")], call="first")
+    late = asyncio.create_task(
+        gw.chat("r1", [_user("late")], call="late", fake_delay=0.5, fake_status=500)
+    )
+    intents = gw.store.intents_path_for("r1")
+    for _ in range(200):
+        if b"late" in intents.read_bytes():
+            break
+        await asyncio.sleep(0.01)
+    snapshot = gw.store.freeze_now("r1")
+    assert snapshot.incomplete
+    assert (await late).status_code == 500
+    rows = [json.loads(line) for line in (gw.root / "r1.lineage.jsonl").read_text().splitlines()]
+    assert {"failure_reason": "upstream_status_500", "model_call_id": "late"} in rows
+    assert gw.store.freeze_now("r1").version == snapshot.version
+    assert await gw.store.drop("r1", snapshot.snapshot_id, snapshot.version)
+
+
+async def test_a_client_gone_before_the_answer_is_marked_not_stored(tmp_path: Path) -> None:
+    """A non-streaming client that leaves while the engine works (an agent's timeout): as for
+    a stream it leaves, the call is marked `client_disconnected` and not stored, rather than
+    kept as a call no one saw in a rollout that stays unmasked. Driven through ASGI by hand: the
+    server answers `http.disconnect` to every `receive` after the request's body."""
+    root = tmp_path / "store"
+    fake = FakeUpstream()
+    upstream = ThreadServer(fake.app)
+    app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
+    payload = orjson.dumps({"model": MODEL, "messages": [_user("slow")], "fake_delay": 0.2})
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/rollouts/left/v1/chat/completions",
+        "raw_path": b"/rollouts/left/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"gateway"),
+            (b"content-type", b"application/json"),
+            (b"x-model-call-id", b"gone"),
+            (b"content-length", str(len(payload)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    try:
+        await asyncio.wait_for(app(scope, receive, send), 30)
+    finally:
+        await app.state.gateway.close()
+        upstream.stop()
+    store = TokenCaptureStore(root)
+    assert fake.calls == 1  # the engine answered
+    assert store.read_entries("left") == []
+    assert json.loads((root / "left.lineage.jsonl").read_text()) == {
+        "failure_reason": "client_disconnected",
+        "model_call_id": "gone",
+    }
+    assert store.freeze_now("left").incomplete

@@ -615,6 +615,16 @@ class _Call:
                 "store_unavailable",
             ) from None
 
+    async def store_if_client_waits(self, generation: Generation) -> None:
+        """`store`, unless the client has gone (an agent's timeout, say) while the engine
+        answered: then, as for a stream it leaves, the call is marked `client_disconnected`
+        and not stored: its answer reaches no one, so it must not sit in the rollout as a
+        call the agent saw (nor leave it unmasked)."""
+        if await self.request.is_disconnected():
+            await self.fail("client_disconnected")
+            raise HttpError(499, "the client disconnected before the answer", "client_gone")
+        await self.store(generation)
+
     # Dispatch ------------------------------------------------------------------------------
 
     async def send(self, body: dict[str, Any], path: str) -> aiohttp.ClientResponse:
@@ -688,7 +698,7 @@ class _Call:
             raise HttpError(
                 502, f"the upstream's answer cannot be captured: {exc}", "upstream_error"
             ) from None
-        await self.store(generation)
+        await self.store_if_client_waits(generation)
         strip = strip_chat if self.kind == CHAT else strip_completion
         return Response(
             orjson.dumps(strip(data, self.requested)),

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import orjson
+
 from tokencapture.lineage import FileLineageStore
 from tokencapture.protocols import LineageResolution
 from tokencapture.records import TokenEntry
@@ -71,6 +73,11 @@ class Backend:
 
         Never raises: it runs on error paths, where the caller answers with the first error.
         """
+        if mark and await self._closed(rollout_id):
+            # Frozen (or retired) while the call was in flight: the freeze already judged it
+            # (its intent has no entry, so the snapshot is incomplete). A mark now would only
+            # move the snapshot's version, and the trainer's `drop` of it would fail.
+            mark = False
         if mark:
             try:
                 await self.store.mark_incomplete(rollout_id, model_call_id)
@@ -84,6 +91,22 @@ class Backend:
             logger.exception(
                 "could not record the failure of call %r of %r", model_call_id, rollout_id
             )
+
+    async def _closed(self, rollout_id: str) -> bool:
+        """Whether a directory store's rollout is frozen or retired (its state file's flags;
+        False when unknown, and over PostgreSQL, where the mark is made as before)."""
+        if self.kind != "file":
+            return False
+        path = self.store.state_path_for(rollout_id)  # type: ignore[attr-defined]
+
+        def read() -> bool:
+            try:
+                state = orjson.loads(path.read_bytes())
+            except (OSError, ValueError):
+                return False
+            return isinstance(state, dict) and bool(state.get("frozen") or state.get("retired"))
+
+        return await asyncio.to_thread(read)
 
     async def entries(self, rollout_id: str) -> tuple[list[TokenEntry], bool]:
         """The rollout's committed entries and its incomplete flag (for the operator summary)."""

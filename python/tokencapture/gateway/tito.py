@@ -373,7 +373,7 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
         response_id,
         finish,
     )
-    await call.store(generation)
+    await call.store_if_client_waits(generation)
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
     if call.requested.logprobs:
         tokens = [bridge.tokenizer.decode([t]) for t in completion.generation_token_ids]
