@@ -868,3 +868,178 @@ async def test_concurrent_sessions(gw: Harness) -> None:
     for index in range(16):
         entries = gw.store.read_entries(f"s{index}")
         assert [e.parent_call_id for e in entries] == [None, f"s{index}-0", f"s{index}-1"]
+
+
+# Found by driving a real vLLM through the gateway (the review's held-out-style harness) ------
+
+
+async def test_rollout_frozen_while_the_call_is_in_flight_keeps_its_snapshot_droppable(
+    gw: Harness,
+) -> None:
+    """A trainer freezes a rollout while one of its calls is still at the engine: the late
+    entry is refused (409, not a 503 that invites retries) and the call is NOT marked
+    incomplete after the freeze, which would move the snapshot's version and make the
+    trainer's `drop` of that snapshot fail. The freeze already masked the rollout (the call's
+    intent had no entry)."""
+    await gw.chat("r1", [_user("first")], call="first")
+    late = asyncio.create_task(gw.chat("r1", [_user("late")], call="late", fake_delay=0.5))
+    intents = gw.store.intents_path_for("r1")
+    for _ in range(200):  # the late call's intent is durable: it is at the engine
+        if b"late" in intents.read_bytes():
+            break
+        await asyncio.sleep(0.01)
+    snapshot = gw.store.freeze_now("r1")
+    assert snapshot.incomplete  # the in-flight call's intent has no entry
+    answer = await late
+    assert answer.status_code == 409
+    assert answer.json()["error"]["type"] == "rollout_closed"
+    assert [e.model_call_id for e in gw.store.read_entries("r1")] == ["first"]
+    assert gw.store.freeze_now("r1").version == snapshot.version
+    assert await gw.store.drop("r1", snapshot.snapshot_id, snapshot.version)
+
+
+async def test_a_reused_call_id_is_a_409_conflict(gw: Harness) -> None:
+    """The same X-Model-Call-Id for a second, different generation: the store keeps the first
+    and refuses the second (marking the rollout incomplete, its rule for a conflict); the
+    gateway withholds the answer with 409 `model_call_id_conflict`: a retry with the same id
+    can never succeed, so not a 503 that a client's retry policy would repeat."""
+    first = await gw.chat("r1", [_user("one")], call="same")
+    assert first.status_code == 200
+    second = await gw.chat("r1", [_user("two")], call="same")
+    assert second.status_code == 409
+    assert second.json()["error"]["type"] == "model_call_id_conflict"
+    assert gw.fake.calls == 2
+    [entry] = gw.store.read_entries("r1")
+    assert entry.output_items[0]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert gw.store.freeze_now("r1").incomplete
+
+
+async def test_an_empty_rollout_header_is_refused_not_passed_through(gw: Harness) -> None:
+    """`X-Rollout-Id:` present but empty names an invalid rollout (400): passing the call
+    through uncaptured would answer 200 with nothing stored for a client that meant to
+    capture."""
+    answer = await gw.client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [_user("a")]},
+        headers={"x-rollout-id": ""},
+    )
+    assert answer.status_code == 400
+    assert "rollout id" in answer.json()["error"]["message"]
+    assert gw.fake.calls == 0
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[40, 41], [42]]])
+async def test_a_batched_completions_prompt_is_refused_before_the_engine(
+    gw: Harness, prompt: list[Any]
+) -> None:
+    """Several prompts in one completions call would make the engine answer one choice each
+    (and the call uncapturable after the engine did the work): refused like `n > 1`."""
+    answer = await gw.client.post(
+        "/rollouts/r1/v1/completions", json={"model": MODEL, "prompt": prompt}
+    )
+    assert answer.status_code == 400
+    assert "one prompt" in answer.json()["error"]["message"]
+    assert gw.fake.calls == 0
+    assert not gw.store.intents_path_for("r1").exists()
+    ids = await gw.client.post(
+        "/rollouts/r1/v1/completions", json={"model": MODEL, "prompt": [40, 41]}
+    )
+    assert ids.status_code == 200  # one prompt of token ids is no batch
+
+
+async def test_rollout_summary_tells_the_state_and_the_calls_without_entry(gw: Harness) -> None:
+    """The summary of a rollout with a lost call (an intent and no entry: a SIGKILL, say) says
+    so, where the stored `incomplete` flag cannot yet; frozen, retired and unknown ids say
+    which they are rather than looking like an empty open rollout."""
+    await gw.chat("r1", [_user("kept")], call="kept")
+    await gw.store.begin_call("r1", "lost")
+    summary = (await gw.client.get("/rollouts/r1")).json()
+    assert summary["state"] == "open"
+    assert summary["calls_without_entry"] == ["lost"]
+    assert summary["incomplete"] is False  # judged at freeze
+    assert gw.store.freeze_now("r1").incomplete
+    assert (await gw.client.get("/rollouts/r1")).json()["state"] == "frozen"
+    await gw.store.retire(["r1"])
+    retired = (await gw.client.get("/rollouts/r1")).json()
+    assert (retired["state"], retired["entries"]) == ("retired", 0)
+    assert (await gw.client.get("/rollouts/never")).json()["state"] == "empty"
+
+
+async def test_a_call_failing_after_its_rollout_froze_keeps_the_snapshot_droppable(
+    gw: Harness,
+) -> None:
+    """The same for a call that fails (here the engine's 500) after the trainer froze its
+    rollout: recorded in the ledger, not marked, so the snapshot's version does not move."""
+    await gw.chat("r1", [_user("first")], call="first")
+    late = asyncio.create_task(
+        gw.chat("r1", [_user("late")], call="late", fake_delay=0.5, fake_status=500)
+    )
+    intents = gw.store.intents_path_for("r1")
+    for _ in range(200):
+        if b"late" in intents.read_bytes():
+            break
+        await asyncio.sleep(0.01)
+    snapshot = gw.store.freeze_now("r1")
+    assert snapshot.incomplete
+    assert (await late).status_code == 500
+    rows = [json.loads(line) for line in (gw.root / "r1.lineage.jsonl").read_text().splitlines()]
+    assert {"failure_reason": "upstream_status_500", "model_call_id": "late"} in rows
+    assert gw.store.freeze_now("r1").version == snapshot.version
+    assert await gw.store.drop("r1", snapshot.snapshot_id, snapshot.version)
+
+
+async def test_a_client_gone_before_the_answer_is_marked_not_stored(tmp_path: Path) -> None:
+    """A non-streaming client that leaves while the engine works (an agent's timeout): as for
+    a stream it leaves, the call is marked `client_disconnected` and not stored, rather than
+    kept as a call no one saw in a rollout that stays unmasked. Driven through ASGI by hand: the
+    server answers `http.disconnect` to every `receive` after the request's body."""
+    root = tmp_path / "store"
+    fake = FakeUpstream()
+    upstream = ThreadServer(fake.app)
+    app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
+    payload = orjson.dumps({"model": MODEL, "messages": [_user("slow")], "fake_delay": 0.2})
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/rollouts/left/v1/chat/completions",
+        "raw_path": b"/rollouts/left/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"gateway"),
+            (b"content-type", b"application/json"),
+            (b"x-model-call-id", b"gone"),
+            (b"content-length", str(len(payload)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    try:
+        await asyncio.wait_for(app(scope, receive, send), 30)
+    finally:
+        await app.state.gateway.close()
+        upstream.stop()
+    store = TokenCaptureStore(root)
+    assert fake.calls == 1  # the engine answered
+    assert store.read_entries("left") == []
+    assert json.loads((root / "left.lineage.jsonl").read_text()) == {
+        "failure_reason": "client_disconnected",
+        "model_call_id": "gone",
+    }
+    assert store.freeze_now("left").incomplete

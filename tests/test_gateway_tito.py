@@ -193,3 +193,47 @@ async def test_tito_falls_back_to_chat_and_records_why(loops: tuple[Loop, Loop])
     assert entry.model_extra is not None
     assert entry.model_extra[FALLBACK_FIELD] == "parent_unresolved: no_match"
     assert entry.prefix_requested is False
+
+
+async def test_tito_carries_the_completion_parameters_and_falls_back_for_chat_only_ones(
+    loops: tuple[Loop, Loop],
+) -> None:
+    """A bridged continuation keeps the request's meaning: parameters the completions endpoint
+    takes alike (logit bias, structured outputs, stop token ids) go with it; one it cannot
+    honour (a forced tool choice is a grammar the chat endpoint builds from the tools) sends
+    the call to chat, recorded. The answer's id is the id the entry keeps."""
+    _, tito = loops
+    messages = await tito.agent("p", 1)
+    extra = {
+        "logit_bias": {"5": 1.0},
+        "structured_outputs": {"regex": "[a-z ]{1,8}"},
+        "stop_token_ids": [7],
+    }
+    answer = await tito.client.post(
+        "/rollouts/p/v1/chat/completions",
+        json={"model": "fake", "messages": messages, "tools": TOOLS, **extra},
+        headers={"x-model-call-id": "bridged"},
+    )
+    assert answer.status_code == 200, answer.text
+    sent = tito.fake.requests[-1]
+    assert "prompt" in sent  # token in
+    assert sent["logit_bias"] == extra["logit_bias"]
+    assert sent["structured_outputs"] == extra["structured_outputs"]
+    assert 7 in sent["stop_token_ids"]
+    assert tito.fake.bridge is not None
+    assert set(sent["stop_token_ids"]) >= set(tito.fake.bridge.stop_token_ids())
+    entry = tito.store.read_entries("p")[-1]
+    assert entry.prefix_requested
+    assert entry.response_id == answer.json()["id"]
+
+    forced = await tito.client.post(
+        "/rollouts/p/v1/chat/completions",
+        json={"model": "fake", "messages": messages, "tools": TOOLS, "tool_choice": "required"},
+        headers={"x-model-call-id": "forced"},
+    )
+    assert forced.status_code == 200, forced.text
+    assert "messages" in tito.fake.requests[-1]  # went to chat
+    entry = tito.store.read_entries("p")[-1]
+    assert entry.model_extra is not None
+    assert entry.model_extra[FALLBACK_FIELD] == "parameter_not_bridged: tool_choice"
+    assert entry.prefix_requested is False

@@ -183,6 +183,101 @@ async def test_tools_request_entry_is_the_engines_answer(through: Through) -> No
     assert len(entry.prompt_token_ids) > len(plain["prompt_token_ids"])  # the tools block
 
 
+# A regex grammar makes the random model write a Hermes tool call, which the engine's tool
+# parser turns into `tool_calls` (a named tool_choice does not: see the test above).
+TOOL_CALL_REGEX = (
+    '<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "[a-z]{1,6}"\\}\\}\\n'
+    "</tool_call>"
+)
+
+
+async def test_engine_tool_calls_stream_and_not_are_captured_and_continued(
+    through: Through,
+) -> None:
+    """Real tool calls from the engine, streamed and not: the entry holds the tool call the
+    client received and the tokens it was sent; the continuation (with the tool's result) is
+    RESOLVED exactly when its prompt extends the parent's tokens."""
+    messages: list[dict[str, Any]] = [
+        SYSTEM,
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    body = {
+        "tools": TOOLS,
+        "max_tokens": 60,
+        "structured_outputs": {"regex": TOOL_CALL_REGEX},
+        "return_token_ids": True,
+        "logprobs": True,
+    }
+    relayed = (
+        await through.post("chat/completions", "tc", {"messages": messages, **body}, "t1")
+    ).json()
+    message = relayed["choices"][0]["message"]
+    [call] = message["tool_calls"]
+    streamed = await through.post(
+        "chat/completions", "tc2", {"messages": messages, "stream": True, **body}, "s1"
+    )
+    events = [e[6:] for e in streamed.text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    streamed_ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    first, streamed_entry = (
+        through.store.read_entries("tc")[0],
+        through.store.read_entries("tc2")[0],
+    )
+    assert first.generation_token_ids == relayed["choices"][0]["token_ids"]
+    assert first.generation_log_probs == _chat_logprobs(relayed["choices"][0])
+    assert first.output_items[0]["tool_calls"] == [
+        {"id": call["id"], "type": "function", "function": call["function"]}
+    ]
+    assert streamed_entry.generation_token_ids == streamed_ids
+    deltas = [
+        tool for c in chunks for ch in c["choices"] for tool in ch["delta"].get("tool_calls") or []
+    ]
+    arguments = "".join(tool["function"].get("arguments") or "" for tool in deltas)
+    assert json.loads(arguments)["city"]  # the client's streamed call, whole
+    [streamed_call] = streamed_entry.output_items[0]["tool_calls"]
+    assert streamed_call["function"] == {"name": "get_weather", "arguments": arguments}
+    assert streamed_call["id"] == deltas[0]["id"]
+    messages += [
+        {"role": "assistant", "content": message["content"], "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
+    ]
+    await through.post(
+        "chat/completions", "tc", {"messages": messages, "max_tokens": 4, "temperature": 0.0}, "t2"
+    )
+    child = through.store.read_entries("tc")[1]
+    exact = first.prompt_token_ids + first.generation_token_ids
+    extends = child.prompt_token_ids[: len(exact)] == exact
+    if extends:
+        assert child.parent_resolution is ParentResolutionStatus.RESOLVED
+        assert child.parent_call_id == "t1"
+    else:
+        assert child.parent_resolution is ParentResolutionStatus.UNRESOLVED
+        assert child.parent_resolution_reason == "prompt_diverged_from_parent_tokens"
+
+
+async def test_completions_echo_entry_holds_the_generated_tokens_log_probs(
+    through: Through,
+) -> None:
+    """With `echo`, vLLM's `token_logprobs` begin with the prompt's positions (the first null):
+    captured, not refused (502) as an answer with a log-prob that is not a number, and the
+    entry keeps the generated tokens' log-probs only, streamed or not."""
+    body = {"prompt": "The weather in Paris", "max_tokens": 3, "echo": True, "logprobs": 0}
+    relayed = (await through.post("completions", "echo", body, "e1")).json()
+    await through.post("completions", "echo", {**body, "stream": True}, "e2")
+    direct = _direct(through.engine, "completions", {**body, "return_token_ids": True})
+    choice = direct["choices"][0]
+    generated, prompt = choice["token_ids"], choice["prompt_token_ids"]
+    assert len(choice["logprobs"]["token_logprobs"]) == len(prompt) + len(generated)
+    assert relayed["choices"][0]["logprobs"]["token_logprobs"][0] is None  # relayed as is
+    for entry in through.store.read_entries("echo"):
+        assert entry.prompt_token_ids == prompt
+        assert len(entry.generation_log_probs) == len(entry.generation_token_ids) == 3
+    first = through.store.read_entries("echo")[0]
+    assert first.generation_log_probs == relayed["choices"][0]["logprobs"]["token_logprobs"][-3:]
+    assert not through.store.is_incomplete("echo")
+
+
 async def test_engine_error_is_passed_through_and_marked(through: Through) -> None:
     body = {"messages": [{"role": "user", "content": "x " * 3000}], "max_tokens": 4}
     answer = await through.client.post(

@@ -56,7 +56,11 @@ from tokencapture.gateway.errors import HttpError, error_response
 from tokencapture.jobs import start_together
 from tokencapture.lineage import stamp_continuation
 from tokencapture.metrics import Metrics
-from tokencapture.protocols import LineageResolution, TokenCaptureFrozenError
+from tokencapture.protocols import (
+    LineageResolution,
+    TokenCaptureConflictError,
+    TokenCaptureFrozenError,
+)
 from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokencapture.store import check_call_id, validate_rollout_id
 
@@ -243,6 +247,7 @@ class Gateway:
             self._authorize(request)
             rollout_id = self._rollout(request.path_params["rollout_id"])
             entries, incomplete = await self.backend.entries(rollout_id)
+            state = await self.backend.state(rollout_id)
         except HttpError as exc:
             return exc.response()
         except LookupError as exc:  # a retired rollout
@@ -265,9 +270,19 @@ class Gateway:
                     "prefix_supplied": entry.prefix_supplied,
                 }
             )
+        extra: dict[str, Any] = {}
+        if state is not None:
+            # A directory store also tells its state and the calls whose intent has no entry
+            # (in flight now, or lost: at freeze, any of them masks the rollout).
+            stored = {entry.model_call_id for entry in entries}
+            extra = {
+                "state": state["state"],
+                "calls_without_entry": sorted(set(state["intents"]) - stored),
+            }
         return JSONResponse(
             {
                 "rollout_id": rollout_id,
+                **extra,
                 "entries": len(entries),
                 "tokens": sum(
                     len(e.prompt_token_ids) + len(e.generation_token_ids) for e in entries
@@ -348,10 +363,14 @@ class Gateway:
             started = time.perf_counter()
             try:
                 self._authorize(request)
-                rollout = rollout or request.headers.get(ROLLOUT_HEADER)
+                if rollout is None:
+                    rollout = request.headers.get(ROLLOUT_HEADER)
             except HttpError as exc:
                 return exc.response()
-            if not rollout:
+            if rollout is None:
+                # No rollout named at all: passed through uncaptured. A header that is present
+                # but empty names an invalid rollout (400 below), not "no rollout": a client
+                # whose rollout id came out empty must not get answers that nothing captured.
                 return await self._passthrough(request, path)
             try:
                 response = await self._capture(kind, path, request, rollout)
@@ -560,6 +579,33 @@ class _Call:
         try:
             await self.gateway.backend.put(entry)
             self.gateway.remember(entry)
+        except TokenCaptureFrozenError as exc:
+            # Frozen (or retired) while the call was in flight. The freeze already judged this
+            # call (its intent had no entry, so the snapshot is incomplete): the late entry is
+            # dropped and the call is NOT marked incomplete, as the protocol says, since a mark
+            # after the freeze would move the snapshot's version and the trainer's `drop` of
+            # that snapshot would fail. Only the ledger's failure row records why.
+            self.cancel_resolution()
+            await self.gateway.backend.fail(
+                self.rollout_id, self.call_id, f"rollout_closed: {type(exc).__name__}", mark=False
+            )
+            raise HttpError(
+                409,
+                f"rollout {self.rollout_id!r} was closed while the call was in flight ({exc}); "
+                "the answer is withheld",
+                "rollout_closed",
+            ) from None
+        except TokenCaptureConflictError as exc:
+            # The call id is already stored with another generation (a reused X-Model-Call-Id):
+            # the store refused this one and marked the rollout incomplete. A retry with the
+            # same id can never succeed, so this is a 409, not a 503.
+            await self.fail(f"model_call_id_conflict: {type(exc).__name__}")
+            raise HttpError(
+                409,
+                f"the store already holds another generation under this call id ({exc}); the "
+                "answer is withheld: send every call with its own X-Model-Call-Id",
+                "model_call_id_conflict",
+            ) from None
         except Exception as exc:
             await self.fail(f"store_write_failed: {type(exc).__name__}")
             raise HttpError(
@@ -568,6 +614,16 @@ class _Call:
                 "the answer is withheld",
                 "store_unavailable",
             ) from None
+
+    async def store_if_client_waits(self, generation: Generation) -> None:
+        """`store`, unless the client has gone (an agent's timeout, say) while the engine
+        answered: then, as for a stream it leaves, the call is marked `client_disconnected`
+        and not stored: its answer reaches no one, so it must not sit in the rollout as a
+        call the agent saw (nor leave it unmasked)."""
+        if await self.request.is_disconnected():
+            await self.fail("client_disconnected")
+            raise HttpError(499, "the client disconnected before the answer", "client_gone")
+        await self.store(generation)
 
     # Dispatch ------------------------------------------------------------------------------
 
@@ -642,7 +698,7 @@ class _Call:
             raise HttpError(
                 502, f"the upstream's answer cannot be captured: {exc}", "upstream_error"
             ) from None
-        await self.store(generation)
+        await self.store_if_client_waits(generation)
         strip = strip_chat if self.kind == CHAT else strip_completion
         return Response(
             orjson.dumps(strip(data, self.requested)),

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import orjson
+
 from tokencapture.lineage import FileLineageStore
 from tokencapture.protocols import LineageResolution
 from tokencapture.records import TokenEntry
@@ -63,21 +65,48 @@ class Backend:
         resolution: LineageResolution = await self.resolver.resolve(rollout_id, request_items)
         return resolution
 
-    async def fail(self, rollout_id: str, model_call_id: str, reason: str) -> None:
-        """Mark the call incomplete (the rollout is masked at freeze) and record why.
+    async def fail(
+        self, rollout_id: str, model_call_id: str, reason: str, *, mark: bool = True
+    ) -> None:
+        """Mark the call incomplete (the rollout is masked at freeze) and record why; with
+        `mark=False` only record why (the ledger's failure row).
 
         Never raises: it runs on error paths, where the caller answers with the first error.
         """
-        try:
-            await self.store.mark_incomplete(rollout_id, model_call_id)
-        except Exception:
-            logger.exception("could not mark call %r of %r incomplete", model_call_id, rollout_id)
+        if mark and await self._closed(rollout_id):
+            # Frozen (or retired) while the call was in flight: the freeze already judged it
+            # (its intent has no entry, so the snapshot is incomplete). A mark now would only
+            # move the snapshot's version, and the trainer's `drop` of it would fail.
+            mark = False
+        if mark:
+            try:
+                await self.store.mark_incomplete(rollout_id, model_call_id)
+            except Exception:
+                logger.exception(
+                    "could not mark call %r of %r incomplete", model_call_id, rollout_id
+                )
         try:
             await self.ledger.record_failure(rollout_id, model_call_id, reason)
         except Exception:
             logger.exception(
                 "could not record the failure of call %r of %r", model_call_id, rollout_id
             )
+
+    async def _closed(self, rollout_id: str) -> bool:
+        """Whether a directory store's rollout is frozen or retired (its state file's flags;
+        False when unknown, and over PostgreSQL, where the mark is made as before)."""
+        if self.kind != "file":
+            return False
+        path = self.store.state_path_for(rollout_id)  # type: ignore[attr-defined]
+
+        def read() -> bool:
+            try:
+                state = orjson.loads(path.read_bytes())
+            except (OSError, ValueError):
+                return False
+            return isinstance(state, dict) and bool(state.get("frozen") or state.get("retired"))
+
+        return await asyncio.to_thread(read)
 
     async def entries(self, rollout_id: str) -> tuple[list[TokenEntry], bool]:
         """The rollout's committed entries and its incomplete flag (for the operator summary)."""
@@ -89,6 +118,28 @@ class Backend:
             entries = await store.read_entries_async(rollout_id)
             incomplete = await store.is_incomplete_async(rollout_id)
         return list(entries), bool(incomplete)
+
+    async def state(self, rollout_id: str) -> dict[str, Any] | None:
+        """For the operator summary, over a directory: `{"state": "open" | "frozen" |
+        "retired" | "empty", "intents": [call ids with a durable intent]}`; None over
+        PostgreSQL (not reported there)."""
+        if self.kind != "file":
+            return None
+        store: Any = self.store
+
+        def read() -> dict[str, Any]:
+            found = store.inspect(rollout_id)
+            if found is None:
+                return {"state": "empty", "intents": []}
+            state = "retired" if found["retired"] else "frozen" if found["frozen"] else "open"
+            try:
+                raw = store.intents_path_for(rollout_id).read_bytes()
+            except FileNotFoundError:
+                raw = b""
+            intents = [line.decode("utf-8", "replace") for line in raw.split(b"\n") if line]
+            return {"state": state, "intents": intents}
+
+        return await asyncio.to_thread(read)
 
     async def close(self) -> None:
         for part in (self.store, self.resolver, self.ledger):

@@ -56,6 +56,7 @@ class Requested:
     token_ids: bool
     logprobs: bool
     stream: bool
+    prompt_logprobs: bool = False
 
 
 def _int_list(value: object, what: str) -> list[int]:
@@ -78,6 +79,12 @@ def prepare_upstream_body(kind: str, body: dict[str, Any]) -> tuple[dict[str, An
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise ValueError("stream must be a boolean")
+    if kind == COMPLETIONS and _batched(body.get("prompt")):
+        raise ValueError(
+            "prompt is a batch of several prompts: the capture gateway records one generation "
+            "per call; send one prompt (a string or a list of token ids) per call, each with "
+            "its own X-Model-Call-Id"
+        )
     asked_ids = body.get("return_token_ids") is True
     upstream = dict(body)
     upstream["return_token_ids"] = True
@@ -89,7 +96,18 @@ def prepare_upstream_body(kind: str, body: dict[str, Any]) -> tuple[dict[str, An
         asked_logprobs = logprobs is not None and logprobs is not False
         if not asked_logprobs:
             upstream["logprobs"] = 0
-    return upstream, Requested(asked_ids, asked_logprobs, bool(stream))
+    asked_prompt_logprobs = body.get("prompt_logprobs") is not None
+    return upstream, Requested(asked_ids, asked_logprobs, bool(stream), asked_prompt_logprobs)
+
+
+def _batched(prompt: object) -> bool:
+    """Whether a completions `prompt` is a batch (several strings or token lists): the engine
+    would answer one choice per prompt, which one call's entry cannot hold."""
+    return (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and any(isinstance(item, str | list) for item in prompt)
+    )
 
 
 def _finite(value: object) -> float:
@@ -110,12 +128,21 @@ def _chat_logprobs(logprobs: object) -> list[float]:
     return [_finite(item.get("logprob") if isinstance(item, Mapping) else None) for item in content]
 
 
-def _completion_logprobs(logprobs: object) -> list[float]:
+def _completion_logprobs(logprobs: object, prompt_len: int = 0, generated: int = 0) -> list[float]:
+    """The generated tokens' log-probs of a completions choice (or stream chunk).
+
+    With `echo`, vLLM's `token_logprobs` begins with the prompt's positions (the first of them
+    `null`) in the answer, or the stream chunk, that carries `prompt_token_ids`: when there are
+    exactly `prompt_len` more values than `generated` tokens, those leading values are the
+    prompt's and are skipped.
+    """
     if not isinstance(logprobs, Mapping):
         return []
     values = logprobs.get("token_logprobs")
     if not isinstance(values, list):
         return []
+    if prompt_len and len(values) == prompt_len + generated:
+        values = values[prompt_len:]
     return [_finite(value) for value in values]
 
 
@@ -191,11 +218,13 @@ def generation_from_completion(body: Mapping[str, Any]) -> Generation:
     """The generation of a completion answered with `return_token_ids` and log-probs."""
     choice = _one_choice(body)
     text = choice.get("text")
+    prompt = _int_list(choice.get("prompt_token_ids"), "prompt_token_ids")
+    generated = _int_list(choice.get("token_ids"), "token_ids")
     return _checked(
         Generation(
-            _int_list(choice.get("prompt_token_ids"), "prompt_token_ids"),
-            _int_list(choice.get("token_ids"), "token_ids"),
-            _completion_logprobs(choice.get("logprobs")),
+            prompt,
+            generated,
+            _completion_logprobs(choice.get("logprobs"), len(prompt), len(generated)),
             [{"role": "assistant", "content": text if isinstance(text, str) else ""}],
             str(body.get("model") or ""),
             body.get("id") if isinstance(body.get("id"), str) else None,
@@ -228,6 +257,9 @@ def strip_completion(body: dict[str, Any], requested: Requested) -> dict[str, An
                 choice.pop("token_ids", None)
             if not requested.logprobs:
                 choice.pop("logprobs", None)
+                if not requested.prompt_logprobs:
+                    # `echo` with the injected log-probs makes vLLM add the prompt's too.
+                    choice.pop("prompt_logprobs", None)
     return body
 
 
@@ -269,15 +301,21 @@ class StreamAccumulator:
                 continue
             if choice.get("index", 0) != 0:
                 raise CaptureError("the upstream's stream has more than one choice")
+            prompt_len = 0
             if self.kind == COMPLETIONS and choice.get("prompt_token_ids") is not None:
                 self.prompt_token_ids = _int_list(choice["prompt_token_ids"], "prompt_token_ids")
+                prompt_len = len(self.prompt_token_ids)
+            generated: list[int] = []
             if choice.get("token_ids") is not None:
-                self.token_ids.extend(_int_list(choice["token_ids"], "token_ids"))
+                generated = _int_list(choice["token_ids"], "token_ids")
+                self.token_ids.extend(generated)
             if self.kind == CHAT:
                 self.logprobs.extend(_chat_logprobs(choice.get("logprobs")))
                 self._delta(choice.get("delta"))
             else:
-                self.logprobs.extend(_completion_logprobs(choice.get("logprobs")))
+                self.logprobs.extend(
+                    _completion_logprobs(choice.get("logprobs"), prompt_len, len(generated))
+                )
                 if isinstance(choice.get("text"), str):
                     self.content.append(choice["text"])
             if choice.get("finish_reason") is not None:

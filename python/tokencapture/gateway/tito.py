@@ -61,7 +61,9 @@ __all__ = [
 # The extra field of an entry that went to the chat endpoint although --tito was on.
 FALLBACK_FIELD: Final[str] = "tito_fallback_reason"
 
-# Sampling parameters carried from a chat request to the completion that replaces it.
+# Parameters carried from a chat request to the completion that replaces it: vLLM's
+# completions endpoint takes each with the chat endpoint's meaning (sampling, penalties, stop
+# strings, logit bias, structured outputs over the generated text).
 _SAMPLING: Final[tuple[str, ...]] = (
     "model",
     "temperature",
@@ -72,10 +74,47 @@ _SAMPLING: Final[tuple[str, ...]] = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "length_penalty",
     "stop",
     "ignore_eos",
     "min_tokens",
+    "logit_bias",
+    "bad_words",
+    "allowed_token_ids",
+    "include_stop_str_in_output",
+    "structured_outputs",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "user",
+    "priority",
 )
+
+# Chat parameters a token-in completion cannot honour: the call goes to the chat endpoint
+# instead (`tito_fallback_reason` names the parameter). A forced tool choice is a grammar the
+# chat endpoint builds from the tools; the template's arguments and a continued or echoed
+# final message change what is rendered, which the bridge does not render.
+_CHAT_ONLY: Final[tuple[str, ...]] = (
+    "chat_template",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "echo",
+)
+
+
+def _chat_only_parameter(body: Mapping[str, Any]) -> str | None:
+    """The first parameter of `body` that makes a token-in completion answer differently."""
+    choice = body.get("tool_choice")
+    if choice is not None and choice != "auto":
+        return "tool_choice"
+    if body.get("add_generation_prompt", True) is not True:
+        return "add_generation_prompt"
+    for key in _CHAT_ONLY:
+        if body.get(key):
+            return key
+    return None
 
 
 class TokenizerAdapter:
@@ -277,6 +316,10 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
     if call.requested.stream:
         call.extra[FALLBACK_FIELD] = "stream_not_bridged"
         return await _chat(call, upstream_body)
+    unbridged = _chat_only_parameter(upstream_body)
+    if unbridged is not None:
+        call.extra[FALLBACK_FIELD] = f"parameter_not_bridged: {unbridged}"
+        return await _chat(call, upstream_body)
     try:
         tools = _tool_specs(upstream_body.get("tools"))
     except ValueError as exc:
@@ -292,12 +335,16 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
     top = upstream_body.get("top_logprobs")
+    stop_ids = bridge.stop_token_ids()
+    asked_stop_ids = upstream_body.get("stop_token_ids")
+    if isinstance(asked_stop_ids, list):
+        stop_ids += [t for t in asked_stop_ids if t not in stop_ids]
     body.update(
         prompt=prompt,
         return_token_ids=True,
         logprobs=top if isinstance(top, int) and not isinstance(top, bool) else 0,
         skip_special_tokens=False,
-        stop_token_ids=bridge.stop_token_ids(),
+        stop_token_ids=stop_ids,
     )
     call.prefix_requested = True
     answer = await call.send(body, "/v1/completions")
@@ -315,16 +362,18 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
             502, f"the upstream's completion cannot be captured: {exc}", "upstream_error"
         ) from None
     finish = "tool_calls" if message.get("tool_calls") else completion.finish_reason
+    # The id the client receives is the id the entry keeps (a trace's response id finds it).
+    response_id = f"chatcmpl-{completion.response_id or uuid.uuid4().hex}"
     generation = Generation(
         completion.prompt_token_ids,
         completion.generation_token_ids,
         completion.generation_log_probs,
         [assistant_item(message)],
         completion.model,
-        completion.response_id,
+        response_id,
         finish,
     )
-    await call.store(generation)
+    await call.store_if_client_waits(generation)
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
     if call.requested.logprobs:
         tokens = [bridge.tokenizer.decode([t]) for t in completion.generation_token_ids]
@@ -337,7 +386,7 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
     if call.requested.token_ids:
         choice["token_ids"] = completion.generation_token_ids
     reply: dict[str, Any] = {
-        "id": f"chatcmpl-{completion.response_id or uuid.uuid4().hex}",
+        "id": response_id,
         "object": "chat.completion",
         "created": int(data.get("created") or time.time()),
         "model": completion.model,
