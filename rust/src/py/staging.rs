@@ -384,8 +384,10 @@ pub(super) fn extras_of(value: &Bound<'_, PyAny>) -> PyResult<Option<Vec<(String
     if value.is_none() {
         return Ok(None);
     }
-    let dict = if let Ok(dict) = value.cast::<PyDict>() {
-        dict.clone()
+    // NeMo Gym copies any mapping with `dict(extras)`; only an exact dict is hashed as it is (a
+    // subclass, `OrderedDict` say, is a mapping at the top, though not as a nested value).
+    let dict = if value.is_exact_instance_of::<PyDict>() {
+        value.cast::<PyDict>()?.clone()
     } else if is_mapping(value)? {
         let dict = PyDict::new(value.py());
         dict.update(value.cast()?)?;
