@@ -181,6 +181,24 @@ def test_attachments_are_stored_with_the_record(staging: Store) -> None:
         staging.fetch(["r/c3"])
 
 
+@pytest.mark.parametrize(
+    "thing",
+    [None, {"rollout_id": "r"}, "r/c1", 7, object()],
+    ids=["none", "dict", "str", "int", "object"],
+)
+def test_something_that_is_not_a_record_is_refused_not_raised(staging: Store, thing: Any) -> None:
+    result = staging.stage(thing)
+    # Ours, or NeMo Gym's once its records are imported (the store's "auto" models).
+    assert type(result).__name__ == "StageResult" and not result.ok
+    assert result.error is not None and result.error.startswith(
+        "TypeError: a staged record must be a StagedCallRecord"
+    )
+    # A model built without its fields (model_construct) is refused the same way.
+    empty = staging.stage(type(make_record()).model_construct(rollout_id="r"))
+    assert not empty.ok and empty.error is not None and "StagedCallRecord" in empty.error
+    assert staging.keys() == []
+
+
 def test_a_record_that_does_not_verify_is_refused(staging: Store) -> None:
     record = make_record()
     bad = record.model_copy(update={"token_ids_delta": [9, 9, 9]})
