@@ -222,6 +222,18 @@ def test_attachments_of_every_array_kind_round_trip_and_references_are_refused(
             staging.fetch([f"r/o{n}"])
 
 
+def test_an_empty_attachments_mapping_is_no_attachments(staging: Store) -> None:
+    """NeMo Gym's capture passes ``attachments`` whenever its caller gave a mapping, an empty one
+    included: a retry with ``{}`` or ``None`` must be the same call (it was a conflict)."""
+    first, second = make_record(), make_record(model_call_id="c2")
+    assert staging.stage(first, attachments={}).ok
+    assert staging.stage(first).ok
+    assert staging.stage(second).ok
+    assert staging.stage(second, attachments={}).ok
+    assert staging.fetch_attachments(first.staging_key) == {}
+    assert not staging.stage(first, attachments={"raw": b"x"}).ok  # still a conflict
+
+
 @pytest.mark.parametrize(
     "thing",
     [None, {"rollout_id": "r"}, "r/c1", 7, object()],

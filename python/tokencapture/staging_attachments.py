@@ -168,7 +168,9 @@ def _encode_one(name: str, value: Any) -> EncodedAttachment:
 
 
 def encode_attachments(attachments: Mapping[str, Any] | None) -> list[EncodedAttachment] | None:
-    """Encode every attachment (in the mapping's order), or refuse the whole call."""
+    """Encode every attachment (in the mapping's order), or refuse the whole call. An empty
+    mapping is no attachments, as ``None`` is: both store the same call, so a restage with
+    either is idempotent."""
     if attachments is None:
         return None
     if not isinstance(attachments, Mapping):
@@ -178,7 +180,7 @@ def encode_attachments(attachments: Mapping[str, Any] | None) -> list[EncodedAtt
         if type(name) is not str:
             raise TypeError(f"attachment names must be str, got {type(name).__name__}")
         encoded.append(_encode_one(name, value))
-    return encoded
+    return encoded or None
 
 
 def decode_attachments(
