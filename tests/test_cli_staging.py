@@ -75,7 +75,7 @@ def test_ls_show_verify(location: str, capsys: pytest.CaptureFixture[str]) -> No
     assert code == 2 and "has no staged calls" in missing
     code, verified = run(capsys, "verify", location)
     assert code == 0
-    assert verified == {"keys": 4, "rollouts": 2, "problems": {}, "ok": True}
+    assert verified == {"keys": 4, "rollouts": 2, "damaged": [], "problems": {}, "ok": True}
 
 
 def test_verify_finds_a_broken_chain(location: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -114,6 +114,32 @@ def test_verify_reports_damage_per_key(
     assert code == 1
     (problem,) = verified["problems"]["r"]
     assert problem.startswith("r/c1: ") and "damaged" in problem
+
+
+def test_verify_reports_a_damaged_frame_whose_key_is_gone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A call whose frame is damaged mid-segment is not listed by ``keys()`` at all: verify
+    must report the damaged range itself (before, a damaged leaf call vanished and verify said
+    ok)."""
+    where = tmp_path / "staging"
+    store = FileStagingStore(where)
+    assert store.stage(make_record("leaf", extras={"k": "x" * 64})).ok
+    for record in chain("after", 2):  # later batches: the damage is not a torn tail
+        assert store.stage(record).ok
+    del store
+    (segment,) = where.glob("seg-*.tcs")
+    data = bytearray(segment.read_bytes())
+    at = data.index(b"x" * 64) + 10
+    data[at] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    code, verified = run(capsys, "verify", str(where))
+    assert code == 1 and not verified["ok"]
+    assert verified["keys"] == 2  # leaf/c1 is not listed
+    ((name, start, end),) = verified["damaged"]
+    assert name == segment.name and start <= at < end
+    (problem,) = verified["problems"]["(damaged)"]
+    assert problem.startswith(f"{segment.name}: bytes {start}..{end} ")
 
 
 def test_retire_and_delete(location: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ schema upgrade, server-side damage, durability settings, an unavailable server a
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import threading
 from collections.abc import Iterator
@@ -179,6 +180,76 @@ def test_attachments_are_stored_with_the_record(staging: Store) -> None:
     assert refused.error is not None and "builtins.object" in refused.error
     with pytest.raises(StagingKeyError):
         staging.fetch(["r/c3"])
+
+
+def test_attachments_of_every_array_kind_round_trip_and_references_are_refused(
+    staging: Store,
+) -> None:
+    """Typed arrays come back with their dtype and shape (a structured dtype with its fields,
+    datetimes, which export no buffer format, as numpy's bytes); a buffer of Python object
+    references holds no data and is refused, naming the attachment, never stored as pointers."""
+    grid = np.arange(24, dtype=">i8").reshape(4, 6)
+    arrays = {
+        "strided": grid[:, ::2],
+        "fortran": np.asfortranarray(grid),
+        "scalar": np.array(3.5),
+        "flags": np.array([True, False, True]),
+        "when": np.array(["2020-01-01", "2021-06-30"], dtype="datetime64[D]"),
+        "span": np.array([5, -1], dtype="timedelta64[ms]"),
+        "pairs": np.array([(1, 2.5), (3, -0.0)], dtype=[("a", "<i4"), ("b", ">f8")]),
+        "empty": np.zeros((0, 3), dtype=np.float32),
+    }
+    record = make_record()
+    assert staging.stage(record, attachments=arrays).ok
+    found = staging.fetch_attachments(record.staging_key)
+    for name, array in arrays.items():
+        back = found[name].to_numpy()
+        assert back.dtype == array.dtype and back.shape == array.shape, name
+        assert back.tobytes() == np.ascontiguousarray(array).tobytes(), name
+    assert found["pairs"].to_numpy()["b"].tolist() == [2.5, -0.0]
+    pointers = (ctypes.py_object * 2)(1, 2)
+    for n, (bad, words) in enumerate(
+        [
+            (np.array([1, "a"], dtype=object), "holds Python object references"),
+            (np.zeros(2, dtype=[("a", "O")]), "holds Python object references"),
+            (memoryview(pointers), "holds Python object references"),
+        ]
+    ):
+        refused = staging.stage(make_record(model_call_id=f"o{n}"), attachments={"objs": bad})
+        assert not refused.ok, bad
+        assert refused.error is not None and "'objs'" in refused.error and words in refused.error
+        with pytest.raises(StagingKeyError):
+            staging.fetch([f"r/o{n}"])
+
+
+def test_an_empty_attachments_mapping_is_no_attachments(staging: Store) -> None:
+    """NeMo Gym's capture passes ``attachments`` whenever its caller gave a mapping, an empty one
+    included: a retry with ``{}`` or ``None`` must be the same call (it was a conflict)."""
+    first, second = make_record(), make_record(model_call_id="c2")
+    assert staging.stage(first, attachments={}).ok
+    assert staging.stage(first).ok
+    assert staging.stage(second).ok
+    assert staging.stage(second, attachments={}).ok
+    assert staging.fetch_attachments(first.staging_key) == {}
+    assert not staging.stage(first, attachments={"raw": b"x"}).ok  # still a conflict
+
+
+@pytest.mark.parametrize(
+    "thing",
+    [None, {"rollout_id": "r"}, "r/c1", 7, object()],
+    ids=["none", "dict", "str", "int", "object"],
+)
+def test_something_that_is_not_a_record_is_refused_not_raised(staging: Store, thing: Any) -> None:
+    result = staging.stage(thing)
+    # Ours, or NeMo Gym's once its records are imported (the store's "auto" models).
+    assert type(result).__name__ == "StageResult" and not result.ok
+    assert result.error is not None and result.error.startswith(
+        "TypeError: a staged record must be a StagedCallRecord"
+    )
+    # A model built without its fields (model_construct) is refused the same way.
+    empty = staging.stage(type(make_record()).model_construct(rollout_id="r"))
+    assert not empty.ok and empty.error is not None and "StagedCallRecord" in empty.error
+    assert staging.keys() == []
 
 
 def test_a_record_that_does_not_verify_is_refused(staging: Store) -> None:

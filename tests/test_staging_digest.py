@@ -8,9 +8,11 @@ NeMo Gym's published vectors and from NeMo Gym's own module, never from ours.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import struct
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -155,6 +157,11 @@ extras_values = st.recursive(
 extras = st.one_of(
     st.none(),
     st.dictionaries(st.text(max_size=6), extras_values, max_size=5),
+    # Any mapping at the top (NeMo Gym copies it with dict()), a dict subclass included.
+    st.dictionaries(st.text(max_size=6), extras_values, max_size=3).map(
+        lambda d: collections.OrderedDict(reversed(list(d.items())))
+    ),
+    st.dictionaries(st.text(max_size=6), extras_values, max_size=3).map(types.MappingProxyType),
     st.dictionaries(st.sampled_from([1, b"k", ("t",)]), st.none(), min_size=1, max_size=1),
     st.sampled_from([[], "x", 3]),  # not a mapping
 )
@@ -296,3 +303,76 @@ def test_encoded_stage_content_digest_is_sha256_of_row_and_attachments(
     tampered = record.model_copy(update={"token_ids_delta": [*record.token_ids_delta[:-1], 7]})
     with pytest.raises(ValueError):
         encode_stage(tampered, attachments)
+
+
+def nested(depth: int, kind: str) -> dict[str, Any]:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value] if kind == "list" else {"k": value}
+    return {"top": value}
+
+
+@pytest.mark.parametrize(
+    "extras",
+    [
+        collections.OrderedDict([("b", 1), ("a", collections.OrderedDict())]),  # nested: refused
+        collections.OrderedDict([("b", 1), ("a", [2.5, None])]),
+        collections.defaultdict(list, {"z": [1], "a": {"k": "v"}}),
+        types.MappingProxyType({"x": -0.0}),
+    ],
+)
+def test_a_mapping_at_the_top_of_extras_is_digested_as_nemo_gym_copies_it(extras: Any) -> None:
+    assert outcome(ours.compute_extras_digest, extras) == outcome(
+        nemo.compute_extras_digest, extras
+    )
+
+
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_extras_as_deep_as_nemo_gym_digests_are_digested_and_staged(
+    kind: str, tmp_path: Path
+) -> None:
+    """NeMo Gym's recursive encoder digests ~330 levels under the default recursion limit and
+    more under a raised one; such trees digest the same here and stage (the limit was 256
+    levels, so a record NeMo Gym's capture built was refused)."""
+    import sys
+
+    from tokencapture import FileStagingStore
+    from tokencapture.staging_digest import compute_chain_hash, hash_token_ids
+
+    records = import_nemo("staging.records")
+    extras = nested(600, kind)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(4000)
+    try:
+        digest = nemo.compute_extras_digest(extras)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert ours.compute_extras_digest(extras) == digest
+    ids = [1, 2, 3]
+    fields: dict[str, Any] = {
+        **{k: VECTORS["staged_call"][k] for k in ("schema_version", "digest_version")},
+        "extras_digest_version": 1,
+        "rollout_id": "deep",
+        "model_call_id": kind,
+        "parent_call_id": None,
+        "mode": "text",
+        "prev_len": 0,
+        "delta_len": 3,
+        "cum_len": 3,
+        "weight_version": 0,
+        "token_ids_delta": ids,
+        "token_mask_delta": [0.0, 1.0, 1.0],
+        "generation_log_probs_delta": [0.0, -1.0, -2.0],
+        "extras_digest": digest,
+        "chain_hash": compute_chain_hash(None, ids),
+        "cumulative_hash": hash_token_ids(ids),
+    }
+    fields["digest"] = nemo.compute_staging_digest(**fields)
+    record = records.StagedCallRecord.model_construct(**fields, extras=extras)
+    store = FileStagingStore(tmp_path)
+    assert store.stage(record).ok
+    (back,) = FileStagingStore(tmp_path).fetch_records([f"deep/{kind}"])
+    assert ours.compute_extras_digest(back.extras) == digest
+    # Far past any tree NeMo Gym digests: refused, not a crash.
+    with pytest.raises(RecursionError):
+        ours.compute_extras_digest(nested(5000, kind))

@@ -6,7 +6,10 @@ refuses the call; it never drops one. What is stored:
 * ``bytes``: as they are (kind ``"bytes"``);
 * anything exporting the buffer protocol (``bytearray``, ``memoryview``, numpy arrays, a
   tensor's numpy view): its bytes in C order with the buffer's struct ``format``, its
-  ``shape`` and, when the object has a ``dtype``, its ``dtype.str`` (kind ``"buffer"``);
+  ``shape`` and, when the object has a ``dtype``, its ``dtype.str`` (a structured dtype's
+  ``descr``) (kind ``"buffer"``); a numpy array whose dtype has no buffer format
+  (``datetime64``, ``timedelta64``) the same way, with an empty format. A buffer of Python
+  object references (numpy's ``object`` dtype, format ``O``) holds no data and is refused;
 * anything exporting ``__arrow_c_array__`` (pyarrow, polars, ...): the array as an Arrow IPC
   stream of one column (kind ``"arrow"``; needs pyarrow, the ``test`` extra, to encode and
   decode; without it such an attachment is refused with a message naming pyarrow).
@@ -17,6 +20,8 @@ attachments come back as `StagedAttachment` values.
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -55,7 +60,10 @@ class StagedAttachment:
 
         if self.kind == "arrow":
             return self.to_arrow().to_numpy(zero_copy_only=False)
-        dtype = np.dtype(self.dtype) if self.dtype else np.dtype(self.format or "B")
+        if self.dtype.startswith("["):  # a structured dtype, stored as its descr
+            dtype = np.lib.format.descr_to_dtype(ast.literal_eval(self.dtype))
+        else:
+            dtype = np.dtype(self.dtype) if self.dtype else np.dtype(self.format or "B")
         array = np.frombuffer(self.data, dtype=dtype)
         return array.reshape(self.shape) if self.shape is not None else array
 
@@ -80,6 +88,32 @@ def _pyarrow(what: str) -> Any:
     return pyarrow
 
 
+def _refuse(name: str, value: Any, why: str) -> TypeError:
+    return TypeError(
+        f"attachment {name!r} is a {type(value).__module__}.{type(value).__qualname__}, which "
+        f"cannot be staged: {why}"
+    )
+
+
+def _dtype_text(name: str, value: Any) -> str:
+    """What is stored of an array's dtype: ``dtype.str``, or for a structured dtype its
+    ``descr`` (``dtype.str`` of a record is only ``|V<size>``, which loses the fields)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return ""
+    if getattr(dtype, "hasobject", False):
+        raise _refuse(name, value, f"its dtype {dtype} holds Python object references, not data")
+    if getattr(dtype, "fields", None) is not None:
+        return repr(dtype.descr)
+    return str(getattr(dtype, "str", ""))
+
+
+def _holds_objects(fmt: str) -> bool:
+    """Whether a buffer's struct format has an ``O`` (a PyObject pointer) item: field names
+    (``:name:`` in a ``T{...}`` format) are not items."""
+    return "O" in re.sub(r":[^:]*:", "", fmt)
+
+
 def _encode_one(name: str, value: Any) -> EncodedAttachment:
     if type(value) is bytes:
         return (name, _KIND_CODES["bytes"], "", "", None, [value])
@@ -87,9 +121,21 @@ def _encode_one(name: str, value: Any) -> EncodedAttachment:
         view = memoryview(value)
     except TypeError:
         view = None
+    except ValueError as error:
+        # A numpy array whose dtype has no buffer format (datetime64, timedelta64): its bytes
+        # in C order with its dtype and shape, as numpy gives them.
+        tobytes = getattr(value, "tobytes", None)
+        shape = getattr(value, "shape", None)
+        if getattr(value, "dtype", None) is None or not callable(tobytes) or shape is None:
+            raise _refuse(name, value, f"its buffer cannot be read ({error})") from error
+        dtype_text = _dtype_text(name, value)
+        return (name, _KIND_CODES["buffer"], "", dtype_text, tuple(shape), [tobytes()])
     if view is not None:
-        dtype = getattr(value, "dtype", None)
-        dtype_text = str(getattr(dtype, "str", "")) if dtype is not None else ""
+        dtype_text = _dtype_text(name, value)
+        if _holds_objects(view.format):
+            raise _refuse(
+                name, value, f"its buffer format {view.format!r} holds Python object references"
+            )
         flat: Any
         try:
             # The bytes without a copy when they are contiguous; a copy in C order otherwise.
@@ -113,15 +159,18 @@ def _encode_one(name: str, value: Any) -> EncodedAttachment:
             (len(array),),
             [sink.getvalue().to_pybytes()],
         )
-    raise TypeError(
-        f"attachment {name!r} is a {type(value).__module__}.{type(value).__qualname__}, which "
-        "cannot be staged: attachments must be bytes, export the buffer protocol (numpy "
-        "arrays, a tensor's .numpy() view) or export __arrow_c_array__"
+    raise _refuse(
+        name,
+        value,
+        "attachments must be bytes, export the buffer protocol (numpy arrays, a tensor's "
+        ".numpy() view) or export __arrow_c_array__",
     )
 
 
 def encode_attachments(attachments: Mapping[str, Any] | None) -> list[EncodedAttachment] | None:
-    """Encode every attachment (in the mapping's order), or refuse the whole call."""
+    """Encode every attachment (in the mapping's order), or refuse the whole call. An empty
+    mapping is no attachments, as ``None`` is: both store the same call, so a restage with
+    either is idempotent."""
     if attachments is None:
         return None
     if not isinstance(attachments, Mapping):
@@ -131,7 +180,7 @@ def encode_attachments(attachments: Mapping[str, Any] | None) -> list[EncodedAtt
         if type(name) is not str:
             raise TypeError(f"attachment names must be str, got {type(name).__name__}")
         encoded.append(_encode_one(name, value))
-    return encoded
+    return encoded or None
 
 
 def decode_attachments(

@@ -200,6 +200,24 @@ fn version(value: &Bound<'_, PyAny>, expected: u64, what: &str) -> PyResult<u64>
     value_err(format!("unsupported {what} version {}", show(value)))
 }
 
+/// One field of a record handed to `stage`. Something that is not a staged record (`None`, a
+/// dict, a model built without its fields) is refused with a `TypeError` naming its type, which
+/// the stores answer as `StageResult(ok=False)`, not with the `AttributeError` of the first
+/// missing field.
+fn record_field<'py>(record: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    record.getattr(name).map_err(|error| {
+        if error.is_instance_of::<pyo3::exceptions::PyAttributeError>(record.py()) {
+            PyTypeError::new_err(format!(
+                "a staged record must be a StagedCallRecord (NeMo Gym's or tokencapture's), \
+                 not a {} without {name}",
+                type_name(record)
+            ))
+        } else {
+            error
+        }
+    })
+}
+
 /// The arguments of `compute_staging_digest`, as Python objects.
 pub(super) struct CallArgs<'py> {
     pub schema_version: Bound<'py, PyAny>,
@@ -224,7 +242,7 @@ pub(super) struct CallArgs<'py> {
 impl<'py> CallArgs<'py> {
     /// Read the fields of a staged record (NeMo Gym's model or ours, or any object with them).
     fn of_record(record: &Bound<'py, PyAny>) -> PyResult<Self> {
-        let get = |name: &str| record.getattr(name);
+        let get = |name: &str| record_field(record, name);
         Ok(CallArgs {
             schema_version: get("schema_version")?,
             digest_version: get("digest_version")?,
@@ -384,8 +402,10 @@ pub(super) fn extras_of(value: &Bound<'_, PyAny>) -> PyResult<Option<Vec<(String
     if value.is_none() {
         return Ok(None);
     }
-    let dict = if let Ok(dict) = value.cast::<PyDict>() {
-        dict.clone()
+    // NeMo Gym copies any mapping with `dict(extras)`; only an exact dict is hashed as it is (a
+    // subclass, `OrderedDict` say, is a mapping at the top, though not as a nested value).
+    let dict = if value.is_exact_instance_of::<PyDict>() {
+        value.cast::<PyDict>()?.clone()
     } else if is_mapping(value)? {
         let dict = PyDict::new(value.py());
         dict.update(value.cast()?)?;
@@ -608,7 +628,7 @@ fn staging_digest<'py>(
 /// A staged record read from Python and checked: its fields, its claimed digest and extras.
 fn call_of_record(record: &Bound<'_, PyAny>) -> PyResult<StagedCall> {
     let fields = CallArgs::of_record(record)?.fields()?;
-    let digest_value = record.getattr("digest")?;
+    let digest_value = record_field(record, "digest")?;
     let claimed = checked_digest(&digest_value, "digest")?;
     let extras = match record.getattr("extras") {
         Ok(extras) => extras_of(&extras)?,
