@@ -177,6 +177,28 @@ def test_a_real_full_disk(tiny_tmpfs: Path) -> None:  # noqa: F811
     )
 
 
+def test_retire_and_delete_land_on_a_full_disk(tiny_tmpfs: Path) -> None:  # noqa: F811
+    """The operator frees a full disk through the store: the control log keeps blocks
+    reserved past its end, so retire and delete lines (here ~18 KB of them, several pages
+    past the last one allocated) are appended and synced after the disk filled."""
+    root = tiny_tmpfs / "staging"
+    store = FileStagingStore(root)
+    (record,) = expected_chain("staged", 1)
+    assert store.stage(record).ok
+    filler = fill(tiny_tmpfs)
+    fenced = [f"fenced-{i:03d}-" + "x" * 60 for i in range(200)]
+    for rollout_id in fenced:
+        assert store.retire([rollout_id]) == {"removed": [], "absent": [rollout_id]}
+    assert store.delete(["staged"]) == {"removed": ["staged"], "absent": []}
+    fresh = FileStagingStore(root)
+    with pytest.raises(KeyError):
+        fresh.fetch(["staged/call-0"])
+    filler.unlink()
+    refused = fresh.stage(expected_chain(fenced[-1], 1)[0])
+    assert not refused.ok and "retired" in (refused.error or ""), refused
+    assert fresh.stage(record).ok  # deleted: the id takes new stages
+
+
 def test_processes_racing_retire_fence_every_stager(tmp_path: Path) -> None:
     """Four processes stage into a rollout while three others retire it (and a second rollout)
     at once: every retire succeeds, each rollout is reported removed by exactly one of them,

@@ -1018,13 +1018,13 @@ impl FileStaging {
             .open(&self.control_path)
             .map_err(|e| StagingError::io("open control log", &self.control_path, e))?;
         // A torn final line (a crashed appender) is cut before anything is appended after it.
-        let len = file
+        let mut end = file
             .metadata()
             .map_err(|e| StagingError::io("stat control log", &self.control_path, e))?
             .len();
-        if len > 0 {
-            let tail_from = len.saturating_sub(64 << 10);
-            let mut tail = vec![0u8; (len - tail_from) as usize];
+        if end > 0 {
+            let tail_from = end.saturating_sub(64 << 10);
+            let mut tail = vec![0u8; (end - tail_from) as usize];
             file.read_exact_at(&mut tail, tail_from)
                 .map_err(|e| StagingError::io("read control log", &self.control_path, e))?;
             if tail.last() != Some(&b'\n') {
@@ -1041,12 +1041,13 @@ impl FileStaging {
                 };
                 file.set_len(keep)
                     .map_err(|e| StagingError::io("truncate control log", &self.control_path, e))?;
+                end = keep;
             }
         }
         let mut writer = &file;
         let written = writer.write_all(&bytes).and_then(|()| file.sync_data());
         if let Err(err) = written {
-            let _ = file.set_len(len);
+            let _ = file.set_len(end);
             return Err(StagingError::io(
                 "append control log",
                 &self.control_path,
@@ -1056,6 +1057,11 @@ impl FileStaging {
         if created {
             self.dir.sync().map_err(StagingError::Io)?;
         }
+        // Blocks reserved past the end (size unchanged) take the next control lines without
+        // allocating, so a retire or delete, the operator's way to free space, still lands on
+        // a full disk. Failing to reserve only loses that.
+        let appended = end + bytes.len() as u64;
+        let _ = reserve_past(&file, appended, appended);
         Ok(())
     }
 
