@@ -71,6 +71,19 @@ def test_ls_show_verify(location: str, capsys: pytest.CaptureFixture[str]) -> No
     code, solo = run(capsys, "show", location, "solo")
     assert solo["calls"][0]["attachments"] == ["logits", "raw", "view"]
     assert solo["calls"][0]["extras"] == ["k"]
+    assert main(["show", location, "solo", "--staging"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split() == [
+        "CALL",
+        "PARENT",
+        "MODE",
+        "PREV",
+        "DELTA",
+        "CUM",
+        "EXTRAS",
+        "ATTACHMENTS",
+    ]
+    assert table[2].split()[-2:] == ["k", "logits,raw,view"]
     code, missing = run(capsys, "show", location, "nope")
     assert code == 2 and "has no staged calls" in missing
     code, verified = run(capsys, "verify", location)

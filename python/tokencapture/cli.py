@@ -655,13 +655,13 @@ def _staging_show(args: argparse.Namespace) -> int:
         lines = [
             f"rollout {p['rollout_id']}: {len(p['calls'])} staged call(s)",
             f"{'CALL':<24} {'PARENT':<24} {'MODE':<8} {'PREV':>6} {'DELTA':>6} {'CUM':>6} "
-            "ATTACHMENTS",
+            f"{'EXTRAS':<16} ATTACHMENTS",
         ]
         for c in p["calls"]:
             lines.append(
                 f"{c['model_call_id']:<24} {c['parent_call_id'] or '-':<24} {c['mode']:<8} "
                 f"{c['prev_len']:>6} {c['delta_len']:>6} {c['cum_len']:>6} "
-                f"{','.join(c['attachments']) or '-'}"
+                f"{','.join(c['extras']) or '-':<16} {','.join(c['attachments']) or '-'}"
             )
         return "\n".join(lines)
 
