@@ -116,6 +116,16 @@ def test_the_256_descriptor_workload_completes_whole_within_the_budget(tmp_path:
     assert seen["evicted"] > 0  # the cache really was smaller than the working set
 
 
+def test_under_a_64_limit_operations_in_flight_leave_room_for_each_other(tmp_path: Path) -> None:
+    """Under 256 the budget's floor (16) is more than a sixteenth of the limit: the gate must
+    still admit only a sixteenth (4 at 64), or 16 operations holding up to five descriptors
+    each exhaust the process themselves and closing the caches cannot help them."""
+    seen = run_limited(tmp_path, WORKLOAD.format(rollouts=300), limit=64)
+    assert seen["error_count"] == 0, seen["errors"]
+    assert seen["whole"] == 300
+    assert seen["limit"] == 16
+
+
 def test_at_a_1024_limit_the_store_keeps_a_sixteenth(tmp_path: Path) -> None:
     seen = run_limited(tmp_path, WORKLOAD.format(rollouts=300), limit=1024)
     assert seen["error_count"] == 0 and seen["whole"] == 300

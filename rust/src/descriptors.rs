@@ -30,10 +30,12 @@
 //! file, and a temporary file or the directory while it replaces or syncs them), whether or
 //! not they are cached. So the number of file operations running at once in the process is
 //! bounded too: each takes a permit ([`Budget::enter`]) for its duration, at most
-//! [`Budget::in_flight_limit`] at a time (the budget, within [`MIN_IN_FLIGHT`] and
-//! [`MAX_IN_FLIGHT`]), granted in arrival order. At the default share that keeps what
-//! running operations hold to about a quarter of the soft limit, and the worker pool's
-//! threads, Python's and the caller's own all wait in one queue.
+//! [`Budget::in_flight_limit`] at a time (the budget, but never more than a sixteenth of the
+//! soft limit, within [`MIN_IN_FLIGHT`] and [`MAX_IN_FLIGHT`]), granted in arrival order.
+//! That keeps what running operations hold (about four descriptors each) to about a quarter
+//! of the soft limit even where the budget's floor ([`MIN_BUDGET`]) is more than a sixteenth
+//! (a limit under 256), and the worker pool's threads, Python's and the caller's own all wait
+//! in one queue.
 //!
 //! # Running out
 //!
@@ -73,6 +75,9 @@ pub const MIN_BUDGET: usize = 16;
 pub const MAX_BUDGET: usize = 4096;
 /// The most descriptors an operation's entry keeps (the token store's lock, log and state).
 pub const KEPT_PER_OPERATION: usize = 3;
+/// Descriptors one running file operation holds at most (a put: its lock, log and state, and
+/// a temporary file or the directory while it replaces or syncs them).
+pub const HELD_PER_OPERATION: usize = KEPT_PER_OPERATION + 2;
 /// Fewest file operations allowed in flight at once.
 pub const MIN_IN_FLIGHT: usize = 4;
 /// Most file operations allowed in flight at once (the worker pool's size).
@@ -119,6 +124,15 @@ pub fn default_limit(soft: Option<u64>) -> usize {
     share.clamp(MIN_BUDGET, MAX_BUDGET).min(quarter)
 }
 
+/// The most file operations in flight the soft limit allows (`None`: unlimited): a sixteenth
+/// of it, so that running operations hold about a quarter of it whatever the budget is.
+pub fn in_flight_cap(soft: Option<u64>) -> usize {
+    soft.map_or(MAX_IN_FLIGHT, |soft| {
+        usize::try_from(soft / DEFAULT_SHARE).unwrap_or(MAX_IN_FLIGHT)
+    })
+    .clamp(MIN_IN_FLIGHT, MAX_IN_FLIGHT)
+}
+
 fn env_limit() -> Option<usize> {
     std::env::var(ENV_VAR).ok()?.trim().parse().ok()
 }
@@ -137,8 +151,10 @@ pub trait Holder: Send + Sync {
 pub struct Budget {
     /// An explicit limit (from [`ENV_VAR`] or [`Budget::set_limit`]), or `usize::MAX`.
     fixed: AtomicUsize,
-    /// The default from the soft limit, refreshed when a cache is created.
+    /// The default from the soft limit, refreshed when a cache is created or an open runs out.
     derived: AtomicUsize,
+    /// [`in_flight_cap`] of the soft limit, refreshed with `derived`.
+    in_flight_cap: AtomicUsize,
     held: AtomicUsize,
     holders: Mutex<Vec<Weak<dyn Holder>>>,
     trimming: Mutex<()>,
@@ -228,6 +244,7 @@ impl Budget {
         Budget {
             fixed: AtomicUsize::new(fixed.map_or(usize::MAX, |fixed| fixed.min(usize::MAX - 1))),
             derived: AtomicUsize::new(default_limit(soft_limit())),
+            in_flight_cap: AtomicUsize::new(in_flight_cap(soft_limit())),
             held: AtomicUsize::new(0),
             holders: Mutex::new(Vec::new()),
             trimming: Mutex::new(()),
@@ -244,6 +261,9 @@ impl Budget {
         match open() {
             Err(err) if is_exhausted(&err) => {
                 self.exhausted.fetch_add(1, Ordering::Relaxed);
+                // The soft limit may have been lowered since the caches were made: size the
+                // budget and the gate to the limit that just ran out, then close everything.
+                self.refresh_from_soft_limit();
                 self.evict_all();
                 let again = open();
                 if again.as_ref().is_err_and(is_exhausted) {
@@ -268,16 +288,25 @@ impl Budget {
         let fixed = limit.map_or(usize::MAX, |limit| limit.min(usize::MAX - 1));
         self.fixed.store(fixed, Ordering::Relaxed);
         if limit.is_none() {
-            self.derived
-                .store(default_limit(soft_limit()), Ordering::Relaxed);
+            self.refresh_from_soft_limit();
         }
         self.trim();
     }
 
+    /// Re-read the soft limit: the default budget and the gate's cap follow it.
+    fn refresh_from_soft_limit(&self) {
+        let soft = soft_limit();
+        self.derived.store(default_limit(soft), Ordering::Relaxed);
+        self.in_flight_cap
+            .store(in_flight_cap(soft), Ordering::Relaxed);
+    }
+
     /// How many file operations may run at once: the limit, within [`MIN_IN_FLIGHT`] and
-    /// [`MAX_IN_FLIGHT`].
+    /// [`MAX_IN_FLIGHT`], and at most a sixteenth of the soft limit ([`in_flight_cap`]).
     pub fn in_flight_limit(&self) -> usize {
-        self.limit().clamp(MIN_IN_FLIGHT, MAX_IN_FLIGHT)
+        self.limit()
+            .clamp(MIN_IN_FLIGHT, MAX_IN_FLIGHT)
+            .min(self.in_flight_cap.load(Ordering::Relaxed))
     }
 
     /// Wait for a permit to run one file operation (in arrival order); the operation runs
@@ -327,8 +356,7 @@ impl Budget {
 
     /// Register a cache (done by [`FdCache::new`]); it is dropped from the list once gone.
     pub fn register(&self, holder: Weak<dyn Holder>) {
-        self.derived
-            .store(default_limit(soft_limit()), Ordering::Relaxed);
+        self.refresh_from_soft_limit();
         let mut holders = self.holders();
         holders.retain(|h| h.strong_count() > 0);
         holders.push(holder);
@@ -638,6 +666,23 @@ mod tests {
         // Small limits: the floor, but never more than a quarter.
         assert_eq!(default_limit(Some(128)), 16);
         assert_eq!(default_limit(Some(32)), 8);
+    }
+
+    #[test]
+    fn operations_in_flight_hold_about_a_quarter_of_a_small_soft_limit() {
+        assert_eq!(in_flight_cap(Some(256)), 16);
+        assert_eq!(in_flight_cap(Some(1024)), 64);
+        assert_eq!(in_flight_cap(None), MAX_IN_FLIGHT);
+        // Under 256 the budget's floor (16) is more than a sixteenth: the gate is not.
+        assert_eq!(in_flight_cap(Some(128)), 8);
+        assert_eq!(in_flight_cap(Some(64)), MIN_IN_FLIGHT);
+        for soft in [64_u64, 100, 128, 200, 256, 1024] {
+            let cap = in_flight_cap(Some(soft));
+            assert!(
+                cap * HELD_PER_OPERATION <= usize::try_from(soft).unwrap() / 3,
+                "{soft}"
+            );
+        }
     }
 
     #[test]
