@@ -388,9 +388,11 @@ impl Budget {
             };
             let mut holders = self.live();
             while self.held() > allowed() && !holders.is_empty() {
-                holders.sort_by_key(|h| std::cmp::Reverse(h.held()));
-                if !holders[0].shed_one() {
-                    holders.remove(0); // nothing idle left there
+                // Not a sort: other threads change what the caches hold while this runs, and
+                // a sort whose keys change under it panics (an inconsistent order).
+                let largest = most_held(&holders);
+                if !holders[largest].shed_one() {
+                    holders.swap_remove(largest); // nothing idle left there
                 }
             }
             if holders.is_empty() {
@@ -409,6 +411,18 @@ impl Budget {
             holder.shed_all();
         }
     }
+}
+
+/// The index of the holder keeping the most descriptors (each read once; `holders` not empty).
+fn most_held(holders: &[Arc<dyn Holder>]) -> usize {
+    let mut largest = (0, 0);
+    for (index, holder) in holders.iter().enumerate() {
+        let held = holder.held();
+        if held > largest.1 {
+            largest = (index, held);
+        }
+    }
+    largest.0
 }
 
 /// Tickets of the in-flight gate: who is next, how many run, how many wait.
@@ -731,6 +745,56 @@ mod tests {
         assert_eq!((big.held(), small.held(), budget.held()), (1, 0, 1));
         drop(in_use);
         assert_eq!(budget.held(), 0);
+    }
+
+    /// A holder whose count changes every time it is read (as a cache's does while other
+    /// threads use it), and that gives back one descriptor per shed while it has any.
+    struct Busy {
+        budget: &'static Budget,
+        reads: AtomicUsize,
+        seed: usize,
+        left: AtomicUsize,
+    }
+
+    impl Holder for Busy {
+        fn held(&self) -> usize {
+            let read = self.reads.fetch_add(1, Ordering::Relaxed);
+            (read * 7919 + self.seed * 104_729) % 101
+        }
+        fn shed_one(&self) -> bool {
+            let shed = self
+                .left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
+                    left.checked_sub(1)
+                })
+                .is_ok();
+            if shed {
+                self.budget.held.fetch_sub(1, Ordering::Relaxed);
+            }
+            shed
+        }
+        fn shed_all(&self) {}
+    }
+
+    #[test]
+    fn trimming_copes_with_counts_that_change_while_it_chooses() {
+        let budget = own_budget(Some(0));
+        let holders: Vec<Arc<dyn Holder>> = (0..64)
+            .map(|seed| {
+                let holder: Arc<dyn Holder> = Arc::new(Busy {
+                    budget,
+                    reads: AtomicUsize::new(0),
+                    seed,
+                    left: AtomicUsize::new(10),
+                });
+                budget.register(Arc::downgrade(&holder));
+                holder
+            })
+            .collect();
+        budget.held.store(640, Ordering::Relaxed);
+        budget.trim();
+        assert_eq!(budget.held(), 0);
+        drop(holders);
     }
 
     #[test]
