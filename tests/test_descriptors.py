@@ -18,7 +18,12 @@ from typing import Any
 import pytest
 from tests.conftest import make_entry
 
-from tokencapture import FileCaptureLedger, FileLineageStore, TokenCaptureStore
+from tokencapture import (
+    FileCaptureLedger,
+    FileLineageStore,
+    InMemoryLineageStore,
+    TokenCaptureStore,
+)
 from tokencapture.descriptors import budget, check_max_open_files, set_budget
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +35,12 @@ resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, _hard))
 import asyncio, errno, json, os, socket
 from pathlib import Path
 from tests.conftest import make_entry
-from tokencapture import FileCaptureLedger, FileLineageStore, TokenCaptureStore
+from tokencapture import (
+    FileCaptureLedger,
+    FileLineageStore,
+    InMemoryLineageStore,
+    TokenCaptureStore,
+)
 from tokencapture.descriptors import budget
 ROOT = Path(sys.argv[1])
 
@@ -296,6 +306,33 @@ def test_max_open_files_is_checked() -> None:
         check_max_open_files(-1)
     with pytest.raises(ValueError):
         TokenCaptureStore("/nonexistent-never-created", max_open_files=-1)
+    with pytest.raises(ValueError, match="cached_rollouts"):
+        TokenCaptureStore("/nonexistent-never-created", cached_rollouts=-1)
+    with pytest.raises(TypeError, match="cached_rollouts"):
+        TokenCaptureStore("/nonexistent-never-created", cached_rollouts="8")  # type: ignore[arg-type]
+
+
+def test_huge_caps_and_cache_sizes_mean_unbounded(tmp_path: Path) -> None:
+    """A cap or cache size past what the core counts in is no cap (not an OverflowError), and
+    a cache's size is a bound, not an allocation made up front (which panicked or took
+    gigabytes)."""
+    huge = 10**30
+    for size in (2**62, huge):
+        store = TokenCaptureStore(tmp_path, cached_rollouts=size, max_open_files=huge)
+        store.append(make_entry("r", call=0))
+        assert len(store.freeze_now("r").entries) == 1
+        assert store.stats()["descriptors"]["max_open_files"] == sys.maxsize
+        store.delete_now(["r"])
+        ledger = FileCaptureLedger(tmp_path, cached_rollouts=size, max_open_files=huge)
+        assert ledger.record_failure_now("r", "call-0", "test")
+        resolver = FileLineageStore(tmp_path, max_cached_rollouts=size, max_open_files=huge)
+        assert resolver.stats()["descriptors"]["max_open_files"] == sys.maxsize
+        InMemoryLineageStore(max_rollouts=size, max_tokens=huge)
+    try:
+        set_budget(huge)
+        assert budget()["limit"] == sys.maxsize
+    finally:
+        set_budget(None)
 
 
 def test_lowering_the_process_budget_closes_what_is_over_it(tmp_path: Path) -> None:

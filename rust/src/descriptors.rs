@@ -575,8 +575,12 @@ impl<V: Send + 'static> FdCache<V> {
         budget: &'static Budget,
     ) -> Arc<Self> {
         let capacity = NonZeroUsize::new(entries.max(1)).unwrap_or(NonZeroUsize::MIN);
+        // Not `LruCache::new`, which allocates room for every entry up front (a generous
+        // `cached_rollouts=` was gigabytes, or a capacity-overflow panic).
+        let mut lru = LruCache::unbounded();
+        lru.resize(capacity);
         let cache = Arc::new(FdCache {
-            lru: Mutex::new(LruCache::new(capacity)),
+            lru: Mutex::new(lru),
             account: Account::new(budget),
             max_open: max_open.unwrap_or(usize::MAX),
         });
