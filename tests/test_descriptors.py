@@ -222,6 +222,74 @@ def test_a_socket_hungry_neighbour_exhausting_the_limit(tmp_path: Path) -> None:
     assert seen["fresh2"] == 1
 
 
+EVERY_OPERATION = """
+held = []
+
+def exhaust():
+    while True:
+        try:
+            held.append(socket.socket())
+        except OSError:
+            return
+
+store = TokenCaptureStore(ROOT)
+resolver = FileLineageStore(ROOT)
+ledger = FileCaptureLedger(ROOT)
+loop = asyncio.new_event_loop()  # made before the exhaustion (its own self-pipe)
+run = loop.run_until_complete
+asked = [{{"role": "user", "content": "q"}}, {{"role": "assistant", "content": "a"}}]
+operations = {{
+    "append": lambda r: store.append(make_entry(r, call=1)),
+    "begin_call": lambda r: store._begin_call(r, "call-9"),
+    "mark_incomplete": lambda r: store._mark_incomplete(r, "call-9"),
+    "freeze_now": lambda r: store.freeze_now(r),
+    "freeze_columns_now": lambda r: store.freeze_columns_now(r),
+    "read_columns": lambda r: store.read_columns(r),
+    "read_entries": lambda r: store.read_entries(r),
+    "is_incomplete": lambda r: store.is_incomplete(r),
+    "inspect": lambda r: store.inspect(r),
+    "retire_now": lambda r: store.retire_now([r]),
+    "delete_now": lambda r: store.delete_now([r]),
+    "sweep_retired": lambda r: store.sweep_retired(0),  # r retired beforehand
+    "put": lambda r: run(store.put(make_entry(r, call=2))),
+    "freeze": lambda r: run(store.freeze(r)),
+    "resolve": lambda r: run(resolver.resolve(r, asked)),
+    "record_failure": lambda r: run(ledger.record_failure(r, "call-5", "why")),
+    "manifest": lambda r: run(ledger.manifest(r)),
+    "ledger_retire": lambda r: ledger.retire_now([r]),
+}}
+failed = {{}}
+for n, (name, operation) in enumerate(operations.items()):
+    for w in range(6):  # something cached to give back, in every cache
+        store.append(make_entry(f"warm{{w}}", call=n))
+        run(resolver.resolve(f"warm{{w}}", asked))
+        ledger.record_failure_now(f"warm{{w}}", f"call-{{n}}", "why")
+    rollout = f"r{{n}}"
+    store.append(make_entry(rollout, call=0))
+    if name == "sweep_retired":
+        store.retire_now([rollout])
+    exhaust()  # after the last open, so that only the caches hold descriptors to give back
+    try:
+        operation(rollout)
+    except OSError as exc:
+        failed[name] = str(exc)
+    while held:
+        held.pop().close()
+print(json.dumps({{"failed": failed, "exhausted": budget()["exhausted"]}}))
+"""
+
+
+def test_with_cached_descriptors_to_give_back_every_operation_survives_exhaustion(
+    tmp_path: Path,
+) -> None:
+    """Each operation of the store, the resolver and the ledger, run while a neighbour holds
+    every free descriptor and the caches hold some: each succeeds by closing cached ones
+    (the sweep's directory listing once did not go through the retry)."""
+    seen = run_limited(tmp_path, EVERY_OPERATION.format())
+    assert seen["failed"] == {}
+    assert seen["exhausted"] >= 10
+
+
 LINEAGE_AND_LEDGER = """
 from tests.test_ledger import make_commit
 
