@@ -136,6 +136,43 @@ def test_under_a_64_limit_operations_in_flight_leave_room_for_each_other(tmp_pat
     assert seen["limit"] == 16
 
 
+LOWERED = """
+async def main():
+    store = TokenCaptureStore(ROOT)
+    gate = asyncio.Semaphore(64)
+    errors = []
+
+    async def rollout(prefix, r):
+        async with gate:
+            for c in range(4):
+                try:
+                    await store.put(make_entry(f"{{prefix}}{{r}}", call=c))
+                except OSError as exc:
+                    errors.append(repr(exc))
+
+    await asyncio.gather(*(rollout("a", r) for r in range(200)))
+    before = budget()["limit"]
+    # The server lowers its limit after the store was made (and filled its cache).
+    resource.setrlimit(resource.RLIMIT_NOFILE, (96, _hard))
+    await asyncio.gather(*(rollout("b", r) for r in range(600)))
+    whole = sum([len((await store.freeze(f"b{{r}}")).entries) == 4 for r in range(600)])
+    print(json.dumps({{"before": before, "after": budget()["limit"], "errors": errors[:3],
+                      "error_count": len(errors), "whole": whole}}))
+
+asyncio.run(main())
+"""
+
+
+def test_a_limit_lowered_after_the_store_was_made_shrinks_the_budget(tmp_path: Path) -> None:
+    """The first open that runs out re-reads the soft limit: the budget and the in-flight
+    gate shrink to it, so the workload goes on without errors under the lower limit."""
+    seen = run_limited(tmp_path, LOWERED.format(), limit=1024)
+    assert seen["error_count"] == 0, seen["errors"]
+    assert seen["whole"] == 600
+    assert seen["before"] == 64
+    assert seen["after"] == 16
+
+
 def test_at_a_1024_limit_the_store_keeps_a_sixteenth(tmp_path: Path) -> None:
     seen = run_limited(tmp_path, WORKLOAD.format(rollouts=300), limit=1024)
     assert seen["error_count"] == 0 and seen["whole"] == 300
