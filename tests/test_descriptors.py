@@ -18,7 +18,12 @@ from typing import Any
 import pytest
 from tests.conftest import make_entry
 
-from tokencapture import FileCaptureLedger, FileLineageStore, TokenCaptureStore
+from tokencapture import (
+    FileCaptureLedger,
+    FileLineageStore,
+    InMemoryLineageStore,
+    TokenCaptureStore,
+)
 from tokencapture.descriptors import budget, check_max_open_files, set_budget
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +35,12 @@ resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, _hard))
 import asyncio, errno, json, os, socket
 from pathlib import Path
 from tests.conftest import make_entry
-from tokencapture import FileCaptureLedger, FileLineageStore, TokenCaptureStore
+from tokencapture import (
+    FileCaptureLedger,
+    FileLineageStore,
+    InMemoryLineageStore,
+    TokenCaptureStore,
+)
 from tokencapture.descriptors import budget
 ROOT = Path(sys.argv[1])
 
@@ -114,6 +124,53 @@ def test_the_256_descriptor_workload_completes_whole_within_the_budget(tmp_path:
     # The whole process: the kept descriptors, the event loop's doorbell, the thread pool.
     assert seen["at_rest_over_baseline"] <= 16 + 4
     assert seen["evicted"] > 0  # the cache really was smaller than the working set
+
+
+def test_under_a_64_limit_operations_in_flight_leave_room_for_each_other(tmp_path: Path) -> None:
+    """Under 256 the budget's floor (16) is more than a sixteenth of the limit: the gate must
+    still admit only a sixteenth (4 at 64), or 16 operations holding up to five descriptors
+    each exhaust the process themselves and closing the caches cannot help them."""
+    seen = run_limited(tmp_path, WORKLOAD.format(rollouts=300), limit=64)
+    assert seen["error_count"] == 0, seen["errors"]
+    assert seen["whole"] == 300
+    assert seen["limit"] == 16
+
+
+LOWERED = """
+async def main():
+    store = TokenCaptureStore(ROOT)
+    gate = asyncio.Semaphore(64)
+    errors = []
+
+    async def rollout(prefix, r):
+        async with gate:
+            for c in range(4):
+                try:
+                    await store.put(make_entry(f"{{prefix}}{{r}}", call=c))
+                except OSError as exc:
+                    errors.append(repr(exc))
+
+    await asyncio.gather(*(rollout("a", r) for r in range(200)))
+    before = budget()["limit"]
+    # The server lowers its limit after the store was made (and filled its cache).
+    resource.setrlimit(resource.RLIMIT_NOFILE, (96, _hard))
+    await asyncio.gather(*(rollout("b", r) for r in range(600)))
+    whole = sum([len((await store.freeze(f"b{{r}}")).entries) == 4 for r in range(600)])
+    print(json.dumps({{"before": before, "after": budget()["limit"], "errors": errors[:3],
+                      "error_count": len(errors), "whole": whole}}))
+
+asyncio.run(main())
+"""
+
+
+def test_a_limit_lowered_after_the_store_was_made_shrinks_the_budget(tmp_path: Path) -> None:
+    """The first open that runs out re-reads the soft limit: the budget and the in-flight
+    gate shrink to it, so the workload goes on without errors under the lower limit."""
+    seen = run_limited(tmp_path, LOWERED.format(), limit=1024)
+    assert seen["error_count"] == 0, seen["errors"]
+    assert seen["whole"] == 600
+    assert seen["before"] == 64
+    assert seen["after"] == 16
 
 
 def test_at_a_1024_limit_the_store_keeps_a_sixteenth(tmp_path: Path) -> None:
@@ -202,6 +259,74 @@ def test_a_socket_hungry_neighbour_exhausting_the_limit(tmp_path: Path) -> None:
     assert seen["fresh2"] == 1
 
 
+EVERY_OPERATION = """
+held = []
+
+def exhaust():
+    while True:
+        try:
+            held.append(socket.socket())
+        except OSError:
+            return
+
+store = TokenCaptureStore(ROOT)
+resolver = FileLineageStore(ROOT)
+ledger = FileCaptureLedger(ROOT)
+loop = asyncio.new_event_loop()  # made before the exhaustion (its own self-pipe)
+run = loop.run_until_complete
+asked = [{{"role": "user", "content": "q"}}, {{"role": "assistant", "content": "a"}}]
+operations = {{
+    "append": lambda r: store.append(make_entry(r, call=1)),
+    "begin_call": lambda r: store._begin_call(r, "call-9"),
+    "mark_incomplete": lambda r: store._mark_incomplete(r, "call-9"),
+    "freeze_now": lambda r: store.freeze_now(r),
+    "freeze_columns_now": lambda r: store.freeze_columns_now(r),
+    "read_columns": lambda r: store.read_columns(r),
+    "read_entries": lambda r: store.read_entries(r),
+    "is_incomplete": lambda r: store.is_incomplete(r),
+    "inspect": lambda r: store.inspect(r),
+    "retire_now": lambda r: store.retire_now([r]),
+    "delete_now": lambda r: store.delete_now([r]),
+    "sweep_retired": lambda r: store.sweep_retired(0),  # r retired beforehand
+    "put": lambda r: run(store.put(make_entry(r, call=2))),
+    "freeze": lambda r: run(store.freeze(r)),
+    "resolve": lambda r: run(resolver.resolve(r, asked)),
+    "record_failure": lambda r: run(ledger.record_failure(r, "call-5", "why")),
+    "manifest": lambda r: run(ledger.manifest(r)),
+    "ledger_retire": lambda r: ledger.retire_now([r]),
+}}
+failed = {{}}
+for n, (name, operation) in enumerate(operations.items()):
+    for w in range(6):  # something cached to give back, in every cache
+        store.append(make_entry(f"warm{{w}}", call=n))
+        run(resolver.resolve(f"warm{{w}}", asked))
+        ledger.record_failure_now(f"warm{{w}}", f"call-{{n}}", "why")
+    rollout = f"r{{n}}"
+    store.append(make_entry(rollout, call=0))
+    if name == "sweep_retired":
+        store.retire_now([rollout])
+    exhaust()  # after the last open, so that only the caches hold descriptors to give back
+    try:
+        operation(rollout)
+    except OSError as exc:
+        failed[name] = str(exc)
+    while held:
+        held.pop().close()
+print(json.dumps({{"failed": failed, "exhausted": budget()["exhausted"]}}))
+"""
+
+
+def test_with_cached_descriptors_to_give_back_every_operation_survives_exhaustion(
+    tmp_path: Path,
+) -> None:
+    """Each operation of the store, the resolver and the ledger, run while a neighbour holds
+    every free descriptor and the caches hold some: each succeeds by closing cached ones
+    (the sweep's directory listing once did not go through the retry)."""
+    seen = run_limited(tmp_path, EVERY_OPERATION.format())
+    assert seen["failed"] == {}
+    assert seen["exhausted"] >= 10
+
+
 LINEAGE_AND_LEDGER = """
 from tests.test_ledger import make_commit
 
@@ -286,6 +411,33 @@ def test_max_open_files_is_checked() -> None:
         check_max_open_files(-1)
     with pytest.raises(ValueError):
         TokenCaptureStore("/nonexistent-never-created", max_open_files=-1)
+    with pytest.raises(ValueError, match="cached_rollouts"):
+        TokenCaptureStore("/nonexistent-never-created", cached_rollouts=-1)
+    with pytest.raises(TypeError, match="cached_rollouts"):
+        TokenCaptureStore("/nonexistent-never-created", cached_rollouts="8")  # type: ignore[arg-type]
+
+
+def test_huge_caps_and_cache_sizes_mean_unbounded(tmp_path: Path) -> None:
+    """A cap or cache size past what the core counts in is no cap (not an OverflowError), and
+    a cache's size is a bound, not an allocation made up front (which panicked or took
+    gigabytes)."""
+    huge = 10**30
+    for size in (2**62, huge):
+        store = TokenCaptureStore(tmp_path, cached_rollouts=size, max_open_files=huge)
+        store.append(make_entry("r", call=0))
+        assert len(store.freeze_now("r").entries) == 1
+        assert store.stats()["descriptors"]["max_open_files"] == sys.maxsize
+        store.delete_now(["r"])
+        ledger = FileCaptureLedger(tmp_path, cached_rollouts=size, max_open_files=huge)
+        assert ledger.record_failure_now("r", "call-0", "test")
+        resolver = FileLineageStore(tmp_path, max_cached_rollouts=size, max_open_files=huge)
+        assert resolver.stats()["descriptors"]["max_open_files"] == sys.maxsize
+        InMemoryLineageStore(max_rollouts=size, max_tokens=huge)
+    try:
+        set_budget(huge)
+        assert budget()["limit"] == sys.maxsize
+    finally:
+        set_budget(None)
 
 
 def test_lowering_the_process_budget_closes_what_is_over_it(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ the process is closed and the open is retried once; see docs/reliability.md.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Protocol
 
 from tokencapture import _core
@@ -17,14 +18,16 @@ from tokencapture import _core
 __all__ = ["budget", "check_max_open_files", "descriptor_stats", "set_budget"]
 
 
-def check_max_open_files(max_open_files: int | None) -> None:
-    """Refuse a `max_open_files=` that is not None or a non-negative int."""
+def check_max_open_files(max_open_files: int | None) -> int | None:
+    """Refuse a `max_open_files=` that is not None or a non-negative int; the value to pass
+    to the core (a cap past what the core counts in is no cap: it becomes `sys.maxsize`)."""
     if max_open_files is None:
-        return
+        return None
     if isinstance(max_open_files, bool) or not isinstance(max_open_files, int):
         raise TypeError("max_open_files must be an int or None")
     if max_open_files < 0:
         raise ValueError("max_open_files must not be negative")
+    return min(max_open_files, sys.maxsize)
 
 
 class _HoldsDescriptors(Protocol):
@@ -44,8 +47,7 @@ def budget() -> dict[str, int]:
 def set_budget(limit: int | None) -> None:
     """Fix the process's budget (None: back to the share of the soft limit); the caches close
     what is over it at once."""
-    check_max_open_files(limit)
-    _core.set_descriptor_budget(limit)
+    _core.set_descriptor_budget(check_max_open_files(limit))
 
 
 def descriptor_stats(native: _HoldsDescriptors) -> dict[str, Any]:

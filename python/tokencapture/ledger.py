@@ -51,6 +51,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -140,9 +141,12 @@ class FileCaptureLedger:
             raise TypeError("cached_rollouts must be an int")
         if cached_rollouts < 1:
             raise ValueError("cached_rollouts must be at least 1")
-        check_max_open_files(max_open_files)
         self._root = Path(root)
-        self._native = _core.Ledger(os.fspath(self._root), cached_rollouts, max_open_files)
+        self._native = _core.Ledger(
+            os.fspath(self._root),
+            min(cached_rollouts, sys.maxsize),
+            check_max_open_files(max_open_files),
+        )
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Under `"descriptors"`, what this ledger keeps open beside the process budget

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Coroutine, Mapping, Sequence
@@ -148,11 +149,13 @@ class FileLineageStore:
         max_open_files: int | None = None,
     ) -> None:
         check_cache_limits(max_cached_rollouts, max_cached_tokens)
-        check_max_open_files(max_open_files)
         self._root = os.fspath(root)
-        self._max_open_files = max_open_files
+        self._max_open_files = check_max_open_files(max_open_files)
         self._native = _core.FileLineage(
-            self._root, max_cached_rollouts, max_cached_tokens, max_open_files
+            self._root,
+            min(max_cached_rollouts, sys.maxsize),
+            min(max_cached_tokens, sys.maxsize),
+            self._max_open_files,
         )
         self._ledger: FileCaptureLedger | None = None
         self._ledger_lock = threading.Lock()
@@ -403,7 +406,9 @@ class InMemoryLineageStore:
         cached = max_tokens // 4 if max_cached_tokens is None else max_cached_tokens
         if cached < 0:
             raise ValueError("max_cached_tokens must not be negative")
-        self._native = _core.MemoryLineage(max_rollouts, max_tokens, cached)
+        self._native = _core.MemoryLineage(
+            min(max_rollouts, sys.maxsize), min(max_tokens, 2**64 - 1), min(cached, sys.maxsize)
+        )
         # The rollouts put to, LRU: the bound of `_indexed` below. Kept for up to 4x the native
         # LRU's rollouts, touched on every put and resolve, so it holds at least every rollout
         # the native index still holds.

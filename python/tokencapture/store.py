@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from time import perf_counter
@@ -80,9 +81,16 @@ class TokenCaptureStore(RolloutFiles):
         cached_rollouts: int = 128,
         max_open_files: int | None = None,
     ) -> None:
-        check_max_open_files(max_open_files)
+        if isinstance(cached_rollouts, bool) or not isinstance(cached_rollouts, int):
+            raise TypeError("cached_rollouts must be an int")
+        if cached_rollouts < 0:
+            raise ValueError("cached_rollouts must not be negative")
         self._root = Path(root)
-        self._native = _core.Store(os.fspath(self._root), cached_rollouts, max_open_files)
+        self._native = _core.Store(
+            os.fspath(self._root),
+            min(cached_rollouts, sys.maxsize),
+            check_max_open_files(max_open_files),
+        )
         self._metrics = Metrics()
 
     def stats(self) -> dict[str, dict[str, Any]]:

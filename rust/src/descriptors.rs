@@ -30,10 +30,12 @@
 //! file, and a temporary file or the directory while it replaces or syncs them), whether or
 //! not they are cached. So the number of file operations running at once in the process is
 //! bounded too: each takes a permit ([`Budget::enter`]) for its duration, at most
-//! [`Budget::in_flight_limit`] at a time (the budget, within [`MIN_IN_FLIGHT`] and
-//! [`MAX_IN_FLIGHT`]), granted in arrival order. At the default share that keeps what
-//! running operations hold to about a quarter of the soft limit, and the worker pool's
-//! threads, Python's and the caller's own all wait in one queue.
+//! [`Budget::in_flight_limit`] at a time (the budget, but never more than a sixteenth of the
+//! soft limit, within [`MIN_IN_FLIGHT`] and [`MAX_IN_FLIGHT`]), granted in arrival order.
+//! That keeps what running operations hold (about four descriptors each) to about a quarter
+//! of the soft limit even where the budget's floor ([`MIN_BUDGET`]) is more than a sixteenth
+//! (a limit under 256), and the worker pool's threads, Python's and the caller's own all wait
+//! in one queue.
 //!
 //! # Running out
 //!
@@ -73,6 +75,9 @@ pub const MIN_BUDGET: usize = 16;
 pub const MAX_BUDGET: usize = 4096;
 /// The most descriptors an operation's entry keeps (the token store's lock, log and state).
 pub const KEPT_PER_OPERATION: usize = 3;
+/// Descriptors one running file operation holds at most (a put: its lock, log and state, and
+/// a temporary file or the directory while it replaces or syncs them).
+pub const HELD_PER_OPERATION: usize = KEPT_PER_OPERATION + 2;
 /// Fewest file operations allowed in flight at once.
 pub const MIN_IN_FLIGHT: usize = 4;
 /// Most file operations allowed in flight at once (the worker pool's size).
@@ -119,6 +124,15 @@ pub fn default_limit(soft: Option<u64>) -> usize {
     share.clamp(MIN_BUDGET, MAX_BUDGET).min(quarter)
 }
 
+/// The most file operations in flight the soft limit allows (`None`: unlimited): a sixteenth
+/// of it, so that running operations hold about a quarter of it whatever the budget is.
+pub fn in_flight_cap(soft: Option<u64>) -> usize {
+    soft.map_or(MAX_IN_FLIGHT, |soft| {
+        usize::try_from(soft / DEFAULT_SHARE).unwrap_or(MAX_IN_FLIGHT)
+    })
+    .clamp(MIN_IN_FLIGHT, MAX_IN_FLIGHT)
+}
+
 fn env_limit() -> Option<usize> {
     std::env::var(ENV_VAR).ok()?.trim().parse().ok()
 }
@@ -137,8 +151,10 @@ pub trait Holder: Send + Sync {
 pub struct Budget {
     /// An explicit limit (from [`ENV_VAR`] or [`Budget::set_limit`]), or `usize::MAX`.
     fixed: AtomicUsize,
-    /// The default from the soft limit, refreshed when a cache is created.
+    /// The default from the soft limit, refreshed when a cache is created or an open runs out.
     derived: AtomicUsize,
+    /// [`in_flight_cap`] of the soft limit, refreshed with `derived`.
+    in_flight_cap: AtomicUsize,
     held: AtomicUsize,
     holders: Mutex<Vec<Weak<dyn Holder>>>,
     trimming: Mutex<()>,
@@ -228,6 +244,7 @@ impl Budget {
         Budget {
             fixed: AtomicUsize::new(fixed.map_or(usize::MAX, |fixed| fixed.min(usize::MAX - 1))),
             derived: AtomicUsize::new(default_limit(soft_limit())),
+            in_flight_cap: AtomicUsize::new(in_flight_cap(soft_limit())),
             held: AtomicUsize::new(0),
             holders: Mutex::new(Vec::new()),
             trimming: Mutex::new(()),
@@ -244,6 +261,9 @@ impl Budget {
         match open() {
             Err(err) if is_exhausted(&err) => {
                 self.exhausted.fetch_add(1, Ordering::Relaxed);
+                // The soft limit may have been lowered since the caches were made: size the
+                // budget and the gate to the limit that just ran out, then close everything.
+                self.refresh_from_soft_limit();
                 self.evict_all();
                 let again = open();
                 if again.as_ref().is_err_and(is_exhausted) {
@@ -268,16 +288,25 @@ impl Budget {
         let fixed = limit.map_or(usize::MAX, |limit| limit.min(usize::MAX - 1));
         self.fixed.store(fixed, Ordering::Relaxed);
         if limit.is_none() {
-            self.derived
-                .store(default_limit(soft_limit()), Ordering::Relaxed);
+            self.refresh_from_soft_limit();
         }
         self.trim();
     }
 
+    /// Re-read the soft limit: the default budget and the gate's cap follow it.
+    fn refresh_from_soft_limit(&self) {
+        let soft = soft_limit();
+        self.derived.store(default_limit(soft), Ordering::Relaxed);
+        self.in_flight_cap
+            .store(in_flight_cap(soft), Ordering::Relaxed);
+    }
+
     /// How many file operations may run at once: the limit, within [`MIN_IN_FLIGHT`] and
-    /// [`MAX_IN_FLIGHT`].
+    /// [`MAX_IN_FLIGHT`], and at most a sixteenth of the soft limit ([`in_flight_cap`]).
     pub fn in_flight_limit(&self) -> usize {
-        self.limit().clamp(MIN_IN_FLIGHT, MAX_IN_FLIGHT)
+        self.limit()
+            .clamp(MIN_IN_FLIGHT, MAX_IN_FLIGHT)
+            .min(self.in_flight_cap.load(Ordering::Relaxed))
     }
 
     /// Wait for a permit to run one file operation (in arrival order); the operation runs
@@ -327,8 +356,7 @@ impl Budget {
 
     /// Register a cache (done by [`FdCache::new`]); it is dropped from the list once gone.
     pub fn register(&self, holder: Weak<dyn Holder>) {
-        self.derived
-            .store(default_limit(soft_limit()), Ordering::Relaxed);
+        self.refresh_from_soft_limit();
         let mut holders = self.holders();
         holders.retain(|h| h.strong_count() > 0);
         holders.push(holder);
@@ -360,9 +388,11 @@ impl Budget {
             };
             let mut holders = self.live();
             while self.held() > allowed() && !holders.is_empty() {
-                holders.sort_by_key(|h| std::cmp::Reverse(h.held()));
-                if !holders[0].shed_one() {
-                    holders.remove(0); // nothing idle left there
+                // Not a sort: other threads change what the caches hold while this runs, and
+                // a sort whose keys change under it panics (an inconsistent order).
+                let largest = most_held(&holders);
+                if !holders[largest].shed_one() {
+                    holders.swap_remove(largest); // nothing idle left there
                 }
             }
             if holders.is_empty() {
@@ -381,6 +411,18 @@ impl Budget {
             holder.shed_all();
         }
     }
+}
+
+/// The index of the holder keeping the most descriptors (each read once; `holders` not empty).
+fn most_held(holders: &[Arc<dyn Holder>]) -> usize {
+    let mut largest = (0, 0);
+    for (index, holder) in holders.iter().enumerate() {
+        let held = holder.held();
+        if held > largest.1 {
+            largest = (index, held);
+        }
+    }
+    largest.0
 }
 
 /// Tickets of the in-flight gate: who is next, how many run, how many wait.
@@ -533,8 +575,12 @@ impl<V: Send + 'static> FdCache<V> {
         budget: &'static Budget,
     ) -> Arc<Self> {
         let capacity = NonZeroUsize::new(entries.max(1)).unwrap_or(NonZeroUsize::MIN);
+        // Not `LruCache::new`, which allocates room for every entry up front (a generous
+        // `cached_rollouts=` was gigabytes, or a capacity-overflow panic).
+        let mut lru = LruCache::unbounded();
+        lru.resize(capacity);
         let cache = Arc::new(FdCache {
-            lru: Mutex::new(LruCache::new(capacity)),
+            lru: Mutex::new(lru),
             account: Account::new(budget),
             max_open: max_open.unwrap_or(usize::MAX),
         });
@@ -641,6 +687,23 @@ mod tests {
     }
 
     #[test]
+    fn operations_in_flight_hold_about_a_quarter_of_a_small_soft_limit() {
+        assert_eq!(in_flight_cap(Some(256)), 16);
+        assert_eq!(in_flight_cap(Some(1024)), 64);
+        assert_eq!(in_flight_cap(None), MAX_IN_FLIGHT);
+        // Under 256 the budget's floor (16) is more than a sixteenth: the gate is not.
+        assert_eq!(in_flight_cap(Some(128)), 8);
+        assert_eq!(in_flight_cap(Some(64)), MIN_IN_FLIGHT);
+        for soft in [64_u64, 100, 128, 200, 256, 1024] {
+            let cap = in_flight_cap(Some(soft));
+            assert!(
+                cap * HELD_PER_OPERATION <= usize::try_from(soft).unwrap() / 3,
+                "{soft}"
+            );
+        }
+    }
+
+    #[test]
     fn a_cache_keeps_within_its_own_cap() {
         let budget = own_budget(Some(1000));
         let cache = FdCache::with_budget(100, Some(5), budget);
@@ -686,6 +749,56 @@ mod tests {
         assert_eq!((big.held(), small.held(), budget.held()), (1, 0, 1));
         drop(in_use);
         assert_eq!(budget.held(), 0);
+    }
+
+    /// A holder whose count changes every time it is read (as a cache's does while other
+    /// threads use it), and that gives back one descriptor per shed while it has any.
+    struct Busy {
+        budget: &'static Budget,
+        reads: AtomicUsize,
+        seed: usize,
+        left: AtomicUsize,
+    }
+
+    impl Holder for Busy {
+        fn held(&self) -> usize {
+            let read = self.reads.fetch_add(1, Ordering::Relaxed);
+            (read * 7919 + self.seed * 104_729) % 101
+        }
+        fn shed_one(&self) -> bool {
+            let shed = self
+                .left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
+                    left.checked_sub(1)
+                })
+                .is_ok();
+            if shed {
+                self.budget.held.fetch_sub(1, Ordering::Relaxed);
+            }
+            shed
+        }
+        fn shed_all(&self) {}
+    }
+
+    #[test]
+    fn trimming_copes_with_counts_that_change_while_it_chooses() {
+        let budget = own_budget(Some(0));
+        let holders: Vec<Arc<dyn Holder>> = (0..64)
+            .map(|seed| {
+                let holder: Arc<dyn Holder> = Arc::new(Busy {
+                    budget,
+                    reads: AtomicUsize::new(0),
+                    seed,
+                    left: AtomicUsize::new(10),
+                });
+                budget.register(Arc::downgrade(&holder));
+                holder
+            })
+            .collect();
+        budget.held.store(640, Ordering::Relaxed);
+        budget.trim();
+        assert_eq!(budget.held(), 0);
+        drop(holders);
     }
 
     #[test]

@@ -1358,6 +1358,14 @@ fn capacity(n: usize) -> NonZeroUsize {
     NonZeroUsize::new(n.max(1)).unwrap_or(NonZeroUsize::MIN)
 }
 
+/// An empty LRU of at most `n` (at least one) entries that allocates as it fills
+/// (`LruCache::new` allocates for all `n` at once).
+fn lru_of<K: std::hash::Hash + Eq, V>(n: usize) -> LruCache<K, V> {
+    let mut lru = LruCache::unbounded();
+    lru.resize(capacity(n));
+    lru
+}
+
 // ---- the file-backed resolver ---------------------------------------------------------------
 
 #[derive(Debug)]
@@ -1809,7 +1817,7 @@ impl MemoryLineage {
     pub fn new(max_rollouts: usize, max_tokens: u64, cached_tokens: usize) -> Self {
         MemoryLineage {
             state: Mutex::new(MemoryState {
-                rollouts: LruCache::new(capacity(max_rollouts)),
+                rollouts: lru_of(max_rollouts),
                 tokens: 0,
             }),
             max_tokens,

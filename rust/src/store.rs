@@ -1629,8 +1629,10 @@ impl Store {
     pub fn sweep_retired(&self, cutoff: f64, dry_run: bool) -> Result<Vec<String>> {
         const SUFFIX: &str = ".tokens.state.json";
         let root = self.dir.path();
+        let _permit = self.cache.enter();
         let mut candidates = Vec::new();
-        for item in std::fs::read_dir(root).ctx("list", root)? {
+        // Listing opens the directory: through `retry`, like every other open of the core.
+        for item in descriptors::retry(|| std::fs::read_dir(root)).ctx("list", root)? {
             let item = item.ctx("list", root)?;
             let name = item.file_name();
             let Some(id) = name.to_str().and_then(|name| name.strip_suffix(SUFFIX)) else {
