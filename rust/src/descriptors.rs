@@ -51,9 +51,9 @@
 //!
 //! Running out also teaches the gate its *room*: the operations running then hold what the
 //! rest of the process leaves, so from then on one fewer runs at once
-//! ([`Budget::shrink_room`]); the room grows back by one each time as many operations as it
+//! (`Budget::shrink_room`); the room grows back by one each time as many operations as it
 //! admits (16 at least) have finished and the descriptors of one more can be opened
-//! ([`Budget::grow_room`]). A server that keeps most of the limit for its sockets then costs
+//! (`Budget::grow_room`). A server that keeps most of the limit for its sockets then costs
 //! the store throughput, not failed operations: with 200 of 256 descriptors held all along,
 //! 8,000 operations from 64 rollouts at a time failed 1,352 times without the room, none
 //! with it.
@@ -338,7 +338,7 @@ impl Budget {
     /// An open ran out of descriptors: the operations running now hold what the rest of the
     /// process (an inference server's sockets, say) leaves, so one fewer than run now is what
     /// fits. Later operations wait at the gate for that many instead of running out too;
-    /// the room grows back as operations finish ([`Budget::grow_room`]).
+    /// the room grows back as operations finish (`Budget::grow_room`).
     fn shrink_room(&self) {
         let fits = self.in_flight().saturating_sub(1).max(1);
         self.room.fetch_min(fits, Ordering::Relaxed);
