@@ -21,6 +21,7 @@ from tests.conftest import make_entry
 from tokencapture import (
     FileCaptureLedger,
     FileLineageStore,
+    FileStagingStore,
     InMemoryLineageStore,
     TokenCaptureStore,
 )
@@ -455,6 +456,8 @@ def test_huge_caps_and_cache_sizes_mean_unbounded(tmp_path: Path) -> None:
         resolver = FileLineageStore(tmp_path, max_cached_rollouts=size, max_open_files=huge)
         assert resolver.stats()["descriptors"]["max_open_files"] == sys.maxsize
         InMemoryLineageStore(max_rollouts=size, max_tokens=huge)
+    staging = FileStagingStore(tmp_path / "staging", max_open_files=huge)
+    assert staging.stats()["descriptors"]["max_open_files"] == sys.maxsize
     try:
         set_budget(huge)
         assert budget()["limit"] == sys.maxsize

@@ -77,8 +77,7 @@ class FileStagingStore:
     ) -> None:
         self._models_choice = models
         StagingModels.resolve(models)  # refuse a bad choice now
-        check_max_open_files(max_open_files)
-        self._native = _core.StagingFileStore(Path(root), max_open_files)
+        self._native = _core.StagingFileStore(Path(root), check_max_open_files(max_open_files))
 
     def __repr__(self) -> str:
         return f"FileStagingStore({str(self.root)!r})"
