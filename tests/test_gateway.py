@@ -588,6 +588,31 @@ async def test_client_gone_while_the_engine_ran_ahead_is_marked_not_stored(
     assert store.freeze_now("ahead").incomplete
 
 
+def _chat_scope(rollout_id: str, call_id: str, payload: bytes) -> dict[str, Any]:
+    """The ASGI scope of a captured chat POST, for tests that drive the app by hand."""
+    path = f"/rollouts/{rollout_id}/v1/chat/completions"
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"gateway"),
+            (b"content-type", b"application/json"),
+            (b"x-model-call-id", call_id.encode()),
+            (b"content-length", str(len(payload)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+
+
 async def test_client_gone_before_the_store_is_marked_not_stored(tmp_path: Path) -> None:
     """The relay's last look at the client, once the whole stream is in and before the entry
     is stored: a client that left by then is not stored but marked `client_disconnected`.
@@ -634,26 +659,7 @@ async def test_client_gone_before_the_store_is_marked_not_stored(tmp_path: Path)
             sent.append(message["body"])
             gone = True  # the client leaves once the first chunk reached it
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/rollouts/before-store/v1/chat/completions",
-        "raw_path": b"/rollouts/before-store/v1/chat/completions",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"gateway"),
-            (b"content-type", b"application/json"),
-            (b"x-model-call-id", b"left"),
-            (b"content-length", str(len(payload)).encode()),
-        ],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "state": {},
-    }
+    scope = _chat_scope("before-store", "left", payload)
     try:
         await asyncio.wait_for(app(scope, receive, send), 30)
     finally:
@@ -1010,26 +1016,7 @@ async def test_a_client_gone_before_the_answer_is_marked_not_stored(tmp_path: Pa
     async def send(message: dict[str, Any]) -> None:
         pass
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/rollouts/left/v1/chat/completions",
-        "raw_path": b"/rollouts/left/v1/chat/completions",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"gateway"),
-            (b"content-type", b"application/json"),
-            (b"x-model-call-id", b"gone"),
-            (b"content-length", str(len(payload)).encode()),
-        ],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "state": {},
-    }
+    scope = _chat_scope("left", "gone", payload)
     try:
         await asyncio.wait_for(app(scope, receive, send), 30)
     finally:
