@@ -12,7 +12,6 @@ import errno
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.reliability.common import REPO_ROOT, child_env
+from tests.reliability.common import REPO_ROOT, child_env, kill_once_started
 from tests.reliability.staging_child import expected_chain
 from tests.test_reliability_faults import faultfs, fill, tiny_tmpfs  # noqa: F401 (fixtures)
 
@@ -50,22 +49,9 @@ def test_sigkill_while_staging_from_32_threads_loses_nothing_acknowledged(
     acknowledged: set[str] = set()
     refused: list[str] = []
     for round_ in range(6):
-        with subprocess.Popen(
-            [*CHILD, "stage", str(tmp_path), f"round{round_}", "32"],
-            stdout=subprocess.PIPE,
-            cwd=REPO_ROOT,
-            env=child_env(),
-        ) as child:
-            assert child.stdout is not None
-            # Wait for a first acknowledgement (the child is staging), then kill it at a
-            # random point.
-            first = child.stdout.readline()
-            assert first.startswith(b"ok "), first
-            time.sleep(rng.uniform(0.0, 0.4))
-            child.send_signal(signal.SIGKILL)
-            out = first + child.stdout.read()
-            child.wait()
-        assert child.returncode == -signal.SIGKILL
+        # The first acknowledgement (the child is staging), then a kill at a random point.
+        argv = [*CHILD, "stage", str(tmp_path), f"round{round_}", "32"]
+        out = kill_once_started(argv, 0.4, rng, b"ok ")
         for line in out.decode().splitlines():
             if line.startswith("ok "):
                 acknowledged.add(line[3:])

@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import json
 import random
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tests.nemo_oracle import import_nemo
-from tests.reliability.common import REPO_ROOT, child_env
+from tests.reliability.common import kill_once_started
 
 nemo_records = import_nemo("staging.records")
 nemo_digest = import_nemo("staging.digest")
@@ -121,20 +118,8 @@ def test_nemo_capture_from_32_threads_sigkilled_loses_nothing_acknowledged(
     acks: dict[str, dict[str, Any]] = {}
     unexpected: list[str] = []
     for round_ in range(4):
-        with subprocess.Popen(
-            [*CHILD, str(tmp_path), str(round_), "32"],
-            stdout=subprocess.PIPE,
-            cwd=REPO_ROOT,
-            env=child_env(),
-        ) as child:
-            assert child.stdout is not None
-            first = child.stdout.readline()  # staging has begun: kill it at a random point
-            assert first.startswith(b"{"), first
-            time.sleep(rng.uniform(0.0, 0.5))
-            child.send_signal(signal.SIGKILL)
-            out = first + child.stdout.read()
-            child.wait()
-        assert child.returncode == -signal.SIGKILL
+        # Staging has begun at the first line: killed at a random point after it.
+        out = kill_once_started([*CHILD, str(tmp_path), str(round_), "32"], 0.5, rng, b"{")
         for line in out.splitlines():
             if not line.endswith(b"}"):
                 continue  # the line the kill cut short

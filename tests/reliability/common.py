@@ -27,6 +27,7 @@ __all__ = [
     "StoreLike",
     "child_env",
     "entry_sha",
+    "kill_once_started",
     "listing",
     "long_mode",
     "make_entry",
@@ -184,3 +185,23 @@ def rollout_files(root: Path, rollout_id: str) -> list[str]:
 
 def python() -> str:
     return sys.executable
+
+
+def kill_once_started(argv: Sequence[str], max_delay: float, rng: Any, started: bytes) -> bytes:
+    """Run a child, wait for its first line (which must begin with `started`: it is at work),
+    SIGKILL it a random 0..`max_delay` seconds later, and return everything it printed (its
+    last line possibly cut short by the kill)."""
+    import signal
+    import subprocess
+    import time
+
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, cwd=REPO_ROOT, env=child_env()) as child:
+        assert child.stdout is not None
+        first = child.stdout.readline()
+        assert first.startswith(started), first
+        time.sleep(rng.uniform(0.0, max_delay))
+        child.send_signal(signal.SIGKILL)
+        out = first + child.stdout.read()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL, child.returncode
+    return out
