@@ -346,9 +346,9 @@ impl Budget {
     }
 
     /// One operation finished under a learnt room: after as many as the room (16 at least)
-    /// finished without running out, it grows by one, if the descriptors one more operation
-    /// holds ([`HELD_PER_OPERATION`]) can be opened now (and are closed again at once); back
-    /// at the gate's own limit, the learnt room is forgotten.
+    /// finished, it grows by one, unless opening the descriptors one more operation holds
+    /// ([`HELD_PER_OPERATION`], closed again at once) runs out now; back at the gate's own
+    /// limit, the learnt room is forgotten.
     fn grow_room(&self) {
         let room = self.room.load(Ordering::Relaxed);
         if room == usize::MAX {
@@ -362,7 +362,8 @@ impl Budget {
         let free: io::Result<Vec<std::fs::File>> = (0..HELD_PER_OPERATION)
             .map(|_| std::fs::File::open("/dev/null"))
             .collect();
-        if free.is_err() {
+        // Only running out says no: a sandbox without /dev/null must not keep the room low.
+        if free.as_ref().is_err_and(is_exhausted) {
             return;
         }
         drop(free);
