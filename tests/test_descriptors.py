@@ -426,6 +426,28 @@ def test_max_open_files_caps_one_store_and_stats_report_it(tmp_path: Path) -> No
     assert ledger.stats()["descriptors"]["max_open_files"] == 2
 
 
+@pytest.mark.parametrize(
+    ("value", "warned"), [("abc", True), ("-1", True), ("5_000", True), (" 64 ", False)]
+)
+def test_a_malformed_env_budget_is_reported_not_silently_ignored(value: str, warned: bool) -> None:
+    """The core ignores a TOKENCAPTURE_MAX_OPEN_FILES that is not a count: importing the
+    package says so (a RuntimeWarning naming the value), and a count is taken quietly."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from tokencapture.descriptors import budget; print(budget()['limit'])",
+        ],
+        env={**os.environ, "TOKENCAPTURE_MAX_OPEN_FILES": value},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert ("RuntimeWarning" in done.stderr and repr(value) in done.stderr) is warned, done.stderr
+    if not warned:
+        assert done.stdout.strip() == "64"
+
+
 def test_max_open_files_is_checked() -> None:
     for bad in (True, 1.5, "3"):
         with pytest.raises(TypeError):

@@ -10,12 +10,37 @@ the process is closed and the open is retried once; see docs/reliability.md.
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+import warnings
 from typing import Any, Protocol
 
 from tokencapture import _core
 
 __all__ = ["budget", "check_max_open_files", "descriptor_stats", "set_budget"]
+
+ENV_VAR = "TOKENCAPTURE_MAX_OPEN_FILES"
+
+
+def _warn_if_env_is_not_a_count() -> None:
+    """The core ignores a `TOKENCAPTURE_MAX_OPEN_FILES` that is not a count (it keeps the
+    default share of the soft limit): say so once, at import, rather than silently."""
+    raw = os.environ.get(ENV_VAR)
+    if raw is None:
+        return
+    text = raw.strip()
+    if re.fullmatch(r"\+?[0-9]+", text) and int(text) < 2**64:
+        return
+    warnings.warn(
+        f"{ENV_VAR}={raw!r} is not a non-negative integer and is ignored: the descriptor "
+        "budget is the default share of the soft RLIMIT_NOFILE",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+_warn_if_env_is_not_a_count()
 
 
 def check_max_open_files(max_open_files: int | None) -> int | None:
