@@ -359,6 +359,15 @@ impl Budget {
             return;
         }
         self.since_room_change.store(0, Ordering::Relaxed);
+        let natural = self.natural_in_flight_limit();
+        if room >= natural {
+            // The gate's own limit is lower now (a lowered soft limit): the room no longer
+            // binds, and probing for it would only take descriptors from running operations.
+            let _ =
+                self.room
+                    .compare_exchange(room, usize::MAX, Ordering::Relaxed, Ordering::Relaxed);
+            return;
+        }
         let free: io::Result<Vec<std::fs::File>> = (0..HELD_PER_OPERATION)
             .map(|_| std::fs::File::open("/dev/null"))
             .collect();
@@ -367,7 +376,7 @@ impl Budget {
             return;
         }
         drop(free);
-        let grown = if room + 1 >= self.natural_in_flight_limit() {
+        let grown = if room + 1 >= natural {
             usize::MAX
         } else {
             room + 1
