@@ -816,20 +816,21 @@ fn fields_dict<'py>(
     extras: Option<Option<&[(String, Extra)]>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item(intern!(py, "schema_version"), view.schema_version)?;
-    d.set_item(intern!(py, "digest_version"), view.digest_version)?;
+    let head = &view.head;
+    d.set_item(intern!(py, "schema_version"), head.schema_version)?;
+    d.set_item(intern!(py, "digest_version"), head.digest_version)?;
     d.set_item(
         intern!(py, "extras_digest_version"),
-        view.extras_digest_version,
+        head.extras_digest_version,
     )?;
-    d.set_item(intern!(py, "rollout_id"), view.rollout_id)?;
-    d.set_item(intern!(py, "model_call_id"), view.model_call_id)?;
-    d.set_item(intern!(py, "parent_call_id"), view.parent_call_id)?;
-    d.set_item(intern!(py, "mode"), view.mode.as_str())?;
-    d.set_item(intern!(py, "prev_len"), view.prev_len)?;
-    d.set_item(intern!(py, "delta_len"), view.delta_len)?;
-    d.set_item(intern!(py, "cum_len"), view.cum_len)?;
-    d.set_item(intern!(py, "weight_version"), view.weight_version)?;
+    d.set_item(intern!(py, "rollout_id"), head.rollout_id)?;
+    d.set_item(intern!(py, "model_call_id"), head.model_call_id)?;
+    d.set_item(intern!(py, "parent_call_id"), head.parent_call_id)?;
+    d.set_item(intern!(py, "mode"), head.mode.as_str())?;
+    d.set_item(intern!(py, "prev_len"), head.prev_len)?;
+    d.set_item(intern!(py, "delta_len"), head.delta_len)?;
+    d.set_item(intern!(py, "cum_len"), head.cum_len)?;
+    d.set_item(intern!(py, "weight_version"), head.weight_version)?;
     d.set_item(intern!(py, "digest"), hex_str(py, &view.digest))?;
     d.set_item(
         intern!(py, "token_ids_delta"),
@@ -845,12 +846,12 @@ fn fields_dict<'py>(
     )?;
     d.set_item(
         intern!(py, "extras_digest"),
-        hex_str(py, &view.extras_digest),
+        hex_str(py, head.extras_digest),
     )?;
-    d.set_item(intern!(py, "chain_hash"), hex_str(py, &view.chain_hash))?;
+    d.set_item(intern!(py, "chain_hash"), hex_str(py, head.chain_hash))?;
     d.set_item(
         intern!(py, "cumulative_hash"),
-        hex_str(py, &view.cumulative_hash),
+        hex_str(py, head.cumulative_hash),
     )?;
     if let Some(extras) = extras {
         match extras {

@@ -352,6 +352,9 @@ impl<'a> In<'a> {
         Ok(u64::from_le_bytes(b.try_into().expect("8 bytes")))
     }
     fn d32(&mut self) -> RowResult<Digest32> {
+        self.d32_ref().copied()
+    }
+    fn d32_ref(&mut self) -> RowResult<&'a Digest32> {
         Ok(self.take(32)?.try_into().expect("32 bytes"))
     }
     fn text(&mut self) -> RowResult<String> {
@@ -421,21 +424,10 @@ pub struct ExtrasAt(usize);
 /// verified (the parse itself is bounds-checked: [`BaseView::parse`]).
 #[derive(Debug, Clone, Copy)]
 pub struct BaseView<'a> {
-    pub schema_version: u8,
-    pub digest_version: u8,
-    pub extras_digest_version: u8,
-    pub rollout_id: &'a str,
-    pub model_call_id: &'a str,
-    pub parent_call_id: Option<&'a str>,
-    pub mode: Mode,
-    pub prev_len: u64,
-    pub delta_len: u64,
-    pub cum_len: u64,
-    pub weight_version: u64,
+    /// The scalar fields and digests the staging digest reads (as [`CallFields`] gives them).
+    pub head: CallHead<'a>,
+    /// The staging digest the row was stored with.
     pub digest: Digest32,
-    pub extras_digest: Digest32,
-    pub chain_hash: Digest32,
-    pub cumulative_hash: Digest32,
     /// `n x u64` little-endian.
     ids: &'a [u8],
     /// `n` mask codes, each checked to be 0, 1 or 2.
@@ -474,9 +466,9 @@ impl<'a> BaseView<'a> {
         let cum_len = r.u64()?;
         let weight_version = r.u64()?;
         let digest = r.d32()?;
-        let extras_digest = r.d32()?;
-        let chain_hash = r.d32()?;
-        let cumulative_hash = r.d32()?;
+        let extras_digest = r.d32_ref()?;
+        let chain_hash = r.d32_ref()?;
+        let cumulative_hash = r.d32_ref()?;
         let n = r.u64()?;
         let n = usize::try_from(n)
             .ok()
@@ -491,21 +483,23 @@ impl<'a> BaseView<'a> {
         }
         let log_probs = r.take(8 * n)?;
         Ok(BaseView {
-            schema_version,
-            digest_version,
-            extras_digest_version,
-            rollout_id,
-            model_call_id,
-            parent_call_id,
-            mode,
-            prev_len,
-            delta_len,
-            cum_len,
-            weight_version,
+            head: CallHead {
+                schema_version: u64::from(schema_version),
+                digest_version: u64::from(digest_version),
+                extras_digest_version: u64::from(extras_digest_version),
+                rollout_id,
+                model_call_id,
+                parent_call_id,
+                mode,
+                prev_len,
+                delta_len,
+                cum_len,
+                weight_version,
+                extras_digest,
+                chain_hash,
+                cumulative_hash,
+            },
             digest,
-            extras_digest,
-            chain_hash,
-            cumulative_hash,
             ids,
             codes,
             log_probs,
@@ -538,24 +532,25 @@ impl<'a> BaseView<'a> {
 
     /// The owned columns.
     pub fn fields(&self) -> CallFields {
+        let head = &self.head;
         CallFields {
-            schema_version: u64::from(self.schema_version),
-            digest_version: u64::from(self.digest_version),
-            extras_digest_version: u64::from(self.extras_digest_version),
-            rollout_id: self.rollout_id.to_owned(),
-            model_call_id: self.model_call_id.to_owned(),
-            parent_call_id: self.parent_call_id.map(str::to_owned),
-            mode: self.mode,
-            prev_len: self.prev_len,
-            delta_len: self.delta_len,
-            cum_len: self.cum_len,
-            weight_version: self.weight_version,
+            schema_version: head.schema_version,
+            digest_version: head.digest_version,
+            extras_digest_version: head.extras_digest_version,
+            rollout_id: head.rollout_id.to_owned(),
+            model_call_id: head.model_call_id.to_owned(),
+            parent_call_id: head.parent_call_id.map(str::to_owned),
+            mode: head.mode,
+            prev_len: head.prev_len,
+            delta_len: head.delta_len,
+            cum_len: head.cum_len,
+            weight_version: head.weight_version,
             token_ids: self.token_ids().collect(),
             token_mask: self.token_mask().collect(),
             log_probs: self.log_probs().collect(),
-            extras_digest: self.extras_digest,
-            chain_hash: self.chain_hash,
-            cumulative_hash: self.cumulative_hash,
+            extras_digest: *head.extras_digest,
+            chain_hash: *head.chain_hash,
+            cumulative_hash: *head.cumulative_hash,
         }
     }
 }
@@ -563,22 +558,7 @@ impl<'a> BaseView<'a> {
 /// The staging digest reads a row's columns where they lie (no [`CallFields`] copy).
 impl StagedFields for BaseView<'_> {
     fn head(&self) -> CallHead<'_> {
-        CallHead {
-            schema_version: u64::from(self.schema_version),
-            digest_version: u64::from(self.digest_version),
-            extras_digest_version: u64::from(self.extras_digest_version),
-            rollout_id: self.rollout_id,
-            model_call_id: self.model_call_id,
-            parent_call_id: self.parent_call_id,
-            mode: self.mode,
-            prev_len: self.prev_len,
-            delta_len: self.delta_len,
-            cum_len: self.cum_len,
-            weight_version: self.weight_version,
-            extras_digest: &self.extras_digest,
-            chain_hash: &self.chain_hash,
-            cumulative_hash: &self.cumulative_hash,
-        }
+        self.head
     }
     fn token_ids(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
         BaseView::token_ids(self)
@@ -633,7 +613,7 @@ pub fn decode_verified(row: &[u8]) -> RowResult<StagedCall> {
     let view = BaseView::parse(body)?;
     verify_base(&view)?;
     let extras = parse_extras(body, view.extras_at)?;
-    verify_extras(extras.as_deref(), &view.extras_digest)?;
+    verify_extras(extras.as_deref(), view.head.extras_digest)?;
     Ok(StagedCall {
         fields: view.fields(),
         digest: view.digest,
@@ -651,9 +631,9 @@ pub fn verify_stored(row: &[u8], key: &str, with_extras: bool) -> RowResult<()> 
     verify_base(&view)?;
     if with_extras {
         let extras = parse_extras(body, view.extras_at)?;
-        verify_extras(extras.as_deref(), &view.extras_digest)?;
+        verify_extras(extras.as_deref(), view.head.extras_digest)?;
     }
-    check_key(view.rollout_id, view.model_call_id, key)
+    check_key(view.head.rollout_id, view.head.model_call_id, key)
 }
 
 /// A row's base columns (and, with `with_extras`, its extras) *as they read, nothing
