@@ -216,11 +216,12 @@ def test_a_busy_server_leaving_few_descriptors_fails_almost_nothing(tmp_path: Pa
     assert seen["whole"] >= 600 - seen["error_count"]
 
 
-NEIGHBOUR = """
+# A server's sockets in the same process: `exhaust()` opens them until the process is out of
+# descriptors, `release()` closes them.
+SOCKET_NEIGHBOUR = """
 held = []
 
 def exhaust():
-    # A server's sockets, until the process is out of descriptors.
     while True:
         try:
             held.append(socket.socket())
@@ -231,7 +232,12 @@ def exhaust():
 def release():
     while held:
         held.pop().close()
+"""
 
+
+NEIGHBOUR = (
+    SOCKET_NEIGHBOUR
+    + """
 store = TokenCaptureStore(ROOT)
 for r in range(20):
     for c in range(2):
@@ -275,6 +281,7 @@ print(json.dumps({{
     "failed": budget()["failed"],
 }}))
 """
+)
 
 
 def test_a_socket_hungry_neighbour_exhausting_the_limit(tmp_path: Path) -> None:
@@ -295,16 +302,9 @@ def test_a_socket_hungry_neighbour_exhausting_the_limit(tmp_path: Path) -> None:
     assert seen["fresh2"] == 1
 
 
-EVERY_OPERATION = """
-held = []
-
-def exhaust():
-    while True:
-        try:
-            held.append(socket.socket())
-        except OSError:
-            return
-
+EVERY_OPERATION = (
+    SOCKET_NEIGHBOUR
+    + """
 store = TokenCaptureStore(ROOT)
 resolver = FileLineageStore(ROOT)
 ledger = FileCaptureLedger(ROOT)
@@ -346,10 +346,10 @@ for n, (name, operation) in enumerate(operations.items()):
         operation(rollout)
     except OSError as exc:
         failed[name] = str(exc)
-    while held:
-        held.pop().close()
+    release()
 print(json.dumps({{"failed": failed, "exhausted": budget()["exhausted"]}}))
 """
+)
 
 
 def test_with_cached_descriptors_to_give_back_every_operation_survives_exhaustion(
