@@ -43,7 +43,7 @@ for path in (BENCHES, ROOT):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from bench_data import AgenticShape, agentic_rollouts  # noqa: E402
+from bench_data import AgenticShape, agentic_rollouts, import_numeric_libraries  # noqa: E402
 
 NEMO_GYM = "nemo-gym"
 COLUMNS = ("columnar", "objects", NEMO_GYM)
@@ -107,7 +107,8 @@ def worker(column: str, root: Path, rollout_ids: list[str]) -> dict[str, Any]:
 
         store = TokenCaptureStore(root)
     import numpy as np
-    import pyarrow  # noqa: F401 - imported before the clock, as a trainer has it
+
+    import_numeric_libraries()  # before the clock, as a trainer has them: long before it reads
 
     baseline = _rss_now_mb()
     cpu0 = _cpu_s()

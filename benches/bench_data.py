@@ -6,7 +6,10 @@ implementation, from a seeded generator, so two runs write byte-identical logs.
 
 from __future__ import annotations
 
+import os
 import random
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +22,7 @@ __all__ = [
     "SmallShape",
     "agentic_rollouts",
     "conversation_rollouts",
+    "import_numeric_libraries",
     "small_rollouts",
 ]
 
@@ -199,3 +203,44 @@ def conversation_rollouts(
         requests.append(asked)
         continuations.append(following)
     return Conversations(rollouts, requests, continuations)
+
+
+def _other_threads_cpu_ticks() -> int:
+    """CPU clock ticks (user + system) of this process's threads other than the caller."""
+    me = threading.get_native_id()
+    ticks = 0
+    for task in os.listdir("/proc/self/task"):
+        if int(task) == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{task}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def import_numeric_libraries(settle_s: float = 2.0) -> None:
+    """Import numpy and pyarrow as a trainer has them: long before it reads (untimed).
+
+    numpy's OpenBLAS starts a worker thread per core at import, which polls for work (a
+    `sched_yield` loop) for ~50-80 ms on this machine before it sleeps (measured through
+    `/proc/self/task`). A read timed right after the import shares one of the two cores with
+    it for that long (the whole of a 16-rollout read), which a trainer, whose imports ran
+    seconds earlier, never does. So wait, up to `settle_s`, until the process's other threads
+    have used no CPU for three clock ticks' worth of polls; every column gets the same wait.
+    """
+    import numpy  # noqa: F401
+    import pyarrow  # type: ignore[import-untyped]  # noqa: F401
+
+    if not os.path.isdir("/proc/self/task"):
+        return
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    deadline = time.monotonic() + settle_s
+    last, quiet = _other_threads_cpu_ticks(), 0
+    while quiet < 3 and time.monotonic() < deadline:
+        time.sleep(tick)
+        now = _other_threads_cpu_ticks()
+        quiet = quiet + 1 if now == last else 0
+        last = now

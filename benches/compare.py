@@ -49,6 +49,7 @@ from bench_data import (  # noqa: E402
     SmallShape,
     agentic_rollouts,
     conversation_rollouts,
+    import_numeric_libraries,
     small_rollouts,
 )
 from bench_worker import print_result, run_worker  # noqa: E402
@@ -610,8 +611,7 @@ def run_trainer_read(column_name: str, root: Path, quick: bool, mode: str) -> di
     share their repeated prefixes; each entry's prompt a zero-copy slice);
     "objects": `freeze_now` and `numpy.array` of each list (our store or NeMo Gym's).
     """
-    import numpy  # noqa: F401 - a trainer has numpy and pyarrow imported before it reads
-    import pyarrow  # noqa: F401
+    import_numeric_libraries()  # a trainer has them imported long before it reads
 
     from bench_columnar import to_numpy_columnar, to_numpy_objects
 
