@@ -270,19 +270,14 @@ class Gateway:
                     "prefix_supplied": entry.prefix_supplied,
                 }
             )
-        extra: dict[str, Any] = {}
-        if state is not None:
-            # A directory store also tells its state and the calls whose intent has no entry
-            # (in flight now, or lost: at freeze, any of them masks the rollout).
-            stored = {entry.model_call_id for entry in entries}
-            extra = {
-                "state": state["state"],
-                "calls_without_entry": sorted(set(state["intents"]) - stored),
-            }
+        # The calls whose intent has no entry: in flight now, or lost (at freeze, any of them
+        # masks the rollout).
+        stored = {entry.model_call_id for entry in entries}
         return JSONResponse(
             {
                 "rollout_id": rollout_id,
-                **extra,
+                "state": state["state"],
+                "calls_without_entry": sorted(set(state["intents"]) - stored),
                 "entries": len(entries),
                 "tokens": sum(
                     len(e.prompt_token_ids) + len(e.generation_token_ids) for e in entries

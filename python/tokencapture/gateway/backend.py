@@ -73,14 +73,9 @@ class Backend:
 
         Never raises: it runs on error paths, where the caller answers with the first error.
         """
-        if mark and await self._closed(rollout_id):
-            # Frozen (or retired) while the call was in flight: the freeze already judged it
-            # (its intent has no entry, so the snapshot is incomplete). A mark now would only
-            # move the snapshot's version, and the trainer's `drop` of it would fail.
-            mark = False
         if mark:
             try:
-                await self.store.mark_incomplete(rollout_id, model_call_id)
+                await self._mark(rollout_id, model_call_id)
             except Exception:
                 logger.exception(
                     "could not mark call %r of %r incomplete", model_call_id, rollout_id
@@ -92,11 +87,23 @@ class Backend:
                 "could not record the failure of call %r of %r", model_call_id, rollout_id
             )
 
+    async def _mark(self, rollout_id: str, model_call_id: str) -> None:
+        """Mark the call incomplete, unless its rollout is frozen or retired: then the call
+        was in flight when the trainer froze it, and the freeze already judged it (its intent
+        has no entry, so the snapshot is incomplete). A mark now would only move the
+        snapshot's version, and the trainer's `drop` of it would fail."""
+        store: Any = self.store
+        if self.kind == "postgres":
+            # The check and the mark in one statement, under the rollout's row lock.
+            await store.mark_incomplete_if_open(rollout_id, model_call_id)
+            return
+        if not await self._closed(rollout_id):
+            await store.mark_incomplete(rollout_id, model_call_id)
+
     async def _closed(self, rollout_id: str) -> bool:
         """Whether a directory store's rollout is frozen or retired (its state file's flags;
-        False when unknown, and over PostgreSQL, where the mark is made as before)."""
-        if self.kind != "file":
-            return False
+        False when unknown). Not atomic with the mark that follows: a freeze in between is
+        not seen (the PostgreSQL store's check is)."""
         path = self.store.state_path_for(rollout_id)  # type: ignore[attr-defined]
 
         def read() -> bool:
@@ -119,25 +126,30 @@ class Backend:
             incomplete = await store.is_incomplete_async(rollout_id)
         return list(entries), bool(incomplete)
 
-    async def state(self, rollout_id: str) -> dict[str, Any] | None:
-        """For the operator summary, over a directory: `{"state": "open" | "frozen" |
-        "retired" | "empty", "intents": [call ids with a durable intent]}`; None over
-        PostgreSQL (not reported there)."""
-        if self.kind != "file":
-            return None
+    async def state(self, rollout_id: str) -> dict[str, Any]:
+        """For the operator summary: `{"state": "open" | "frozen" | "retired" | "empty",
+        "intents": [call ids with a durable intent]}` (over PostgreSQL only those without an
+        entry: the database leaves the others out)."""
         store: Any = self.store
+        if self.kind == "postgres":
+            found = await store.call_state_async(rollout_id)
+            if found is None:
+                return {"state": "empty", "intents": []}
+            return {
+                "state": _state_name(found["frozen"], found["retired"]),
+                "intents": found["calls_without_entry"],
+            }
 
         def read() -> dict[str, Any]:
             found = store.inspect(rollout_id)
             if found is None:
                 return {"state": "empty", "intents": []}
-            state = "retired" if found["retired"] else "frozen" if found["frozen"] else "open"
             try:
                 raw = store.intents_path_for(rollout_id).read_bytes()
             except FileNotFoundError:
                 raw = b""
             intents = [line.decode("utf-8", "replace") for line in raw.split(b"\n") if line]
-            return {"state": state, "intents": intents}
+            return {"state": _state_name(found["frozen"], found["retired"]), "intents": intents}
 
         return await asyncio.to_thread(read)
 
@@ -147,6 +159,10 @@ class Backend:
                 await part.close()
             except Exception:  # pragma: no cover - closing is best effort
                 logger.exception("closing %r failed", part)
+
+
+def _state_name(frozen: object, retired: object) -> str:
+    return "retired" if retired else "frozen" if frozen else "open"
 
 
 def open_backend(
