@@ -7,6 +7,7 @@ Expected tokens are the fake upstream's own rendering (tests/fake_upstream.py).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -213,3 +214,34 @@ def test_rollout_summary_tells_the_state_and_the_calls_without_entry(
         [],
     )
     assert httpx.get(f"{server.url}/rollouts/never").json()["state"] == "empty"
+
+
+def test_a_retry_of_a_stored_call_is_answered_from_the_store(
+    gateway: tuple[Server, str], pg: PostgresTokenCaptureStore
+) -> None:
+    """Over PostgreSQL (one primary-key lookup of the entry): a retry with the call id of a
+    stored call gets the stored answer, whole or streamed, where the engine would now answer
+    otherwise (and the store would refuse that as a conflict and mask the rollout)."""
+    server, _ = gateway
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    asked = {"return_token_ids": True, "logprobs": True}
+    first = _chat(server, "pgy", "c1", messages, **asked).json()
+    retry = _chat(server, "pgy", "c1", messages, fake_reply="another", **asked)
+    assert retry.status_code == 200, retry.text
+    again = retry.json()
+    assert (again["id"], again["prompt_token_ids"]) == (first["id"], first["prompt_token_ids"])
+    choice, was = again["choices"][0], first["choices"][0]
+    assert choice["message"]["content"] == was["message"]["content"]
+    assert choice["token_ids"] == was["token_ids"]
+    stream = _chat(server, "pgy", "c1", messages, stream=True, fake_reply="another")
+    events = [line[6:] for line in stream.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert (
+        "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        == (was["message"]["content"])
+    )
+    [entry] = pg.read_entries("pgy")
+    assert entry.generation_token_ids == was["token_ids"]
+    assert not pg.is_incomplete("pgy")
+    assert not pg.freeze_now("pgy").incomplete
