@@ -512,7 +512,10 @@ def _same_request(
     if kind == CHAT:
         if entry.continuation_context_len != len(messages):
             return False
-        stamped = stamp_continuation(entry.model_copy(), messages)
+        try:
+            stamped = stamp_continuation(entry.model_copy(), messages)
+        except (TypeError, ValueError):  # messages the stamp cannot read: not the stored ones
+            return False
         return stamped.continuation_context_digest == entry.continuation_context_digest
     if entry.continuation_context_len or entry.continuation_context_digest:
         return False  # a chat call's entry
