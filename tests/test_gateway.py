@@ -28,7 +28,7 @@ from tests.fake_upstream import (
     start_fake,
 )
 
-from tokencapture import ParentResolutionStatus, TokenCaptureStore
+from tokencapture import ParentResolutionStatus, TokenCaptureStore, TokenEntry
 from tokencapture.gateway import DIVERGED_REASON, GatewayConfig, create_app, open_backend
 
 TOOLS = [
@@ -1183,3 +1183,29 @@ async def test_a_retry_whose_call_has_only_an_intent_goes_to_the_engine(gw: Harn
     [entry] = gw.store.read_entries("r1")
     assert entry.output_items[0]["content"] == "fresh"
     assert "replay" not in gw.app.state.gateway.metrics.snapshot()
+
+
+async def test_an_entry_the_gateway_did_not_write_is_not_replayed(gw: Harness) -> None:
+    """An entry stored under the call id by another writer (no output item, say) is not an
+    answer the gateway can rebuild: the call goes to the engine, as before replays, and the
+    store refuses the other generation (409)."""
+    await gw.store.begin_call("r1", "x")
+    gw.store.append(
+        TokenEntry(
+            rollout_id="r1",
+            model_call_id="x",
+            model=MODEL,
+            prompt_token_ids=encode("abc"),
+            generation_token_ids=[40, IM_END],
+            generation_log_probs=[-0.5, -0.25],
+            created_at=1.0,
+        )
+    )
+    answer = await gw.client.post(
+        "/rollouts/r1/v1/completions",
+        json={"model": MODEL, "prompt": "abc"},
+        headers={"x-model-call-id": "x"},
+    )
+    assert answer.status_code == 409
+    assert answer.json()["error"]["type"] == "model_call_id_conflict"
+    assert gw.fake.calls == 1

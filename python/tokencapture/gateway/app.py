@@ -508,7 +508,10 @@ def _same_request(
     conversation (the digest `stamp_continuation` stores); a completions entry (unstamped)
     with the same prompt when it is token ids (a text prompt cannot be compared with the
     stored tokens: taken as the same). Another request under a stored call id is a reused
-    id, which the store refuses as a conflict."""
+    id, which the store refuses as a conflict. An entry another writer made (not one output
+    item at index 0, as the gateway writes) is not replayed either."""
+    if len(entry.output_items) != 1 or entry.token_item_index != 0:
+        return False
     if kind == CHAT:
         if entry.continuation_context_len != len(messages):
             return False
