@@ -79,3 +79,32 @@ def test_puts_are_sent_alone_on_a_distributed_schema(citus_dsn: str) -> None:
             assert store.freeze_now(f"alone-{r}").version == 4
     finally:
         store.close_sync()
+
+
+def test_the_gateways_reads_and_conditional_mark_on_the_cluster(citus_dsn: str) -> None:
+    """What the gateway asks of the store besides the contract (`mark_incomplete_if_open`,
+    `call_state_async`, `read_entry_async`) runs on the coordinator with the same outcomes
+    as on one server."""
+    store = PostgresTokenCaptureStore(citus_dsn)
+
+    async def run() -> None:
+        entry = make_entry("gw")
+        await store.begin_call("gw", entry.model_call_id)
+        await store.begin_call("gw", "lost")
+        await store.put(entry)
+        assert await store.read_entry_async("gw", entry.model_call_id) == entry
+        assert await store.read_entry_async("gw", "lost") is None
+        state = await store.call_state_async("gw")
+        assert state == {"frozen": False, "retired": False, "calls_without_entry": ["lost"]}
+        assert await store.call_state_async("nowhere") is None
+        assert await store.mark_incomplete_if_open("gw", "lost") is True
+        snapshot = await store.freeze("gw")
+        assert await store.mark_incomplete_if_open("gw", "late") is False
+        assert (await store.freeze("gw")).version == snapshot.version == 3
+        assert await store.drop("gw", snapshot.snapshot_id, snapshot.version)
+
+    try:
+        store._client.run_sync(run())
+        assert store._client.distributed is True
+    finally:
+        store.close_sync()

@@ -28,7 +28,7 @@ from tests.fake_upstream import (
     start_fake,
 )
 
-from tokencapture import ParentResolutionStatus, TokenCaptureStore
+from tokencapture import ParentResolutionStatus, TokenCaptureStore, TokenEntry
 from tokencapture.gateway import DIVERGED_REASON, GatewayConfig, create_app, open_backend
 
 TOOLS = [
@@ -1030,3 +1030,182 @@ async def test_a_client_gone_before_the_answer_is_marked_not_stored(tmp_path: Pa
         "model_call_id": "gone",
     }
     assert store.freeze_now("left").incomplete
+
+
+# A retry with the same X-Model-Call-Id after a lost answer ------------------------------------
+
+
+def _events(answer: httpx.Response) -> list[Any]:
+    """A stream's chunks (its `[DONE]` checked and dropped)."""
+    events = [line[6:] for line in answer.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [orjson.loads(event) for event in events[:-1]]
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+async def test_a_retry_of_a_stored_call_is_answered_from_the_store(
+    gw: Harness, tools: list[Any] | None
+) -> None:
+    """The answer was lost (a SIGKILL after the put, a dropped connection) and the client sends
+    the call again with its id: the stored answer comes back, with no second request to the
+    engine (which would now answer otherwise), no second intent, no mark, and a replay in the
+    metrics; the token fields follow what the retry asks for."""
+    messages = [_user("hello")]
+    asked = {"return_token_ids": True, "logprobs": True, "tools": tools}
+    first = (await gw.chat("r1", messages, call="c1", **asked)).json()
+    seen = len(gw.fake.requests)
+    retry = await gw.chat("r1", messages, call="c1", fake_reply="another answer", **asked)
+    assert retry.status_code == 200, retry.text
+    assert retry.headers["x-model-call-id"] == "c1"
+    again = retry.json()
+    assert len(gw.fake.requests) == seen  # the engine saw no second request
+    for key in ("id", "model", "prompt_token_ids"):
+        assert again[key] == first[key], key
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [again["usage"][k] for k in counts] == [first["usage"][k] for k in counts]
+    choice, was = again["choices"][0], first["choices"][0]
+    for key in ("content", "tool_calls"):
+        assert choice["message"][key] == was["message"][key], key
+    assert choice["token_ids"] == was["token_ids"]
+    assert choice["finish_reason"] == was["finish_reason"]
+    logprobs = [(t["token"], t["logprob"]) for t in choice["logprobs"]["content"]]
+    assert logprobs == [(t["token"], t["logprob"]) for t in was["logprobs"]["content"]]
+    plain = (await gw.chat("r1", messages, call="c1", tools=tools)).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    assert "logprobs" not in plain["choices"][0]
+    assert plain["choices"][0]["message"] == choice["message"]
+    assert len(gw.fake.requests) == seen
+    assert gw.store.intents_path_for("r1").read_bytes() == b"c1\n"  # no second intent
+    assert gw.app.state.gateway.metrics.snapshot()["replay"]["count"] == 2
+    snapshot = gw.store.freeze_now("r1")
+    assert not snapshot.incomplete
+    assert [e.model_call_id for e in snapshot.entries] == ["c1"]
+    frozen = await gw.chat("r1", messages, call="c1", tools=tools)  # a read: still answered
+    assert frozen.json()["choices"][0]["message"] == choice["message"]
+    assert gw.store.freeze_now("r1").version == snapshot.version
+    assert await gw.store.drop("r1", snapshot.snapshot_id, snapshot.version)
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+async def test_a_streamed_retry_of_a_stored_call_replays_a_valid_stream(
+    gw: Harness, tools: list[Any] | None
+) -> None:
+    """The same for a streaming retry: a valid SSE stream (the generation, the finish reason,
+    the usage asked for, `[DONE]`) whose chunks add up to the stored answer."""
+    messages = [_user("stream me")]
+    first = await gw.chat(
+        "r1", messages, call="s1", stream=True, return_token_ids=True, logprobs=True, tools=tools
+    )
+    chunks = _events(first)
+    seen = len(gw.fake.requests)
+    retry = await gw.chat(
+        "r1",
+        messages,
+        call="s1",
+        stream=True,
+        return_token_ids=True,
+        logprobs=True,
+        tools=tools,
+        stream_options={"include_usage": True},
+        fake_reply="another answer",
+    )
+    assert retry.status_code == 200
+    assert retry.headers["content-type"].startswith("text/event-stream")
+    replayed = _events(retry)
+    assert len(gw.fake.requests) == seen
+
+    def folded(chunks: list[Any]) -> tuple[Any, ...]:
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        deltas = [c["delta"] for c in choices]
+        calls = [
+            (call.get("id"), call["function"].get("name"), call["function"].get("arguments"))
+            for d in deltas
+            for call in d.get("tool_calls") or ()
+        ]
+        return (
+            {c["id"] for c in chunks},
+            [c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")],
+            "".join(d.get("content") or "" for d in deltas),
+            calls,
+            [t for c in choices for t in c.get("token_ids") or ()],
+            [t["logprob"] for c in choices for t in (c.get("logprobs") or {}).get("content", ())],
+            [c["finish_reason"] for c in choices if c["finish_reason"]],
+        )
+
+    assert folded(replayed) == folded(chunks)
+    assert replayed[-1]["usage"]["completion_tokens"] == len(folded(chunks)[4])
+    plain = _events(await gw.chat("r1", messages, call="s1", stream=True, tools=tools))
+    assert all("token_ids" not in c["choices"][0] for c in plain if c["choices"])
+    assert all("prompt_token_ids" not in c for c in plain)
+    assert len(gw.fake.requests) == seen
+    assert not gw.store.freeze_now("r1").incomplete
+
+
+async def test_a_completions_retry_is_answered_from_the_store(gw: Harness) -> None:
+    """Completions too, non-streaming and streaming; the finish reason `length` is computed
+    from the stored tokens and the request's `max_tokens`."""
+    url = "/rollouts/r1/v1/completions"
+    body = {"model": MODEL, "prompt": "abc", "return_token_ids": True, "logprobs": 1}
+    headers = {"x-model-call-id": "k1"}
+    first = (await gw.client.post(url, json={**body, "max_tokens": 3}, headers=headers)).json()
+    seen = len(gw.fake.requests)
+    retry = await gw.client.post(
+        url, json={**body, "max_tokens": 3, "fake_reply": "other"}, headers=headers
+    )
+    again = retry.json()
+    assert len(gw.fake.requests) == seen
+    assert (again["id"], again["model"]) == (first["id"], first["model"])
+    choice, was = again["choices"][0], first["choices"][0]
+    for key in ("text", "prompt_token_ids", "token_ids", "finish_reason"):
+        assert choice[key] == was[key], key
+    assert was["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == was["logprobs"]["token_logprobs"]
+    stream = _events(
+        await gw.client.post(url, json={**body, "max_tokens": 3, "stream": True}, headers=headers)
+    )
+    assert "".join(c["choices"][0]["text"] for c in stream) == was["text"]
+    assert [t for c in stream for t in c["choices"][0].get("token_ids") or ()] == was["token_ids"]
+    assert [c["choices"][0]["finish_reason"] for c in stream] == [None, "length"]
+    other = await gw.client.post(url, json={**body, "prompt": [40, 41]}, headers=headers)
+    assert other.status_code == 409  # another prompt under the id: a reused id, as before
+    assert len(gw.fake.requests) == seen + 1
+
+
+async def test_a_retry_whose_call_has_only_an_intent_goes_to_the_engine(gw: Harness) -> None:
+    """A call id with an intent and no entry (the first attempt failed, or was lost before the
+    put): nothing to answer from, so the retry is dispatched and stored as any call."""
+    await gw.store.begin_call("r1", "c1")
+    seen = len(gw.fake.requests)
+    answer = await gw.chat("r1", [_user("hello")], call="c1", fake_reply="fresh")
+    assert answer.status_code == 200
+    assert answer.json()["choices"][0]["message"]["content"] == "fresh"
+    assert len(gw.fake.requests) == seen + 1
+    [entry] = gw.store.read_entries("r1")
+    assert entry.output_items[0]["content"] == "fresh"
+    assert "replay" not in gw.app.state.gateway.metrics.snapshot()
+
+
+async def test_an_entry_the_gateway_did_not_write_is_not_replayed(gw: Harness) -> None:
+    """An entry stored under the call id by another writer (no output item, say) is not an
+    answer the gateway can rebuild: the call goes to the engine, as before replays, and the
+    store refuses the other generation (409)."""
+    await gw.store.begin_call("r1", "x")
+    gw.store.append(
+        TokenEntry(
+            rollout_id="r1",
+            model_call_id="x",
+            model=MODEL,
+            prompt_token_ids=encode("abc"),
+            generation_token_ids=[40, IM_END],
+            generation_log_probs=[-0.5, -0.25],
+            created_at=1.0,
+        )
+    )
+    answer = await gw.client.post(
+        "/rollouts/r1/v1/completions",
+        json={"model": MODEL, "prompt": "abc"},
+        headers={"x-model-call-id": "x"},
+    )
+    assert answer.status_code == 409
+    assert answer.json()["error"]["type"] == "model_call_id_conflict"
+    assert gw.fake.calls == 1

@@ -3,13 +3,21 @@ a real vLLM 0.32 answered with (copied from its answers; no server here)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import pytest
+
 from tokencapture.gateway.capture import (
+    CHAT,
     COMPLETIONS,
+    Generation,
     StreamAccumulator,
+    generation_from_chat,
     generation_from_completion,
     prepare_upstream_body,
+    replay_body,
+    replay_chunks,
     strip_completion,
 )
 
@@ -97,3 +105,31 @@ def test_prompt_log_probs_the_gateway_caused_are_removed() -> None:
     )
     kept = strip_completion(_echo_answer(), asked)
     assert kept["choices"][0]["prompt_logprobs"]
+
+
+_TOOL_CALL = {"id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("kind", "item"),
+    [
+        (CHAT, {"role": "assistant", "content": "hi there"}),
+        (CHAT, {"role": "assistant", "content": None, "tool_calls": [_TOOL_CALL]}),
+        (CHAT, {"role": "assistant", "content": "x", "reasoning_content": "because"}),
+        (COMPLETIONS, {"role": "assistant", "content": " or or"}),
+    ],
+)
+def test_a_replay_reads_back_as_the_generation_it_was_built_from(
+    kind: str, item: dict[str, Any]
+) -> None:
+    """A replayed answer, whole or streamed, is the inverse of the gateway's reading of an
+    engine's answer: read back, it is the same generation (the finish reason computed)."""
+    generation = Generation(PROMPT, [452, 453, 2], [-0.5, -0.25, -0.125], [item], "m", "rid")
+    body = replay_body(kind, generation, {}, 0)
+    read = generation_from_chat if kind == CHAT else generation_from_completion
+    expected = "tool_calls" if item.get("tool_calls") else "stop"
+    assert read(body) == dataclasses.replace(generation, finish_reason=expected)
+    accumulator = StreamAccumulator(kind)
+    for chunk in replay_chunks(kind, generation, {"max_tokens": 3}, 0):
+        accumulator.add(chunk)
+    assert accumulator.generation() == dataclasses.replace(generation, finish_reason="length")

@@ -7,7 +7,10 @@ Expected tokens are the fake upstream's own rendering (tests/fake_upstream.py).
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +137,111 @@ def test_a_store_that_refuses_the_entry_answers_503_never_200(
     )
     assert [r["model_call_id"] for r in rows] == ["s0", "s1"]
     assert all("store_write_failed" in r["line"] for r in rows)
+
+
+def _wait_for_intent(dsn: str, rollout: str, call: str) -> None:
+    for _ in range(500):
+        if fetch(
+            dsn,
+            "SELECT 1 FROM tokencapture.intents WHERE rollout_id = $1 AND model_call_id = $2",
+            rollout,
+            call.encode(),
+        ):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no intent of {call!r} in {rollout!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_failing_after_its_rollout_froze_keeps_the_snapshot_droppable(
+    gateway: tuple[Server, str], pg: PostgresTokenCaptureStore, stream: bool
+) -> None:
+    """A call at the engine when the trainer freezes its rollout, then failing (the engine's
+    500; a stream the engine breaks): recorded in the ledger, not marked, so the snapshot's
+    version does not move and the trainer's `drop` of it succeeds."""
+    server, dsn = gateway
+    rollout = f"pgz{int(stream)}"
+    assert _chat(server, rollout, "first", [{"role": "user", "content": "a"}]).status_code == 200
+    failing = {"fake_break_after": 1} if stream else {"fake_status": 500}
+    with ThreadPoolExecutor(1) as pool:
+        late = pool.submit(
+            _chat,
+            server,
+            rollout,
+            "late",
+            [{"role": "user", "content": "late"}],
+            stream=stream,
+            fake_delay=1.0,
+            **failing,
+        )
+        _wait_for_intent(dsn, rollout, "late")  # durable: the call is at the engine
+        snapshot = pg.freeze_now(rollout)
+        answer = late.result()
+    assert snapshot.incomplete  # the in-flight call's intent has no entry
+    if stream:
+        assert answer.status_code == 200 and "[DONE]" not in answer.text
+    else:
+        assert answer.status_code == 500
+    rows = fetch(
+        dsn,
+        "SELECT model_call_id, failure FROM tokencapture.ledger_rows WHERE rollout_id = $1",
+        rollout,
+    )
+    assert ("late", True) in [(r["model_call_id"], r["failure"]) for r in rows]
+    assert pg.freeze_now(rollout).version == snapshot.version
+    assert pg._drop(rollout, snapshot.snapshot_id, snapshot.version)
+
+
+def test_rollout_summary_tells_the_state_and_the_calls_without_entry(
+    gateway: tuple[Server, str], pg: PostgresTokenCaptureStore
+) -> None:
+    """Over PostgreSQL too, the summary says which calls have an intent and no entry (a lost
+    call, masking the rollout at freeze) and whether the rollout is open, frozen, retired or
+    unknown."""
+    server, _ = gateway
+    assert _chat(server, "pgs", "kept", [{"role": "user", "content": "a"}]).status_code == 200
+    pg._begin_call("pgs", "lost")
+    summary = httpx.get(f"{server.url}/rollouts/pgs").json()
+    assert (summary["state"], summary["calls_without_entry"]) == ("open", ["lost"])
+    assert (summary["entries"], summary["incomplete"]) == (1, False)  # judged at freeze
+    assert pg.freeze_now("pgs").incomplete
+    assert httpx.get(f"{server.url}/rollouts/pgs").json()["state"] == "frozen"
+    pg.retire_now(["pgs"])
+    retired = httpx.get(f"{server.url}/rollouts/pgs").json()
+    assert (retired["state"], retired["entries"], retired["calls_without_entry"]) == (
+        "retired",
+        0,
+        [],
+    )
+    assert httpx.get(f"{server.url}/rollouts/never").json()["state"] == "empty"
+
+
+def test_a_retry_of_a_stored_call_is_answered_from_the_store(
+    gateway: tuple[Server, str], pg: PostgresTokenCaptureStore
+) -> None:
+    """Over PostgreSQL (one primary-key lookup of the entry): a retry with the call id of a
+    stored call gets the stored answer, whole or streamed, where the engine would now answer
+    otherwise (and the store would refuse that as a conflict and mask the rollout)."""
+    server, _ = gateway
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    asked = {"return_token_ids": True, "logprobs": True}
+    first = _chat(server, "pgy", "c1", messages, **asked).json()
+    retry = _chat(server, "pgy", "c1", messages, fake_reply="another", **asked)
+    assert retry.status_code == 200, retry.text
+    again = retry.json()
+    assert (again["id"], again["prompt_token_ids"]) == (first["id"], first["prompt_token_ids"])
+    choice, was = again["choices"][0], first["choices"][0]
+    assert choice["message"]["content"] == was["message"]["content"]
+    assert choice["token_ids"] == was["token_ids"]
+    stream = _chat(server, "pgy", "c1", messages, stream=True, fake_reply="another")
+    events = [line[6:] for line in stream.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert (
+        "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        == (was["message"]["content"])
+    )
+    [entry] = pg.read_entries("pgy")
+    assert entry.generation_token_ids == was["token_ids"]
+    assert not pg.is_incomplete("pgy")
+    assert not pg.freeze_now("pgy").incomplete

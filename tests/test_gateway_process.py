@@ -15,8 +15,10 @@ import httpx
 import pytest
 from tests import fake_upstream
 from tests.fake_upstream import (
+    IM_END,
     MODEL,
     Server,
+    encode,
     render_chat,
     server_dir,
     server_runner,
@@ -181,3 +183,46 @@ def test_sigkill_under_concurrent_sessions_loses_no_acknowledged_call(
         f"{len(run.acknowledged)} acknowledged calls, all stored; {len(run.unacknowledged)} "
         "stored but unacknowledged (killed before the answer left)"
     )
+
+
+def test_retrying_the_calls_a_sigkill_lost_masks_nothing(
+    fake: Server, store_dir: Path, tmp_path: Path
+) -> None:
+    """After SIGKILLs under load, the clients retry every call whose answer they did not get,
+    with its X-Model-Call-Id, through a new gateway on the same store, while the engine would
+    now answer otherwise: a call the store kept (killed after the put) is answered with its
+    stored tokens, one it did not keep is dispatched and stored; no retry is refused, and no
+    rollout is masked at freeze (before replays, each kept call's retry was a 409 conflict
+    that masked its rollout)."""
+    run = run_kills(
+        fake.url,
+        store_dir,
+        tmp_path,
+        model=MODEL,
+        sessions=SESSIONS,
+        kills=KILLS,  # ~1 stored-but-unacknowledged call a kill: some are certain
+        seed=27,
+        window=(0.3, 1.5),
+    )
+    assert run.unacknowledged  # some answers were lost after their entry was stored
+    lost = [key for key in run.sent if key not in run.acknowledged]
+    server = start_gateway(fake.url, store_dir, tmp_path)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for rollout, call_id in lost:
+                answer = client.post(
+                    f"/rollouts/{rollout}/v1/chat/completions",
+                    json={**run.sent[(rollout, call_id)], "fake_reply": "retried"},
+                    headers={"x-model-call-id": call_id},
+                )
+                assert answer.status_code == 200, answer.text
+                ids = answer.json()["choices"][0]["token_ids"]
+                kept = run.stored.get((rollout, call_id))
+                expected = kept.generation_token_ids if kept else [*encode("retried"), IM_END]
+                assert ids == expected, (rollout, call_id)
+    finally:
+        server.stop()
+    store = TokenCaptureStore(store_dir)
+    for index in range(SESSIONS):
+        assert not store.freeze_now(f"k{index}").incomplete, index
+    print(f"{len(lost)} lost calls retried, {len(run.unacknowledged)} of them replayed")

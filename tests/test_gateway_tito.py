@@ -237,3 +237,28 @@ async def test_tito_carries_the_completion_parameters_and_falls_back_for_chat_on
     assert entry.model_extra is not None
     assert entry.model_extra[FALLBACK_FIELD] == "parameter_not_bridged: tool_choice"
     assert entry.prefix_requested is False
+
+
+async def test_a_retry_of_a_tito_call_is_answered_from_the_store(
+    loops: tuple[Loop, Loop],
+) -> None:
+    """A continuation sent as tokens to the completions endpoint, then retried with its call
+    id after a lost answer: the stored entry answers in chat format (the parsed message, the
+    `chatcmpl-` id, the tito prompt's tokens), and the engine sees no second request."""
+    _, tito = loops
+    messages = await tito.agent("rt", 2)
+    url = "/rollouts/rt/v1/chat/completions"
+    body = {"model": "fake", "messages": messages, "tools": TOOLS, "return_token_ids": True}
+    headers = {"x-model-call-id": "rt-2"}
+    first = (await tito.client.post(url, json=body, headers=headers)).json()
+    entry = tito.store.read_entries("rt")[-1]
+    assert entry.prefix_requested  # went through the bridge
+    seen = len(tito.fake.requests)
+    again = (await tito.client.post(url, json=body, headers=headers)).json()
+    assert len(tito.fake.requests) == seen
+    assert (again["id"], again["prompt_token_ids"]) == (first["id"], first["prompt_token_ids"])
+    choice, was = again["choices"][0], first["choices"][0]
+    assert choice["token_ids"] == was["token_ids"] == entry.generation_token_ids
+    for key in ("content", "tool_calls"):
+        assert (choice["message"].get(key) or None) == (was["message"].get(key) or None), key
+    assert len(tito.store.read_entries("rt")) == 3

@@ -433,3 +433,43 @@ def test_sigkill_under_concurrent_sessions_against_the_engine(
         )
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+async def test_a_retry_after_a_lost_answer_is_replayed_not_resampled(through: Through) -> None:
+    """A retry with the call id of a stored call, which the engine would now sample otherwise
+    (its first token banned): the stored answer comes back, whole and streamed, with
+    the engine's own id, tokens, log-probs, finish reason and token counts; the rollout stays
+    unmasked (a dispatch would have ended in a conflict that masks it)."""
+    body = {
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "logprobs": True,
+    }
+    first = (await through.post("chat/completions", "rp", body, "rp1")).json()
+    # The tiny model is peaked: the retry also bans the first answer's first token.
+    banned = {**body, "logit_bias": {str(first["choices"][0]["token_ids"][0]): -100}}
+    other = _direct(through.engine, "chat/completions", banned)
+    assert other["choices"][0]["token_ids"] != first["choices"][0]["token_ids"]
+    again = (await through.post("chat/completions", "rp", banned, "rp1")).json()
+    assert (again["id"], again["model"]) == (first["id"], first["model"])
+    assert again["prompt_token_ids"] == first["prompt_token_ids"]
+    choice, was = again["choices"][0], first["choices"][0]
+    assert choice["token_ids"] == was["token_ids"]
+    assert choice["message"]["content"] == was["message"]["content"]
+    assert choice["finish_reason"] == was["finish_reason"]
+    assert _chat_logprobs(choice) == _chat_logprobs(was)
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert again["usage"][key] == first["usage"][key], key
+    answer = await through.post("chat/completions", "rp", {**body, "stream": True}, "rp1")
+    events = [e[6:] for e in answer.text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == was["message"]["content"]
+    assert [t for c in choices for t in c.get("token_ids") or []] == was["token_ids"]
+    [entry] = through.store.read_entries("rp")
+    assert entry.generation_token_ids == was["token_ids"]
+    assert not through.store.freeze_now("rp").incomplete
+    assert through.app.state.gateway.metrics.snapshot()["replay"]["count"] == 2

@@ -106,6 +106,82 @@ def test_fences_drop_retire_delete(store: PostgresTokenCaptureStore) -> None:
     assert store.freeze_now("r1").version == 2
 
 
+async def test_mark_incomplete_if_open_marks_only_an_open_rollout(
+    store: PostgresTokenCaptureStore,
+) -> None:
+    """The gateway's mark for a failed call: made on an open rollout, a no-op (False, the
+    version unchanged) on a frozen or retired one, where a mark would move the snapshot's
+    version and the trainer's `drop` of it would fail."""
+    try:
+        await store.put(make_entry())
+        assert await store.mark_incomplete_if_open("r1", "lost") is True
+        assert await store.is_incomplete_async("r1")
+        snapshot = await store.freeze("r1")
+        assert snapshot.incomplete and snapshot.version == 3  # put, mark, freeze
+        assert await store.mark_incomplete_if_open("r1", "late") is False
+        assert (await store.freeze("r1")).version == snapshot.version
+        assert await store.drop("r1", snapshot.snapshot_id, snapshot.version)
+        assert await store.mark_incomplete_if_open("r1", "later") is False  # retired
+        with pytest.raises(ValueError, match="rollout_id"):
+            store.mark_incomplete_if_open("bad id")
+    finally:
+        await store.close()  # this loop's connections
+
+
+async def test_mark_incomplete_if_open_decides_under_the_rollout_lock(
+    store: PostgresTokenCaptureStore, pg_dsn: str
+) -> None:
+    """A freeze that holds the rollout's row when the mark arrives: the mark waits for it and
+    then sees the rollout frozen (a check read before the lock would see it open, and mark
+    after the freeze)."""
+    import asyncpg
+
+    try:
+        await store.put(make_entry())
+        connection = await asyncpg.connect(pg_dsn)
+        try:
+            transaction = connection.transaction()
+            await transaction.start()
+            await connection.execute("SELECT tokencapture.lock_rollout('r1')")
+            marking = asyncio.ensure_future(store.mark_incomplete_if_open("r1", "late"))
+            await asyncio.sleep(0.5)
+            assert not marking.done()  # waiting for the row
+            await connection.fetch("SELECT * FROM tokencapture.freeze_lines('r1', 'snap')")
+            await transaction.commit()
+            assert await marking is False
+        finally:
+            await connection.close()
+        snapshot = await store.freeze("r1")
+        assert (snapshot.snapshot_id, snapshot.version, snapshot.incomplete) == ("snap", 2, False)
+    finally:
+        await store.close()  # this loop's connections
+
+
+async def test_call_state_and_one_entry_are_read_without_changes(
+    store: PostgresTokenCaptureStore,
+) -> None:
+    """For the gateway: the rollout's flags with its intents that have no entry, and one
+    stored entry by its call id (None when there is none)."""
+    try:
+        assert await store.call_state_async("r1") is None
+        await store.begin_call("r1", "call-1")
+        await store.begin_call("r1", "lost")
+        entry = make_entry()
+        await store.put(entry)
+        assert await store.call_state_async("r1") == {
+            "frozen": False,
+            "retired": False,
+            "calls_without_entry": ["lost"],
+        }
+        assert await store.read_entry_async("r1", "call-1") == entry
+        assert await store.read_entry_async("r1", "lost") is None
+        assert await store.read_entry_async("r2", "call-1") is None
+        assert (await store.freeze("r1")).version == 2  # nothing was written by the reads
+        assert (await store.call_state_async("r1") or {})["frozen"] is True
+    finally:
+        await store.close()  # this loop's connections
+
+
 async def test_async_methods_validate_when_called(store: PostgresTokenCaptureStore) -> None:
     with pytest.raises(ValueError, match="rollout_id"):
         store.freeze("bad id")  # no await needed: refused at the call

@@ -12,7 +12,8 @@ byte of the answer is released; the token fields the client did not ask for are 
 upstream error, timeout or disconnect marks the call incomplete with the reason (a failure row
 of the capture ledger) and passes the upstream's status through; a store write that fails
 answers 503, never 200. A stream is passed through chunk by chunk, except that its final chunk
-and `[DONE]` are held until the entry is stored.
+and `[DONE]` are held until the entry is stored. A retry of a stored call (the client's own
+call id, the same request) is answered from the stored entry, with nothing sent upstream.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ from tokencapture.gateway.capture import (
     StreamAccumulator,
     generation_from_chat,
     generation_from_completion,
+    generation_from_entry,
     prepare_upstream_body,
+    replay_body,
+    replay_chunks,
     strip_chat,
     strip_completion,
 )
@@ -270,19 +274,14 @@ class Gateway:
                     "prefix_supplied": entry.prefix_supplied,
                 }
             )
-        extra: dict[str, Any] = {}
-        if state is not None:
-            # A directory store also tells its state and the calls whose intent has no entry
-            # (in flight now, or lost: at freeze, any of them masks the rollout).
-            stored = {entry.model_call_id for entry in entries}
-            extra = {
-                "state": state["state"],
-                "calls_without_entry": sorted(set(state["intents"]) - stored),
-            }
+        # The calls whose intent has no entry: in flight now, or lost (at freeze, any of them
+        # masks the rollout).
+        stored = {entry.model_call_id for entry in entries}
         return JSONResponse(
             {
                 "rollout_id": rollout_id,
-                **extra,
+                "state": state["state"],
+                "calls_without_entry": sorted(set(state["intents"]) - stored),
                 "entries": len(entries),
                 "tokens": sum(
                     len(e.prompt_token_ids) + len(e.generation_token_ids) for e in entries
@@ -391,7 +390,8 @@ class Gateway:
 
     async def _capture(self, kind: str, path: str, request: Request, rollout: str) -> Response:
         rollout_id = self._rollout(rollout)
-        raw_call_id = request.headers.get(CALL_HEADER) or uuid.uuid4().hex
+        given_call_id = request.headers.get(CALL_HEADER)
+        raw_call_id = given_call_id or uuid.uuid4().hex
         try:
             # Header values arrive as latin-1; a client sends UTF-8.
             call_id = raw_call_id.encode("latin-1").decode("utf-8")
@@ -413,6 +413,12 @@ class Gateway:
                 raise HttpError(400, "messages must be a list of message objects")
             messages = raw
         headers = {CALL_HEADER: raw_call_id}
+        if given_call_id:  # only a client's own id can name a call made before
+            replayed = await self._replay(
+                kind, rollout_id, call_id, body, messages, requested, headers
+            )
+            if replayed is not None:
+                return replayed
         call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
         # The parent is looked up once the intent is written (a read: nothing to undo), by the
         # same job of the store's worker pool: one worker wake-up for both. The lookup is done
@@ -447,6 +453,79 @@ class Gateway:
             raise HttpError(
                 500, f"the gateway failed: {type(exc).__name__}: {exc}", "gateway_error"
             ) from None
+
+    async def _replay(
+        self,
+        kind: str,
+        rollout_id: str,
+        call_id: str,
+        body: dict[str, Any],
+        messages: list[dict[str, Any]],
+        requested: Requested,
+        headers: dict[str, str],
+    ) -> Response | None:
+        """The answer to a retry of a call the store already holds (its answer was lost: a
+        gateway killed after the put, a dropped connection), rebuilt from the stored entry
+        with no dispatch and no second intent; None when the store holds no entry of this
+        request under this call id (the call then proceeds as any other)."""
+        started = time.perf_counter()
+        try:
+            entry = await self.backend.stored_entry(rollout_id, call_id)
+        except Exception as exc:
+            raise HttpError(
+                503,
+                f"the store could not be read for an earlier answer to this call id: {exc}",
+                "store_unavailable",
+            ) from None
+        if entry is None or not _same_request(kind, entry, messages, body):
+            return None
+        generation = generation_from_entry(entry)
+        strip = strip_chat if kind == CHAT else strip_completion
+        created = int(time.time())
+        response: Response
+        if requested.stream:
+            events = [
+                _event(orjson.dumps(strip(chunk, requested)))
+                for chunk in replay_chunks(kind, generation, body, created)
+            ]
+            content = b"".join(events) + _event(_DONE)
+            response = Response(
+                content, 200, headers={**headers, **_SSE_HEADERS}, media_type="text/event-stream"
+            )
+        else:
+            answer = strip(replay_body(kind, generation, body, created), requested)
+            response = Response(
+                orjson.dumps(answer), 200, headers=headers, media_type="application/json"
+            )
+        self.metrics.observe("replay", time.perf_counter() - started)
+        return response
+
+
+def _same_request(
+    kind: str, entry: TokenEntry, messages: list[dict[str, Any]], body: dict[str, Any]
+) -> bool:
+    """Whether a stored entry answers this request: a chat entry stamped with the same
+    conversation (the digest `stamp_continuation` stores); a completions entry (unstamped)
+    with the same prompt when it is token ids (a text prompt cannot be compared with the
+    stored tokens: taken as the same). Another request under a stored call id is a reused
+    id, which the store refuses as a conflict. An entry another writer made (not one output
+    item at index 0, as the gateway writes) is not replayed either."""
+    if len(entry.output_items) != 1 or entry.token_item_index != 0:
+        return False
+    if kind == CHAT:
+        if entry.continuation_context_len != len(messages):
+            return False
+        try:
+            stamped = stamp_continuation(entry.model_copy(), messages)
+        except (TypeError, ValueError):  # messages the stamp cannot read: not the stored ones
+            return False
+        return stamped.continuation_context_digest == entry.continuation_context_digest
+    if entry.continuation_context_len or entry.continuation_context_digest:
+        return False  # a chat call's entry
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(type(token) is int for token in prompt):
+        return prompt == list(entry.prompt_token_ids)
+    return True
 
 
 class _Call:

@@ -17,9 +17,12 @@ are removed from what it receives, not nulled.
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
+
+from tokencapture.records import TokenEntry
 
 __all__ = [
     "CHAT",
@@ -32,7 +35,10 @@ __all__ = [
     "assistant_item",
     "generation_from_chat",
     "generation_from_completion",
+    "generation_from_entry",
     "prepare_upstream_body",
+    "replay_body",
+    "replay_chunks",
     "strip_chat",
     "strip_completion",
 ]
@@ -379,3 +385,143 @@ class StreamAccumulator:
                 self.finish_reason,
             )
         )
+
+
+# Replay: the answer rebuilt from a stored entry (a retry of a call whose answer was lost). Each
+# body below is the inverse of the reading above (`generation_from_chat` /
+# `generation_from_completion` / `StreamAccumulator` read back the same `Generation`), in vLLM's
+# shapes with every token field; the caller strips what the client did not ask for with
+# `strip_chat` / `strip_completion`, as for an engine's answer.
+
+
+def generation_from_entry(entry: TokenEntry) -> Generation:
+    """The `Generation` a stored entry was made from (its finish reason was not stored)."""
+    return Generation(
+        list(entry.prompt_token_ids),
+        list(entry.generation_token_ids),
+        list(entry.generation_log_probs),
+        [dict(item) for item in entry.output_items],
+        entry.model,
+        entry.response_id,
+    )
+
+
+def _finish_reason(generation: Generation, body: Mapping[str, Any]) -> str:
+    """Not stored, so computed: "length" when the request's token limit was reached,
+    "tool_calls" when the message calls tools, else "stop"."""
+    generated = len(generation.generation_token_ids)
+    for key in ("max_tokens", "max_completion_tokens"):
+        limit = body.get(key)
+        if type(limit) is int and generated >= limit:
+            return "length"
+    return "tool_calls" if generation.output_items[0].get("tool_calls") else "stop"
+
+
+def _usage(generation: Generation) -> dict[str, int]:
+    prompt, generated = len(generation.prompt_token_ids), len(generation.generation_token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
+    }
+
+
+def _token_names(generation: Generation) -> list[str]:
+    # Token strings are not stored: named as vLLM's `return_tokens_as_token_ids` names them.
+    return [f"token_id:{token}" for token in generation.generation_token_ids]
+
+
+def _chat_logprobs_of(generation: Generation) -> dict[str, Any]:
+    return {
+        "content": [
+            {"token": name, "logprob": logprob, "bytes": None, "top_logprobs": []}
+            for name, logprob in zip(
+                _token_names(generation), generation.generation_log_probs, strict=True
+            )
+        ]
+    }
+
+
+def _completion_logprobs_of(generation: Generation) -> dict[str, Any]:
+    return {
+        "tokens": _token_names(generation),
+        "token_logprobs": list(generation.generation_log_probs),
+        "top_logprobs": None,
+    }
+
+
+def _message_of(item: Mapping[str, Any]) -> dict[str, Any]:
+    """The assistant message whose `assistant_item` is `item` (vLLM's empty tool call list
+    when it calls none)."""
+    return {**item, "role": "assistant", "tool_calls": list(item.get("tool_calls") or [])}
+
+
+def _head(kind: str, generation: Generation, created: int, chunk: bool) -> dict[str, Any]:
+    if kind == CHAT:
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+        prefix = "chatcmpl-"
+    else:
+        obj, prefix = "text_completion", "cmpl-"
+    return {
+        "id": generation.response_id or prefix + uuid.uuid4().hex,
+        "object": obj,
+        "created": created,
+        "model": generation.model,
+    }
+
+
+def replay_body(
+    kind: str, generation: Generation, body: Mapping[str, Any], created: int
+) -> dict[str, Any]:
+    """The whole answer (with every token field) of `generation` to the request `body`."""
+    answer = _head(kind, generation, created, chunk=False)
+    choice: dict[str, Any] = {"index": 0}
+    if kind == CHAT:
+        answer["prompt_token_ids"] = generation.prompt_token_ids
+        choice["message"] = _message_of(generation.output_items[0])
+        choice["logprobs"] = _chat_logprobs_of(generation)
+    else:
+        choice["text"] = generation.output_items[0].get("content") or ""
+        choice["logprobs"] = _completion_logprobs_of(generation)
+        choice["prompt_token_ids"] = generation.prompt_token_ids
+    choice["token_ids"] = generation.generation_token_ids
+    choice["finish_reason"] = _finish_reason(generation, body)
+    answer["choices"] = [choice]
+    answer["usage"] = _usage(generation)
+    return answer
+
+
+def replay_chunks(
+    kind: str, generation: Generation, body: Mapping[str, Any], created: int
+) -> list[dict[str, Any]]:
+    """The answer as stream chunks: one with the whole generation, one with the finish
+    reason, and one with the usage when `stream_options.include_usage` asks for it."""
+    head = _head(kind, generation, created, chunk=True)
+    item = generation.output_items[0]
+    choice: dict[str, Any] = {"index": 0}
+    first = {**head, "choices": [choice]}
+    if kind == CHAT:
+        first["prompt_token_ids"] = generation.prompt_token_ids
+        delta: dict[str, Any] = {"role": "assistant", "content": item.get("content") or ""}
+        tool_calls = item.get("tool_calls") or []
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+        for key in ("reasoning_content", "reasoning"):
+            if item.get(key):
+                delta[key] = item[key]
+        choice["delta"] = delta
+        choice["logprobs"] = _chat_logprobs_of(generation)
+        last: dict[str, Any] = {"index": 0, "delta": {}}
+    else:
+        choice["text"] = item.get("content") or ""
+        choice["logprobs"] = _completion_logprobs_of(generation)
+        choice["prompt_token_ids"] = generation.prompt_token_ids
+        last = {"index": 0, "text": ""}
+    choice["token_ids"] = generation.generation_token_ids
+    choice["finish_reason"] = None
+    last["finish_reason"] = _finish_reason(generation, body)
+    chunks = [first, {**head, "choices": [last]}]
+    options = body.get("stream_options")
+    if isinstance(options, Mapping) and options.get("include_usage") is True:
+        chunks.append({**head, "choices": [], "usage": _usage(generation)})
+    return chunks

@@ -56,6 +56,30 @@ _PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
 _PUT_BATCH = "SELECT tokencapture.put_batch($1, $2, $3, $4)"
 _BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
 _MARK_INCOMPLETE = "SELECT tokencapture.mark_incomplete($1, $2)"
+# `mark_incomplete` unless the rollout is frozen or retired, in one statement (one
+# transaction): `lock_rollout` (in FROM, so it runs first) locks the rollout's row, and the
+# flags it returns are read under that lock, so no freeze can come between the check and the
+# mark. 3 frozen, 4 retired: nothing was marked.
+_MARK_INCOMPLETE_IF_OPEN = (
+    "SELECT CASE WHEN r.retired THEN 4 WHEN r.frozen THEN 3"
+    " ELSE tokencapture.mark_incomplete($1, $2) END"
+    " FROM tokencapture.lock_rollout($1) AS r"
+)
+# The rollout's flags and the call ids whose intent has no entry (in flight, or lost); no row
+# for a rollout the database has never seen (or deleted).
+_CALL_STATE = """
+SELECT r.frozen, r.retired, ARRAY(
+    SELECT i.model_call_id FROM tokencapture.intents i
+    WHERE i.rollout_id = $1 AND NOT EXISTS (
+        SELECT 1 FROM tokencapture.entries e
+        WHERE e.rollout_id = $1 AND e.model_call_id = i.model_call_id)
+    ORDER BY i.model_call_id) AS dangling
+FROM tokencapture.rollouts r WHERE r.rollout_id = $1
+"""
+# One stored entry's line and digest, by its primary key.
+_READ_ONE = (
+    "SELECT line, digest FROM tokencapture.entries WHERE rollout_id = $1 AND model_call_id = $2"
+)
 # `sweep_retired`: lock the old fences one rollout at a time, then delete them in the same call
 # (`delete`'s removals); see sql/005_staging.sql (one FOR UPDATE over many rollouts is refused
 # by Citus).
@@ -223,6 +247,32 @@ class PostgresTokenCaptureStore:
             if status != _DONE:
                 raise _refusal(status, rollout_id)
 
+    def mark_incomplete_if_open(
+        self, rollout_id: str, model_call_id: str = ""
+    ) -> Coroutine[Any, Any, bool]:
+        """`mark_incomplete`, unless the rollout is frozen or retired: then nothing is marked
+        and False is returned. Atomic (one statement under the rollout's row lock): for a call
+        that failed while its rollout was being frozen, a mark after the freeze would move the
+        snapshot's version, and the trainer's `drop` of that snapshot would fail.
+
+        Not retried after a connection failure, as `mark_incomplete`.
+        """
+        try:
+            rollout = validate_rollout_id(rollout_id)
+        except BaseException as exc:
+            self._refused("mark_incomplete", rollout_id, exc)
+            raise
+        return self._mark_incomplete_if_open(rollout, marker_line(model_call_id))
+
+    async def _mark_incomplete_if_open(self, rollout_id: str, marker: bytes) -> bool:
+        with self._operation("mark_incomplete", rollout_id):
+            status = await self._client.fetch(
+                "val", _MARK_INCOMPLETE_IF_OPEN, rollout_id, marker, idempotent=False
+            )
+        if status not in (_DONE, _FROZEN, _RETIRED):
+            raise AssertionError(f"unexpected status {status} from the server")
+        return bool(status == _DONE)
+
     def _mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Synchronous `mark_incomplete` (the reference's name)."""
         self._client.run_sync(self.mark_incomplete(rollout_id, model_call_id))
@@ -274,6 +324,40 @@ class PostgresTokenCaptureStore:
         """The stored entries (nothing is created or changed)."""
         validate_rollout_id(rollout_id)
         return self._client.run_sync(self.read_entries_async(rollout_id))
+
+    def read_entry_async(
+        self, rollout_id: str, model_call_id: str
+    ) -> Coroutine[Any, Any, TokenEntry | None]:
+        """The stored entry of one call, or None (one primary-key lookup; nothing is created
+        or changed). The ids are checked when this is called."""
+        rollout = validate_rollout_id(rollout_id)
+        call_id = check_call_id(model_call_id).encode("utf-8")
+        return self._read_entry(rollout, call_id)
+
+    async def _read_entry(self, rollout_id: str, call_id: bytes) -> TokenEntry | None:
+        row = await self._client.fetch("row", _READ_ONE, rollout_id, call_id)
+        if row is None:
+            return None
+        [entry] = self._entries(rollout_id, [row["line"]], [row["digest"]])
+        return entry
+
+    def call_state_async(self, rollout_id: str) -> Coroutine[Any, Any, dict[str, Any] | None]:
+        """`{"frozen", "retired", "calls_without_entry"}` (the call ids whose intent has no
+        entry: in flight, or lost, and then masking the rollout at freeze), or None for a
+        rollout the database has no row of. One read; nothing is created or changed."""
+        return self._call_state(validate_rollout_id(rollout_id))
+
+    async def _call_state(self, rollout_id: str) -> dict[str, Any] | None:
+        row = await self._client.fetch("row", _CALL_STATE, rollout_id)
+        if row is None:
+            return None
+        return {
+            "frozen": row["frozen"],
+            "retired": row["retired"],
+            "calls_without_entry": [
+                bytes(call).decode("utf-8", "replace") for call in row["dangling"]
+            ],
+        }
 
     def is_incomplete_async(self, rollout_id: str) -> Coroutine[Any, Any, bool]:
         """`is_incomplete` for the event loop; the id is checked when this is called."""
