@@ -112,6 +112,56 @@ def test_mark_incomplete_after_freeze_succeeds_and_changes_version(
     assert store.incomplete_path_for("r1").read_bytes() == b"call-9\n"
 
 
+async def test_mark_incomplete_if_open_marks_only_an_open_rollout(
+    store: TokenCaptureStore,
+) -> None:
+    """The gateway's mark for a failed call: made on an open rollout, a no-op (False, the
+    version unchanged, no marker line) on a frozen or retired one, where a mark would move the
+    snapshot's version and the trainer's `drop` of it would fail."""
+    store.append(make_entry())
+    assert await store.mark_incomplete_if_open("r1", "lost") is True
+    assert store.incomplete_path_for("r1").read_bytes() == b"lost\n"
+    snapshot = store.freeze_now("r1")
+    assert snapshot.incomplete and snapshot.version == 3  # put, mark, freeze
+    assert await store.mark_incomplete_if_open("r1", "late") is False
+    assert store.incomplete_path_for("r1").read_bytes() == b"lost\n"
+    assert store.freeze_now("r1").version == snapshot.version
+    assert store._drop("r1", snapshot.snapshot_id, snapshot.version)
+    assert await store.mark_incomplete_if_open("r1", "later") is False  # retired
+    with pytest.raises(ValueError, match="rollout"):
+        store.mark_incomplete_if_open("bad id")
+
+
+async def test_mark_incomplete_if_open_decides_under_the_rollout_lock(tmp_path: Path) -> None:
+    """Another process freezes the rollout while the mark waits for its lock: the mark sees
+    the freeze (not the open state this store instance cached before it waited) and leaves
+    the snapshot as it was. The "freeze" is the frozen state file of an identical rollout,
+    moved in while the test holds the rollout's lock, as a freezing process would."""
+    import fcntl
+
+    store, twin = TokenCaptureStore(tmp_path / "a"), TokenCaptureStore(tmp_path / "b")
+    store.append(make_entry())
+    twin.append(make_entry())
+    frozen = twin.freeze_now("r1")
+    with open(store.lock_path_for("r1"), "rb+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        marking = asyncio.ensure_future(store.mark_incomplete_if_open("r1", "late"))
+        await asyncio.sleep(0.3)
+        assert not marking.done()  # waiting for the lock
+        moved_in = store.state_path_for("r1").with_suffix(".moving")
+        moved_in.write_bytes(twin.state_path_for("r1").read_bytes())
+        os.replace(moved_in, store.state_path_for("r1"))
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    assert await marking is False
+    snapshot = store.freeze_now("r1")
+    assert (snapshot.snapshot_id, snapshot.version, snapshot.incomplete) == (
+        frozen.snapshot_id,
+        frozen.version,
+        False,
+    )
+    assert not store.incomplete_path_for("r1").exists()
+
+
 def test_stale_drop_returns_false_and_keeps_evidence(store: TokenCaptureStore) -> None:
     store.append(make_entry())
     snapshot = store.freeze_now("r1")

@@ -219,6 +219,26 @@ class TokenCaptureStore(RolloutFiles):
         with self._operation("mark_incomplete", rollout_id):
             await native_job(self._native.submit_mark_incomplete, rollout_id, line)
 
+    def mark_incomplete_if_open(
+        self, rollout_id: str, model_call_id: str = ""
+    ) -> Coroutine[Any, Any, bool]:
+        """`mark_incomplete`, unless the rollout is frozen or retired: then nothing is marked
+        and False is returned. Atomic (the check and the mark under the rollout's lock): for a
+        call that failed while its rollout was being frozen, a mark after the freeze would
+        move the snapshot's version, and the trainer's `drop` of that snapshot would fail.
+        """
+        try:
+            validate_rollout_id(rollout_id)
+        except BaseException as exc:
+            self._refused("mark_incomplete", rollout_id, exc)
+            raise
+        return self._mark_incomplete_if_open_job(rollout_id, marker_line(model_call_id))
+
+    async def _mark_incomplete_if_open_job(self, rollout_id: str, line: bytes) -> bool:
+        with self._operation("mark_incomplete", rollout_id):
+            marked = await native_job(self._native.submit_mark_incomplete_if_open, rollout_id, line)
+        return bool(marked)
+
     # Reads and lifecycle -----------------------------------------------------------------
 
     def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:

@@ -1335,9 +1335,26 @@ impl Store {
     /// Durably record that a call of this rollout failed to capture. `line` is the call id as
     /// one line (the Python layer encodes ids that cannot be one). Allowed after freeze.
     pub fn mark_incomplete(&self, rollout_id: &str, line: &[u8]) -> Result<()> {
+        self.mark(rollout_id, line, false).map(|_| ())
+    }
+
+    /// [`Store::mark_incomplete`], unless the rollout is frozen or retired: then nothing is
+    /// written and `false` comes back. The check and the mark are made under the rollout's
+    /// exclusive lock, so no freeze lands between them. For a call that failed while its
+    /// rollout was being frozen: the freeze already judged it (an intent without an entry),
+    /// and a mark after it would only move the snapshot's version, so that the trainer's
+    /// `drop` of the snapshot would fail.
+    pub fn mark_incomplete_if_open(&self, rollout_id: &str, line: &[u8]) -> Result<bool> {
+        self.mark(rollout_id, line, true)
+    }
+
+    fn mark(&self, rollout_id: &str, line: &[u8], only_open: bool) -> Result<bool> {
         validate_rollout_id(rollout_id)?;
         validate_line(line, "an incomplete-marker line")?;
         self.exclusive(rollout_id, Uses::Log, |cached, paths| {
+            if only_open && (cached.state.frozen || cached.state.retired) {
+                return Ok(false);
+            }
             if cached.state.retired {
                 return Err(Error::Retired(rollout_id.to_owned()));
             }
@@ -1345,7 +1362,7 @@ impl Store {
             cached.state.incomplete = true;
             cached.state.version += 1;
             // One directory fsync covers both the marker file's creation and the rename.
-            self.persist(cached, paths, true)
+            self.persist(cached, paths, true).map(|()| true)
         })
     }
 

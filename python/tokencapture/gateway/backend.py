@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import orjson
-
 from tokencapture.lineage import FileLineageStore
 from tokencapture.protocols import LineageResolution
 from tokencapture.records import TokenEntry
@@ -30,7 +28,7 @@ logger = logging.getLogger("tokencapture.gateway")
 class _Store(Protocol):
     def begin_call(self, rollout_id: str, model_call_id: str) -> Any: ...
     def put(self, entry: TokenEntry) -> Any: ...
-    def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> Any: ...
+    def mark_incomplete_if_open(self, rollout_id: str, model_call_id: str = "") -> Any: ...
     async def close(self) -> None: ...
 
 
@@ -110,29 +108,9 @@ class Backend:
         """Mark the call incomplete, unless its rollout is frozen or retired: then the call
         was in flight when the trainer froze it, and the freeze already judged it (its intent
         has no entry, so the snapshot is incomplete). A mark now would only move the
-        snapshot's version, and the trainer's `drop` of it would fail."""
-        store: Any = self.store
-        if self.kind == "postgres":
-            # The check and the mark in one statement, under the rollout's row lock.
-            await store.mark_incomplete_if_open(rollout_id, model_call_id)
-            return
-        if not await self._closed(rollout_id):
-            await store.mark_incomplete(rollout_id, model_call_id)
-
-    async def _closed(self, rollout_id: str) -> bool:
-        """Whether a directory store's rollout is frozen or retired (its state file's flags;
-        False when unknown). Not atomic with the mark that follows: a freeze in between is
-        not seen (the PostgreSQL store's check is)."""
-        path = self.store.state_path_for(rollout_id)  # type: ignore[attr-defined]
-
-        def read() -> bool:
-            try:
-                state = orjson.loads(path.read_bytes())
-            except (OSError, ValueError):
-                return False
-            return isinstance(state, dict) and bool(state.get("frozen") or state.get("retired"))
-
-        return await asyncio.to_thread(read)
+        snapshot's version, and the trainer's `drop` of it would fail. Both stores make the
+        check and the mark at once (under the rollout's lock, or its row lock)."""
+        await self.store.mark_incomplete_if_open(rollout_id, model_call_id)
 
     async def entries(self, rollout_id: str) -> tuple[list[TokenEntry], bool]:
         """The rollout's committed entries and its incomplete flag (for the operator summary)."""

@@ -151,6 +151,22 @@ impl PyStore {
         })
     }
 
+    /// `mark_incomplete_if_open` on the worker pool (its result: whether it marked).
+    fn submit_mark_incomplete_if_open(
+        &self,
+        completions: &Bound<'_, Completions>,
+        token: u64,
+        rollout_id: &Bound<'_, PyString>,
+        line: &[u8],
+    ) -> PyResult<()> {
+        let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+        let line = line.to_vec();
+        let store = self.store(completions.py())?;
+        spawn_job(completions, token, move || {
+            store.mark_incomplete_if_open(&rollout_id, &line)
+        })
+    }
+
     fn begin_call(
         &self,
         py: Python<'_>,
