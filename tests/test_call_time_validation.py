@@ -129,6 +129,7 @@ BAD: dict[str, list[tuple[str, Callable[[], Any], type[Exception]]]] = {
 # Parameters a method deliberately accepts anything for.
 ANY_VALUE = {
     ("mark_incomplete", "model_call_id"),  # the most available write never fails on its id
+    ("mark_incomplete_if_open", "model_call_id"),  # the same mark, skipped on a closed rollout
 }
 # Rows that apply to the token stores only: the in-memory resolver keeps no intents file, so
 # it takes any call id (as NeMo Gym's does).
@@ -170,13 +171,15 @@ CASES = [
 
 
 EXPECTED = {
-    "TokenCaptureStore": "put begin_call mark_incomplete freeze drop retire delete close",
+    "TokenCaptureStore": "put begin_call mark_incomplete mark_incomplete_if_open freeze drop"
+    " retire delete close",
     "reference.TokenCaptureStore": "put begin_call mark_incomplete freeze drop retire delete close",
     "FileLineageStore": "resolve close",
     "reference.FileLineageStore": "resolve close",
     "InMemoryLineageStore": "put resolve delete close",
     "FileCaptureLedger": "record record_failure manifest has_rows resolve retire delete close",
-    "PostgresTokenCaptureStore": "put begin_call mark_incomplete freeze drop retire delete close"
+    "PostgresTokenCaptureStore": "put begin_call mark_incomplete mark_incomplete_if_open freeze"
+    " drop retire delete close"
     " freeze_columns read_entries_async is_incomplete_async read_columns_async",
     "PostgresLineageStore": "resolve close",
     "PostgresCaptureLedger": "record record_failure manifest has_rows resolve retire delete close",

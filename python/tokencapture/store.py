@@ -217,7 +217,7 @@ class TokenCaptureStore(RolloutFiles):
 
     async def _mark_incomplete_job(self, rollout_id: str, line: bytes) -> None:
         with self._operation("mark_incomplete", rollout_id):
-            await native_job(self._native.submit_mark_incomplete, rollout_id, line)
+            await native_job(self._native.submit_mark_incomplete, rollout_id, line, False)
 
     def mark_incomplete_if_open(
         self, rollout_id: str, model_call_id: str = ""
@@ -236,7 +236,7 @@ class TokenCaptureStore(RolloutFiles):
 
     async def _mark_incomplete_if_open_job(self, rollout_id: str, line: bytes) -> bool:
         with self._operation("mark_incomplete", rollout_id):
-            marked = await native_job(self._native.submit_mark_incomplete_if_open, rollout_id, line)
+            marked = await native_job(self._native.submit_mark_incomplete, rollout_id, line, True)
         return bool(marked)
 
     # Reads and lifecycle -----------------------------------------------------------------

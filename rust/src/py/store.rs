@@ -135,35 +135,25 @@ impl PyStore {
         })
     }
 
-    /// `mark_incomplete` on the worker pool.
+    /// `mark_incomplete` on the worker pool; with `only_open`, `mark_incomplete_if_open`
+    /// (its result: whether it marked).
     fn submit_mark_incomplete(
         &self,
         completions: &Bound<'_, Completions>,
         token: u64,
         rollout_id: &Bound<'_, PyString>,
         line: &[u8],
+        only_open: bool,
     ) -> PyResult<()> {
         let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
         let line = line.to_vec();
         let store = self.store(completions.py())?;
         spawn_job(completions, token, move || {
-            store.mark_incomplete(&rollout_id, &line)
-        })
-    }
-
-    /// `mark_incomplete_if_open` on the worker pool (its result: whether it marked).
-    fn submit_mark_incomplete_if_open(
-        &self,
-        completions: &Bound<'_, Completions>,
-        token: u64,
-        rollout_id: &Bound<'_, PyString>,
-        line: &[u8],
-    ) -> PyResult<()> {
-        let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
-        let line = line.to_vec();
-        let store = self.store(completions.py())?;
-        spawn_job(completions, token, move || {
-            store.mark_incomplete_if_open(&rollout_id, &line)
+            if only_open {
+                store.mark_incomplete_if_open(&rollout_id, &line)
+            } else {
+                store.mark_incomplete(&rollout_id, &line).map(|()| true)
+            }
         })
     }
 
