@@ -954,9 +954,12 @@ fn staging_decode<'py>(
     verified_dicts(py, rows, keys, with_extras)?.map_err(|(_, m)| CORRUPT.err(py, m))
 }
 
-fn attachments_to_py<'py>(py: Python<'py>, list: &[Attachment]) -> PyResult<Bound<'py, PyList>> {
+/// Decoded attachments as Python gets them, each in its canonical form
+/// ([`Attachment::canonical`]: plain bytes come back as `"bytes"`, whatever bytes-like type, or
+/// build, staged them).
+fn attachments_to_py<'py>(py: Python<'py>, list: Vec<Attachment>) -> PyResult<Bound<'py, PyList>> {
     let out = PyList::empty(py);
-    for a in list {
+    for a in row::canonical_attachments(list) {
         let buffers = PyList::empty(py);
         for b in &a.buffers {
             buffers.append(PyBytes::new(py, b))?;
@@ -985,7 +988,22 @@ fn staging_decode_attachments<'py>(
     let list = py
         .detach(|| row::decode_attachments(&blob))
         .map_err(|e| CORRUPT.err(py, format!("attachments of {key:?} are damaged: {e}")))?;
-    attachments_to_py(py, &list)
+    attachments_to_py(py, list)
+}
+
+/// Whether two stages of a key, as stored (`row`, attachments blob), carry the same call: the
+/// same row and the same attachments in their canonical form, an older build's empty list
+/// being none (`row::same_content`). What a backend whose content digests differ asks before
+/// it calls a restage a conflict.
+#[pyfunction]
+fn staging_same_content(
+    py: Python<'_>,
+    row_a: Vec<u8>,
+    attachments_a: Vec<u8>,
+    row_b: Vec<u8>,
+    attachments_b: Vec<u8>,
+) -> bool {
+    py.detach(|| row::same_content(&row_a, &attachments_a, &row_b, &attachments_b))
 }
 
 // ---- the file store ------------------------------------------------------------------------
@@ -1088,7 +1106,7 @@ impl PyStagingFileStore {
                 })
             })
             .map_err(|e| staging_err(py, e))?;
-        attachments_to_py(py, &list)
+        attachments_to_py(py, list)
     }
 
     /// Fence a batch of rollouts; `(removed, absent)`.
@@ -1186,5 +1204,6 @@ pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(staging_encode, module)?)?;
     module.add_function(wrap_pyfunction!(staging_decode, module)?)?;
     module.add_function(wrap_pyfunction!(staging_decode_attachments, module)?)?;
+    module.add_function(wrap_pyfunction!(staging_same_content, module)?)?;
     Ok(())
 }

@@ -156,6 +156,11 @@ impl Frame {
         self.bytes[CHECKED_LEN..HEADER_LEN].copy_from_slice(&check[..8]);
     }
 
+    /// The row and the attachments blob.
+    fn body(&self) -> (&[u8], &[u8]) {
+        self.bytes[HEADER_LEN..].split_at(self.row_len)
+    }
+
     /// The frame's total size in bytes.
     pub fn len(&self) -> usize {
         self.bytes.len()
@@ -768,6 +773,25 @@ impl FileStaging {
         store_lock.unlock()
     }
 
+    /// Whether the stored frame at `loc`, whose content hash differs from `frame`'s, still
+    /// carries the same call ([`row::same_content`]: the same data in another bytes-like type,
+    /// or an older build's encoding of it). Read from its segment and checked against its
+    /// content hash first; a frame that cannot be read or does not match is not the same.
+    fn stored_same(&self, view: &View, loc: &Loc, frame: &Frame) -> bool {
+        let path = &view.segments[loc.segment].path;
+        let mut files = HashMap::new();
+        let Ok(body) = self.read_span(path, loc.offset, loc.row_len + loc.att_len, &mut files)
+        else {
+            return false;
+        };
+        if sha16(&[&body]) != loc.content {
+            return false;
+        }
+        let (row, attachments) = body.split_at(loc.row_len as usize);
+        let (new_row, new_attachments) = frame.body();
+        row::same_content(row, attachments, new_row, new_attachments)
+    }
+
     fn commit_locked(
         &self,
         batch: Vec<Pending>,
@@ -791,7 +815,7 @@ impl FileStaging {
         {
             let view = self.view_read();
             epoch = view.control_end;
-            let mut in_batch: HashMap<&str, [u8; 16]> = HashMap::new();
+            let mut in_batch: HashMap<&str, usize> = HashMap::new();
             let mut keep = vec![0u8; batch.len()]; // 0 refuse, 1 write, 2 duplicate of a write
             for (i, pending) in batch.iter().enumerate() {
                 let frame = &pending.frame;
@@ -803,13 +827,21 @@ impl FileStaging {
                     continue;
                 }
                 if let Some(loc) = view.keys.get(&frame.key) {
-                    keep[i] = if loc.content == frame.content { 3 } else { 0 };
+                    let same = loc.content == frame.content || self.stored_same(&view, loc, frame);
+                    keep[i] = if same { 3 } else { 0 };
                     continue;
                 }
                 match in_batch.get(frame.key.as_str()) {
-                    Some(content) => keep[i] = if *content == frame.content { 2 } else { 0 },
+                    Some(&first) => {
+                        let earlier = &batch[first].frame;
+                        let same = earlier.content == frame.content || {
+                            let ((row_a, att_a), (row_b, att_b)) = (earlier.body(), frame.body());
+                            row::same_content(row_a, att_a, row_b, att_b)
+                        };
+                        keep[i] = if same { 2 } else { 0 };
+                    }
                     None => {
-                        in_batch.insert(&frame.key, frame.content);
+                        in_batch.insert(&frame.key, i);
                         keep[i] = 1;
                     }
                 }
@@ -1497,6 +1529,62 @@ mod tests {
             digest: d,
             extras: None,
         }
+    }
+
+    #[test]
+    fn restage_of_the_same_call_in_another_encoding_is_idempotent() {
+        use row::{Attachment, AttachmentKind};
+        let dir = tempfile::tempdir().unwrap();
+        let a = FileStaging::open(dir.path()).unwrap();
+        let bytes = row::encode_attachments(&[Attachment {
+            name: "a".into(),
+            kind: AttachmentKind::Bytes,
+            format: String::new(),
+            dtype: String::new(),
+            shape: None,
+            buffers: vec![b"abc".to_vec()],
+        }]);
+        let bytearray = row::encode_attachments(&[Attachment {
+            name: "a".into(),
+            kind: AttachmentKind::Buffer,
+            format: "B".into(),
+            dtype: String::new(),
+            shape: Some(vec![3]),
+            buffers: vec![b"abc".to_vec()],
+        }]);
+        // An older build's `attachments={}`: an empty list, sealed.
+        let old_empty = row::encode_attachments(&[]);
+        let c1 = call("r", "c1", vec![1, 2, 3]);
+        let c2 = call("r", "c2", vec![4]);
+        a.stage(Frame::new(&c1, &bytearray)).unwrap();
+        a.stage(Frame::new(&c2, &old_empty)).unwrap();
+        a.stage(Frame::new(&c1, &bytes)).unwrap();
+        a.stage(Frame::new(&c2, b"")).unwrap();
+        assert!(matches!(
+            a.stage(Frame::new(&c2, &bytes)),
+            Err(StagingError::Conflict(_))
+        ));
+        // From another instance too, and within one batch.
+        let b = FileStaging::open(dir.path()).unwrap();
+        b.stage(Frame::new(&c1, &bytes)).unwrap();
+        b.stage(Frame::new(&c2, b"")).unwrap();
+        let c3 = call("r", "c3", vec![5]);
+        let slots = [Arc::new(Slot::default()), Arc::new(Slot::default())];
+        let batch = vec![
+            Pending {
+                frame: Frame::new(&c3, &bytes),
+                slot: Arc::clone(&slots[0]),
+            },
+            Pending {
+                frame: Frame::new(&c3, &bytearray),
+                slot: Arc::clone(&slots[1]),
+            },
+        ];
+        b.commit(batch, &mut None, None);
+        for slot in &slots {
+            assert!(matches!(lock(&slot.result).take(), Some(Ok(()))));
+        }
+        assert_eq!(b.keys(None).unwrap().len(), 3);
     }
 
     #[test]
