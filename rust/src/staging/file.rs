@@ -205,14 +205,60 @@ pub struct Damage {
     pub end: u64,
 }
 
+/// Bytes of one row: a range of a buffer that may hold more (a segment tail a fold just read).
+#[derive(Debug, Clone)]
+pub struct RowBytes {
+    buf: Arc<Vec<u8>>,
+    range: Range<usize>,
+}
+
+impl std::ops::Deref for RowBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.range.clone()]
+    }
+}
+
+impl AsRef<[u8]> for RowBytes {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl From<Vec<u8>> for RowBytes {
+    fn from(bytes: Vec<u8>) -> Self {
+        let range = 0..bytes.len();
+        RowBytes {
+            buf: Arc::new(bytes),
+            range,
+        }
+    }
+}
+
 /// A row as [`FileStaging::fetch_stored_rows`] read it (unverified), with where it lives.
 #[derive(Debug, Clone)]
 pub struct StoredRow {
-    pub bytes: Vec<u8>,
+    pub bytes: RowBytes,
     /// The segment file.
     pub path: PathBuf,
     /// The row's offset in it.
     pub offset: u64,
+    /// Whether the row's own checksum was matched over these very bytes, by the fold that
+    /// read them during this fetch (its one hash pass over each frame body gives the content
+    /// hash and the row checksum both: `check_body`). The row's other checks remain the
+    /// caller's (`row::verify_stored_summed`); false: all of them (`row::verify_stored`).
+    pub checksum_verified: bool,
+}
+
+/// A segment tail a fold read and checked for the fetch that asked for the fold: that fetch
+/// serves its rows from these bytes instead of reading them again. Never kept past the call.
+struct FoldedTail {
+    segment: usize,
+    /// Segment offset of `buf[0]`.
+    from: u64,
+    buf: Arc<Vec<u8>>,
+    /// Segment offsets of the rows of valid frames whose row checksum matched, ascending.
+    rows_summed: Vec<u64>,
 }
 
 /// Where a visible row lives.
@@ -391,7 +437,10 @@ fn is_emfile(err: &io::Error) -> bool {
 }
 
 impl FileStaging {
-    /// Open (creating if needed) a staging directory and fold in what it holds.
+    /// Open (creating if needed) a staging directory. Nothing of it is read yet: every call
+    /// folds in what it needs first (a fetch of keys this view does not hold, a stage's leader,
+    /// `keys`, `retired`, `damage`), so an open costs the same on any directory and the first
+    /// fetch serves its rows from the bytes its fold reads.
     pub fn open(root: impl Into<PathBuf>) -> Result<Self> {
         Self::open_with(root, None)
     }
@@ -418,7 +467,6 @@ impl FileStaging {
             stats: Mutex::new(CommitStats::default()),
             fds: FdCache::new(1, max_open_files),
         };
-        store.refresh()?;
         Ok(store)
     }
 
@@ -478,13 +526,23 @@ impl FileStaging {
 
     /// Fold in new control lines and new frames of every segment, under the shared lock.
     pub fn refresh(&self) -> Result<()> {
+        self.refresh_keeping(None)
+    }
+
+    /// [`FileStaging::refresh`], keeping the segment tails it reads in `keep`.
+    fn refresh_keeping(&self, keep: Option<&mut Vec<FoldedTail>>) -> Result<()> {
         let _guard = lock(&self.folding);
         let _lock = self.lock_store(LockMode::Shared)?;
-        self.fold_locked()
+        self.fold_keeping(keep)
     }
 
     /// Fold while holding `store.lock` (either mode) and `folding`.
     fn fold_locked(&self) -> Result<()> {
+        self.fold_keeping(None)
+    }
+
+    /// [`FileStaging::fold_locked`], keeping the segment tails it reads in `keep`.
+    fn fold_keeping(&self, mut keep: Option<&mut Vec<FoldedTail>>) -> Result<()> {
         let (control_bytes, start) = {
             let view = self.view_read();
             let start = view.control_end;
@@ -498,7 +556,7 @@ impl FileStaging {
             if view.segments[index].own || view.segments[index].dropped {
                 continue;
             }
-            self.fold_segment(&mut view, index)?;
+            self.fold_segment(&mut view, index, keep.as_deref_mut())?;
         }
         Ok(())
     }
@@ -585,7 +643,12 @@ impl FileStaging {
     }
 
     /// Fold a foreign segment's new valid frames into the index.
-    fn fold_segment(&self, view: &mut View, index: usize) -> Result<()> {
+    fn fold_segment(
+        &self,
+        view: &mut View,
+        index: usize,
+        keep: Option<&mut Vec<FoldedTail>>,
+    ) -> Result<()> {
         let path = view.segments[index].path.clone();
         let file = match File::open(&path) {
             Ok(file) => file,
@@ -620,13 +683,17 @@ impl FileStaging {
             at = SEGMENT_MAGIC.len();
         }
         let checks = BodyChecks::ahead(&buf, at);
+        let mut rows_summed = Vec::new();
         loop {
-            while let Some((header, body_end)) = checks.valid_frame(&buf, at) {
+            while let Some((header, body_end, row_summed)) = checks.valid_frame(&buf, at) {
                 let row_at = at + HEADER_LEN;
                 let row = &buf[row_at..row_at + header.row_len as usize];
                 let offset = from + row_at as u64;
                 if header.row_len > 0 {
                     self.index_frame(view, index, &path, row, offset, &header)?;
+                }
+                if row_summed && keep.is_some() {
+                    rows_summed.push(offset);
                 }
                 at = body_end;
             }
@@ -651,6 +718,14 @@ impl FileStaging {
             }
         }
         view.segments[index].scanned = from + at as u64;
+        if let Some(keep) = keep {
+            keep.push(FoldedTail {
+                segment: index,
+                from,
+                buf,
+                rows_summed,
+            });
+        }
         Ok(())
     }
 
@@ -1202,6 +1277,15 @@ impl FileStaging {
     // ---- reading --------------------------------------------------------------------------
 
     fn locate(&self, keys: &[String]) -> Result<Vec<(Loc, PathBuf)>> {
+        self.locate_keeping(keys, None)
+    }
+
+    /// [`FileStaging::locate`]; a fold it needs keeps the tails it reads in `keep`.
+    fn locate_keeping(
+        &self,
+        keys: &[String],
+        keep: Option<&mut Vec<FoldedTail>>,
+    ) -> Result<Vec<(Loc, PathBuf)>> {
         let found = |view: &View| -> std::result::Result<Vec<(Loc, PathBuf)>, usize> {
             keys.iter()
                 .enumerate()
@@ -1216,7 +1300,7 @@ impl FileStaging {
         if let Ok(locs) = found(&self.view_read()) {
             return Ok(locs);
         }
-        self.refresh()?;
+        self.refresh_keeping(keep)?;
         let view = self.view_read();
         found(&view).map_err(|i| {
             let key = keys[i].clone();
@@ -1273,7 +1357,7 @@ impl FileStaging {
         Ok(self
             .fetch_stored_rows(keys)?
             .into_iter()
-            .map(|row| row.bytes)
+            .map(|row| row.bytes.to_vec())
             .collect())
     }
 
@@ -1284,16 +1368,43 @@ impl FileStaging {
     /// frame's content hash covered the same row bytes plus the attachments, so checking it
     /// too would hash every row twice. At most the segments these keys live in are opened, and
     /// closed again before returning.
+    ///
+    /// When this view does not hold every key, the fold that looks for them reads the new
+    /// tails of the segments; rows in those tails are served from the bytes it read and
+    /// checked (no second read), with `checksum_verified` where the fold's hash pass matched
+    /// the row's checksum too. Rows indexed by an earlier call are read from their segment
+    /// again, so damage after indexing is seen.
     pub fn fetch_stored_rows(&self, keys: &[String]) -> Result<Vec<StoredRow>> {
-        let locs = self.locate(keys)?;
+        let mut tails = Vec::new();
+        let locs = self.locate_keeping(keys, Some(&mut tails))?;
         let mut files: HashMap<PathBuf, File> = HashMap::new();
         let mut rows = Vec::with_capacity(locs.len());
         for (loc, path) in locs {
-            let bytes = self.read_span(&path, loc.offset, loc.row_len, &mut files)?;
+            let end = loc.offset + loc.row_len;
+            let tail = tails.iter().find(|t| {
+                t.segment == loc.segment
+                    && t.from <= loc.offset
+                    && end <= t.from + t.buf.len() as u64
+            });
+            let (bytes, checksum_verified) = match tail {
+                Some(t) => {
+                    let start = (loc.offset - t.from) as usize;
+                    let bytes = RowBytes {
+                        buf: Arc::clone(&t.buf),
+                        range: start..start + loc.row_len as usize,
+                    };
+                    (bytes, t.rows_summed.binary_search(&loc.offset).is_ok())
+                }
+                None => (
+                    RowBytes::from(self.read_span(&path, loc.offset, loc.row_len, &mut files)?),
+                    false,
+                ),
+            };
             rows.push(StoredRow {
                 bytes,
                 path,
                 offset: loc.offset,
+                checksum_verified,
             });
         }
         Ok(rows)
@@ -1422,7 +1533,40 @@ fn damage_end(buf: &[u8], at: usize, base: u64, damaged_from: u64) -> Option<usi
 /// The frame at `at` if it is complete and both its checksums match: its header and the end
 /// of its body.
 fn valid_frame(buf: &[u8], at: usize) -> Option<(Header, usize)> {
-    BodyChecks::default().valid_frame(buf, at)
+    BodyChecks::default()
+        .valid_frame(buf, at)
+        .map(|(header, end, _)| (header, end))
+}
+
+/// A frame body's checks from one SHA-256 pass: whether it matches the frame's content hash
+/// (SHA-256 of row and attachments) and whether its row matches the row's own checksum
+/// (SHA-256 of the row before its last 16 bytes, which are that checksum: a prefix of what
+/// the content hash covers, so the hasher's state at the prefix's end gives it).
+fn check_body(body: &[u8], row_len: usize, content: &[u8; 16]) -> BodyVerdict {
+    const CHECK: usize = 16;
+    if row_len < CHECK || row_len > body.len() {
+        let content_ok = sha16(&[body]) == *content;
+        return BodyVerdict {
+            content: content_ok,
+            row: false,
+        };
+    }
+    let mut hasher = Sha256::new();
+    hasher.update(&body[..row_len - CHECK]);
+    let row_sum: [u8; 32] = hasher.clone().finalize().into();
+    hasher.update(&body[row_len - CHECK..]);
+    let full: [u8; 32] = hasher.finalize().into();
+    BodyVerdict {
+        content: full[..16] == content[..],
+        row: row_sum[..CHECK] == body[row_len - CHECK..row_len],
+    }
+}
+
+/// What [`check_body`] found.
+#[derive(Debug, Clone, Copy)]
+struct BodyVerdict {
+    content: bool,
+    row: bool,
 }
 
 /// The frame at `at` if its header is whole and valid: the header and its body's range.
@@ -1442,7 +1586,7 @@ fn frame_at(buf: &[u8], at: usize) -> Option<(Header, Range<usize>)> {
 /// is valid does not change, only where its body was hashed); a frame not found here is
 /// checked when it is reached.
 #[derive(Default)]
-struct BodyChecks(Vec<(usize, bool)>);
+struct BodyChecks(Vec<(usize, BodyVerdict)>);
 
 impl BodyChecks {
     /// Tails shorter than this are checked on the folding thread only.
@@ -1456,29 +1600,29 @@ impl BodyChecks {
         let mut at = from;
         while let Some((header, body)) = frame_at(buf, at) {
             let start = std::mem::replace(&mut at, body.end);
-            frames.push((start, body, header.content));
+            frames.push((start, body, header.content, header.row_len as usize));
         }
-        let starts: Vec<usize> = frames.iter().map(|(start, _, _)| *start).collect();
+        let starts: Vec<usize> = frames.iter().map(|(start, ..)| *start).collect();
         let split = Split::start(
             (Arc::clone(buf), frames),
             starts.len(),
             |(buf, frames), i| {
-                let (_, body, content) = &frames[i];
-                sha16(&[&buf[body.clone()]]) == *content
+                let (_, body, content, row_len) = &frames[i];
+                check_body(&buf[body.clone()], *row_len, content)
             },
         );
         BodyChecks(starts.into_iter().zip(split.finish()).collect())
     }
 
-    /// [`valid_frame`], with the body checksum taken from the checks made ahead when there
-    /// is one for `at`.
-    fn valid_frame(&self, buf: &[u8], at: usize) -> Option<(Header, usize)> {
+    /// [`valid_frame`], with the body checks taken from those made ahead when there are
+    /// some for `at`; also whether the row matched its own checksum ([`check_body`]).
+    fn valid_frame(&self, buf: &[u8], at: usize) -> Option<(Header, usize, bool)> {
         let (header, body) = frame_at(buf, at)?;
-        let valid = match self.0.binary_search_by_key(&at, |(start, _)| *start) {
+        let verdict = match self.0.binary_search_by_key(&at, |(start, _)| *start) {
             Ok(i) => self.0[i].1,
-            Err(_) => sha16(&[&buf[body.clone()]]) == header.content,
+            Err(_) => check_body(&buf[body.clone()], header.row_len as usize, &header.content),
         };
-        valid.then_some((header, body.end))
+        verdict.content.then_some((header, body.end, verdict.row))
     }
 }
 
@@ -1529,6 +1673,56 @@ mod tests {
             digest: d,
             extras: None,
         }
+    }
+
+    #[test]
+    fn a_first_fetch_serves_the_rows_its_fold_read_and_summed() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = FileStaging::open(dir.path()).unwrap();
+        let calls: Vec<StagedCall> = (0..3)
+            .map(|i| call("r", &format!("c{i}"), vec![i, i + 1]))
+            .collect();
+        for c in &calls {
+            a.stage(Frame::new(c, b"att")).unwrap();
+        }
+        let keys: Vec<String> = calls.iter().map(StagedCall::key).collect();
+        let b = FileStaging::open(dir.path()).unwrap();
+        assert!(b.view_read().keys.is_empty(), "an open reads nothing");
+        let first = b.fetch_stored_rows(&keys).unwrap();
+        assert!(first.iter().all(|r| r.checksum_verified));
+        // One buffer (the fold's), no second read.
+        assert!(first
+            .windows(2)
+            .all(|w| Arc::ptr_eq(&w[0].bytes.buf, &w[1].bytes.buf)));
+        for (row, c) in first.iter().zip(&calls) {
+            assert_eq!(row::decode_verified(&row.bytes).unwrap(), *c);
+            row::verify_stored_summed(&row.bytes, &c.key(), true).unwrap();
+        }
+        // Indexed now: read from the segment again, every check left to the caller.
+        let again = b.fetch_stored_rows(&keys).unwrap();
+        assert!(again.iter().all(|r| !r.checksum_verified));
+        assert_eq!(again[1].bytes.to_vec(), first[1].bytes.to_vec());
+    }
+
+    #[test]
+    fn one_body_pass_checks_content_and_row() {
+        let c = call("r", "c1", vec![1, 2, 3]);
+        let row = row::encode_row(&c);
+        let frame = Frame::new(&c, b"attachments");
+        let body = &frame.bytes[HEADER_LEN..];
+        let verdict = check_body(body, row.len(), &frame.content);
+        assert!(verdict.content && verdict.row);
+        // A row whose checksum no longer matches, under a recomputed content hash.
+        let mut damaged = body.to_vec();
+        damaged[10] ^= 1;
+        let content = sha16(&[&damaged]);
+        let verdict = check_body(&damaged, row.len(), &content);
+        assert!(verdict.content && !verdict.row);
+        // Damaged attachments: the content hash fails, the row is still its own.
+        let mut damaged = body.to_vec();
+        *damaged.last_mut().unwrap() ^= 1;
+        let verdict = check_body(&damaged, row.len(), &frame.content);
+        assert!(!verdict.content && verdict.row);
     }
 
     #[test]
