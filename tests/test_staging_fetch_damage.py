@@ -2,10 +2,11 @@
 bytes damaged before a fresh store's first fetch with the frame's hashes recomputed.
 
 The store indexes the segment first (its first fetch or ``keys()``) and the segment is
-damaged afterwards, so each case reaches the fetch path's own checks: the row's checksum (the only guard of a log-prob's low
-f64 bits, which NeMo Gym's float32 digest does not see), the staging digest (checked even
-when the checksum was recomputed over the damage), the extras digest of `fetch_records`, and
-that the row read is the row of the key asked for. ``large`` chains are big enough that the
+damaged afterwards, so each case reaches the fetch path's own checks: the row's checksum
+(the only guard of a log-prob's low f64 bits, which NeMo Gym's float32 digest does not
+see), the staging digest (checked even when the checksum was recomputed over the damage),
+the extras digest of `fetch_records`, and that the row read is the row of the key asked
+for. ``large`` chains are big enough that the
 fetch verifies on a helper thread while it builds the snapshots (rust/src/split.rs).
 
 A fresh store's first fetch serves its rows from the bytes its fold just read, the row's
