@@ -1202,9 +1202,13 @@ impl PyStagingFileStore {
             .collect())
     }
 
-    /// The segment files this instance knows.
+    /// The segment files this instance knows, once it has folded in the directory (an open
+    /// reads nothing).
     fn segment_names(&self, py: Python<'_>) -> PyResult<Vec<String>> {
-        Ok(self.inner(py)?.segment_names())
+        let inner = self.inner(py)?;
+        py.detach(|| inner.refresh())
+            .map_err(|e| staging_err(py, e))?;
+        Ok(inner.segment_names())
     }
 
     /// Close the descriptors kept between calls.
