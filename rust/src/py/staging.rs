@@ -22,7 +22,7 @@ use crate::staging::digest::{
     self, CallFields, Digest32, DigestError, Extra, Mode, EXTRAS_DIGEST_VERSION,
     STAGING_DIGEST_VERSION, STAGING_SCHEMA_VERSION,
 };
-use crate::staging::file::{FileStaging, Frame};
+use crate::staging::file::{FetchOutcome, FileStaging, Frame};
 use crate::staging::row::{self, Attachment, AttachmentKind, BaseView, StagedCall};
 use crate::staging::StagingError;
 
@@ -1096,6 +1096,38 @@ impl PyStagingFileStore {
     ) -> PyResult<Bound<'py, PyList>> {
         let inner = self.inner(py)?;
         let store = &inner;
+        // Keys this view holds none of (a fresh store's first fetch, or calls staged since its
+        // last fold): the fold's tails are read and every check of them and of the rows runs on
+        // the helper thread while this thread builds the answer; returned only if the fold
+        // indexed those very rows for the keys and every check passed.
+        let pending = py
+            .detach(|| store.begin_fetch(&keys, with_extras))
+            .map_err(|e| staging_err(py, e))?;
+        if let Some(pending) = pending {
+            let built = unverified_to_py(py, &pending.rows(), with_extras)?;
+            let outcome = py
+                .detach(|| store.finish_fetch(pending))
+                .map_err(|e| staging_err(py, e))?;
+            match (outcome, built) {
+                (FetchOutcome::Verified, Some(list)) => return Ok(list),
+                (
+                    FetchOutcome::Damaged {
+                        path,
+                        offset,
+                        message,
+                        ..
+                    },
+                    _,
+                ) => {
+                    return Err(staging_err(
+                        py,
+                        StagingError::Corrupt(crate::Error::corrupt(&path, offset, message)),
+                    ))
+                }
+                // Not the rows indexed (or rows that did not parse): the ordinary way.
+                _ => {}
+            }
+        }
         let rows = py
             .detach(|| store.fetch_stored_rows(&keys))
             .map_err(|e| staging_err(py, e))?;

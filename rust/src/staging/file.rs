@@ -250,6 +250,92 @@ pub struct StoredRow {
     pub checksum_verified: bool,
 }
 
+/// One frame of a [`PendingFetch`]'s tails, as the walk of their headers found it.
+struct PendingFrame {
+    tail: usize,
+    /// The frame's start in its tail.
+    start: usize,
+    body: Range<usize>,
+    row_len: usize,
+    content: [u8; 16],
+    /// The key asked for (its first index) whose row this frame's row tentatively is.
+    asked: Option<usize>,
+}
+
+/// What the helper checks of each frame of a [`PendingFetch`]: its body ([`check_body`]: the
+/// content hash and the row's checksum in one pass) and, for a row a key asked for, every other
+/// check of a fetch (`row::verify_stored_summed`: the staging digest, the extras digest, the
+/// key).
+type FrameVerdict = (BodyVerdict, Option<std::result::Result<(), String>>);
+
+/// The bytes and frames a [`PendingFetch`] checks, shared with the helper.
+struct PendingData {
+    bufs: Vec<Arc<Vec<u8>>>,
+    frames: Vec<PendingFrame>,
+    keys: Vec<String>,
+    with_extras: bool,
+}
+
+fn check_pending(data: &Arc<PendingData>, i: usize) -> FrameVerdict {
+    let frame = &data.frames[i];
+    let body = &data.bufs[frame.tail][frame.body.clone()];
+    let verdict = check_body(body, frame.row_len, &frame.content);
+    let rest = frame.asked.map(|k| {
+        let key = &data.keys[k];
+        row::verify_stored_summed(&body[..frame.row_len], key, data.with_extras)
+            .map_err(|e| format!("staged row of {key:?} is damaged: {e}"))
+    });
+    (verdict, rest)
+}
+
+/// A fetch of keys this view held none of ([`FileStaging::begin_fetch`]): the segment tails
+/// its fold needs, read under the shared store lock, and every check of their frames and of the
+/// rows asked for running on the helper thread while the caller builds its answer from the rows
+/// a walk of the frames' headers found ([`PendingFetch::rows`], unverified).
+/// [`FileStaging::finish_fetch`] folds the tails in with those checks and says whether the rows
+/// given were the keys' rows, every check passed; nothing built may be returned otherwise.
+pub struct PendingFetch {
+    /// Per tail: its segment (index in the view) and the segment offset it starts at.
+    tails: Vec<(usize, u64)>,
+    /// Per key asked: its frame (index into the frames).
+    rows: Vec<usize>,
+    data: Arc<PendingData>,
+    checks: Split<Arc<PendingData>, FrameVerdict>,
+}
+
+impl PendingFetch {
+    /// The rows of the keys asked for, in order, as the walk of the headers found them
+    /// (nothing verified).
+    pub fn rows(&self) -> Vec<&[u8]> {
+        self.rows
+            .iter()
+            .map(|&f| {
+                let frame = &self.data.frames[f];
+                let body = &self.data.bufs[frame.tail][frame.body.clone()];
+                &body[..frame.row_len]
+            })
+            .collect()
+    }
+}
+
+/// How a [`PendingFetch`] ended.
+#[derive(Debug)]
+pub enum FetchOutcome {
+    /// The rows it gave are the keys' rows as the fold indexed them, every check passed.
+    Verified,
+    /// The rows it gave are the keys' rows, and row `index` failed a check: where it lies
+    /// (segment, offset) and what failed.
+    Damaged {
+        index: usize,
+        path: PathBuf,
+        offset: u64,
+        message: String,
+    },
+    /// The rows it gave are not (all) the keys' rows as indexed (or a key was not found):
+    /// fetch again the ordinary way ([`FileStaging::fetch_stored_rows`]).
+    Redo,
+}
+
 /// A segment tail a fold read and checked for the fetch that asked for the fold: that fetch
 /// serves its rows from these bytes instead of reading them again. Never kept past the call.
 struct FoldedTail {
@@ -649,25 +735,51 @@ impl FileStaging {
         index: usize,
         keep: Option<&mut Vec<FoldedTail>>,
     ) -> Result<()> {
-        let path = view.segments[index].path.clone();
-        let file = match File::open(&path) {
+        let Some((from, buf)) = self.read_tail(view, index)? else {
+            return Ok(());
+        };
+        let buf = Arc::new(buf);
+        let checks = BodyChecks::ahead(&buf, first_frame(from));
+        self.fold_tail(view, index, from, buf, &checks, keep)
+    }
+
+    /// The bytes of segment `index` past what this view has folded in (`None`: nothing new,
+    /// or the segment is not there), and the segment offset they start at.
+    fn read_tail(&self, view: &View, index: usize) -> Result<Option<(u64, Vec<u8>)>> {
+        let path = &view.segments[index].path;
+        let file = match File::open(path) {
             Ok(file) => file,
             // Registered but not created yet (its writer died in between), or dropped.
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(err) => return Err(StagingError::io("open segment", &path, err)),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(err) => return Err(StagingError::io("open segment", path, err)),
         };
         let len = file
             .metadata()
-            .map_err(|e| StagingError::io("stat segment", &path, e))?
+            .map_err(|e| StagingError::io("stat segment", path, e))?
             .len();
         let from = view.segments[index].scanned;
         if len <= from {
-            return Ok(());
+            return Ok(None);
         }
         let mut buf = vec![0u8; (len - from) as usize];
         file.read_exact_at(&mut buf, from)
-            .map_err(|e| StagingError::io("read segment", &path, e))?;
-        let buf = Arc::new(buf);
+            .map_err(|e| StagingError::io("read segment", path, e))?;
+        Ok(Some((from, buf)))
+    }
+
+    /// Fold in `buf`, segment `index`'s bytes from offset `from` (what [`Self::read_tail`]
+    /// read), under the recovery rule, with the body checks `checks` made ahead where it has
+    /// them; keeps the tail in `keep`.
+    fn fold_tail(
+        &self,
+        view: &mut View,
+        index: usize,
+        from: u64,
+        buf: Arc<Vec<u8>>,
+        checks: &BodyChecks,
+        keep: Option<&mut Vec<FoldedTail>>,
+    ) -> Result<()> {
+        let path = view.segments[index].path.clone();
         let mut at = 0usize;
         if from == 0 {
             if buf.len() < SEGMENT_MAGIC.len() {
@@ -682,7 +794,6 @@ impl FileStaging {
             }
             at = SEGMENT_MAGIC.len();
         }
-        let checks = BodyChecks::ahead(&buf, at);
         let mut rows_summed = Vec::new();
         loop {
             while let Some((header, body_end, row_summed)) = checks.valid_frame(&buf, at) {
@@ -1410,6 +1521,192 @@ impl FileStaging {
         Ok(rows)
     }
 
+    /// Begin a fetch of `keys` when this view holds none of them ([`PendingFetch`]): fold in
+    /// the control log, read the new segment tails (both under the shared store lock) and start
+    /// their checks on the helper thread. `None`: the view holds some of the keys, a key is in
+    /// none of the tails read, or nothing new was read; fetch the ordinary way
+    /// ([`FileStaging::fetch_stored_rows`]).
+    pub fn begin_fetch(&self, keys: &[String], with_extras: bool) -> Result<Option<PendingFetch>> {
+        if keys.is_empty() {
+            return Ok(None);
+        }
+        {
+            let view = self.view_read();
+            if keys.iter().any(|key| view.keys.contains_key(key)) {
+                return Ok(None);
+            }
+        }
+        let mut tails = Vec::new();
+        let mut bufs = Vec::new();
+        {
+            let _guard = lock(&self.folding);
+            let _lock = self.lock_store(LockMode::Shared)?;
+            let (control_bytes, start) = {
+                let view = self.view_read();
+                (self.read_control_tail(view.control_end)?, view.control_end)
+            };
+            let mut view = self.view_write();
+            if !control_bytes.is_empty() {
+                self.apply_control(&mut view, &control_bytes, start)?;
+            }
+            for index in 0..view.segments.len() {
+                if view.segments[index].own || view.segments[index].dropped {
+                    continue;
+                }
+                if let Some((from, buf)) = self.read_tail(&view, index)? {
+                    tails.push((index, from));
+                    bufs.push(Arc::new(buf));
+                }
+            }
+        }
+        // The first index of each key asked (keys may repeat).
+        let mut asked: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            asked.entry(key.as_str()).or_insert(i);
+        }
+        let mut found: HashMap<usize, usize> = HashMap::with_capacity(asked.len());
+        let mut frames = Vec::new();
+        for (tail, ((_, from), buf)) in tails.iter().zip(&bufs).enumerate() {
+            let mut at = first_frame(*from);
+            if *from == 0 && buf.get(..SEGMENT_MAGIC.len()) != Some(&SEGMENT_MAGIC[..]) {
+                continue; // torn at creation or not a segment: the fold will say
+            }
+            while let Some((header, body)) = frame_at(buf, at) {
+                let row_len = header.row_len as usize;
+                let row = &buf[body.start..body.start + row_len];
+                let key = row_ids(row).map(|(r, c)| row::staging_key(&r, &c));
+                let first = key
+                    .as_deref()
+                    .and_then(|key| asked.get(key).copied())
+                    .filter(|first| !found.contains_key(first));
+                if let Some(first) = first {
+                    found.insert(first, frames.len());
+                }
+                frames.push(PendingFrame {
+                    tail,
+                    start: at,
+                    body: body.clone(),
+                    row_len,
+                    content: header.content,
+                    asked: first,
+                });
+                at = body.end;
+            }
+        }
+        let Some(rows) = keys
+            .iter()
+            .map(|key| {
+                asked
+                    .get(key.as_str())
+                    .and_then(|first| found.get(first))
+                    .copied()
+            })
+            .collect::<Option<Vec<usize>>>()
+        else {
+            // A key in none of the tails: let the ordinary fetch fold them and answer.
+            let _guard = lock(&self.folding);
+            let mut view = self.view_write();
+            for ((index, from), buf) in tails.into_iter().zip(bufs) {
+                if view.segments[index].scanned == from {
+                    let checks = BodyChecks::ahead(&buf, first_frame(from));
+                    self.fold_tail(&mut view, index, from, buf, &checks, None)?;
+                }
+            }
+            return Ok(None);
+        };
+        let count = frames.len();
+        let data = Arc::new(PendingData {
+            bufs,
+            frames,
+            keys: keys.to_vec(),
+            with_extras,
+        });
+        let checks = Split::start(Arc::clone(&data), count, check_pending);
+        Ok(Some(PendingFetch {
+            tails,
+            rows,
+            data,
+            checks,
+        }))
+    }
+
+    /// End a [`PendingFetch`]: wait for its checks, fold its tails in with them (those no
+    /// other fold of this view took meanwhile), then compare what the fold indexed for each key
+    /// with the row given for it.
+    pub fn finish_fetch(&self, pending: PendingFetch) -> Result<FetchOutcome> {
+        let PendingFetch {
+            tails,
+            rows,
+            data,
+            checks,
+        } = pending;
+        let verdicts = checks.finish();
+        {
+            let _guard = lock(&self.folding);
+            let mut view = self.view_write();
+            for (t, &(index, from)) in tails.iter().enumerate() {
+                if view.segments[index].scanned != from {
+                    continue; // another fold of this view read these bytes meanwhile
+                }
+                let checks = BodyChecks(
+                    data.frames
+                        .iter()
+                        .zip(&verdicts)
+                        .filter(|(frame, _)| frame.tail == t)
+                        .map(|(frame, verdict)| (frame.start, verdict.0))
+                        .collect(),
+                );
+                self.fold_tail(
+                    &mut view,
+                    index,
+                    from,
+                    Arc::clone(&data.bufs[t]),
+                    &checks,
+                    None,
+                )?;
+            }
+        }
+        let view = self.view_read();
+        let mut damaged = None;
+        for (i, (key, &f)) in data.keys.iter().zip(&rows).enumerate() {
+            let frame = &data.frames[f];
+            let (segment, from) = tails[frame.tail];
+            let offset = from + frame.body.start as u64;
+            let indexed = view.keys.get(key).is_some_and(|loc| {
+                loc.segment == segment
+                    && loc.offset == offset
+                    && loc.row_len == frame.row_len as u64
+            });
+            if !indexed {
+                return Ok(FetchOutcome::Redo);
+            }
+            if damaged.is_some() {
+                continue;
+            }
+            let (body, rest) = &verdicts[f];
+            let failure = if !body.row {
+                Some(format!(
+                    "staged row of {key:?} is damaged: the row does not match its checksum"
+                ))
+            } else {
+                match rest {
+                    Some(Err(message)) => Some(message.clone()),
+                    Some(Ok(())) => None,
+                    None => Some(format!("staged row of {key:?} was not verified")),
+                }
+            };
+            if let Some(message) = failure {
+                damaged = Some(FetchOutcome::Damaged {
+                    index: i,
+                    path: view.segments[segment].path.clone(),
+                    offset,
+                    message,
+                });
+            }
+        }
+        Ok(damaged.unwrap_or(FetchOutcome::Verified))
+    }
+
     /// The attachments blob of one key.
     pub fn fetch_attachments_blob(&self, key: &str) -> Result<Vec<u8>> {
         let keys = [key.to_owned()];
@@ -1569,6 +1866,16 @@ struct BodyVerdict {
     row: bool,
 }
 
+/// Where a segment tail read from segment offset `from` has its first frame (past the
+/// segment's magic at the start).
+fn first_frame(from: u64) -> usize {
+    if from == 0 {
+        SEGMENT_MAGIC.len()
+    } else {
+        0
+    }
+}
+
 /// The frame at `at` if its header is whole and valid: the header and its body's range.
 fn frame_at(buf: &[u8], at: usize) -> Option<(Header, Range<usize>)> {
     let header = parse_header(buf.get(at..at.checked_add(HEADER_LEN)?)?)?;
@@ -1702,6 +2009,97 @@ mod tests {
         let again = b.fetch_stored_rows(&keys).unwrap();
         assert!(again.iter().all(|r| !r.checksum_verified));
         assert_eq!(again[1].bytes.to_vec(), first[1].bytes.to_vec());
+    }
+
+    #[test]
+    fn a_pending_fetch_builds_from_rows_it_checks_while_folding() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = FileStaging::open(dir.path()).unwrap();
+        let calls: Vec<StagedCall> = (0..4)
+            .map(|i| call("r", &format!("c{i}"), vec![i, i + 1, i + 2]))
+            .collect();
+        for c in &calls {
+            a.stage(Frame::new(c, b"att")).unwrap();
+        }
+        let keys: Vec<String> = [2, 0, 2, 3].iter().map(|&i| calls[i].key()).collect();
+        // A fresh view: the rows as the header walk found them, then verified and indexed.
+        let b = FileStaging::open(dir.path()).unwrap();
+        let pending = b
+            .begin_fetch(&keys, true)
+            .unwrap()
+            .expect("a fresh view folds");
+        let rows: Vec<Vec<u8>> = pending.rows().iter().map(|r| r.to_vec()).collect();
+        for (row, &i) in rows.iter().zip(&[2, 0, 2, 3]) {
+            assert_eq!(row::decode_verified(row).unwrap(), calls[i]);
+        }
+        assert!(matches!(
+            b.finish_fetch(pending).unwrap(),
+            FetchOutcome::Verified
+        ));
+        assert_eq!(b.keys(None).unwrap().len(), 4);
+        // Indexed now: the ordinary fetch.
+        assert!(b.begin_fetch(&keys, false).unwrap().is_none());
+        // Another fold of the same view between begin and finish: still the rows indexed.
+        let c = FileStaging::open(dir.path()).unwrap();
+        let pending = c.begin_fetch(&keys[..1], false).unwrap().unwrap();
+        c.refresh().unwrap();
+        assert!(matches!(
+            c.finish_fetch(pending).unwrap(),
+            FetchOutcome::Verified
+        ));
+        // A key in no tail: the ordinary fetch answers (and the tails are folded in).
+        let d = FileStaging::open(dir.path()).unwrap();
+        let unknown = vec!["r/nope".to_string()];
+        assert!(d.begin_fetch(&unknown, false).unwrap().is_none());
+        assert_eq!(d.view_read().keys.len(), 4);
+        assert!(matches!(
+            d.fetch_stored_rows(&unknown),
+            Err(StagingError::UnknownKey(_))
+        ));
+    }
+
+    #[test]
+    fn a_pending_fetch_refuses_a_row_whose_checks_fail() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = FileStaging::open(dir.path()).unwrap();
+        let calls: Vec<StagedCall> = (0..3)
+            .map(|i| call("r", &format!("c{i}"), vec![i, 7]))
+            .collect();
+        for c in &calls {
+            a.stage(Frame::new(c, b"")).unwrap();
+        }
+        let keys: Vec<String> = calls.iter().map(StagedCall::key).collect();
+        let rows = a.fetch_stored_rows(&keys).unwrap();
+        let seg = dir.path().join(&a.segment_names()[0]);
+        // Damage a token id of c1's row, with the frame's content hash (and header check)
+        // recomputed: the fold takes the frame, the row's checksum does not match.
+        let mut bytes = std::fs::read(&seg).unwrap();
+        let row_at = rows[1].offset as usize;
+        let row_len = rows[1].bytes.len();
+        let header_at = row_at - HEADER_LEN;
+        bytes[row_at + row_len - 40] ^= 1;
+        let content = sha16(&[&bytes[row_at..row_at + row_len]]);
+        bytes[header_at + 32..header_at + 48].copy_from_slice(&content);
+        let check = sha16(&[&bytes[header_at..header_at + CHECKED_LEN]]);
+        bytes[header_at + CHECKED_LEN..header_at + HEADER_LEN].copy_from_slice(&check[..8]);
+        std::fs::write(&seg, &bytes).unwrap();
+        let b = FileStaging::open(dir.path()).unwrap();
+        let pending = b.begin_fetch(&keys, false).unwrap().unwrap();
+        match b.finish_fetch(pending).unwrap() {
+            FetchOutcome::Damaged {
+                index,
+                offset,
+                message,
+                ..
+            } => {
+                assert_eq!((index, offset), (1, rows[1].offset));
+                assert!(
+                    message.contains("r/c1") && message.contains("checksum"),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
