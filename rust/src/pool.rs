@@ -9,11 +9,12 @@
 //! spins and yields before it sleeps) measured ~10 us more worker CPU per put, and a single
 //! receiver behind a mutex (`std::sync::mpsc`) needs a second wake-up per job.
 //!
-//! Threads are started when a job finds no idle worker, up to the pool's bound, which may be a
-//! function read again whenever it matters (the store pool's is what the descriptor budget's
-//! in-flight gate can admit: more workers would only wait at the gate, and threads are a
-//! bounded resource in a server process). A worker that finds the pool over its bound when it
-//! would go idle exits.
+//! A pool runs at most its bound's threads, which may be a function read again whenever it
+//! matters (the store pool's is what the descriptor budget's in-flight gate can admit: more
+//! workers would only wait at the gate, and threads are a bounded resource in a server
+//! process). They start with the pool (so that its first jobs do not pay for starting them);
+//! a job that finds no idle worker while the pool is under its bound (the bound grew) starts
+//! one more, and a worker that finds the pool over its bound when it would go idle exits.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -84,13 +85,14 @@ pub struct WorkerPool {
 }
 
 impl WorkerPool {
-    /// A pool of up to `workers` threads (at least one), the first started now.
+    /// A pool of `workers` threads (at least one).
     pub fn new(workers: usize, name: &str) -> std::io::Result<Self> {
         Self::bounded(PoolBound::Fixed(workers), name)
     }
 
-    /// A pool of up to `bound` threads (at least one), the first started now; more start
-    /// when a job finds no idle worker.
+    /// A pool of up to `bound` threads (at least one), as many as the bound is now started at
+    /// once (fails only if not even one can start; the others are started later, when a job
+    /// finds no idle worker).
     pub fn bounded(bound: PoolBound, name: &str) -> std::io::Result<Self> {
         let queue = Arc::new(Queue {
             state: Mutex::default(),
@@ -105,6 +107,7 @@ impl WorkerPool {
         };
         let mut state = pool.queue.lock();
         pool.spawn(&mut state)?;
+        while state.workers < bound.get() && pool.spawn(&mut state).is_ok() {}
         drop(state);
         Ok(pool)
     }
@@ -249,7 +252,7 @@ mod tests {
     fn threads_start_on_demand_within_a_bound_read_again() {
         let pool =
             WorkerPool::bounded(PoolBound::By(|| BOUND.load(Ordering::SeqCst)), "test").unwrap();
-        assert_eq!(pool.workers(), 1);
+        assert_eq!(pool.workers(), 3, "started with the pool");
         let (tx, rx) = mpsc::channel::<()>();
         let rx = Arc::new(Mutex::new(rx));
         let done = Arc::new(AtomicUsize::new(0));
@@ -285,6 +288,19 @@ mod tests {
         let (tx, rx2) = mpsc::channel();
         pool.submit(move || tx.send(7).unwrap()).unwrap();
         assert_eq!(rx2.recv_timeout(Duration::from_secs(5)).unwrap(), 7);
+        // It grows back: a job that finds no idle worker starts one, up to the bound.
+        BOUND.store(2, Ordering::SeqCst);
+        let (tx, rx3) = mpsc::channel::<()>();
+        let rx3 = Arc::new(Mutex::new(rx3));
+        for _ in 0..3 {
+            let rx3 = Arc::clone(&rx3);
+            pool.submit(move || rx3.lock().unwrap().recv().unwrap())
+                .unwrap();
+        }
+        assert_eq!(pool.workers(), 2);
+        for _ in 0..3 {
+            tx.send(()).unwrap();
+        }
     }
 
     #[test]

@@ -42,7 +42,7 @@ fn worker_pool() -> PyResult<Arc<WorkerPool>> {
 }
 
 /// Start the process-wide pool ahead of its first job (a lineage resolver does, when it is
-/// made, so that its first resolve does not start the pool). A pool that cannot start now
+/// made, so that its first resolve does not start the pool's threads). A pool that cannot start now
 /// is started again, or its failure reported, by the first job.
 pub(super) fn start_pool() {
     let _ = worker_pool();
