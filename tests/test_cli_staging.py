@@ -129,6 +129,31 @@ def test_verify_reports_damage_per_key(
     assert problem.startswith("r/c1: ") and "damaged" in problem
 
 
+def test_verify_files_an_unreadable_key_under_its_own_rollout(
+    dsn: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An unreadable key is reported under the rollout it belongs to, also when the rollout
+    id (or the call id) holds ``/``: before, it was filed under the key's text before its first
+    ``/`` (``"a"`` for rollout ``"a/b"``)."""
+    store = PostgresStagingStore(dsn)
+    for record in [*chain("a/b", 2), make_record("q", "x/y"), make_record("a", "z")]:
+        assert store.stage(record).ok
+    store.close()
+    execute(
+        dsn,
+        "UPDATE tokencapture.staged_calls SET row_bytes = "
+        "overlay(row_bytes placing '\\xff'::bytea from 40 for 1) "
+        "WHERE staging_key IN ('a/b/c1', 'q/x/y')",
+    )
+    code, verified = run(capsys, "verify", dsn)
+    assert code == 1
+    assert sorted(verified["problems"]) == ["a/b", "q"]
+    ((problem,),) = [verified["problems"]["a/b"]]
+    assert problem.startswith("a/b/c1: ") and "damaged" in problem
+    assert verified["problems"]["q"][0].startswith("q/x/y: ")
+
+
 def test_verify_reports_a_damaged_frame_whose_key_is_gone(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -302,6 +302,87 @@ def test_a_socket_hungry_neighbour_exhausting_the_limit(tmp_path: Path) -> None:
     assert seen["fresh2"] == 1
 
 
+POOL_THREADS = """
+def pool_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{{task}}/comm") as comm:
+                names.append(comm.read().strip())
+        except FileNotFoundError:  # a thread that exited meanwhile
+            pass
+    return sum(1 for name in names if name.startswith("tokencapture-io"))
+
+async def main():
+    store = TokenCaptureStore(ROOT)
+    async def rollout(r):
+        for c in range(3):
+            await store.put(make_entry(f"r{{r:03d}}", call=c))
+    # 64 rollouts at once: as many jobs as the pool's old size, queued together.
+    await asyncio.gather(*(rollout(r) for r in range(64)))
+    whole = sum([len((await store.freeze(f"r{{r:03d}}")).entries) == 3 for r in range(64)])
+    return pool_threads(), whole
+
+threads, whole = asyncio.run(main())
+print(json.dumps({{"threads": threads, "whole": whole}}))
+"""
+
+
+def test_the_worker_pool_keeps_no_more_threads_than_the_gate_admits(tmp_path: Path) -> None:
+    """At a soft limit of 128 the in-flight gate admits 8 file operations at once: the native
+    worker pool runs at most 8 threads for 64 concurrent rollouts (it kept 64, 56 of them only
+    ever waiting at the gate), counted in ``/proc/self/task`` by their names."""
+    seen = run_limited(tmp_path, POOL_THREADS.format(), limit=128)
+    assert seen["whole"] == 64
+    assert 1 <= seen["threads"] <= 8, seen
+
+
+EXHAUSTION_WORDS = (
+    SOCKET_NEIGHBOUR
+    + """
+from tests.staging_backends import make_record
+from tokencapture import FileStagingStore
+
+# A staging fetch's segment open retries once after closing only its own store's kept
+# descriptors (none here: max_open_files=1 keeps only the segment it writes), not every one.
+staging = FileStagingStore(ROOT / "staging", max_open_files=1)
+assert staging.stage(make_record()).ok
+assert len(staging.fetch(["r/c1"])) == 1
+exhaust()
+try:
+    staging.fetch(["r/c1"])
+    local = None
+except OSError as exc:
+    local = [exc.errno, str(exc)]
+release()
+
+# A token store's open retries after closing every cached descriptor of the process.
+store = TokenCaptureStore(ROOT / "tokens")
+store._native.clear()
+exhaust()
+try:
+    store.append(make_entry("r", call=0))
+    everything = None
+except OSError as exc:
+    everything = [exc.errno, str(exc)]
+release()
+print(json.dumps({{"local": local, "everything": everything}}))
+"""
+)
+
+
+def test_an_exhaustion_says_whether_every_descriptor_was_closed(tmp_path: Path) -> None:
+    """Only an open that closed every descriptor tokencapture kept and retried
+    (`descriptors::retry`) says so; one that closed nothing, or only its own store's, says
+    only that the limit was reached (every EMFILE message claimed the first)."""
+    seen = run_limited(tmp_path, EXHAUSTION_WORDS.format())
+    errno_, words = seen["local"]
+    assert errno_ == 24 and "Too many open files" in words, words
+    assert "at its limit of open files" in words and "closing" not in words, words
+    errno_, words = seen["everything"]
+    assert errno_ == 24 and "even after closing every descriptor" in words, words
+
+
 EVERY_OPERATION = (
     SOCKET_NEIGHBOUR
     + """
@@ -471,6 +552,15 @@ def test_max_open_files_is_checked() -> None:
         TokenCaptureStore("/nonexistent-never-created", max_open_files=-1)
     with pytest.raises(ValueError, match="cached_rollouts"):
         TokenCaptureStore("/nonexistent-never-created", cached_rollouts=-1)
+    # 0 is refused by the store as by the ledger and the resolver (the store took it as 1).
+    for make in (
+        lambda: TokenCaptureStore("/nonexistent-never-created", cached_rollouts=0),
+        lambda: FileCaptureLedger("/nonexistent-never-created", cached_rollouts=0),
+        lambda: FileLineageStore("/nonexistent-never-created", max_cached_rollouts=0),
+    ):
+        with pytest.raises(ValueError, match="cached_rollouts must be at least 1"):
+            make()
+    assert not Path("/nonexistent-never-created").exists()
     with pytest.raises(TypeError, match="cached_rollouts"):
         TokenCaptureStore("/nonexistent-never-created", cached_rollouts="8")  # type: ignore[arg-type]
 

@@ -19,7 +19,7 @@ from tests.postgres_fixture import dsn, execute, fetch, pg_dsn, pg_server  # noq
 from tests.staging_backends import chain, make_record
 
 import tokencapture
-from tokencapture import FileStagingStore, StagingKeyError, StagingKeyRetiredError
+from tokencapture import FileStagingStore, StagingKeyError, StagingKeyRetiredError, _core
 from tokencapture.postgres import (
     SCHEMA_VERSION,
     PostgresStagingStore,
@@ -28,6 +28,8 @@ from tokencapture.postgres import (
 )
 from tokencapture.protocols import TokenCaptureCorruptionError
 from tokencapture.staging.records import StageResult
+from tokencapture.staging_attachments import StagedAttachment
+from tokencapture.staging_rows import encode_stage
 
 Store = FileStagingStore | PostgresStagingStore
 
@@ -232,6 +234,84 @@ def test_an_empty_attachments_mapping_is_no_attachments(staging: Store) -> None:
     assert staging.stage(second, attachments={}).ok
     assert staging.fetch_attachments(first.staging_key) == {}
     assert not staging.stage(first, attachments={"raw": b"x"}).ok  # still a conflict
+
+
+def test_equal_attachments_in_another_bytes_like_type_are_the_same_call(staging: Store) -> None:
+    """``bytes``, ``bytearray``, ``memoryview`` and ``array('B')`` of the same bytes are the
+    same attachment: a restage with another of them is idempotent (it was a conflict: the
+    kinds stored differed), and a fetch gives kind ``"bytes"`` back whichever staged it."""
+    import array
+
+    first, second = make_record(), make_record(model_call_id="c2")
+    assert staging.stage(first, attachments={"raw": b"abc"}).ok
+    for same in (bytearray(b"abc"), memoryview(b"abc"), array.array("B", b"abc")):
+        assert staging.stage(first, attachments={"raw": same}).ok, type(same)
+    assert staging.stage(second, attachments={"raw": bytearray(b"abc")}).ok
+    assert staging.stage(second, attachments={"raw": b"abc"}).ok
+    for key in (first.staging_key, second.staging_key):
+        assert staging.fetch_attachments(key) == {"raw": StagedAttachment("bytes", b"abc")}
+    assert not staging.stage(first, attachments={"raw": bytearray(b"abd")}).ok
+    assert not staging.stage(first, attachments={"other": b"abc"}).ok
+    assert list(staging.fetch_attachments(second.staging_key)["raw"].to_numpy()) == [97, 98, 99]
+    # Stored as the same bytes (no re-read of the stored call needed to call it idempotent).
+    encoded = {
+        encode_stage(first, {"raw": same}).content_digest
+        for same in (b"abc", bytearray(b"abc"), memoryview(b"abc"), array.array("B", b"abc"))
+    }
+    assert len(encoded) == 1
+
+
+# An older build's attachments blob for ``attachments={}``: an empty list (u32 0) sealed with the
+# first 16 bytes of its SHA-256 (`git show 8cd5810^:python/tokencapture/staging_attachments.py`:
+# `encode_attachments` returned ``[]``, which the core encoded as this blob); today's build
+# stores no blob at all.
+_OLD_EMPTY_BLOB = bytes.fromhex("00000000df3f619804a92fdb4057192dc43dd748")
+# An older build's blob for ``{"raw": bytearray(b"abc")}``: a buffer of format B, shape (3,).
+_OLD_BYTEARRAY = ("raw", 1, "B", "", (3,), [b"abc"])
+
+
+def _plant_older_row(staging: Store, record: Any, encoded: list[Any]) -> bytes:
+    """Store `record` with an attachments blob as an older build encoded it (`encoded`, the
+    tuples it handed the core), bypassing today's encoder; returns the stored blob."""
+    stored = _core.staging_encode(record, encoded)
+    if isinstance(staging, FileStagingStore):
+        assert staging._native.stage(record, encoded) == record.staging_key
+        segment = next(staging.root.glob("seg-*.tcs")).read_bytes()
+        assert segment.endswith(stored.row + stored.attachments)
+    else:
+        execute(
+            staging.dsn,
+            "INSERT INTO tokencapture.staged_calls (rollout_id, staging_key, content_digest, "
+            "row_bytes, attachments) VALUES ($1, $2, $3, $4, $5)",
+            record.rollout_id,
+            record.staging_key,
+            stored.content_digest,
+            stored.row,
+            stored.attachments,
+        )
+    return stored.attachments
+
+
+def test_a_restage_against_an_older_builds_encoding_is_idempotent(staging: Store) -> None:
+    """Calls an older build stored with ``attachments={}`` (an empty blob where today's stores
+    none) or a ``bytearray`` (kind ``"buffer"``) are the same calls as a restage of the same
+    data now: idempotent, not a conflict (both were refused)."""
+    empty, raw = make_record(), make_record(model_call_id="c2")
+    assert _plant_older_row(staging, empty, []) == _OLD_EMPTY_BLOB
+    assert _plant_older_row(staging, raw, [_OLD_BYTEARRAY]) != _OLD_EMPTY_BLOB
+    for attachments in (None, {}):
+        assert staging.stage(empty, attachments=attachments).ok, attachments
+    for data in (b"abc", bytearray(b"abc")):
+        assert staging.stage(raw, attachments={"raw": data}).ok, data
+    assert staging.fetch_attachments(empty.staging_key) == {}
+    assert staging.fetch_attachments(raw.staging_key) == {"raw": StagedAttachment("bytes", b"abc")}
+    assert not staging.stage(empty, attachments={"raw": b"abc"}).ok  # still conflicts
+    assert not staging.stage(raw, attachments={"raw": b"abd"}).ok
+    assert not staging.stage(raw).ok
+    assert [s.staging_key for s in staging.fetch([empty.staging_key, raw.staging_key])] == [
+        empty.staging_key,
+        raw.staging_key,
+    ]
 
 
 @pytest.mark.parametrize(

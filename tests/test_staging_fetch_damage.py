@@ -1,11 +1,18 @@
-"""What a `FileStagingStore` fetch verifies: bytes damaged after the store indexed them.
+"""What a `FileStagingStore` fetch verifies: bytes damaged after the store indexed them, and
+bytes damaged before a fresh store's first fetch with the frame's hashes recomputed.
 
-The store is opened (its index built) first and the segment damaged afterwards, so each case
-reaches the fetch path's own checks: the row's checksum (the only guard of a log-prob's low
-f64 bits, which NeMo Gym's float32 digest does not see), the staging digest (checked even
-when the checksum was recomputed over the damage), the extras digest of `fetch_records`, and
-that the row read is the row of the key asked for. ``large`` chains are big enough that the
+The store indexes the segment first (its first fetch or ``keys()``) and the segment is
+damaged afterwards, so each case reaches the fetch path's own checks: the row's checksum
+(the only guard of a log-prob's low f64 bits, which NeMo Gym's float32 digest does not
+see), the staging digest (checked even when the checksum was recomputed over the damage),
+the extras digest of `fetch_records`, and that the row read is the row of the key asked
+for. ``large`` chains are big enough that the
 fetch verifies on a helper thread while it builds the snapshots (rust/src/split.rs).
+
+A fresh store's first fetch serves its rows from the bytes its fold just read, the row's
+checksum matched in the fold's one hash pass over each frame body: with the frame's content
+hash recomputed over the damage (so the fold takes the frame as valid), the same checks must
+still refuse it.
 """
 
 from __future__ import annotations
@@ -160,6 +167,51 @@ def test_damage_after_indexing_raises_corruption(
     assert [s.model_call_id for s in fetch(others)] == [k.split("/")[1] for k in others]
 
 
+def _reframe(segment: Path, call_id: str) -> None:
+    """Recompute the content hash (and the header's check) of `call_id`'s frame over its bytes
+    as they are now, as if the damage had been written with the frame."""
+    row_at, row_len = _rows(segment)[call_id]
+    data = segment.read_bytes()
+    header = bytearray(data[row_at - HEADER_LEN : row_at])
+    att_len = struct.unpack_from("<Q", header, 8)[0]
+    body = data[row_at : row_at + row_len + att_len]
+    header[32:48] = hashlib.sha256(body).digest()[:16]
+    header[48:56] = hashlib.sha256(bytes(header[:48])).digest()[:8]
+    _patch(segment, row_at - HEADER_LEN, bytes(header))
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize(
+    ("target", "reseal", "records"),
+    # A damaged call id files the row under another key at the fold (whose own frame it then
+    # contradicts): not a row the fetch is served.
+    [case for case in CASES if case[0] != "model_call_id"],
+)
+def test_damage_before_a_fresh_stores_first_fetch_raises_corruption(
+    tmp_path: Path, size: str, target: str, reseal: bool, records: bool
+) -> None:
+    """The fold takes the damaged frame as valid (its hashes were recomputed) and the first
+    fetch serves the row from the fold's bytes: the row checksum (matched in the fold's pass,
+    the only guard of a log-prob's low bits), the digests and the key check still refuse it."""
+    segment, chain = _chain(tmp_path, size)
+    victim = chain[-1] if target == "extras" else chain[len(chain) // 2]
+    keys = [f"r/{record.model_call_id}" for record in chain]
+    _damage(segment, victim.model_call_id, target, reseal)
+    _reframe(segment, victim.model_call_id)
+    reader = FileStagingStore(tmp_path)
+    assert reader.damage() == []  # the fold found nothing wrong with the frame
+    fresh = FileStagingStore(tmp_path)
+    fetch = fresh.fetch_records if records else fresh.fetch
+    with pytest.raises(TokenCaptureCorruptionError, match=f"r/{victim.model_call_id}"):
+        fetch(keys)
+    with pytest.raises(TokenCaptureCorruptionError):
+        fetch([f"r/{victim.model_call_id}"])
+    others = [key for key in keys if key != f"r/{victim.model_call_id}"]
+    assert [s.model_call_id for s in FileStagingStore(tmp_path).fetch(others)] == [
+        k.split("/")[1] for k in others
+    ]
+
+
 @pytest.mark.parametrize("size", list(SIZES))
 def test_a_valid_row_of_another_key_is_refused(tmp_path: Path, size: str) -> None:
     """The index points at a whole, valid row, but another key's (its checksum and digest
@@ -169,6 +221,7 @@ def test_a_valid_row_of_another_key_is_refused(tmp_path: Path, size: str) -> Non
     (a_at, a_len), (b_at, b_len) = rows["call-1"], rows["call-2"]
     assert a_len == b_len
     reader = FileStagingStore(tmp_path)
+    assert len(reader.keys()) == len(rows)  # indexed before the damage
     data = segment.read_bytes()
     _patch(segment, a_at, data[b_at : b_at + b_len])
     for fetch in (reader.fetch, reader.fetch_records):

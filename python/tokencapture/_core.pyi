@@ -37,6 +37,7 @@ __all__ = [
     "staging_encode_token_ids",
     "staging_extras_digest",
     "staging_hash_token_ids",
+    "staging_same_content",
     "take_inherited_lock_files",
     "tokens_extend",
     "validate_rollout_id",
@@ -288,6 +289,9 @@ def staging_decode(
     rows: Sequence[bytes], keys: Sequence[str], with_extras: bool = False
 ) -> list[dict[str, Any]]: ...
 def staging_decode_attachments(blob: bytes, key: str) -> list[_DecodedAttachment]: ...
+def staging_same_content(
+    row_a: bytes, attachments_a: bytes, row_b: bytes, attachments_b: bytes
+) -> bool: ...
 
 @final
 class StagingFileStore:

@@ -708,12 +708,33 @@ def _chain_problems(records: list[Any]) -> list[str]:
     return problems
 
 
+def _rollout_of_key(store: Any, key: str, known: dict[str, set[str]]) -> str:
+    """The rollout a staged key belongs to, when its record cannot be read. NeMo Gym's key is
+    ``"<rollout_id>/<model_call_id>"`` and either id may hold ``/``, so the key alone does not
+    say where the rollout id ends: each split is tried against the keys the store lists for
+    that rollout (which it files by the rollout id stored with the row). `known` caches those
+    listings."""
+    at = key.find("/")
+    while at != -1:
+        candidate = key[:at]
+        if candidate not in known:
+            try:
+                known[candidate] = set(store.keys(candidate))
+            except (ValueError, LookupError, OSError):
+                known[candidate] = set()
+        if key in known[candidate]:
+            return candidate
+        at = key.find("/", at + 1)
+    return key.rpartition("/")[0] or key  # not listed under any split: the longest one
+
+
 def _staging_verify(args: argparse.Namespace) -> int:
     store = _staging_store(args.dir)
     problems: dict[str, list[str]] = {}
     grouped: dict[str, list[Any]] = {}
     keys: list[str] = []
     damaged: list[tuple[str, int, int]] = []
+    listed: dict[str, set[str]] = {}
     try:
         # A file store's damaged ranges: acknowledged frames that no longer read back. Their
         # keys are not listed, so no fetch below would name them.
@@ -725,7 +746,8 @@ def _staging_verify(args: argparse.Namespace) -> int:
                 (record,) = store.fetch_records([key])
                 store.fetch_attachments(key)
             except (ValueError, LookupError, OSError) as exc:
-                problems.setdefault(key.split("/", 1)[0], []).append(f"{key}: {exc}")
+                rollout_id = _rollout_of_key(store, key, listed)
+                problems.setdefault(rollout_id, []).append(f"{key}: {exc}")
                 continue
             grouped.setdefault(record.rollout_id, []).append(record)
     finally:

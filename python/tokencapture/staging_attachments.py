@@ -3,7 +3,11 @@
 NeMo Gym's rule: a sink stores every attachment in the same durable write as the record or
 refuses the call; it never drops one. What is stored:
 
-* ``bytes``: as they are (kind ``"bytes"``);
+* ``bytes``, and the same bytes in another bytes-like type (a ``bytearray``, a ``memoryview``
+  or ``array('B')``: any one-dimensional buffer of unsigned bytes, struct format ``B``, with no
+  ``dtype``): as they are (kind ``"bytes"``), so a restage of equal data with another such type
+  is the same call, and a fetch gives kind ``"bytes"`` back (also for a call an older build
+  stored as a ``"buffer"``);
 * anything exporting the buffer protocol (``bytearray``, ``memoryview``, numpy arrays, a
   tensor's numpy view): its bytes in C order with the buffer's struct ``format``, its
   ``shape`` and, when the object has a ``dtype``, its ``dtype.str`` (a structured dtype's
@@ -136,6 +140,10 @@ def _encode_one(name: str, value: Any) -> EncodedAttachment:
             raise _refuse(
                 name, value, f"its buffer format {view.format!r} holds Python object references"
             )
+        if view.format == "B" and view.ndim == 1 and not dtype_text:
+            # Plain bytes in another bytes-like type: stored as bytes are.
+            data: Any = view if view.c_contiguous else view.tobytes()
+            return (name, _KIND_CODES["bytes"], "", "", None, [data])
         flat: Any
         try:
             # The bytes without a copy when they are contiguous; a copy in C order otherwise.

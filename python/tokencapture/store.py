@@ -68,10 +68,10 @@ class TokenCaptureStore(RolloutFiles):
     Safe to share between threads, and between processes that open the same directory.
 
     Between operations the store keeps up to three descriptors for each of at most
-    `cached_rollouts` recently used rollouts, within the process's descriptor budget (a
-    sixteenth of the soft `RLIMIT_NOFILE` by default, shared by every store of the process;
-    `TOKENCAPTURE_MAX_OPEN_FILES` sets it) and, if given, at most `max_open_files` of its own
-    (0 keeps none). See docs/reliability.md, "Descriptor budget".
+    `cached_rollouts` (at least 1) recently used rollouts, within the process's descriptor
+    budget (a sixteenth of the soft `RLIMIT_NOFILE` by default, shared by every store of the
+    process; `TOKENCAPTURE_MAX_OPEN_FILES` sets it) and, if given, at most `max_open_files` of
+    its own (0 keeps none). See docs/reliability.md, "Descriptor budget".
     """
 
     def __init__(
@@ -83,8 +83,10 @@ class TokenCaptureStore(RolloutFiles):
     ) -> None:
         if isinstance(cached_rollouts, bool) or not isinstance(cached_rollouts, int):
             raise TypeError("cached_rollouts must be an int")
-        if cached_rollouts < 0:
-            raise ValueError("cached_rollouts must not be negative")
+        if cached_rollouts < 1:
+            # As FileCaptureLedger and FileLineageStore refuse it: a cache of no rollouts is
+            # not what this bounds (0 was taken as 1); `max_open_files=0` keeps no descriptors.
+            raise ValueError("cached_rollouts must be at least 1")
         self._root = Path(root)
         self._native = _core.Store(
             os.fspath(self._root),

@@ -89,7 +89,7 @@ pub const KEPT_PER_OPERATION: usize = 3;
 pub const HELD_PER_OPERATION: usize = KEPT_PER_OPERATION + 2;
 /// Fewest file operations allowed in flight at once.
 pub const MIN_IN_FLIGHT: usize = 4;
-/// Most file operations allowed in flight at once (the worker pool's size).
+/// Most file operations allowed in flight at once (and most threads of the worker pool).
 pub const MAX_IN_FLIGHT: usize = 64;
 /// The environment variable that fixes the process-wide budget (a number of descriptors).
 pub const ENV_VAR: &str = "TOKENCAPTURE_MAX_OPEN_FILES";
@@ -102,7 +102,53 @@ const ENFILE: i32 = 23;
 
 /// Whether `err` says the process (`EMFILE`) or the system (`ENFILE`) is out of descriptors.
 pub fn is_exhausted(err: &io::Error) -> bool {
-    matches!(err.raw_os_error(), Some(EMFILE | ENFILE))
+    exhaustion(err).is_some()
+}
+
+/// An `EMFILE`/`ENFILE` that [`retry`] got again after it closed every descriptor the
+/// process's caches kept: what the error a retry gives up with carries, so that its message can
+/// say so (an exhaustion met anywhere else closed nothing, or only its own store's).
+#[derive(Debug, thiserror::Error)]
+#[error("{source}")]
+pub struct ExhaustedAfterClosing {
+    source: io::Error,
+}
+
+/// `err` (an exhaustion) as [`retry`] gives it up after closing every cached descriptor.
+pub fn exhausted_after_closing(err: io::Error) -> io::Error {
+    let kind = err.kind();
+    io::Error::new(kind, ExhaustedAfterClosing { source: err })
+}
+
+/// The descriptor exhaustion `err` reports, if it is one: its errno, and whether it is what
+/// [`retry`] got after closing every cached descriptor of the process and trying again.
+pub fn exhaustion(err: &io::Error) -> Option<(i32, bool)> {
+    match err.raw_os_error() {
+        Some(code @ (EMFILE | ENFILE)) => Some((code, false)),
+        Some(_) => None,
+        None => err
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<ExhaustedAfterClosing>())
+            .and_then(|after| after.source.raw_os_error())
+            .map(|code| (code, true)),
+    }
+}
+
+/// What an operation's error says when `source` is an exhaustion ([`exhaustion`]): after
+/// [`retry`] closed every cached descriptor and tried again, that; otherwise only that the
+/// process or the system is at its limit (nothing was closed for it). `None` for any other
+/// error.
+pub fn exhaustion_message(op: &str, source: &io::Error) -> Option<String> {
+    let (_, after_closing) = exhaustion(source)?;
+    Some(if after_closing {
+        format!(
+            "{op} failed: {source}, even after closing every descriptor tokencapture kept open \
+             in this process and retrying (the process or the system is at its limit of open \
+             files)"
+        )
+    } else {
+        format!("{op} failed: {source} (the process or the system is at its limit of open files)")
+    })
 }
 
 /// Run `open` (anything that creates a descriptor); if it fails because descriptors ran
@@ -283,11 +329,13 @@ impl Budget {
                 self.refresh_from_soft_limit();
                 self.shrink_room();
                 self.evict_all();
-                let again = open();
-                if again.as_ref().is_err_and(is_exhausted) {
-                    self.failed.fetch_add(1, Ordering::Relaxed);
+                match open() {
+                    Err(err) if is_exhausted(&err) => {
+                        self.failed.fetch_add(1, Ordering::Relaxed);
+                        Err(exhausted_after_closing(err))
+                    }
+                    again => again,
                 }
-                again
             }
             other => other,
         }
@@ -326,6 +374,13 @@ impl Budget {
         self.natural_in_flight_limit()
             .min(self.room.load(Ordering::Relaxed))
             .max(1)
+    }
+
+    /// The most operations the gate can admit at once now: [`Budget::in_flight_limit`]
+    /// before any room was learnt (a learnt room grows back to it). What the worker pool's
+    /// threads are bounded by ([`max_in_flight`]).
+    pub fn max_in_flight(&self) -> usize {
+        self.natural_in_flight_limit().max(1)
     }
 
     /// [`Budget::in_flight_limit`] before any room was learnt.
@@ -559,6 +614,11 @@ impl Drop for Permit<'_> {
 /// A permit of the process's budget: hold it for the duration of a file operation.
 pub fn enter() -> Permit<'static> {
     budget().enter()
+}
+
+/// [`Budget::max_in_flight`] of the process budget.
+pub fn max_in_flight() -> usize {
+    budget().max_in_flight()
 }
 
 /// One cache's count of the descriptors it keeps (a share of its budget's).
@@ -931,7 +991,39 @@ mod tests {
                 Err(io::Error::from_raw_os_error(ENFILE))
             })
             .unwrap_err();
-        assert_eq!((calls, err.raw_os_error()), (2, Some(ENFILE)));
+        assert_eq!((calls, exhaustion(&err)), (2, Some((ENFILE, true))));
+        assert_eq!(
+            err.to_string(),
+            io::Error::from_raw_os_error(ENFILE).to_string()
+        );
+        let words = exhaustion_message("open", &err).unwrap();
+        assert!(
+            words.contains("even after closing every descriptor"),
+            "{words}"
+        );
+        // An exhaustion met outside `retry` closed nothing: its words do not say it did.
+        let raw = io::Error::from_raw_os_error(EMFILE);
+        assert_eq!(exhaustion(&raw), Some((EMFILE, false)));
+        let words = exhaustion_message("open", &raw).unwrap();
+        assert!(!words.contains("closing"), "{words}");
+        assert!(words.contains("at its limit of open files"), "{words}");
+        assert_eq!(
+            exhaustion_message("open", &io::ErrorKind::NotFound.into()),
+            None
+        );
+        // Duplicated for another waiter, it stays what it was.
+        let copy = crate::Error::Io {
+            op: "open",
+            path: "x".into(),
+            source: err,
+        }
+        .duplicate();
+        match copy {
+            crate::Error::Io { source, .. } => {
+                assert_eq!(exhaustion(&source), Some((ENFILE, true)));
+            }
+            other => panic!("{other:?}"),
+        }
         let stats = budget.stats();
         assert_eq!((stats.exhausted, stats.failed), (2, 1));
         // Other errors are not retried.

@@ -63,9 +63,16 @@ impl Error {
             Error::Io { op, path, source } => Error::Io {
                 op,
                 path: path.clone(),
-                source: match source.raw_os_error() {
-                    Some(code) => io::Error::from_raw_os_error(code),
-                    None => io::Error::new(source.kind(), source.to_string()),
+                source: match (
+                    source.raw_os_error(),
+                    crate::descriptors::exhaustion(source),
+                ) {
+                    (Some(code), _) => io::Error::from_raw_os_error(code),
+                    // An exhaustion `descriptors::retry` gave up on stays one.
+                    (None, Some((code, true))) => crate::descriptors::exhausted_after_closing(
+                        io::Error::from_raw_os_error(code),
+                    ),
+                    (None, _) => io::Error::new(source.kind(), source.to_string()),
                 },
             },
             Error::Frozen(id) => Error::Frozen(id.clone()),

@@ -31,6 +31,7 @@ from typing import Any
 
 import asyncpg  # type: ignore[import-untyped, unused-ignore]
 
+from tokencapture._core import staging_same_content
 from tokencapture.postgres._client import CallBatcher, Client, GroupCommit
 from tokencapture.protocols import (
     RolloutRemovalPayload,
@@ -63,6 +64,10 @@ _FETCH_ROWS = (
 )
 _FETCH_ATTACHMENTS = (
     "SELECT attachments FROM tokencapture.staged_calls WHERE staging_key = $1 LIMIT 1"
+)
+_STORED_CONTENT = (
+    "SELECT row_bytes, attachments FROM tokencapture.staged_calls "
+    "WHERE rollout_id = $1 AND staging_key = $2"
 )
 _RETIRED_AMONG = (
     "SELECT rollout_id FROM tokencapture.staging_rollouts WHERE retired AND rollout_id = ANY($1)"
@@ -126,6 +131,16 @@ def _refusal(status: int, args: _StageArgs) -> Exception:
 def _check_status(status: int, args: _StageArgs) -> None:
     if status not in (_STORED, _DUPLICATE):
         raise _refusal(status, args)
+
+
+def _same_as_stored(stored: Sequence[Any], args: _StageArgs) -> bool:
+    """Whether the row stored under a key whose content digest differs from this stage's still
+    carries the same call (`_core.staging_same_content`: the same data in another bytes-like
+    type, or an older build's encoding of it, such as its empty blob for ``attachments={}``)."""
+    if not stored:
+        return False
+    row, blob = stored[0]["row_bytes"], stored[0]["attachments"]
+    return staging_same_content(bytes(row), bytes(blob or b""), args[3], args[4] or b"")
 
 
 def _unknown(key: str, retired_rollout: str | None) -> StagingKeyError:
@@ -228,12 +243,15 @@ class PostgresStagingStore:
             if self._batch_stages and self._client.distributed is False:
                 if asyncio.events._get_running_loop() is None:
                     # The hot path: group commit led by a calling thread (no loop-thread hop).
-                    _check_status(self._group.stage(args), args)
+                    status = self._group.stage(args)
                 else:
                     # A caller inside a running loop cannot drive another one: the loop thread.
                     answer: concurrent.futures.Future[int] = concurrent.futures.Future()
                     self._client.call_in_thread(self._submit, args, answer)
-                    _check_status(answer.result(), args)
+                    status = answer.result()
+                if status == _CONFLICT:
+                    status = self._client.run_sync(self._recheck_conflict(args))
+                _check_status(status, args)
             else:
                 self._client.run_sync(self._store(args))
         except _STAGE_FAILURES as error:
@@ -294,7 +312,17 @@ class PostgresStagingStore:
             status = await self._batcher(asyncio.get_running_loop()).submit(args)
         else:
             status = await self._client.fetch("val", _STAGE, *args)
+        if status == _CONFLICT:
+            status = await self._recheck_conflict(args)
         _check_status(status, args)
+
+    async def _recheck_conflict(self, args: _StageArgs) -> int:
+        """The status of a stage the server found a conflict (the stored content digest
+        differs): a duplicate when the stored row carries the same call in another encoding
+        (`_same_as_stored`), a conflict otherwise. The stored row was committed before the
+        server answered, so a duplicate is as durable as the first stage was."""
+        stored = await self._client.fetch("rows", _STORED_CONTENT, args[0], args[1])
+        return _DUPLICATE if _same_as_stored(stored, args) else _CONFLICT
 
     # ---- StagingSource ------------------------------------------------------------------
 

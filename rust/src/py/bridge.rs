@@ -16,12 +16,14 @@ use super::errors::to_pyerr;
 use crate::doorbell::Doorbell;
 use crate::error::Error;
 use crate::fork::current_pid;
-use crate::pool::WorkerPool;
+use crate::pool::{PoolBound, WorkerPool};
 
-/// Workers of the process-wide pool: enough concurrent fsyncs to keep the disk busy. How many
-/// file operations run at once is bounded by the descriptor budget's gate
-/// (`descriptors::Budget::enter`), which Python's threads and callers' own share.
-const POOL_WORKERS: usize = crate::descriptors::MAX_IN_FLIGHT;
+/// Workers of the process-wide pool: enough concurrent fsyncs to keep the disk busy, and no
+/// more than the descriptor budget's gate (`descriptors::Budget::enter`, which Python's
+/// threads and callers' own share) can admit at once: 64 at most, 4 at a low soft limit
+/// (`descriptors::max_in_flight`, read again as the pool grows or idles, so a limit lowered
+/// later shrinks it). A worker more would only wait at the gate.
+const POOL_WORKERS: PoolBound = PoolBound::By(crate::descriptors::max_in_flight);
 
 static POOL: ArcSwapOption<WorkerPool> = ArcSwapOption::const_empty();
 
@@ -35,12 +37,12 @@ fn worker_pool() -> PyResult<Arc<WorkerPool>> {
         &POOL,
         current_pid(),
         WorkerPool::pid,
-        |_| WorkerPool::new(POOL_WORKERS, "tokencapture-io"),
+        |_| WorkerPool::bounded(POOL_WORKERS, "tokencapture-io"),
     )?)
 }
 
 /// Start the process-wide pool ahead of its first job (a lineage resolver does, when it is
-/// made, so that its first resolve does not start 64 threads). A pool that cannot start now
+/// made, so that its first resolve does not start the pool's threads). A pool that cannot start now
 /// is started again, or its failure reported, by the first job.
 pub(super) fn start_pool() {
     let _ = worker_pool();

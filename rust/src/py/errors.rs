@@ -51,20 +51,19 @@ static CORRUPT: ExceptionClass = ExceptionClass::new("TokenCaptureCorruptionErro
 pub(super) fn to_pyerr(py: Python<'_>, err: Error) -> PyErr {
     let message = err.to_string();
     match err {
-        Error::Io { op, path, source } => match source.raw_os_error() {
-            // OSError(errno, strerror, filename) picks the matching subclass
-            // (FileNotFoundError, PermissionError, ...) and keeps `errno` for callers.
-            Some(errno) if crate::descriptors::is_exhausted(&source) => PyOSError::new_err((
-                errno,
-                format!(
-                    "{op} failed: {source}, even after closing every descriptor tokencapture \
-                     kept open in this process and retrying (the process or the system is \
-                     at its limit of open files)"
-                ),
-                path,
-            )),
-            Some(errno) => PyOSError::new_err((errno, format!("{op} failed: {source}"), path)),
-            None => PyOSError::new_err(message),
+        // OSError(errno, strerror, filename) picks the matching subclass (FileNotFoundError,
+        // PermissionError, ...) and keeps `errno` for callers. An exhaustion says whether every
+        // cached descriptor was closed and the call retried (`descriptors::retry`) or not.
+        Error::Io { op, path, source } => match crate::descriptors::exhaustion(&source) {
+            Some((errno, _)) => {
+                let words = crate::descriptors::exhaustion_message(op, &source)
+                    .unwrap_or_else(|| format!("{op} failed: {source}"));
+                PyOSError::new_err((errno, words, path))
+            }
+            None => match source.raw_os_error() {
+                Some(errno) => PyOSError::new_err((errno, format!("{op} failed: {source}"), path)),
+                None => PyOSError::new_err(message),
+            },
         },
         Error::Frozen(_) => FROZEN.err(py, message),
         Error::Retired(_) => RETIRED.err(py, message),

@@ -156,6 +156,11 @@ impl Frame {
         self.bytes[CHECKED_LEN..HEADER_LEN].copy_from_slice(&check[..8]);
     }
 
+    /// The row and the attachments blob.
+    fn body(&self) -> (&[u8], &[u8]) {
+        self.bytes[HEADER_LEN..].split_at(self.row_len)
+    }
+
     /// The frame's total size in bytes.
     pub fn len(&self) -> usize {
         self.bytes.len()
@@ -200,14 +205,146 @@ pub struct Damage {
     pub end: u64,
 }
 
+/// Bytes of one row: a range of a buffer that may hold more (a segment tail a fold just read).
+#[derive(Debug, Clone)]
+pub struct RowBytes {
+    buf: Arc<Vec<u8>>,
+    range: Range<usize>,
+}
+
+impl std::ops::Deref for RowBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.range.clone()]
+    }
+}
+
+impl AsRef<[u8]> for RowBytes {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl From<Vec<u8>> for RowBytes {
+    fn from(bytes: Vec<u8>) -> Self {
+        let range = 0..bytes.len();
+        RowBytes {
+            buf: Arc::new(bytes),
+            range,
+        }
+    }
+}
+
 /// A row as [`FileStaging::fetch_stored_rows`] read it (unverified), with where it lives.
 #[derive(Debug, Clone)]
 pub struct StoredRow {
-    pub bytes: Vec<u8>,
+    pub bytes: RowBytes,
     /// The segment file.
     pub path: PathBuf,
     /// The row's offset in it.
     pub offset: u64,
+    /// Whether the row's own checksum was matched over these very bytes, by the fold that
+    /// read them during this fetch (its one hash pass over each frame body gives the content
+    /// hash and the row checksum both: `check_body`). The row's other checks remain the
+    /// caller's (`row::verify_stored_summed`); false: all of them (`row::verify_stored`).
+    pub checksum_verified: bool,
+}
+
+/// One frame of a [`PendingFetch`]'s tails, as the walk of their headers found it.
+struct PendingFrame {
+    tail: usize,
+    /// The frame's start in its tail.
+    start: usize,
+    body: Range<usize>,
+    row_len: usize,
+    content: [u8; 16],
+    /// The key asked for (its first index) whose row this frame's row tentatively is.
+    asked: Option<usize>,
+}
+
+/// What the helper checks of each frame of a [`PendingFetch`]: its body ([`check_body`]: the
+/// content hash and the row's checksum in one pass) and, for a row a key asked for, every other
+/// check of a fetch (`row::verify_stored_summed`: the staging digest, the extras digest, the
+/// key).
+type FrameVerdict = (BodyVerdict, Option<std::result::Result<(), String>>);
+
+/// The bytes and frames a [`PendingFetch`] checks, shared with the helper.
+struct PendingData {
+    bufs: Vec<Arc<Vec<u8>>>,
+    frames: Vec<PendingFrame>,
+    keys: Vec<String>,
+    with_extras: bool,
+}
+
+fn check_pending(data: &Arc<PendingData>, i: usize) -> FrameVerdict {
+    let frame = &data.frames[i];
+    let body = &data.bufs[frame.tail][frame.body.clone()];
+    let verdict = check_body(body, frame.row_len, &frame.content);
+    let rest = frame.asked.map(|k| {
+        let key = &data.keys[k];
+        row::verify_stored_summed(&body[..frame.row_len], key, data.with_extras)
+            .map_err(|e| format!("staged row of {key:?} is damaged: {e}"))
+    });
+    (verdict, rest)
+}
+
+/// A fetch of keys this view held none of ([`FileStaging::begin_fetch`]): the segment tails
+/// its fold needs, read under the shared store lock, and every check of their frames and of the
+/// rows asked for running on the helper thread while the caller builds its answer from the rows
+/// a walk of the frames' headers found ([`PendingFetch::rows`], unverified).
+/// [`FileStaging::finish_fetch`] folds the tails in with those checks and says whether the rows
+/// given were the keys' rows, every check passed; nothing built may be returned otherwise.
+pub struct PendingFetch {
+    /// Per tail: its segment (index in the view) and the segment offset it starts at.
+    tails: Vec<(usize, u64)>,
+    /// Per key asked: its frame (index into the frames).
+    rows: Vec<usize>,
+    data: Arc<PendingData>,
+    checks: Split<Arc<PendingData>, FrameVerdict>,
+}
+
+impl PendingFetch {
+    /// The rows of the keys asked for, in order, as the walk of the headers found them
+    /// (nothing verified).
+    pub fn rows(&self) -> Vec<&[u8]> {
+        self.rows
+            .iter()
+            .map(|&f| {
+                let frame = &self.data.frames[f];
+                let body = &self.data.bufs[frame.tail][frame.body.clone()];
+                &body[..frame.row_len]
+            })
+            .collect()
+    }
+}
+
+/// How a [`PendingFetch`] ended.
+#[derive(Debug)]
+pub enum FetchOutcome {
+    /// The rows it gave are the keys' rows as the fold indexed them, every check passed.
+    Verified,
+    /// The rows it gave are the keys' rows, and row `index` failed a check: where it lies
+    /// (segment, offset) and what failed.
+    Damaged {
+        index: usize,
+        path: PathBuf,
+        offset: u64,
+        message: String,
+    },
+    /// The rows it gave are not (all) the keys' rows as indexed (or a key was not found):
+    /// fetch again the ordinary way ([`FileStaging::fetch_stored_rows`]).
+    Redo,
+}
+
+/// A segment tail a fold read and checked for the fetch that asked for the fold: that fetch
+/// serves its rows from these bytes instead of reading them again. Never kept past the call.
+struct FoldedTail {
+    segment: usize,
+    /// Segment offset of `buf[0]`.
+    from: u64,
+    buf: Arc<Vec<u8>>,
+    /// Segment offsets of the rows of valid frames whose row checksum matched, ascending.
+    rows_summed: Vec<u64>,
 }
 
 /// Where a visible row lives.
@@ -386,7 +523,10 @@ fn is_emfile(err: &io::Error) -> bool {
 }
 
 impl FileStaging {
-    /// Open (creating if needed) a staging directory and fold in what it holds.
+    /// Open (creating if needed) a staging directory. Nothing of it is read yet: every call
+    /// folds in what it needs first (a fetch of keys this view does not hold, a stage's leader,
+    /// `keys`, `retired`, `damage`), so an open costs the same on any directory and the first
+    /// fetch serves its rows from the bytes its fold reads.
     pub fn open(root: impl Into<PathBuf>) -> Result<Self> {
         Self::open_with(root, None)
     }
@@ -413,7 +553,6 @@ impl FileStaging {
             stats: Mutex::new(CommitStats::default()),
             fds: FdCache::new(1, max_open_files),
         };
-        store.refresh()?;
         Ok(store)
     }
 
@@ -473,13 +612,23 @@ impl FileStaging {
 
     /// Fold in new control lines and new frames of every segment, under the shared lock.
     pub fn refresh(&self) -> Result<()> {
+        self.refresh_keeping(None)
+    }
+
+    /// [`FileStaging::refresh`], keeping the segment tails it reads in `keep`.
+    fn refresh_keeping(&self, keep: Option<&mut Vec<FoldedTail>>) -> Result<()> {
         let _guard = lock(&self.folding);
         let _lock = self.lock_store(LockMode::Shared)?;
-        self.fold_locked()
+        self.fold_keeping(keep)
     }
 
     /// Fold while holding `store.lock` (either mode) and `folding`.
     fn fold_locked(&self) -> Result<()> {
+        self.fold_keeping(None)
+    }
+
+    /// [`FileStaging::fold_locked`], keeping the segment tails it reads in `keep`.
+    fn fold_keeping(&self, mut keep: Option<&mut Vec<FoldedTail>>) -> Result<()> {
         let (control_bytes, start) = {
             let view = self.view_read();
             let start = view.control_end;
@@ -493,7 +642,7 @@ impl FileStaging {
             if view.segments[index].own || view.segments[index].dropped {
                 continue;
             }
-            self.fold_segment(&mut view, index)?;
+            self.fold_segment(&mut view, index, keep.as_deref_mut())?;
         }
         Ok(())
     }
@@ -580,26 +729,57 @@ impl FileStaging {
     }
 
     /// Fold a foreign segment's new valid frames into the index.
-    fn fold_segment(&self, view: &mut View, index: usize) -> Result<()> {
-        let path = view.segments[index].path.clone();
-        let file = match File::open(&path) {
+    fn fold_segment(
+        &self,
+        view: &mut View,
+        index: usize,
+        keep: Option<&mut Vec<FoldedTail>>,
+    ) -> Result<()> {
+        let Some((from, buf)) = self.read_tail(view, index)? else {
+            return Ok(());
+        };
+        let buf = Arc::new(buf);
+        let checks = BodyChecks::ahead(&buf, first_frame(from));
+        self.fold_tail(view, index, from, buf, &checks, keep)
+    }
+
+    /// The bytes of segment `index` past what this view has folded in (`None`: nothing new,
+    /// or the segment is not there), and the segment offset they start at.
+    fn read_tail(&self, view: &View, index: usize) -> Result<Option<(u64, Vec<u8>)>> {
+        let path = &view.segments[index].path;
+        let file = match File::open(path) {
             Ok(file) => file,
             // Registered but not created yet (its writer died in between), or dropped.
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(err) => return Err(StagingError::io("open segment", &path, err)),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(err) => return Err(StagingError::io("open segment", path, err)),
         };
         let len = file
             .metadata()
-            .map_err(|e| StagingError::io("stat segment", &path, e))?
+            .map_err(|e| StagingError::io("stat segment", path, e))?
             .len();
         let from = view.segments[index].scanned;
         if len <= from {
-            return Ok(());
+            return Ok(None);
         }
         let mut buf = vec![0u8; (len - from) as usize];
         file.read_exact_at(&mut buf, from)
-            .map_err(|e| StagingError::io("read segment", &path, e))?;
-        let buf = Arc::new(buf);
+            .map_err(|e| StagingError::io("read segment", path, e))?;
+        Ok(Some((from, buf)))
+    }
+
+    /// Fold in `buf`, segment `index`'s bytes from offset `from` (what [`Self::read_tail`]
+    /// read), under the recovery rule, with the body checks `checks` made ahead where it has
+    /// them; keeps the tail in `keep`.
+    fn fold_tail(
+        &self,
+        view: &mut View,
+        index: usize,
+        from: u64,
+        buf: Arc<Vec<u8>>,
+        checks: &BodyChecks,
+        keep: Option<&mut Vec<FoldedTail>>,
+    ) -> Result<()> {
+        let path = view.segments[index].path.clone();
         let mut at = 0usize;
         if from == 0 {
             if buf.len() < SEGMENT_MAGIC.len() {
@@ -614,14 +794,17 @@ impl FileStaging {
             }
             at = SEGMENT_MAGIC.len();
         }
-        let checks = BodyChecks::ahead(&buf, at);
+        let mut rows_summed = Vec::new();
         loop {
-            while let Some((header, body_end)) = checks.valid_frame(&buf, at) {
+            while let Some((header, body_end, row_summed)) = checks.valid_frame(&buf, at) {
                 let row_at = at + HEADER_LEN;
                 let row = &buf[row_at..row_at + header.row_len as usize];
                 let offset = from + row_at as u64;
                 if header.row_len > 0 {
                     self.index_frame(view, index, &path, row, offset, &header)?;
+                }
+                if row_summed && keep.is_some() {
+                    rows_summed.push(offset);
                 }
                 at = body_end;
             }
@@ -646,6 +829,14 @@ impl FileStaging {
             }
         }
         view.segments[index].scanned = from + at as u64;
+        if let Some(keep) = keep {
+            keep.push(FoldedTail {
+                segment: index,
+                from,
+                buf,
+                rows_summed,
+            });
+        }
         Ok(())
     }
 
@@ -768,6 +959,25 @@ impl FileStaging {
         store_lock.unlock()
     }
 
+    /// Whether the stored frame at `loc`, whose content hash differs from `frame`'s, still
+    /// carries the same call ([`row::same_content`]: the same data in another bytes-like type,
+    /// or an older build's encoding of it). Read from its segment and checked against its
+    /// content hash first; a frame that cannot be read or does not match is not the same.
+    fn stored_same(&self, view: &View, loc: &Loc, frame: &Frame) -> bool {
+        let path = &view.segments[loc.segment].path;
+        let mut files = HashMap::new();
+        let Ok(body) = self.read_span(path, loc.offset, loc.row_len + loc.att_len, &mut files)
+        else {
+            return false;
+        };
+        if sha16(&[&body]) != loc.content {
+            return false;
+        }
+        let (row, attachments) = body.split_at(loc.row_len as usize);
+        let (new_row, new_attachments) = frame.body();
+        row::same_content(row, attachments, new_row, new_attachments)
+    }
+
     fn commit_locked(
         &self,
         batch: Vec<Pending>,
@@ -791,7 +1001,7 @@ impl FileStaging {
         {
             let view = self.view_read();
             epoch = view.control_end;
-            let mut in_batch: HashMap<&str, [u8; 16]> = HashMap::new();
+            let mut in_batch: HashMap<&str, usize> = HashMap::new();
             let mut keep = vec![0u8; batch.len()]; // 0 refuse, 1 write, 2 duplicate of a write
             for (i, pending) in batch.iter().enumerate() {
                 let frame = &pending.frame;
@@ -803,13 +1013,21 @@ impl FileStaging {
                     continue;
                 }
                 if let Some(loc) = view.keys.get(&frame.key) {
-                    keep[i] = if loc.content == frame.content { 3 } else { 0 };
+                    let same = loc.content == frame.content || self.stored_same(&view, loc, frame);
+                    keep[i] = if same { 3 } else { 0 };
                     continue;
                 }
                 match in_batch.get(frame.key.as_str()) {
-                    Some(content) => keep[i] = if *content == frame.content { 2 } else { 0 },
+                    Some(&first) => {
+                        let earlier = &batch[first].frame;
+                        let same = earlier.content == frame.content || {
+                            let ((row_a, att_a), (row_b, att_b)) = (earlier.body(), frame.body());
+                            row::same_content(row_a, att_a, row_b, att_b)
+                        };
+                        keep[i] = if same { 2 } else { 0 };
+                    }
                     None => {
-                        in_batch.insert(&frame.key, frame.content);
+                        in_batch.insert(&frame.key, i);
                         keep[i] = 1;
                     }
                 }
@@ -1170,6 +1388,15 @@ impl FileStaging {
     // ---- reading --------------------------------------------------------------------------
 
     fn locate(&self, keys: &[String]) -> Result<Vec<(Loc, PathBuf)>> {
+        self.locate_keeping(keys, None)
+    }
+
+    /// [`FileStaging::locate`]; a fold it needs keeps the tails it reads in `keep`.
+    fn locate_keeping(
+        &self,
+        keys: &[String],
+        keep: Option<&mut Vec<FoldedTail>>,
+    ) -> Result<Vec<(Loc, PathBuf)>> {
         let found = |view: &View| -> std::result::Result<Vec<(Loc, PathBuf)>, usize> {
             keys.iter()
                 .enumerate()
@@ -1184,7 +1411,7 @@ impl FileStaging {
         if let Ok(locs) = found(&self.view_read()) {
             return Ok(locs);
         }
-        self.refresh()?;
+        self.refresh_keeping(keep)?;
         let view = self.view_read();
         found(&view).map_err(|i| {
             let key = keys[i].clone();
@@ -1241,7 +1468,7 @@ impl FileStaging {
         Ok(self
             .fetch_stored_rows(keys)?
             .into_iter()
-            .map(|row| row.bytes)
+            .map(|row| row.bytes.to_vec())
             .collect())
     }
 
@@ -1252,19 +1479,232 @@ impl FileStaging {
     /// frame's content hash covered the same row bytes plus the attachments, so checking it
     /// too would hash every row twice. At most the segments these keys live in are opened, and
     /// closed again before returning.
+    ///
+    /// When this view does not hold every key, the fold that looks for them reads the new
+    /// tails of the segments; rows in those tails are served from the bytes it read and
+    /// checked (no second read), with `checksum_verified` where the fold's hash pass matched
+    /// the row's checksum too. Rows indexed by an earlier call are read from their segment
+    /// again, so damage after indexing is seen.
     pub fn fetch_stored_rows(&self, keys: &[String]) -> Result<Vec<StoredRow>> {
-        let locs = self.locate(keys)?;
+        let mut tails = Vec::new();
+        let locs = self.locate_keeping(keys, Some(&mut tails))?;
         let mut files: HashMap<PathBuf, File> = HashMap::new();
         let mut rows = Vec::with_capacity(locs.len());
         for (loc, path) in locs {
-            let bytes = self.read_span(&path, loc.offset, loc.row_len, &mut files)?;
+            let end = loc.offset + loc.row_len;
+            let tail = tails.iter().find(|t| {
+                t.segment == loc.segment
+                    && t.from <= loc.offset
+                    && end <= t.from + t.buf.len() as u64
+            });
+            let (bytes, checksum_verified) = match tail {
+                Some(t) => {
+                    let start = (loc.offset - t.from) as usize;
+                    let bytes = RowBytes {
+                        buf: Arc::clone(&t.buf),
+                        range: start..start + loc.row_len as usize,
+                    };
+                    (bytes, t.rows_summed.binary_search(&loc.offset).is_ok())
+                }
+                None => (
+                    RowBytes::from(self.read_span(&path, loc.offset, loc.row_len, &mut files)?),
+                    false,
+                ),
+            };
             rows.push(StoredRow {
                 bytes,
                 path,
                 offset: loc.offset,
+                checksum_verified,
             });
         }
         Ok(rows)
+    }
+
+    /// Begin a fetch of `keys` when this view holds none of them ([`PendingFetch`]): fold in
+    /// the control log, read the new segment tails (both under the shared store lock) and start
+    /// their checks on the helper thread. `None`: the view holds some of the keys, a key is in
+    /// none of the tails read, or nothing new was read; fetch the ordinary way
+    /// ([`FileStaging::fetch_stored_rows`]).
+    pub fn begin_fetch(&self, keys: &[String], with_extras: bool) -> Result<Option<PendingFetch>> {
+        if keys.is_empty() {
+            return Ok(None);
+        }
+        {
+            let view = self.view_read();
+            if keys.iter().any(|key| view.keys.contains_key(key)) {
+                return Ok(None);
+            }
+        }
+        let mut tails = Vec::new();
+        let mut bufs = Vec::new();
+        {
+            let _guard = lock(&self.folding);
+            let _lock = self.lock_store(LockMode::Shared)?;
+            let (control_bytes, start) = {
+                let view = self.view_read();
+                (self.read_control_tail(view.control_end)?, view.control_end)
+            };
+            let mut view = self.view_write();
+            if !control_bytes.is_empty() {
+                self.apply_control(&mut view, &control_bytes, start)?;
+            }
+            for index in 0..view.segments.len() {
+                if view.segments[index].own || view.segments[index].dropped {
+                    continue;
+                }
+                if let Some((from, buf)) = self.read_tail(&view, index)? {
+                    tails.push((index, from));
+                    bufs.push(Arc::new(buf));
+                }
+            }
+        }
+        // The first index of each key asked (keys may repeat).
+        let mut asked: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            asked.entry(key.as_str()).or_insert(i);
+        }
+        let mut found: HashMap<usize, usize> = HashMap::with_capacity(asked.len());
+        let mut frames = Vec::new();
+        for (tail, ((_, from), buf)) in tails.iter().zip(&bufs).enumerate() {
+            let mut at = first_frame(*from);
+            if *from == 0 && buf.get(..SEGMENT_MAGIC.len()) != Some(&SEGMENT_MAGIC[..]) {
+                continue; // torn at creation or not a segment: the fold will say
+            }
+            while let Some((header, body)) = frame_at(buf, at) {
+                let row_len = header.row_len as usize;
+                let row = &buf[body.start..body.start + row_len];
+                let key = row_ids(row).map(|(r, c)| row::staging_key(&r, &c));
+                let first = key
+                    .as_deref()
+                    .and_then(|key| asked.get(key).copied())
+                    .filter(|first| !found.contains_key(first));
+                if let Some(first) = first {
+                    found.insert(first, frames.len());
+                }
+                frames.push(PendingFrame {
+                    tail,
+                    start: at,
+                    body: body.clone(),
+                    row_len,
+                    content: header.content,
+                    asked: first,
+                });
+                at = body.end;
+            }
+        }
+        let Some(rows) = keys
+            .iter()
+            .map(|key| {
+                asked
+                    .get(key.as_str())
+                    .and_then(|first| found.get(first))
+                    .copied()
+            })
+            .collect::<Option<Vec<usize>>>()
+        else {
+            // A key in none of the tails: let the ordinary fetch fold them and answer.
+            let _guard = lock(&self.folding);
+            let mut view = self.view_write();
+            for ((index, from), buf) in tails.into_iter().zip(bufs) {
+                if view.segments[index].scanned == from {
+                    let checks = BodyChecks::ahead(&buf, first_frame(from));
+                    self.fold_tail(&mut view, index, from, buf, &checks, None)?;
+                }
+            }
+            return Ok(None);
+        };
+        let count = frames.len();
+        let data = Arc::new(PendingData {
+            bufs,
+            frames,
+            keys: keys.to_vec(),
+            with_extras,
+        });
+        let checks = Split::start(Arc::clone(&data), count, check_pending);
+        Ok(Some(PendingFetch {
+            tails,
+            rows,
+            data,
+            checks,
+        }))
+    }
+
+    /// End a [`PendingFetch`]: wait for its checks, fold its tails in with them (those no
+    /// other fold of this view took meanwhile), then compare what the fold indexed for each key
+    /// with the row given for it.
+    pub fn finish_fetch(&self, pending: PendingFetch) -> Result<FetchOutcome> {
+        let PendingFetch {
+            tails,
+            rows,
+            data,
+            checks,
+        } = pending;
+        let verdicts = checks.finish();
+        {
+            let _guard = lock(&self.folding);
+            let mut view = self.view_write();
+            for (t, &(index, from)) in tails.iter().enumerate() {
+                if view.segments[index].scanned != from {
+                    continue; // another fold of this view read these bytes meanwhile
+                }
+                let checks = BodyChecks(
+                    data.frames
+                        .iter()
+                        .zip(&verdicts)
+                        .filter(|(frame, _)| frame.tail == t)
+                        .map(|(frame, verdict)| (frame.start, verdict.0))
+                        .collect(),
+                );
+                self.fold_tail(
+                    &mut view,
+                    index,
+                    from,
+                    Arc::clone(&data.bufs[t]),
+                    &checks,
+                    None,
+                )?;
+            }
+        }
+        let view = self.view_read();
+        let mut damaged = None;
+        for (i, (key, &f)) in data.keys.iter().zip(&rows).enumerate() {
+            let frame = &data.frames[f];
+            let (segment, from) = tails[frame.tail];
+            let offset = from + frame.body.start as u64;
+            let indexed = view.keys.get(key).is_some_and(|loc| {
+                loc.segment == segment
+                    && loc.offset == offset
+                    && loc.row_len == frame.row_len as u64
+            });
+            if !indexed {
+                return Ok(FetchOutcome::Redo);
+            }
+            if damaged.is_some() {
+                continue;
+            }
+            let (body, rest) = &verdicts[f];
+            let failure = if !body.row {
+                Some(format!(
+                    "staged row of {key:?} is damaged: the row does not match its checksum"
+                ))
+            } else {
+                match rest {
+                    Some(Err(message)) => Some(message.clone()),
+                    Some(Ok(())) => None,
+                    None => Some(format!("staged row of {key:?} was not verified")),
+                }
+            };
+            if let Some(message) = failure {
+                damaged = Some(FetchOutcome::Damaged {
+                    index: i,
+                    path: view.segments[segment].path.clone(),
+                    offset,
+                    message,
+                });
+            }
+        }
+        Ok(damaged.unwrap_or(FetchOutcome::Verified))
     }
 
     /// The attachments blob of one key.
@@ -1390,7 +1830,50 @@ fn damage_end(buf: &[u8], at: usize, base: u64, damaged_from: u64) -> Option<usi
 /// The frame at `at` if it is complete and both its checksums match: its header and the end
 /// of its body.
 fn valid_frame(buf: &[u8], at: usize) -> Option<(Header, usize)> {
-    BodyChecks::default().valid_frame(buf, at)
+    BodyChecks::default()
+        .valid_frame(buf, at)
+        .map(|(header, end, _)| (header, end))
+}
+
+/// A frame body's checks from one SHA-256 pass: whether it matches the frame's content hash
+/// (SHA-256 of row and attachments) and whether its row matches the row's own checksum
+/// (SHA-256 of the row before its last 16 bytes, which are that checksum: a prefix of what
+/// the content hash covers, so the hasher's state at the prefix's end gives it).
+fn check_body(body: &[u8], row_len: usize, content: &[u8; 16]) -> BodyVerdict {
+    const CHECK: usize = 16;
+    if row_len < CHECK || row_len > body.len() {
+        let content_ok = sha16(&[body]) == *content;
+        return BodyVerdict {
+            content: content_ok,
+            row: false,
+        };
+    }
+    let mut hasher = Sha256::new();
+    hasher.update(&body[..row_len - CHECK]);
+    let row_sum: [u8; 32] = hasher.clone().finalize().into();
+    hasher.update(&body[row_len - CHECK..]);
+    let full: [u8; 32] = hasher.finalize().into();
+    BodyVerdict {
+        content: full[..16] == content[..],
+        row: row_sum[..CHECK] == body[row_len - CHECK..row_len],
+    }
+}
+
+/// What [`check_body`] found.
+#[derive(Debug, Clone, Copy)]
+struct BodyVerdict {
+    content: bool,
+    row: bool,
+}
+
+/// Where a segment tail read from segment offset `from` has its first frame (past the
+/// segment's magic at the start).
+fn first_frame(from: u64) -> usize {
+    if from == 0 {
+        SEGMENT_MAGIC.len()
+    } else {
+        0
+    }
 }
 
 /// The frame at `at` if its header is whole and valid: the header and its body's range.
@@ -1410,7 +1893,7 @@ fn frame_at(buf: &[u8], at: usize) -> Option<(Header, Range<usize>)> {
 /// is valid does not change, only where its body was hashed); a frame not found here is
 /// checked when it is reached.
 #[derive(Default)]
-struct BodyChecks(Vec<(usize, bool)>);
+struct BodyChecks(Vec<(usize, BodyVerdict)>);
 
 impl BodyChecks {
     /// Tails shorter than this are checked on the folding thread only.
@@ -1424,29 +1907,29 @@ impl BodyChecks {
         let mut at = from;
         while let Some((header, body)) = frame_at(buf, at) {
             let start = std::mem::replace(&mut at, body.end);
-            frames.push((start, body, header.content));
+            frames.push((start, body, header.content, header.row_len as usize));
         }
-        let starts: Vec<usize> = frames.iter().map(|(start, _, _)| *start).collect();
+        let starts: Vec<usize> = frames.iter().map(|(start, ..)| *start).collect();
         let split = Split::start(
             (Arc::clone(buf), frames),
             starts.len(),
             |(buf, frames), i| {
-                let (_, body, content) = &frames[i];
-                sha16(&[&buf[body.clone()]]) == *content
+                let (_, body, content, row_len) = &frames[i];
+                check_body(&buf[body.clone()], *row_len, content)
             },
         );
         BodyChecks(starts.into_iter().zip(split.finish()).collect())
     }
 
-    /// [`valid_frame`], with the body checksum taken from the checks made ahead when there
-    /// is one for `at`.
-    fn valid_frame(&self, buf: &[u8], at: usize) -> Option<(Header, usize)> {
+    /// [`valid_frame`], with the body checks taken from those made ahead when there are
+    /// some for `at`; also whether the row matched its own checksum ([`check_body`]).
+    fn valid_frame(&self, buf: &[u8], at: usize) -> Option<(Header, usize, bool)> {
         let (header, body) = frame_at(buf, at)?;
-        let valid = match self.0.binary_search_by_key(&at, |(start, _)| *start) {
+        let verdict = match self.0.binary_search_by_key(&at, |(start, _)| *start) {
             Ok(i) => self.0[i].1,
-            Err(_) => sha16(&[&buf[body.clone()]]) == header.content,
+            Err(_) => check_body(&buf[body.clone()], header.row_len as usize, &header.content),
         };
-        valid.then_some((header, body.end))
+        verdict.content.then_some((header, body.end, verdict.row))
     }
 }
 
@@ -1497,6 +1980,203 @@ mod tests {
             digest: d,
             extras: None,
         }
+    }
+
+    #[test]
+    fn a_first_fetch_serves_the_rows_its_fold_read_and_summed() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = FileStaging::open(dir.path()).unwrap();
+        let calls: Vec<StagedCall> = (0..3)
+            .map(|i| call("r", &format!("c{i}"), vec![i, i + 1]))
+            .collect();
+        for c in &calls {
+            a.stage(Frame::new(c, b"att")).unwrap();
+        }
+        let keys: Vec<String> = calls.iter().map(StagedCall::key).collect();
+        let b = FileStaging::open(dir.path()).unwrap();
+        assert!(b.view_read().keys.is_empty(), "an open reads nothing");
+        let first = b.fetch_stored_rows(&keys).unwrap();
+        assert!(first.iter().all(|r| r.checksum_verified));
+        // One buffer (the fold's), no second read.
+        assert!(first
+            .windows(2)
+            .all(|w| Arc::ptr_eq(&w[0].bytes.buf, &w[1].bytes.buf)));
+        for (row, c) in first.iter().zip(&calls) {
+            assert_eq!(row::decode_verified(&row.bytes).unwrap(), *c);
+            row::verify_stored_summed(&row.bytes, &c.key(), true).unwrap();
+        }
+        // Indexed now: read from the segment again, every check left to the caller.
+        let again = b.fetch_stored_rows(&keys).unwrap();
+        assert!(again.iter().all(|r| !r.checksum_verified));
+        assert_eq!(again[1].bytes.to_vec(), first[1].bytes.to_vec());
+    }
+
+    #[test]
+    fn a_pending_fetch_builds_from_rows_it_checks_while_folding() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = FileStaging::open(dir.path()).unwrap();
+        let calls: Vec<StagedCall> = (0..4)
+            .map(|i| call("r", &format!("c{i}"), vec![i, i + 1, i + 2]))
+            .collect();
+        for c in &calls {
+            a.stage(Frame::new(c, b"att")).unwrap();
+        }
+        let keys: Vec<String> = [2, 0, 2, 3].iter().map(|&i| calls[i].key()).collect();
+        // A fresh view: the rows as the header walk found them, then verified and indexed.
+        let b = FileStaging::open(dir.path()).unwrap();
+        let pending = b
+            .begin_fetch(&keys, true)
+            .unwrap()
+            .expect("a fresh view folds");
+        let rows: Vec<Vec<u8>> = pending.rows().iter().map(|r| r.to_vec()).collect();
+        for (row, &i) in rows.iter().zip(&[2, 0, 2, 3]) {
+            assert_eq!(row::decode_verified(row).unwrap(), calls[i]);
+        }
+        assert!(matches!(
+            b.finish_fetch(pending).unwrap(),
+            FetchOutcome::Verified
+        ));
+        assert_eq!(b.keys(None).unwrap().len(), 4);
+        // Indexed now: the ordinary fetch.
+        assert!(b.begin_fetch(&keys, false).unwrap().is_none());
+        // Another fold of the same view between begin and finish: still the rows indexed.
+        let c = FileStaging::open(dir.path()).unwrap();
+        let pending = c.begin_fetch(&keys[..1], false).unwrap().unwrap();
+        c.refresh().unwrap();
+        assert!(matches!(
+            c.finish_fetch(pending).unwrap(),
+            FetchOutcome::Verified
+        ));
+        // A key in no tail: the ordinary fetch answers (and the tails are folded in).
+        let d = FileStaging::open(dir.path()).unwrap();
+        let unknown = vec!["r/nope".to_string()];
+        assert!(d.begin_fetch(&unknown, false).unwrap().is_none());
+        assert_eq!(d.view_read().keys.len(), 4);
+        assert!(matches!(
+            d.fetch_stored_rows(&unknown),
+            Err(StagingError::UnknownKey(_))
+        ));
+    }
+
+    #[test]
+    fn a_pending_fetch_refuses_a_row_whose_checks_fail() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = FileStaging::open(dir.path()).unwrap();
+        let calls: Vec<StagedCall> = (0..3)
+            .map(|i| call("r", &format!("c{i}"), vec![i, 7]))
+            .collect();
+        for c in &calls {
+            a.stage(Frame::new(c, b"")).unwrap();
+        }
+        let keys: Vec<String> = calls.iter().map(StagedCall::key).collect();
+        let rows = a.fetch_stored_rows(&keys).unwrap();
+        let seg = dir.path().join(&a.segment_names()[0]);
+        // Damage a token id of c1's row, with the frame's content hash (and header check)
+        // recomputed: the fold takes the frame, the row's checksum does not match.
+        let mut bytes = std::fs::read(&seg).unwrap();
+        let row_at = rows[1].offset as usize;
+        let row_len = rows[1].bytes.len();
+        let header_at = row_at - HEADER_LEN;
+        bytes[row_at + row_len - 40] ^= 1;
+        let content = sha16(&[&bytes[row_at..row_at + row_len]]);
+        bytes[header_at + 32..header_at + 48].copy_from_slice(&content);
+        let check = sha16(&[&bytes[header_at..header_at + CHECKED_LEN]]);
+        bytes[header_at + CHECKED_LEN..header_at + HEADER_LEN].copy_from_slice(&check[..8]);
+        std::fs::write(&seg, &bytes).unwrap();
+        let b = FileStaging::open(dir.path()).unwrap();
+        let pending = b.begin_fetch(&keys, false).unwrap().unwrap();
+        match b.finish_fetch(pending).unwrap() {
+            FetchOutcome::Damaged {
+                index,
+                offset,
+                message,
+                ..
+            } => {
+                assert_eq!((index, offset), (1, rows[1].offset));
+                assert!(
+                    message.contains("r/c1") && message.contains("checksum"),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn one_body_pass_checks_content_and_row() {
+        let c = call("r", "c1", vec![1, 2, 3]);
+        let row = row::encode_row(&c);
+        let frame = Frame::new(&c, b"attachments");
+        let body = &frame.bytes[HEADER_LEN..];
+        let verdict = check_body(body, row.len(), &frame.content);
+        assert!(verdict.content && verdict.row);
+        // A row whose checksum no longer matches, under a recomputed content hash.
+        let mut damaged = body.to_vec();
+        damaged[10] ^= 1;
+        let content = sha16(&[&damaged]);
+        let verdict = check_body(&damaged, row.len(), &content);
+        assert!(verdict.content && !verdict.row);
+        // Damaged attachments: the content hash fails, the row is still its own.
+        let mut damaged = body.to_vec();
+        *damaged.last_mut().unwrap() ^= 1;
+        let verdict = check_body(&damaged, row.len(), &frame.content);
+        assert!(!verdict.content && verdict.row);
+    }
+
+    #[test]
+    fn restage_of_the_same_call_in_another_encoding_is_idempotent() {
+        use row::{Attachment, AttachmentKind};
+        let dir = tempfile::tempdir().unwrap();
+        let a = FileStaging::open(dir.path()).unwrap();
+        let bytes = row::encode_attachments(&[Attachment {
+            name: "a".into(),
+            kind: AttachmentKind::Bytes,
+            format: String::new(),
+            dtype: String::new(),
+            shape: None,
+            buffers: vec![b"abc".to_vec()],
+        }]);
+        let bytearray = row::encode_attachments(&[Attachment {
+            name: "a".into(),
+            kind: AttachmentKind::Buffer,
+            format: "B".into(),
+            dtype: String::new(),
+            shape: Some(vec![3]),
+            buffers: vec![b"abc".to_vec()],
+        }]);
+        // An older build's `attachments={}`: an empty list, sealed.
+        let old_empty = row::encode_attachments(&[]);
+        let c1 = call("r", "c1", vec![1, 2, 3]);
+        let c2 = call("r", "c2", vec![4]);
+        a.stage(Frame::new(&c1, &bytearray)).unwrap();
+        a.stage(Frame::new(&c2, &old_empty)).unwrap();
+        a.stage(Frame::new(&c1, &bytes)).unwrap();
+        a.stage(Frame::new(&c2, b"")).unwrap();
+        assert!(matches!(
+            a.stage(Frame::new(&c2, &bytes)),
+            Err(StagingError::Conflict(_))
+        ));
+        // From another instance too, and within one batch.
+        let b = FileStaging::open(dir.path()).unwrap();
+        b.stage(Frame::new(&c1, &bytes)).unwrap();
+        b.stage(Frame::new(&c2, b"")).unwrap();
+        let c3 = call("r", "c3", vec![5]);
+        let slots = [Arc::new(Slot::default()), Arc::new(Slot::default())];
+        let batch = vec![
+            Pending {
+                frame: Frame::new(&c3, &bytes),
+                slot: Arc::clone(&slots[0]),
+            },
+            Pending {
+                frame: Frame::new(&c3, &bytearray),
+                slot: Arc::clone(&slots[1]),
+            },
+        ];
+        b.commit(batch, &mut None, None);
+        for slot in &slots {
+            assert!(matches!(lock(&slot.result).take(), Some(Ok(()))));
+        }
+        assert_eq!(b.keys(None).unwrap().len(), 3);
     }
 
     #[test]
