@@ -43,6 +43,7 @@ pub mod log;
 pub mod pool;
 pub mod ring;
 pub mod split;
+pub mod spread;
 pub mod staging;
 pub mod state;
 pub mod store;

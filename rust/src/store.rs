@@ -45,6 +45,7 @@ use crate::log::{
     reserve_past,
 };
 use crate::ring::{LineBytes, Ring, Shared, CHUNK_BYTES};
+use crate::spread;
 use crate::state::{self, State};
 
 /// Longest accepted rollout id: the longest file name we derive from it must fit in 255 bytes.
@@ -1436,12 +1437,15 @@ impl Store {
         // read, before it builds the next (so the verifying thread can verify and start the
         // freeze's syncs while the last lines are built), and this one once `decode` returns.
         let board = DigestBoard::default();
+        let split = spread::Split::begin();
+        let splitting = &split;
         let (verified, decoded) = std::thread::scope(|scope| {
             let (sink, feed) = tape_channel(TAPES_AHEAD);
             let feed = feed.with_side_work(&board);
             let board = &board;
             let ring = &mut ring;
             let verifying = scope.spawn(move || {
+                let _cores = splitting.enter_helper();
                 let add = |chunk: &Shared, range| board.add(LineBytes::Chunk(chunk.clone(), range));
                 let (lines, call_ids) =
                     stream_taped_lines(file, len, ring, &sink, add, || board.step())
@@ -1462,6 +1466,7 @@ impl Store {
             while board.step() {}
             (verifying.join().expect("freeze thread"), decoded)
         });
+        drop(split);
         self.keep_ring(ring);
         let (settled, lines) = verified?;
         Ok((settled.into_snapshot(Vec::new()), lines, decoded))
@@ -1781,11 +1786,14 @@ impl Store {
             return Ok((Records { buf, lines }, ranges, decoded));
         }
         let mut ring = self.ring();
+        let split = spread::Split::begin();
+        let splitting = &split;
         let (read, decoded) = std::thread::scope(|scope| {
             let (sink, feed) = tape_channel(TAPES_AHEAD);
             let log = &log;
             let ring = &mut ring;
             let reading = scope.spawn(move || {
+                let _cores = splitting.enter_helper();
                 let (lines, call_ids) =
                     stream_taped_lines(log, len, ring, &sink, |_, _| {}, || false)
                         .ctx("read log", &paths.log)?;
@@ -1802,6 +1810,7 @@ impl Store {
             let decoded = decode(LinesToDecode::Taped(feed));
             (reading.join().expect("read thread"), decoded)
         });
+        drop(split);
         self.keep_ring(ring);
         let (lines, ranges) = read?;
         let records = Records {
@@ -2182,8 +2191,13 @@ fn scan_lines<'b>(log: &LogLines<'b>, indexed: u64, scan: Scan) -> Vec<ScannedLi
         let half = log.len / 2;
         let split = whole.partition_point(|&(offset, _)| offset < half).max(1);
         let (first, second) = whole.split_at(split);
+        let split = spread::Split::begin();
+        let splitting = &split;
         std::thread::scope(|scope| {
-            let other = scope.spawn(|| work(second));
+            let other = scope.spawn(move || {
+                let _cores = splitting.enter_helper();
+                work(second)
+            });
             let mut results = work(first);
             results.extend(other.join().expect("scan thread"));
             results
