@@ -2191,8 +2191,8 @@ fn scan_lines<'b>(log: &LogLines<'b>, indexed: u64, scan: Scan) -> Vec<ScannedLi
         let half = log.len / 2;
         let split = whole.partition_point(|&(offset, _)| offset < half).max(1);
         let (first, second) = whole.split_at(split);
-        let split = spread::Split::begin();
-        let splitting = &split;
+        let cores = spread::Split::begin();
+        let splitting = &cores;
         std::thread::scope(|scope| {
             let other = scope.spawn(move || {
                 let _cores = splitting.enter_helper();
