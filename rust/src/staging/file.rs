@@ -627,17 +627,23 @@ impl FileStaging {
         self.fold_keeping(None)
     }
 
-    /// [`FileStaging::fold_locked`], keeping the segment tails it reads in `keep`.
-    fn fold_keeping(&self, mut keep: Option<&mut Vec<FoldedTail>>) -> Result<()> {
+    /// Fold in the control log's lines past this view's end (callers hold the store lock);
+    /// gives back the view, write-locked, for the segments' tails next.
+    fn fold_control(&self) -> Result<std::sync::RwLockWriteGuard<'_, View>> {
         let (control_bytes, start) = {
             let view = self.view_read();
-            let start = view.control_end;
-            (self.read_control_tail(start)?, start)
+            (self.read_control_tail(view.control_end)?, view.control_end)
         };
         let mut view = self.view_write();
         if !control_bytes.is_empty() {
             self.apply_control(&mut view, &control_bytes, start)?;
         }
+        Ok(view)
+    }
+
+    /// [`FileStaging::fold_locked`], keeping the segment tails it reads in `keep`.
+    fn fold_keeping(&self, mut keep: Option<&mut Vec<FoldedTail>>) -> Result<()> {
+        let mut view = self.fold_control()?;
         for index in 0..view.segments.len() {
             if view.segments[index].own || view.segments[index].dropped {
                 continue;
@@ -1541,14 +1547,7 @@ impl FileStaging {
         {
             let _guard = lock(&self.folding);
             let _lock = self.lock_store(LockMode::Shared)?;
-            let (control_bytes, start) = {
-                let view = self.view_read();
-                (self.read_control_tail(view.control_end)?, view.control_end)
-            };
-            let mut view = self.view_write();
-            if !control_bytes.is_empty() {
-                self.apply_control(&mut view, &control_bytes, start)?;
-            }
+            let view = self.fold_control()?;
             for index in 0..view.segments.len() {
                 if view.segments[index].own || view.segments[index].dropped {
                     continue;
