@@ -3,9 +3,28 @@ native-backed store and the pure-Python reference so the two cannot drift apart.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tokencapture.validation import validate_rollout_id
+
+
+def complete_lines(path: Path) -> list[bytes]:
+    """The newline-terminated lines of a rollout's file (a torn last line was never
+    acknowledged, so it is not one), or [] when the file is missing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    try:  # os.read, not Path.read_bytes: half the cost on a gateway call's path (~4 us)
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    end = data.rfind(b"\n") + 1
+    return data[:end].split(b"\n")[:-1] if end else []
 
 
 class RolloutFiles:

@@ -12,12 +12,12 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from tokencapture.lineage import FileLineageStore
 from tokencapture.protocols import LineageResolution
 from tokencapture.records import TokenEntry
+from tokencapture.rollout_files import complete_lines
 from tokencapture.store import TokenCaptureStore
 
 __all__ = ["Backend", "open_backend"]
@@ -74,7 +74,8 @@ class Backend:
         if self.kind == "postgres":
             entry: TokenEntry | None = await store.read_entry_async(rollout_id, model_call_id)
             return entry
-        if not _has_intent(store.intents_path_for(rollout_id), model_call_id):
+        intents = complete_lines(store.intents_path_for(rollout_id))
+        if model_call_id.encode("utf-8") not in intents:
             return None
         try:
             entries = await asyncio.to_thread(store.read_entries, rollout_id)
@@ -92,7 +93,12 @@ class Backend:
         """
         if mark:
             try:
-                await self._mark(rollout_id, model_call_id)
+                # Unless the rollout is frozen or retired: then the call was in flight when the
+                # trainer froze it, and the freeze already judged it (its intent has no entry,
+                # so the snapshot is incomplete); a mark now would only move the snapshot's
+                # version, and the trainer's `drop` of it would fail. Both stores check and
+                # mark at once (under the rollout's lock, or its row lock).
+                await self.store.mark_incomplete_if_open(rollout_id, model_call_id)
             except Exception:
                 logger.exception(
                     "could not mark call %r of %r incomplete", model_call_id, rollout_id
@@ -103,14 +109,6 @@ class Backend:
             logger.exception(
                 "could not record the failure of call %r of %r", model_call_id, rollout_id
             )
-
-    async def _mark(self, rollout_id: str, model_call_id: str) -> None:
-        """Mark the call incomplete, unless its rollout is frozen or retired: then the call
-        was in flight when the trainer froze it, and the freeze already judged it (its intent
-        has no entry, so the snapshot is incomplete). A mark now would only move the
-        snapshot's version, and the trainer's `drop` of it would fail. Both stores make the
-        check and the mark at once (under the rollout's lock, or its row lock)."""
-        await self.store.mark_incomplete_if_open(rollout_id, model_call_id)
 
     async def entries(self, rollout_id: str) -> tuple[list[TokenEntry], bool]:
         """The rollout's committed entries and its incomplete flag (for the operator summary)."""
@@ -141,11 +139,8 @@ class Backend:
             found = store.inspect(rollout_id)
             if found is None:
                 return {"state": "empty", "intents": []}
-            try:
-                raw = store.intents_path_for(rollout_id).read_bytes()
-            except FileNotFoundError:
-                raw = b""
-            intents = [line.decode("utf-8", "replace") for line in raw.split(b"\n") if line]
+            lines = complete_lines(store.intents_path_for(rollout_id))
+            intents = [line.decode("utf-8", "replace") for line in lines if line]
             return {"state": _state_name(found["frozen"], found["retired"]), "intents": intents}
 
         return await asyncio.to_thread(read)
@@ -156,21 +151,6 @@ class Backend:
                 await part.close()
             except Exception:  # pragma: no cover - closing is best effort
                 logger.exception("closing %r failed", part)
-
-
-def _has_intent(path: Path, model_call_id: str) -> bool:
-    """Whether the intents file at `path` (one call id a line) holds `model_call_id`."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return b"\n" + model_call_id.encode("utf-8") + b"\n" in b"\n" + b"".join(chunks)
 
 
 def _state_name(frozen: object, retired: object) -> str:

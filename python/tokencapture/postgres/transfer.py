@@ -21,6 +21,7 @@ import orjson
 from tokencapture import _core
 from tokencapture.postgres._client import Client
 from tokencapture.protocols import TokenCaptureCorruptionError
+from tokencapture.rollout_files import complete_lines
 from tokencapture.store import TokenCaptureStore, validate_rollout_id
 
 __all__ = [
@@ -63,16 +64,6 @@ class RolloutImage:
         }
 
 
-def _complete_lines(path: Path) -> list[bytes]:
-    """The newline-terminated lines of a file (a torn last line is not one), or []."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    end = data.rfind(b"\n") + 1
-    return data[:end].split(b"\n")[:-1] if end else []
-
-
 # Directories ------------------------------------------------------------------------------------
 
 
@@ -102,7 +93,7 @@ def export_from_directory(store: TokenCaptureStore, rollout_id: str) -> RolloutI
         )
         digests: dict[str, str] = state["entry_digests"]
         seen: set[str] = set()
-        for line in _complete_lines(store.path_for(rollout_id)):
+        for line in complete_lines(store.path_for(rollout_id)):
             call_id = orjson.loads(line)["model_call_id"]
             digest = _core.payload_digest(line)
             if call_id in seen or digests.get(call_id) != digest:
@@ -114,11 +105,11 @@ def export_from_directory(store: TokenCaptureStore, rollout_id: str) -> RolloutI
                 f"{store.path_for(rollout_id)}: the log holds {len(seen)} of the "
                 f"{len(digests)} indexed entries"
             )
-        for raw in _complete_lines(store.intents_path_for(rollout_id)):
+        for raw in complete_lines(store.intents_path_for(rollout_id)):
             intent = raw.strip(b" \t\n\x0b\x0c\r")
             if intent and intent not in image.intents:
                 image.intents.append(intent)
-        image.markers = _complete_lines(store.incomplete_path_for(rollout_id))
+        image.markers = complete_lines(store.incomplete_path_for(rollout_id))
     return image
 
 
