@@ -171,7 +171,8 @@ CASES = [
 
 
 EXPECTED = {
-    "TokenCaptureStore": "put begin_call mark_incomplete mark_incomplete_if_open freeze drop"
+    "TokenCaptureStore": "put begin_call begin_call_unless_stored mark_incomplete"
+    " mark_incomplete_if_open freeze drop"
     " retire delete close",
     "reference.TokenCaptureStore": "put begin_call mark_incomplete freeze drop retire delete close",
     "FileLineageStore": "resolve close",

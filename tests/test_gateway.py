@@ -905,19 +905,22 @@ async def test_rollout_frozen_while_the_call_is_in_flight_keeps_its_snapshot_dro
 
 
 async def test_a_reused_call_id_is_a_409_conflict(gw: Harness) -> None:
-    """The same X-Model-Call-Id for a second, different generation: the store keeps the first
-    and refuses the second (marking the rollout incomplete, its rule for a conflict); the
-    gateway withholds the answer with 409 `model_call_id_conflict`: a retry with the same id
-    can never succeed, so not a 503 that a client's retry policy would repeat."""
+    """The same X-Model-Call-Id for a second, different request once the first is stored: the
+    intent step finds the stored entry, the requests differ, so the gateway answers 409
+    `model_call_id_conflict` before anything is dispatched, written or marked (a retry with
+    the same id can never succeed, so not a 503 that a client's retry policy would repeat;
+    and no generation reached the agent uncaptured, so the rollout stays whole)."""
     first = await gw.chat("r1", [_user("one")], call="same")
     assert first.status_code == 200
     second = await gw.chat("r1", [_user("two")], call="same")
     assert second.status_code == 409
     assert second.json()["error"]["type"] == "model_call_id_conflict"
-    assert gw.fake.calls == 2
+    assert gw.fake.calls == 1
     [entry] = gw.store.read_entries("r1")
     assert entry.output_items[0]["content"] == first.json()["choices"][0]["message"]["content"]
-    assert gw.store.freeze_now("r1").incomplete
+    assert gw.store.state_path_for("r1").exists()
+    assert gw.store.intents_path_for("r1").read_bytes() == b"same\n"
+    assert not gw.store.freeze_now("r1").incomplete
 
 
 async def test_an_empty_rollout_header_is_refused_not_passed_through(gw: Harness) -> None:
@@ -1167,8 +1170,9 @@ async def test_a_completions_retry_is_answered_from_the_store(gw: Harness) -> No
     assert [t for c in stream for t in c["choices"][0].get("token_ids") or ()] == was["token_ids"]
     assert [c["choices"][0]["finish_reason"] for c in stream] == [None, "length"]
     other = await gw.client.post(url, json={**body, "prompt": [40, 41]}, headers=headers)
-    assert other.status_code == 409  # another prompt under the id: a reused id, as before
-    assert len(gw.fake.requests) == seen + 1
+    assert other.status_code == 409  # another prompt under the id: a reused id
+    assert other.json()["error"]["type"] == "model_call_id_conflict"
+    assert len(gw.fake.requests) == seen  # refused before it went to the engine
 
 
 async def test_a_retry_whose_call_has_only_an_intent_goes_to_the_engine(gw: Harness) -> None:
@@ -1187,8 +1191,8 @@ async def test_a_retry_whose_call_has_only_an_intent_goes_to_the_engine(gw: Harn
 
 async def test_an_entry_the_gateway_did_not_write_is_not_replayed(gw: Harness) -> None:
     """An entry stored under the call id by another writer (no output item, say) is not an
-    answer the gateway can rebuild: the call goes to the engine, as before replays, and the
-    store refuses the other generation (409)."""
+    answer the gateway can rebuild: the call is refused as a reused id (409), before it goes
+    to the engine."""
     await gw.store.begin_call("r1", "x")
     gw.store.append(
         TokenEntry(
@@ -1208,4 +1212,4 @@ async def test_an_entry_the_gateway_did_not_write_is_not_replayed(gw: Harness) -
     )
     assert answer.status_code == 409
     assert answer.json()["error"]["type"] == "model_call_id_conflict"
-    assert gw.fake.calls == 1
+    assert gw.fake.calls == 0

@@ -29,8 +29,8 @@ def test_held_jobs_wait_for_the_release_and_run_in_order(tmp_path: Path) -> None
     assert not completions.holding()
     completions.hold()
     assert completions.holding()
-    store._native.submit_begin_call(completions, 1, "held", "first")
-    store._native.submit_begin_call(completions, 2, "held", "second")
+    store._native.submit_begin_call(completions, 1, "held", "first", False)
+    store._native.submit_begin_call(completions, 2, "held", "second", False)
     time.sleep(0.3)  # ample for two intents, were they running
     assert completions.drain() == []
     assert list(tmp_path.iterdir()) == []
@@ -38,23 +38,23 @@ def test_held_jobs_wait_for_the_release_and_run_in_order(tmp_path: Path) -> None
     assert not completions.holding()
     done = _drained(completions, 2)
     assert [(token, value, failed) for token, value, failed in done] == [
-        (1, None, False),
-        (2, None, False),
+        (1, False, False),
+        (2, False, False),
     ]
     intents = next(tmp_path.glob("held*intents*")).read_bytes()
     assert intents.index(b"first") < intents.index(b"second")
     assert completions.release() == 0  # nothing held: nothing to do
     # Not holding: a job runs at once.
-    store._native.submit_begin_call(completions, 3, "held", "third")
-    assert _drained(completions, 1) == [(3, None, False)]
+    store._native.submit_begin_call(completions, 3, "held", "third", False)
+    assert _drained(completions, 1) == [(3, False, False)]
 
 
 def test_a_failing_held_job_does_not_stop_the_next(tmp_path: Path) -> None:
     store = TokenCaptureStore(tmp_path)
     completions = _core.Completions()
     completions.hold()
-    store._native.submit_begin_call(completions, 1, "../refused", "call")
-    store._native.submit_begin_call(completions, 2, "after", "call")
+    store._native.submit_begin_call(completions, 1, "../refused", "call", False)
+    store._native.submit_begin_call(completions, 2, "after", "call", False)
     completions.release()
     done = _drained(completions, 2)
     assert [(token, failed) for token, _, failed in done] == [(1, True), (2, False)]
@@ -75,7 +75,7 @@ async def test_start_together_holds_exactly_the_first_steps_of_its_coroutines(
 
     async def intent(call: str) -> None:
         seen[call] = completions.holding()
-        await native_job(store._native.submit_begin_call, "together", call)
+        await native_job(store._native.submit_begin_call, "together", call, False)
         seen[call + " after"] = completions.holding()
 
     before = asyncio.ensure_future(look("before"))

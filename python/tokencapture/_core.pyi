@@ -94,7 +94,12 @@ class Store:
         self, completions: Completions, token: int, rollout_id: str, model_call_id: str, line: bytes
     ) -> None: ...
     def submit_begin_call(
-        self, completions: Completions, token: int, rollout_id: str, model_call_id: str
+        self,
+        completions: Completions,
+        token: int,
+        rollout_id: str,
+        model_call_id: str,
+        unless_stored: bool,
     ) -> None: ...
     def submit_mark_incomplete(
         self, completions: Completions, token: int, rollout_id: str, line: bytes, only_open: bool

@@ -180,23 +180,47 @@ class TokenCaptureStore(RolloutFiles):
         with self._operation("begin_call", rollout_id):
             self._native.begin_call(rollout_id, model_call_id)
 
-    def begin_call(self, rollout_id: str, model_call_id: str) -> Coroutine[Any, Any, None]:
-        """Durably record that a captured call is about to be dispatched.
-
-        An intent with no entry at freeze masks the rollout. The ids are checked when this is
-        called (`TypeError` / `ValueError`), the intent is written when it is awaited.
-        """
+    def _check_intent(self, rollout_id: str, model_call_id: str) -> None:
+        """The ids of a `begin_call`, checked when it is called (refusals counted as its)."""
         try:
             validate_rollout_id(rollout_id)
             check_call_id(model_call_id)
         except BaseException as exc:
             self._refused("begin_call", rollout_id, exc)
             raise
+
+    def begin_call(self, rollout_id: str, model_call_id: str) -> Coroutine[Any, Any, None]:
+        """Durably record that a captured call is about to be dispatched.
+
+        An intent with no entry at freeze masks the rollout. The ids are checked when this is
+        called (`TypeError` / `ValueError`), the intent is written when it is awaited.
+        """
+        self._check_intent(rollout_id, model_call_id)
         return self._begin_call_job(rollout_id, model_call_id)
 
     async def _begin_call_job(self, rollout_id: str, model_call_id: str) -> None:
         with self._operation("begin_call", rollout_id):
-            await native_job(self._native.submit_begin_call, rollout_id, model_call_id)
+            await native_job(self._native.submit_begin_call, rollout_id, model_call_id, False)
+
+    def begin_call_unless_stored(
+        self, rollout_id: str, model_call_id: str
+    ) -> Coroutine[Any, Any, bool]:
+        """`begin_call`, unless the rollout already holds an entry of this call id: then
+        nothing is written and the awaited result is True (also once the rollout is frozen).
+
+        For a retry of a call whose answer was lost (the capture gateway's replays): the check
+        and the intent are one step under the rollout's lock, so the caller reads nothing
+        before deciding whether to dispatch. Checked and refused as `begin_call` is.
+        """
+        self._check_intent(rollout_id, model_call_id)
+        return self._begin_call_unless_stored_job(rollout_id, model_call_id)
+
+    async def _begin_call_unless_stored_job(self, rollout_id: str, model_call_id: str) -> bool:
+        with self._operation("begin_call", rollout_id):
+            stored: bool = await native_job(
+                self._native.submit_begin_call, rollout_id, model_call_id, True
+            )
+            return stored
 
     def _mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Synchronous `mark_incomplete` (the reference's name)."""

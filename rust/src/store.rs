@@ -1325,12 +1325,41 @@ impl Store {
         validate_rollout_id(rollout_id)?;
         validate_call_id(call_id)?;
         self.exclusive(rollout_id, Uses::State, |cached, paths| {
-            check_writable(rollout_id, &cached.state)?;
-            if self.append_marker(&paths.intents, call_id.as_bytes())? {
-                self.sync_dir()?;
-            }
-            Ok(())
+            self.append_intent(rollout_id, call_id, cached, paths)
         })
+    }
+
+    /// [`Store::begin_call`], unless the rollout already holds an entry of `call_id` (a retry
+    /// of a call whose answer was lost): then nothing is written and `true` comes back, also
+    /// once the rollout is frozen. The check and the intent are one step under the rollout's
+    /// lock, against the log as every process has written it, so a caller needs no read of
+    /// its own before deciding whether to dispatch.
+    pub fn begin_call_unless_stored(&self, rollout_id: &str, call_id: &str) -> Result<bool> {
+        validate_rollout_id(rollout_id)?;
+        validate_call_id(call_id)?;
+        self.exclusive(rollout_id, Uses::Log, |cached, paths| {
+            self.fold_tail(cached, paths)?;
+            if cached.state.entry_digests.contains_key(call_id) {
+                return Ok(true);
+            }
+            self.append_intent(rollout_id, call_id, cached, paths)
+                .map(|()| false)
+        })
+    }
+
+    /// Append and sync `call_id`'s intent line (the rollout's lock held exclusively).
+    fn append_intent(
+        &self,
+        rollout_id: &str,
+        call_id: &str,
+        cached: &Cached,
+        paths: &RolloutPaths,
+    ) -> Result<()> {
+        check_writable(rollout_id, &cached.state)?;
+        if self.append_marker(&paths.intents, call_id.as_bytes())? {
+            self.sync_dir()?;
+        }
+        Ok(())
     }
 
     /// Durably record that a call of this rollout failed to capture. `line` is the call id as
@@ -2422,6 +2451,43 @@ mod tests {
         let live = store.paths("live");
         assert!(live.intents.exists() && live.lock.exists());
         assert!(store.sweep_retired(later, false).unwrap().is_empty());
+    }
+
+    #[test]
+    fn begin_call_unless_stored_writes_no_intent_for_a_call_already_stored() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        let line = |call: &str| format!(r#"{{"model_call_id":"{call}","n":1}}"#).into_bytes();
+        let intents = |store: &Store| std::fs::read(store.paths("r").intents).unwrap();
+        assert!(!store.begin_call_unless_stored("r", "c1").unwrap());
+        assert_eq!(intents(&store), b"c1\n");
+        store.put("r", "c1", &line("c1")).unwrap();
+        assert!(store.begin_call_unless_stored("r", "c1").unwrap());
+        assert_eq!(
+            intents(&store),
+            b"c1\n",
+            "a stored call's retry wrote an intent"
+        );
+        // Another process's put (another store on the directory) is seen: the log is folded.
+        let other = Store::open(dir.path(), 8).unwrap();
+        other.begin_call("r", "c2").unwrap();
+        other.put("r", "c2", &line("c2")).unwrap();
+        assert!(store.begin_call_unless_stored("r", "c2").unwrap());
+        assert!(!store.begin_call_unless_stored("r", "c3").unwrap());
+        assert_eq!(intents(&store), b"c1\nc2\nc3\n");
+        // Frozen: a stored call is still found (its answer can be given again), a new one is
+        // refused as begin_call refuses it; retired: nothing is stored any more.
+        store.freeze("r").unwrap();
+        assert!(store.begin_call_unless_stored("r", "c1").unwrap());
+        assert!(matches!(
+            store.begin_call_unless_stored("r", "c4"),
+            Err(Error::Frozen(_))
+        ));
+        store.retire(&["r"]).unwrap();
+        assert!(matches!(
+            store.begin_call_unless_stored("r", "c1"),
+            Err(Error::Retired(_))
+        ));
     }
 
     #[test]

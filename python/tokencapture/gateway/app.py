@@ -5,7 +5,8 @@ httpx's `AsyncClient.send` was 56% of the gateway's CPU (a quarter of it in http
 scanning every connection for expiry on each request), about 2.5 ms per call.
 
 A captured call, in order: the ids are validated as the store validates them; `begin_call`
-writes the durable intent; the request goes upstream with `return_token_ids` and log-probs
+writes the durable intent (for a client's own call id, unless its entry is already stored: a
+retry, answered below); the request goes upstream with `return_token_ids` and log-probs
 injected (and, meanwhile, the parent is resolved from the request's messages); the answer's
 exact tokens become a `TokenEntry`, stamped for lineage, which is `put` (durable) before one
 byte of the answer is released; the token fields the client did not ask for are removed. An
@@ -413,34 +414,16 @@ class Gateway:
                 raise HttpError(400, "messages must be a list of message objects")
             messages = raw
         headers = {CALL_HEADER: raw_call_id}
-        if given_call_id:  # only a client's own id can name a call made before
+        call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
+        # Only a client's own id can name a call made before: its intent is written unless the
+        # store already holds the call's entry (a retry of a lost answer), in the same step.
+        if await self._begin(call, unless_stored=bool(given_call_id)):
             replayed = await self._replay(
                 kind, rollout_id, call_id, body, messages, requested, headers
             )
             if replayed is not None:
                 return replayed
-        call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
-        # The parent is looked up once the intent is written (a read: nothing to undo), by the
-        # same job of the store's worker pool: one worker wake-up for both. The lookup is done
-        # long before the engine answers (the call goes upstream only after the intent).
-        intent = call.start_intent()
-        recorded = False
-        try:
-            await intent
-            recorded = True
-        except TokenCaptureFrozenError as exc:
-            raise HttpError(
-                409, f"rollout {rollout_id!r} takes no more calls: {exc}", "rollout_closed"
-            ) from None
-        except (TypeError, ValueError) as exc:
-            raise HttpError(400, str(exc)) from None
-        except Exception as exc:
-            raise HttpError(
-                503, f"the store could not record the call's intent: {exc}", "store_unavailable"
-            ) from None
-        finally:
-            if not recorded:  # also when cancelled: no call, so no parent to look up
-                call.cancel_resolution()
+            await self._begin(call, unless_stored=False)  # the entry went since: a new call
         try:
             if kind == CHAT and self.config.tito is not None:
                 return await call.run_tito(upstream_body)
@@ -454,6 +437,32 @@ class Gateway:
                 500, f"the gateway failed: {type(exc).__name__}: {exc}", "gateway_error"
             ) from None
 
+    async def _begin(self, call: _Call, *, unless_stored: bool) -> bool:
+        """Write the call's durable intent (with `unless_stored`, unless its entry is already
+        stored: then True and nothing written). The parent is looked up once the intent is
+        written (a read: nothing to undo), by the same job of the store's worker pool: one
+        worker wake-up for both; the lookup is done long before the engine answers (the call
+        goes upstream only after the intent)."""
+        intent = call.start_intent(unless_stored=unless_stored)
+        recorded = False
+        try:
+            stored = await intent
+            recorded = not stored
+            return stored
+        except TokenCaptureFrozenError as exc:
+            raise HttpError(
+                409, f"rollout {call.rollout_id!r} takes no more calls: {exc}", "rollout_closed"
+            ) from None
+        except (TypeError, ValueError) as exc:
+            raise HttpError(400, str(exc)) from None
+        except Exception as exc:
+            raise HttpError(
+                503, f"the store could not record the call's intent: {exc}", "store_unavailable"
+            ) from None
+        finally:
+            if not recorded:  # also when cancelled: no call, so no parent to look up
+                call.cancel_resolution()
+
     async def _replay(
         self,
         kind: str,
@@ -466,8 +475,9 @@ class Gateway:
     ) -> Response | None:
         """The answer to a retry of a call the store already holds (its answer was lost: a
         gateway killed after the put, a dropped connection), rebuilt from the stored entry
-        with no dispatch and no second intent; None when the store holds no entry of this
-        request under this call id (the call then proceeds as any other)."""
+        with no dispatch and no second intent; None when the store no longer holds an entry
+        under this call id (the call then proceeds as any other). Another request under a
+        stored call id is a reused id: 409, before anything is dispatched or marked."""
         started = time.perf_counter()
         try:
             entry = await self.backend.stored_entry(rollout_id, call_id)
@@ -477,8 +487,15 @@ class Gateway:
                 f"the store could not be read for an earlier answer to this call id: {exc}",
                 "store_unavailable",
             ) from None
-        if entry is None or not _same_request(kind, entry, messages, body):
+        if entry is None:
             return None
+        if not _same_request(kind, entry, messages, body):
+            raise HttpError(
+                409,
+                f"the store already holds another request's answer under call id {call_id!r}: "
+                "send every call with its own X-Model-Call-Id",
+                "model_call_id_conflict",
+            )
         generation = generation_from_entry(entry)
         strip = strip_chat if kind == CHAT else strip_completion
         created = int(time.time())
@@ -558,16 +575,15 @@ class _Call:
 
     # Lineage -------------------------------------------------------------------------------
 
-    def start_intent(self) -> Awaitable[None]:
-        """The call's durable intent to await; for a chat call, with the lookup of its parent
-        started too (`start_together`: the store's native jobs of both as one)."""
+    def start_intent(self, *, unless_stored: bool) -> Awaitable[bool]:
+        """The call's durable intent to await (with `unless_stored`, none if the call's entry is
+        already stored: True then); for a chat call, with the lookup of its parent started too
+        (`start_together`: the store's native jobs of both as one)."""
         backend = self.gateway.backend
+        begin = backend.begin_call(self.rollout_id, self.call_id, unless_stored=unless_stored)
         if self.kind != CHAT:
-            return backend.begin_call(self.rollout_id, self.call_id)
-        intent, resolution = start_together(
-            backend.begin_call(self.rollout_id, self.call_id),
-            backend.resolve(self.rollout_id, self.messages),
-        )
+            return begin
+        intent, resolution = start_together(begin, backend.resolve(self.rollout_id, self.messages))
         self.resolution = resolution
         return intent
 

@@ -52,8 +52,23 @@ class Backend:
     kind: str  # "file" or "postgres"
     location: str
 
-    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
-        await self.store.begin_call(rollout_id, model_call_id)
+    async def begin_call(
+        self, rollout_id: str, model_call_id: str, *, unless_stored: bool = False
+    ) -> bool:
+        """The call's durable intent; with `unless_stored`, none when the store already holds
+        the call's entry (then True). A directory store checks and writes in one step under
+        the rollout's lock; over PostgreSQL one primary-key lookup comes first."""
+        store: Any = self.store
+        if not unless_stored:
+            await store.begin_call(rollout_id, model_call_id)
+            return False
+        if self.kind == "postgres":
+            if await store.read_entry_async(rollout_id, model_call_id) is not None:
+                return True
+            await store.begin_call(rollout_id, model_call_id)
+            return False
+        stored: bool = await store.begin_call_unless_stored(rollout_id, model_call_id)
+        return stored
 
     async def put(self, entry: TokenEntry) -> None:
         await self.store.put(entry)
@@ -65,18 +80,13 @@ class Backend:
         return resolution
 
     async def stored_entry(self, rollout_id: str, model_call_id: str) -> TokenEntry | None:
-        """The entry the store already holds for this call id (a retry of a call whose answer
-        was lost), or None. Over PostgreSQL one primary-key lookup. Over a directory, looked
-        for only when the call id has a durable intent: the rollout's intents file (one short
-        line a call, in the page cache) is read on the loop, ~7 us, cheaper than a hop to a
-        thread; only a call id found there has the rollout's entries read, in a thread."""
+        """The entry the store holds for this call id (a retry of a call whose answer was
+        lost), or None: over PostgreSQL one primary-key lookup, over a directory the rollout's
+        entries read in a thread (asked only once `begin_call(unless_stored=True)` found it)."""
         store: Any = self.store
         if self.kind == "postgres":
             entry: TokenEntry | None = await store.read_entry_async(rollout_id, model_call_id)
             return entry
-        intents = complete_lines(store.intents_path_for(rollout_id))
-        if model_call_id.encode("utf-8") not in intents:
-            return None
         try:
             entries = await asyncio.to_thread(store.read_entries, rollout_id)
         except LookupError:  # retired meanwhile: nothing to answer from

@@ -119,19 +119,25 @@ impl PyStore {
         Ok(())
     }
 
-    /// `begin_call` on the worker pool.
+    /// `begin_call` on the worker pool; with `unless_stored`, `begin_call_unless_stored` (its
+    /// result: whether the entry was already stored, so that no intent was written).
     fn submit_begin_call(
         &self,
         completions: &Bound<'_, Completions>,
         token: u64,
         rollout_id: &Bound<'_, PyString>,
         model_call_id: &Bound<'_, PyString>,
+        unless_stored: bool,
     ) -> PyResult<()> {
         let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
         let call_id = text(model_call_id, "model_call_id")?.to_owned();
         let store = self.store(completions.py())?;
         spawn_job(completions, token, move || {
-            store.begin_call(&rollout_id, &call_id)
+            if unless_stored {
+                store.begin_call_unless_stored(&rollout_id, &call_id)
+            } else {
+                store.begin_call(&rollout_id, &call_id).map(|()| false)
+            }
         })
     }
 
