@@ -1,7 +1,8 @@
 """The process-wide descriptor budget, as the file store, resolver and ledger report it.
 
 Every cache of descriptors in the native core (the token store's per-rollout lock, log and
-state files, the resolver's and the ledger's logs) counts against one budget per process: a
+state files, the resolver's and the ledger's logs, the staging store's segment and store
+lock) counts against one budget per process: a
 sixteenth of the soft `RLIMIT_NOFILE` (at least 16, at most 4096, never more than a quarter
 of the limit), or `TOKENCAPTURE_MAX_OPEN_FILES` when set. A store's `max_open_files=` caps
 what that store keeps on top. When an open fails with `EMFILE` or `ENFILE`, every cache of

@@ -2,8 +2,9 @@
 //!
 //! The store lives inside inference servers that hold thousands of client sockets, so the
 //! descriptors it keeps open between operations (a rollout's lock, log and state file in the
-//! token store, its log and lock file in the lineage resolver, its log in the ledger) are a
-//! small, bounded share of the process's limit, never a cache that grows until `open` fails.
+//! token store, its log and lock file in the lineage resolver, its log in the ledger, the
+//! segment it writes and its store lock in the file staging store) are a small, bounded share
+//! of the process's limit, never a cache that grows until `open` fails.
 //!
 //! # The budget
 //!

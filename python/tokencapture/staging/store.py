@@ -58,10 +58,13 @@ class FileStagingStore:
       ``retire_now``/``delete_now`` are the same calls under the token store's names, and
       ``aretire``/``adelete`` run them off the event loop.
 
-    Descriptors: between calls an instance keeps the segment it writes (which it must hold)
-    and the store lock, counted in the process descriptor budget (`tokencapture.descriptors`);
+    Descriptors: between calls an instance keeps the segment it writes and the store lock,
+    a cache of the process descriptor budget (`tokencapture.descriptors`) that closes them as
+    it closes any cache's (a closed segment is sealed; the next stage starts another);
     ``max_open_files`` caps what it keeps (below 2 the store lock is reopened per batch).
-    `stats` reports them.
+    Every open retries once after the process's cached descriptors were closed, when it ran
+    out of them (``EMFILE``/``ENFILE``); only then does a call raise ``OSError`` (a stage
+    answers ``ok=False``). `stats` reports them.
 
     ``models`` picks the wire models fetches build (see `StagingModels.resolve`): by default
     NeMo Gym's when NeMo Gym's staging records are imported in the process, ours otherwise. A

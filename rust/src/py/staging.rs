@@ -1243,7 +1243,7 @@ impl PyStagingFileStore {
         Ok(inner.segment_names())
     }
 
-    /// Close the descriptors kept between calls.
+    /// Close the kept store lock (the segment being written stays open).
     fn release_cached_fds(&self, py: Python<'_>) -> PyResult<()> {
         self.inner(py)?.release_cached_fds();
         Ok(())
