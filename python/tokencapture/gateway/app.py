@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -518,6 +519,26 @@ class Gateway:
         return response
 
 
+async def _disconnect_waiting(request: Request) -> bool:
+    """Whether the client's disconnect already waits in the request's ASGI receive channel,
+    without waiting for anything (the body is read, so a disconnect is all it can hold).
+    Starlette's `Request.is_disconnected` asks the same by cancelling the receive in an anyio
+    cancel scope; where the server's receive is a coroutine function (uvicorn's, hypercorn's)
+    its coroutine runs here to its first suspension and is closed there instead: ~1 us
+    against ~14 us a call, and no cancellation callbacks left on the loop."""
+    if not inspect.iscoroutinefunction(request.receive):
+        return await request.is_disconnected()
+    step = request.receive()
+    assert isinstance(step, Coroutine)
+    try:
+        step.send(None)
+    except StopIteration as done:
+        message = done.value
+        return isinstance(message, dict) and message.get("type") == "http.disconnect"
+    step.close()
+    return False
+
+
 def _same_request(
     kind: str, entry: TokenEntry, messages: list[dict[str, Any]], body: dict[str, Any]
 ) -> bool:
@@ -715,7 +736,7 @@ class _Call:
         answered: then, as for a stream it leaves, the call is marked `client_disconnected`
         and not stored: its answer reaches no one, so it must not sit in the rollout as a
         call the agent saw (nor leave it unmasked)."""
-        if await self.request.is_disconnected():
+        if await _disconnect_waiting(self.request):
             await self.fail("client_disconnected")
             raise HttpError(499, "the client disconnected before the answer", "client_gone")
         await self.store(generation)
@@ -805,7 +826,7 @@ class _Call:
     async def client_gone(self) -> bool:
         """Whether the client has disconnected, as of the loop's latest look at its socket."""
         await asyncio.sleep(0)  # one turn of the loop: a pending disconnect is read
-        return await self.request.is_disconnected()
+        return await _disconnect_waiting(self.request)
 
     async def _relay(self, answer: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         """Pass the stream on chunk by chunk; hold the final chunk and `[DONE]` until stored."""
