@@ -30,6 +30,7 @@ from tests.fake_upstream import (
 
 from tokencapture import ParentResolutionStatus, TokenCaptureStore, TokenEntry
 from tokencapture.gateway import DIVERGED_REASON, GatewayConfig, create_app, open_backend
+from tokencapture.gateway.app import REQUEST_DIGEST_FIELD, request_digest
 
 TOOLS = [
     {
@@ -1054,7 +1055,8 @@ async def test_a_retry_of_a_stored_call_is_answered_from_the_store(
     asked = {"return_token_ids": True, "logprobs": True, "tools": tools}
     first = (await gw.chat("r1", messages, call="c1", **asked)).json()
     seen = len(gw.fake.requests)
-    retry = await gw.chat("r1", messages, call="c1", fake_reply="another answer", **asked)
+    gw.fake.reply = "another answer"  # the engine would now answer otherwise
+    retry = await gw.chat("r1", messages, call="c1", **asked)
     assert retry.status_code == 200, retry.text
     assert retry.headers["x-model-call-id"] == "c1"
     again = retry.json()
@@ -1070,9 +1072,10 @@ async def test_a_retry_of_a_stored_call_is_answered_from_the_store(
     assert choice["finish_reason"] == was["finish_reason"]
     logprobs = [(t["token"], t["logprob"]) for t in choice["logprobs"]["content"]]
     assert logprobs == [(t["token"], t["logprob"]) for t in was["logprobs"]["content"]]
-    plain = (await gw.chat("r1", messages, call="c1", tools=tools)).json()
+    # `return_token_ids` shapes the answer only: a retry may differ in it.
+    plain = (await gw.chat("r1", messages, call="c1", logprobs=True, tools=tools)).json()
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
-    assert "logprobs" not in plain["choices"][0]
+    assert plain["choices"][0]["logprobs"] == choice["logprobs"]
     assert plain["choices"][0]["message"] == choice["message"]
     assert len(gw.fake.requests) == seen
     assert gw.store.intents_path_for("r1").read_bytes() == b"c1\n"  # no second intent
@@ -1080,7 +1083,7 @@ async def test_a_retry_of_a_stored_call_is_answered_from_the_store(
     snapshot = gw.store.freeze_now("r1")
     assert not snapshot.incomplete
     assert [e.model_call_id for e in snapshot.entries] == ["c1"]
-    frozen = await gw.chat("r1", messages, call="c1", tools=tools)  # a read: still answered
+    frozen = await gw.chat("r1", messages, call="c1", **asked)  # a read: still answered
     assert frozen.json()["choices"][0]["message"] == choice["message"]
     assert gw.store.freeze_now("r1").version == snapshot.version
     assert await gw.store.drop("r1", snapshot.snapshot_id, snapshot.version)
@@ -1098,6 +1101,7 @@ async def test_a_streamed_retry_of_a_stored_call_replays_a_valid_stream(
     )
     chunks = _events(first)
     seen = len(gw.fake.requests)
+    gw.fake.reply = "another answer"  # the engine would now answer otherwise
     retry = await gw.chat(
         "r1",
         messages,
@@ -1107,7 +1111,6 @@ async def test_a_streamed_retry_of_a_stored_call_replays_a_valid_stream(
         logprobs=True,
         tools=tools,
         stream_options={"include_usage": True},
-        fake_reply="another answer",
     )
     assert retry.status_code == 200
     assert retry.headers["content-type"].startswith("text/event-stream")
@@ -1134,7 +1137,9 @@ async def test_a_streamed_retry_of_a_stored_call_replays_a_valid_stream(
 
     assert folded(replayed) == folded(chunks)
     assert replayed[-1]["usage"]["completion_tokens"] == len(folded(chunks)[4])
-    plain = _events(await gw.chat("r1", messages, call="s1", stream=True, tools=tools))
+    plain = _events(
+        await gw.chat("r1", messages, call="s1", stream=True, logprobs=True, tools=tools)
+    )
     assert all("token_ids" not in c["choices"][0] for c in plain if c["choices"])
     assert all("prompt_token_ids" not in c for c in plain)
     assert len(gw.fake.requests) == seen
@@ -1149,9 +1154,7 @@ async def test_a_completions_retry_is_answered_from_the_store(gw: Harness) -> No
     headers = {"x-model-call-id": "k1"}
     first = (await gw.client.post(url, json={**body, "max_tokens": 3}, headers=headers)).json()
     seen = len(gw.fake.requests)
-    retry = await gw.client.post(
-        url, json={**body, "max_tokens": 3, "fake_reply": "other"}, headers=headers
-    )
+    retry = await gw.client.post(url, json={**body, "max_tokens": 3}, headers=headers)
     again = retry.json()
     assert len(gw.fake.requests) == seen
     assert (again["id"], again["model"]) == (first["id"], first["model"])
@@ -1166,7 +1169,9 @@ async def test_a_completions_retry_is_answered_from_the_store(gw: Harness) -> No
     assert "".join(c["choices"][0]["text"] for c in stream) == was["text"]
     assert [t for c in stream for t in c["choices"][0].get("token_ids") or ()] == was["token_ids"]
     assert [c["choices"][0]["finish_reason"] for c in stream] == [None, "length"]
-    other = await gw.client.post(url, json={**body, "prompt": [40, 41]}, headers=headers)
+    other = await gw.client.post(
+        url, json={**body, "max_tokens": 3, "prompt": [40, 41]}, headers=headers
+    )
     assert other.status_code == 409  # another prompt under the id: a reused id, as before
     assert len(gw.fake.requests) == seen + 1
 
@@ -1209,3 +1214,114 @@ async def test_an_entry_the_gateway_did_not_write_is_not_replayed(gw: Harness) -
     assert answer.status_code == 409
     assert answer.json()["error"]["type"] == "model_call_id_conflict"
     assert gw.fake.calls == 1
+
+
+# "The same request": every field but those that shape the answer's form -----------------------
+
+
+async def test_a_retry_with_another_text_prompt_is_a_conflict_not_a_replay(gw: Harness) -> None:
+    """A completions call with a text prompt, retried with its id: the identical request is
+    replayed; another text prompt under the id is a reused id (409 `model_call_id_conflict`,
+    dispatched and refused by the store as any other), never the stored answer of the first
+    prompt with a 200 (a text prompt cannot be compared with the stored tokens: the entry
+    keeps the request's digest instead)."""
+    url = "/rollouts/r1/v1/completions"
+    headers = {"x-model-call-id": "t1"}
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 8}
+    first = await gw.client.post(url, json=body, headers=headers)
+    assert first.status_code == 200, first.text
+    [entry] = gw.store.read_entries("r1")
+    assert entry.model_extra is not None
+    assert entry.model_extra[REQUEST_DIGEST_FIELD] == request_digest("completions", body)
+    seen = len(gw.fake.requests)
+    same = await gw.client.post(url, json=body, headers=headers)
+    assert same.status_code == 200
+    assert same.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert len(gw.fake.requests) == seen  # replayed
+    other = await gw.client.post(url, json={**body, "prompt": "xyz"}, headers=headers)
+    assert other.status_code == 409, other.text
+    assert other.json()["error"]["type"] == "model_call_id_conflict"
+    assert len(gw.fake.requests) == seen + 1
+    assert [e.generation_token_ids for e in gw.store.read_entries("r1")] == [
+        entry.generation_token_ids
+    ]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_tokens": 3},
+        {"temperature": 0.5},
+        {"stop": ["x"]},
+        {"tools": TOOLS},
+        {"logprobs": True},
+        {"top_logprobs": 2, "logprobs": True},
+        {"response_format": {"type": "json_object"}},
+        {"model": "another-model"},
+        {"seed": 7},
+    ],
+    ids=lambda change: "+".join(change),
+)
+async def test_a_chat_retry_with_other_generation_parameters_is_a_conflict(
+    gw: Harness, change: dict[str, Any]
+) -> None:
+    """The same conversation with other generation parameters (or log-probs asked
+    otherwise) is another request: not replayed, a 409 conflict."""
+    messages = [_user("hello")]
+    body = {"max_tokens": 16}
+    assert (await gw.chat("r1", messages, call="c1", **body)).status_code == 200
+    retry = await gw.chat("r1", messages, call="c1", **{**body, **change})
+    assert retry.status_code == 409, retry.text
+    assert retry.json()["error"]["type"] == "model_call_id_conflict"
+    assert "replay" not in gw.app.state.gateway.metrics.snapshot()
+
+
+async def test_a_retry_may_differ_in_the_answers_form_only(gw: Harness) -> None:
+    """`stream`, `stream_options` and `return_token_ids` only shape the answer (the replay is
+    built in the retry's form); key order is no difference either."""
+    messages = [_user("hello")]
+    first = await gw.chat("r1", messages, call="c1", max_tokens=16, temperature=0.0)
+    seen = len(gw.fake.requests)
+    gw.fake.reply = "another answer"
+    reordered = await gw.client.post(
+        "/rollouts/r1/v1/chat/completions",
+        json={
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "max_tokens": 16,
+            "messages": messages,
+            "model": MODEL,
+        },
+        headers={"x-model-call-id": "c1"},
+    )
+    assert reordered.status_code == 200
+    text = "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in _events(reordered) if c["choices"]
+    )
+    assert text == first.json()["choices"][0]["message"]["content"]
+    assert len(gw.fake.requests) == seen
+
+
+async def test_an_entry_without_a_request_digest_keeps_the_older_comparison(
+    gw: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry a gateway before the request digest stored (no `gateway_request_digest`) is
+    compared as that gateway did: a chat retry by its conversation alone."""
+    from tokencapture.gateway import app as gateway_app
+
+    monkeypatch.setattr(gateway_app, "REQUEST_DIGEST_FIELD", "an_older_build_wrote_none")
+    messages = [_user("hello")]
+    first = await gw.chat("r1", messages, call="c1", max_tokens=16)
+    monkeypatch.undo()
+    [entry] = gw.store.read_entries("r1")
+    assert REQUEST_DIGEST_FIELD not in (entry.model_extra or {})
+    seen = len(gw.fake.requests)
+    again = await gw.chat("r1", messages, call="c1", max_tokens=3)  # the conversation only
+    assert again.status_code == 200
+    content = first.json()["choices"][0]["message"]["content"]
+    assert again.json()["choices"][0]["message"]["content"] == content
+    assert len(gw.fake.requests) == seen
+    other = await gw.chat("r1", [_user("bye")], call="c1", max_tokens=16)
+    assert other.status_code == 409

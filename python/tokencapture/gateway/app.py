@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import time
@@ -68,7 +69,16 @@ from tokencapture.protocols import (
 from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokencapture.store import check_call_id, validate_rollout_id
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "Gateway", "GatewayApp", "GatewayConfig", "create_app"]
+__all__ = [
+    "ANSWER_FORM_FIELDS",
+    "DEFAULT_MAX_BODY_BYTES",
+    "REQUEST_DIGEST_FIELD",
+    "Gateway",
+    "GatewayApp",
+    "GatewayConfig",
+    "create_app",
+    "request_digest",
+]
 
 logger = logging.getLogger("tokencapture.gateway")
 
@@ -79,6 +89,27 @@ _JSON: Final[dict[str, str]] = {"content-type": "application/json"}
 _SSE_HEADERS: Final[dict[str, str]] = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _UNRESOLVED_ERROR_REASON: Final[str] = "resolver_error"
 _RECENT_SHAPES: Final[int] = 100_000
+
+# The entry's extra field (TokenEntry keeps unknown fields) holding the digest of the request a
+# call with the client's own id was made with, compared on a retry (`request_digest`).
+REQUEST_DIGEST_FIELD: Final[str] = "gateway_request_digest"
+# Request fields that only shape the answer's form, not the generation: a retry may differ in
+# them and still be replayed (the replay is built for the retry's own form).
+ANSWER_FORM_FIELDS: Final[frozenset[str]] = frozenset(
+    {"stream", "stream_options", "return_token_ids"}
+)
+
+
+def request_digest(kind: str, body: dict[str, Any]) -> str:
+    """The digest of a request as the client sent it (before the gateway's injections), less
+    the fields that only shape the answer's form (`ANSWER_FORM_FIELDS`): every other field
+    (the messages or prompt, model, sampling and its limits, stop, tools, log-probs asked for,
+    response format, engine extensions) must be the same for a retry to be replayed. The
+    canonical form is orjson's with sorted keys, so key order does not matter; values do
+    (`1` and `1.0` differ)."""
+    kept = {key: value for key, value in body.items() if key not in ANSWER_FORM_FIELDS}
+    canonical = orjson.dumps([kind, kept], option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(canonical).hexdigest()
 
 
 @dataclass
@@ -413,13 +444,28 @@ class Gateway:
                 raise HttpError(400, "messages must be a list of message objects")
             messages = raw
         headers = {CALL_HEADER: raw_call_id}
-        if given_call_id:  # only a client's own id can name a call made before
-            replayed = await self._replay(
-                kind, rollout_id, call_id, body, messages, requested, headers
-            )
-            if replayed is not None:
-                return replayed
         call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
+        if not given_call_id:
+            # A generated id: no call was made with it before.
+            return await self._dispatch(call, upstream_body)
+        # Only a client's own id can name a call made before (a retry).
+        return await self._retry_or_dispatch(call, body, upstream_body)
+
+    async def _retry_or_dispatch(
+        self, call: _Call, body: dict[str, Any], upstream_body: dict[str, Any]
+    ) -> Response:
+        """A call with the client's own id: a replay when the store holds its entry for the
+        same request, else dispatched with the request's digest on its entry."""
+        digest = request_digest(call.kind, body)
+        replayed = await self._replay(call, body, digest)
+        if replayed is not None:
+            return replayed
+        call.extra[REQUEST_DIGEST_FIELD] = digest
+        return await self._dispatch(call, upstream_body)
+
+    async def _dispatch(self, call: _Call, upstream_body: dict[str, Any]) -> Response:
+        """The call as a new one: its intent, the engine, its entry."""
+        kind, rollout_id, call_id = call.kind, call.rollout_id, call.call_id
         # The parent is looked up once the intent is written (a read: nothing to undo), by the
         # same job of the store's worker pool: one worker wake-up for both. The lookup is done
         # long before the engine answers (the call goes upstream only after the intent).
@@ -454,30 +500,22 @@ class Gateway:
                 500, f"the gateway failed: {type(exc).__name__}: {exc}", "gateway_error"
             ) from None
 
-    async def _replay(
-        self,
-        kind: str,
-        rollout_id: str,
-        call_id: str,
-        body: dict[str, Any],
-        messages: list[dict[str, Any]],
-        requested: Requested,
-        headers: dict[str, str],
-    ) -> Response | None:
+    async def _replay(self, call: _Call, body: dict[str, Any], digest: str) -> Response | None:
         """The answer to a retry of a call the store already holds (its answer was lost: a
         gateway killed after the put, a dropped connection), rebuilt from the stored entry
         with no dispatch and no second intent; None when the store holds no entry of this
         request under this call id (the call then proceeds as any other)."""
         started = time.perf_counter()
+        kind, requested, headers = call.kind, call.requested, call.headers
         try:
-            entry = await self.backend.stored_entry(rollout_id, call_id)
+            entry = await self.backend.stored_entry(call.rollout_id, call.call_id)
         except Exception as exc:
             raise HttpError(
                 503,
                 f"the store could not be read for an earlier answer to this call id: {exc}",
                 "store_unavailable",
             ) from None
-        if entry is None or not _same_request(kind, entry, messages, body):
+        if entry is None or not _same_request(kind, entry, call.messages, body, digest):
             return None
         generation = generation_from_entry(entry)
         strip = strip_chat if kind == CHAT else strip_completion
@@ -502,16 +540,27 @@ class Gateway:
 
 
 def _same_request(
-    kind: str, entry: TokenEntry, messages: list[dict[str, Any]], body: dict[str, Any]
+    kind: str,
+    entry: TokenEntry,
+    messages: list[dict[str, Any]],
+    body: dict[str, Any],
+    digest: str,
 ) -> bool:
-    """Whether a stored entry answers this request: a chat entry stamped with the same
-    conversation (the digest `stamp_continuation` stores); a completions entry (unstamped)
-    with the same prompt when it is token ids (a text prompt cannot be compared with the
-    stored tokens: taken as the same). Another request under a stored call id is a reused
-    id, which the store refuses as a conflict. An entry another writer made (not one output
-    item at index 0, as the gateway writes) is not replayed either."""
+    """Whether a stored entry answers this request: the same request digest
+    (`request_digest`, stored with the entry as `gateway_request_digest`). An entry stored
+    without one (by a gateway before it) is compared as that gateway did: a chat entry
+    stamped with the same conversation (the digest `stamp_continuation` stores); a
+    completions entry (unstamped) with the same prompt when it is token ids (a text prompt
+    cannot be compared with the stored tokens: taken as the same). Another request under a
+    stored call id is a reused id, which the store refuses as a conflict. An entry another
+    writer made (not one output item at index 0, as the gateway writes) is not replayed
+    either."""
     if len(entry.output_items) != 1 or entry.token_item_index != 0:
         return False
+    extra = entry.__pydantic_extra__ or {}
+    stored = extra.get(REQUEST_DIGEST_FIELD)
+    if stored is not None:
+        return bool(stored == digest)
     if kind == CHAT:
         if entry.continuation_context_len != len(messages):
             return False
