@@ -581,6 +581,7 @@ async def test_client_gone_while_the_engine_ran_ahead_is_marked_not_stored(
     finally:
         upstream.stop()
     assert (fake.streams_done, fake.streams_cut) == (1, 0)  # the engine had sent it all
+    assert not app.gateway._in_flight  # the call's place in flight went with its client
     assert store.read_entries("ahead") == []
     assert json.loads((root / "ahead.lineage.jsonl").read_text()) == {
         "failure_reason": "client_disconnected",
@@ -669,6 +670,7 @@ async def test_client_gone_before_the_store_is_marked_not_stored(tmp_path: Path)
         upstream.stop()
     assert sent and orjson.loads(sent[0][6:])["choices"][0]["finish_reason"] is None
     assert not any(b"[DONE]" in body for body in sent)
+    assert not app.gateway._in_flight
     assert fake.streams_done == 1  # the engine had sent it all
     assert store.read_entries("before-store") == []
     assert json.loads((root / "before-store.lineage.jsonl").read_text()) == {
@@ -1325,3 +1327,107 @@ async def test_an_entry_without_a_request_digest_keeps_the_older_comparison(
     assert len(gw.fake.requests) == seen
     other = await gw.chat("r1", [_user("bye")], call="c1", max_tokens=16)
     assert other.status_code == 409
+
+
+# Two calls with one id at once -----------------------------------------------------------------
+
+
+async def test_two_retries_at_once_are_answered_one_after_the_other(gw: Harness) -> None:
+    """Two calls with one id arrive together (a client's retry racing its first attempt,
+    whose answer was slow): the second waits for the first's outcome and is its retry,
+    replayed from the stored entry: both 200, one request to the engine, one entry, nothing
+    masked, nothing left in flight."""
+    messages = [_user("hello")]
+    one, two = await asyncio.gather(
+        gw.chat("r1", messages, call="c1", fake_delay=0.3),
+        gw.chat("r1", messages, call="c1", fake_delay=0.3),
+    )
+    assert (one.status_code, two.status_code) == (200, 200), (one.text, two.text)
+    was, again = one.json(), two.json()
+    assert was["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
+    assert was["id"] == again["id"]
+    assert gw.fake.calls == 1
+    assert gw.app.state.gateway.metrics.snapshot()["replay"]["count"] == 1
+    assert len(gw.store.read_entries("r1")) == 1
+    assert not gw.store.freeze_now("r1").incomplete
+    assert not gw.app.state.gateway._in_flight
+
+
+async def test_two_streamed_calls_at_once_wait_for_the_streams_end(gw: Harness) -> None:
+    """The same for streams: the first's place is held until its stream is stored and sent."""
+    messages = [_user("hello")]
+    asked = {"stream": True, "return_token_ids": True, "fake_chunk_delay": 0.02}
+    one, two = await asyncio.gather(
+        gw.chat("r1", messages, call="s1", **asked), gw.chat("r1", messages, call="s1", **asked)
+    )
+    assert (one.status_code, two.status_code) == (200, 200)
+
+    def tokens(answer: httpx.Response) -> list[int]:
+        return [
+            t
+            for c in _events(answer)
+            if c["choices"]
+            for t in c["choices"][0].get("token_ids") or ()
+        ]
+
+    assert tokens(one) == tokens(two) != []
+    assert gw.fake.calls == 1
+    assert not gw.store.freeze_now("r1").incomplete
+    assert not gw.app.state.gateway._in_flight
+
+
+async def test_two_different_calls_at_once_with_one_id_are_200_and_409(gw: Harness) -> None:
+    """Two different requests under one id at once: the one that went first is answered,
+    the other is a reused id (409), as one after the other."""
+    one, two = await asyncio.gather(
+        gw.chat("r1", [_user("one")], call="c1", fake_delay=0.2),
+        gw.chat("r1", [_user("two")], call="c1", fake_delay=0.2),
+    )
+    assert sorted((one.status_code, two.status_code)) == [200, 409]
+    assert len(gw.store.read_entries("r1")) == 1
+    assert not gw.app.state.gateway._in_flight
+
+
+async def test_a_call_waiting_for_a_failed_one_is_dispatched_afresh(gw: Harness) -> None:
+    """The first of two calls with one id fails at the engine (its intent has no entry): the
+    second, which waited, is dispatched as a fresh call would be and stored."""
+    failed: list[bool] = []
+
+    def fail_the_first(body: dict[str, Any]) -> None:
+        if not failed:
+            failed.append(True)
+            body["fake_status"] = 500  # the engine fails this one, whatever it asked
+
+    gw.fake.on_request = fail_the_first
+    messages = [_user("hello")]
+    one, two = await asyncio.gather(
+        gw.chat("r1", messages, call="c1", fake_delay=0.2),
+        gw.chat("r1", messages, call="c1", fake_delay=0.2),
+    )
+    assert sorted((one.status_code, two.status_code)) == [200, 500]
+    assert len(gw.fake.requests) == 2 and gw.fake.calls == 1
+    assert [e.model_call_id for e in gw.store.read_entries("r1")] == ["c1"]
+    assert "replay" not in gw.app.state.gateway.metrics.snapshot()
+    assert not gw.app.state.gateway._in_flight
+
+
+async def test_a_cancelled_call_leaves_nothing_in_flight(gw: Harness) -> None:
+    """A call cancelled while at the engine (its client gone) gives up its place: the next
+    call with its id is not held, and nothing is left in the gateway's map."""
+    gateway = gw.app.state.gateway
+    messages = [_user("hello")]
+    slow = asyncio.ensure_future(gw.chat("r1", messages, call="c1", fake_delay=5))
+    deadline = asyncio.get_running_loop().time() + 10
+    while not gw.fake.requests:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    waiting = asyncio.ensure_future(gw.chat("r1", messages, call="c1", max_tokens=4))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # held behind the first
+    assert list(gateway._in_flight) == [("r1", "c1")]
+    slow.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await slow
+    answer = await asyncio.wait_for(waiting, 10)
+    assert answer.status_code == 200, answer.text
+    assert not gateway._in_flight

@@ -13,13 +13,16 @@ upstream error, timeout or disconnect marks the call incomplete with the reason 
 of the capture ledger) and passes the upstream's status through; a store write that fails
 answers 503, never 200. A stream is passed through chunk by chunk, except that its final chunk
 and `[DONE]` are held until the entry is stored. A retry of a stored call (the client's own
-call id, the same request) is answered from the stored entry, with nothing sent upstream.
+call id, the same request) is answered from the stored entry, with nothing sent upstream;
+two calls with one client id at once are answered one after the other, the second as a
+retry of the first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import logging
@@ -156,6 +159,10 @@ class Gateway:
             path: URL(self._base + path) for path in ("/v1/chat/completions", "/v1/completions")
         }
         self._recent: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+        # The calls with a client's own id in flight, by (rollout, call id): a second call with
+        # the same id waits for the first's outcome (`_one_at_a_time`). An entry lives as long
+        # as its call: removed when the call's answer is sent, fails, or is cancelled.
+        self._in_flight: dict[tuple[str, str], asyncio.Event] = {}
 
     # Lifecycle -----------------------------------------------------------------------------
 
@@ -446,10 +453,45 @@ class Gateway:
         headers = {CALL_HEADER: raw_call_id}
         call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
         if not given_call_id:
-            # A generated id: no call was made with it before.
+            # A generated id: no call was made with it before, and none is in flight.
             return await self._dispatch(call, upstream_body)
-        # Only a client's own id can name a call made before (a retry).
-        return await self._retry_or_dispatch(call, body, upstream_body)
+        # Only a client's own id can name a call made before (a retry), or one in flight.
+        return await self._one_at_a_time(
+            (rollout_id, call_id),
+            functools.partial(self._retry_or_dispatch, call, body, upstream_body),
+        )
+
+    async def _one_at_a_time(
+        self, key: tuple[str, str], work: Callable[[], Awaitable[Response]]
+    ) -> Response:
+        """Run `work()`, a call with the client's own id, once no other call with that id is
+        in flight in this gateway: two calls with one id (a client's retry racing its first
+        attempt) are answered one after the other, the second as a retry of the first
+        (replayed if the first stored its entry for the same request, a 409 conflict if the
+        request differs, dispatched as a fresh call if the first stored nothing). A call holds
+        its place until its answer is sent (a stream: to its end, or its cancellation), so
+        the next sees the first's outcome in the store. Across gateway processes the store
+        decides alone (one 200, the others 409)."""
+        in_flight = self._in_flight
+        while (ahead := in_flight.get(key)) is not None:
+            await ahead.wait()  # a waiter cancelled here holds nothing
+        done = asyncio.Event()
+        in_flight[key] = done
+
+        def settle() -> None:
+            if in_flight.get(key) is done:
+                del in_flight[key]
+            done.set()
+
+        try:
+            response = await work()
+        except BaseException:
+            settle()
+            raise
+        if isinstance(response, StreamingResponse):
+            return _Settling(response, settle)
+        settle()
+        return response
 
     async def _retry_or_dispatch(
         self, call: _Call, body: dict[str, Any], upstream_body: dict[str, Any]
@@ -925,6 +967,28 @@ class _Call:
     async def run_tito(self, upstream_body: dict[str, Any]) -> Response:
         response: Response = await self.gateway.config.tito.run(self, upstream_body)
         return response
+
+
+class _Settling(Response):
+    """A streamed answer that ends its call's place in flight (`Gateway._one_at_a_time`) once
+    it has been sent, or its sending failed or was cancelled (a client gone): the stream's
+    outcome (stored, or marked) is known only then. Whatever the path, even a stream never
+    started, the place is freed."""
+
+    def __init__(self, inner: StreamingResponse, settle: Callable[[], None]) -> None:
+        # Not Response.__init__: the inner response is sent as it is; what a handler reads
+        # of a response (its status) is copied.
+        self.inner = inner
+        self.settle = settle
+        self.status_code = inner.status_code
+        self.background = None
+        self.raw_headers = inner.raw_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            self.settle()
 
 
 def _stream_error(status: int, message: str) -> bytes:
