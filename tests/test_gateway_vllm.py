@@ -443,9 +443,9 @@ async def test_a_retry_after_a_lost_answer_is_replayed_not_resampled(
     """A retry with the call id of a stored call, through a new gateway on the same store
     whose engine is unreachable (a dispatch would be a 502): the stored answer comes back,
     whole and streamed, with the engine's own id, tokens, log-probs, finish reason and token
-    counts; the rollout stays unmasked. The same id with the first answer's first token
-    banned is another request, which the engine would answer otherwise: a 409 conflict, not
-    the stored answer."""
+    counts; nothing is marked. The same id with the first answer's first token banned is
+    another request, which the engine would answer otherwise: a 409 conflict (which masks
+    the rollout, as any reused id), not the stored answer."""
     body = {
         "messages": [{"role": "user", "content": "Say something."}],
         "max_tokens": 8,
@@ -481,7 +481,7 @@ async def test_a_retry_after_a_lost_answer_is_replayed_not_resampled(
         await lost.close()
     [entry] = through.store.read_entries("rp")
     assert entry.generation_token_ids == was["token_ids"]
-    assert not through.store.freeze_now("rp").incomplete
+    assert not through.store.is_incomplete("rp")  # nothing marked by the replays
     # The tiny model is peaked: banning the first answer's first token changes the answer.
     banned = {**body, "logit_bias": {str(was["token_ids"][0]): -100}}
     other = _direct(through.engine, "chat/completions", banned)
@@ -494,3 +494,4 @@ async def test_a_retry_after_a_lost_answer_is_replayed_not_resampled(
     assert conflict.status_code == 409, conflict.text
     assert conflict.json()["error"]["type"] == "model_call_id_conflict"
     assert through.store.read_entries("rp")[0].generation_token_ids == was["token_ids"]
+    assert through.store.freeze_now("rp").incomplete  # the store's rule for a reused id
