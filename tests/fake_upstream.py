@@ -19,13 +19,17 @@ with that status), `fake_delay` (seconds before answering), `fake_break_after` (
 the connection after that many chunks), `fake_no_token_ids` (answer as a non-vLLM server),
 `fake_chunk_delay` (seconds between stream chunks), `fake_one_write` (a stream's chunks and
 `[DONE]` all in one write: the engine ran ahead of the reader), `fake_reply` (the text the
-model answers, one chunk per byte when streamed).
+model answers, one chunk per byte when streamed). The engine as a whole can be made to answer
+otherwise without changing a request (a retry must be the same request to be replayed):
+`FakeUpstream.reply`, set in the process or by `POST /fake/reply {"reply": TEXT or null}`, is
+the text every chat call then answers (a body's `fake_reply` still wins).
 Run it as a process with `python tests/fake_upstream.py PORT [--drift]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -35,7 +39,7 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +164,8 @@ class FakeUpstream:
         self.bridge = bridge
         self.max_tokens = max_tokens
         self.calls = 0
+        # The text every chat call answers, when set (see the module's docstring).
+        self.reply: str | None = None
         self.requests: list[dict[str, Any]] = []
         # Streams sent to the end, and streams that stopped early (the reader went away).
         self.streams_done = 0
@@ -170,8 +176,14 @@ class FakeUpstream:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/fake/reply", self.set_reply, methods=["POST"]),
             ]
         )
+
+    async def set_reply(self, request: Request) -> Response:
+        reply = orjson.loads(await request.body()).get("reply")
+        self.reply = None if reply is None else str(reply)
+        return Response(b"", 204)
 
     async def health(self, request: Request) -> Response:
         return Response(b"", 200)
@@ -271,8 +283,9 @@ class FakeUpstream:
         else:
             prompt = render_chat(messages)
             ids, text, call = self._generate(prompt, tools, messages[-1].get("role"))
-        if body.get("fake_reply") is not None:
-            text, call = str(body["fake_reply"]), None
+        reply = body.get("fake_reply", self.reply)
+        if reply is not None:
+            text, call = str(reply), None
             ids = [*encode(text), IM_END]
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or self.max_tokens
         finish = "tool_calls" if call else "stop"
@@ -819,6 +832,19 @@ def server_dir(prefix: str = "tokencapture-srv-") -> Path:
     path = accounts.shared_tmpdir(prefix)
     runner.own(path)
     return path
+
+
+@contextlib.contextmanager
+def replying(url: str, text: str) -> Iterator[None]:
+    """A fake engine process at `url` answers every chat call with `text` meanwhile (the
+    engine would now answer otherwise, the request unchanged)."""
+    import httpx
+
+    httpx.post(f"{url}/fake/reply", json={"reply": text}, timeout=10).raise_for_status()
+    try:
+        yield
+    finally:
+        httpx.post(f"{url}/fake/reply", json={"reply": None}, timeout=10).raise_for_status()
 
 
 def start_fake(log_dir: Path, *, drift: bool = False) -> Server:

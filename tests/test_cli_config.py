@@ -123,6 +123,22 @@ def test_show(capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and err.startswith("tokencapture: error:") and "ghost" in err
 
 
+def test_show_leaves_out_a_torn_last_intent(
+    capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A crash mid-append leaves a torn last line in the intents file: never acknowledged,
+    it is no intent (the shared `complete_lines` reader, as the gateway's summary reads it),
+    so `show` neither lists it nor counts it as a dangling intent."""
+    intents = capture / "open-1.tokens.intents"
+    with intents.open("ab") as file:
+        file.write(b"torn-cal")
+    code, out, _ = run(capsys, "show", str(capture), "open-1", "--json")
+    shown = json.loads(out)
+    assert code == 0
+    assert "torn-cal" not in shown["intents"]
+    assert shown["dangling_intents"] == ["call-9"]
+
+
 def test_verify_passes_then_catches_each_corruption(
     capture: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

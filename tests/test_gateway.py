@@ -30,6 +30,7 @@ from tests.fake_upstream import (
 
 from tokencapture import ParentResolutionStatus, TokenCaptureStore, TokenEntry
 from tokencapture.gateway import DIVERGED_REASON, GatewayConfig, create_app, open_backend
+from tokencapture.gateway.app import REQUEST_DIGEST_FIELD, request_digest
 
 TOOLS = [
     {
@@ -580,6 +581,7 @@ async def test_client_gone_while_the_engine_ran_ahead_is_marked_not_stored(
     finally:
         upstream.stop()
     assert (fake.streams_done, fake.streams_cut) == (1, 0)  # the engine had sent it all
+    assert not app.gateway._in_flight  # the call's place in flight went with its client
     assert store.read_entries("ahead") == []
     assert json.loads((root / "ahead.lineage.jsonl").read_text()) == {
         "failure_reason": "client_disconnected",
@@ -668,6 +670,7 @@ async def test_client_gone_before_the_store_is_marked_not_stored(tmp_path: Path)
         upstream.stop()
     assert sent and orjson.loads(sent[0][6:])["choices"][0]["finish_reason"] is None
     assert not any(b"[DONE]" in body for body in sent)
+    assert not app.gateway._in_flight
     assert fake.streams_done == 1  # the engine had sent it all
     assert store.read_entries("before-store") == []
     assert json.loads((root / "before-store.lineage.jsonl").read_text()) == {
@@ -1057,7 +1060,8 @@ async def test_a_retry_of_a_stored_call_is_answered_from_the_store(
     asked = {"return_token_ids": True, "logprobs": True, "tools": tools}
     first = (await gw.chat("r1", messages, call="c1", **asked)).json()
     seen = len(gw.fake.requests)
-    retry = await gw.chat("r1", messages, call="c1", fake_reply="another answer", **asked)
+    gw.fake.reply = "another answer"  # the engine would now answer otherwise
+    retry = await gw.chat("r1", messages, call="c1", **asked)
     assert retry.status_code == 200, retry.text
     assert retry.headers["x-model-call-id"] == "c1"
     again = retry.json()
@@ -1073,9 +1077,10 @@ async def test_a_retry_of_a_stored_call_is_answered_from_the_store(
     assert choice["finish_reason"] == was["finish_reason"]
     logprobs = [(t["token"], t["logprob"]) for t in choice["logprobs"]["content"]]
     assert logprobs == [(t["token"], t["logprob"]) for t in was["logprobs"]["content"]]
-    plain = (await gw.chat("r1", messages, call="c1", tools=tools)).json()
+    # `return_token_ids` shapes the answer only: a retry may differ in it.
+    plain = (await gw.chat("r1", messages, call="c1", logprobs=True, tools=tools)).json()
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
-    assert "logprobs" not in plain["choices"][0]
+    assert plain["choices"][0]["logprobs"] == choice["logprobs"]
     assert plain["choices"][0]["message"] == choice["message"]
     assert len(gw.fake.requests) == seen
     assert gw.store.intents_path_for("r1").read_bytes() == b"c1\n"  # no second intent
@@ -1083,7 +1088,7 @@ async def test_a_retry_of_a_stored_call_is_answered_from_the_store(
     snapshot = gw.store.freeze_now("r1")
     assert not snapshot.incomplete
     assert [e.model_call_id for e in snapshot.entries] == ["c1"]
-    frozen = await gw.chat("r1", messages, call="c1", tools=tools)  # a read: still answered
+    frozen = await gw.chat("r1", messages, call="c1", **asked)  # a read: still answered
     assert frozen.json()["choices"][0]["message"] == choice["message"]
     assert gw.store.freeze_now("r1").version == snapshot.version
     assert await gw.store.drop("r1", snapshot.snapshot_id, snapshot.version)
@@ -1101,6 +1106,7 @@ async def test_a_streamed_retry_of_a_stored_call_replays_a_valid_stream(
     )
     chunks = _events(first)
     seen = len(gw.fake.requests)
+    gw.fake.reply = "another answer"  # the engine would now answer otherwise
     retry = await gw.chat(
         "r1",
         messages,
@@ -1110,7 +1116,6 @@ async def test_a_streamed_retry_of_a_stored_call_replays_a_valid_stream(
         logprobs=True,
         tools=tools,
         stream_options={"include_usage": True},
-        fake_reply="another answer",
     )
     assert retry.status_code == 200
     assert retry.headers["content-type"].startswith("text/event-stream")
@@ -1137,7 +1142,9 @@ async def test_a_streamed_retry_of_a_stored_call_replays_a_valid_stream(
 
     assert folded(replayed) == folded(chunks)
     assert replayed[-1]["usage"]["completion_tokens"] == len(folded(chunks)[4])
-    plain = _events(await gw.chat("r1", messages, call="s1", stream=True, tools=tools))
+    plain = _events(
+        await gw.chat("r1", messages, call="s1", stream=True, logprobs=True, tools=tools)
+    )
     assert all("token_ids" not in c["choices"][0] for c in plain if c["choices"])
     assert all("prompt_token_ids" not in c for c in plain)
     assert len(gw.fake.requests) == seen
@@ -1152,9 +1159,7 @@ async def test_a_completions_retry_is_answered_from_the_store(gw: Harness) -> No
     headers = {"x-model-call-id": "k1"}
     first = (await gw.client.post(url, json={**body, "max_tokens": 3}, headers=headers)).json()
     seen = len(gw.fake.requests)
-    retry = await gw.client.post(
-        url, json={**body, "max_tokens": 3, "fake_reply": "other"}, headers=headers
-    )
+    retry = await gw.client.post(url, json={**body, "max_tokens": 3}, headers=headers)
     again = retry.json()
     assert len(gw.fake.requests) == seen
     assert (again["id"], again["model"]) == (first["id"], first["model"])
@@ -1169,7 +1174,9 @@ async def test_a_completions_retry_is_answered_from_the_store(gw: Harness) -> No
     assert "".join(c["choices"][0]["text"] for c in stream) == was["text"]
     assert [t for c in stream for t in c["choices"][0].get("token_ids") or ()] == was["token_ids"]
     assert [c["choices"][0]["finish_reason"] for c in stream] == [None, "length"]
-    other = await gw.client.post(url, json={**body, "prompt": [40, 41]}, headers=headers)
+    other = await gw.client.post(
+        url, json={**body, "max_tokens": 3, "prompt": [40, 41]}, headers=headers
+    )
     assert other.status_code == 409  # another prompt under the id: a reused id
     assert other.json()["error"]["type"] == "model_call_id_conflict"
     assert len(gw.fake.requests) == seen  # refused before it went to the engine
@@ -1213,3 +1220,218 @@ async def test_an_entry_the_gateway_did_not_write_is_not_replayed(gw: Harness) -
     assert answer.status_code == 409
     assert answer.json()["error"]["type"] == "model_call_id_conflict"
     assert gw.fake.calls == 0
+
+
+# "The same request": every field but those that shape the answer's form -----------------------
+
+
+async def test_a_retry_with_another_text_prompt_is_a_conflict_not_a_replay(gw: Harness) -> None:
+    """A completions call with a text prompt, retried with its id: the identical request is
+    replayed; another text prompt under the id is a reused id (409 `model_call_id_conflict`,
+    before it is dispatched), never the stored answer of the first
+    prompt with a 200 (a text prompt cannot be compared with the stored tokens: the entry
+    keeps the request's digest instead)."""
+    url = "/rollouts/r1/v1/completions"
+    headers = {"x-model-call-id": "t1"}
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 8}
+    first = await gw.client.post(url, json=body, headers=headers)
+    assert first.status_code == 200, first.text
+    [entry] = gw.store.read_entries("r1")
+    assert entry.model_extra is not None
+    assert entry.model_extra[REQUEST_DIGEST_FIELD] == request_digest("completions", body)
+    seen = len(gw.fake.requests)
+    same = await gw.client.post(url, json=body, headers=headers)
+    assert same.status_code == 200
+    assert same.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert len(gw.fake.requests) == seen  # replayed
+    other = await gw.client.post(url, json={**body, "prompt": "xyz"}, headers=headers)
+    assert other.status_code == 409, other.text
+    assert other.json()["error"]["type"] == "model_call_id_conflict"
+    assert len(gw.fake.requests) == seen  # refused before it went to the engine
+    assert [e.generation_token_ids for e in gw.store.read_entries("r1")] == [
+        entry.generation_token_ids
+    ]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_tokens": 3},
+        {"temperature": 0.5},
+        {"stop": ["x"]},
+        {"tools": TOOLS},
+        {"logprobs": True},
+        {"top_logprobs": 2, "logprobs": True},
+        {"response_format": {"type": "json_object"}},
+        {"model": "another-model"},
+        {"seed": 7},
+    ],
+    ids=lambda change: "+".join(change),
+)
+async def test_a_chat_retry_with_other_generation_parameters_is_a_conflict(
+    gw: Harness, change: dict[str, Any]
+) -> None:
+    """The same conversation with other generation parameters (or log-probs asked
+    otherwise) is another request: not replayed, a 409 conflict."""
+    messages = [_user("hello")]
+    body = {"max_tokens": 16}
+    assert (await gw.chat("r1", messages, call="c1", **body)).status_code == 200
+    retry = await gw.chat("r1", messages, call="c1", **{**body, **change})
+    assert retry.status_code == 409, retry.text
+    assert retry.json()["error"]["type"] == "model_call_id_conflict"
+    assert "replay" not in gw.app.state.gateway.metrics.snapshot()
+
+
+async def test_a_retry_may_differ_in_the_answers_form_only(gw: Harness) -> None:
+    """`stream`, `stream_options` and `return_token_ids` only shape the answer (the replay is
+    built in the retry's form); key order is no difference either."""
+    messages = [_user("hello")]
+    first = await gw.chat("r1", messages, call="c1", max_tokens=16, temperature=0.0)
+    seen = len(gw.fake.requests)
+    gw.fake.reply = "another answer"
+    reordered = await gw.client.post(
+        "/rollouts/r1/v1/chat/completions",
+        json={
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "max_tokens": 16,
+            "messages": messages,
+            "model": MODEL,
+        },
+        headers={"x-model-call-id": "c1"},
+    )
+    assert reordered.status_code == 200
+    text = "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in _events(reordered) if c["choices"]
+    )
+    assert text == first.json()["choices"][0]["message"]["content"]
+    assert len(gw.fake.requests) == seen
+
+
+async def test_an_entry_without_a_request_digest_keeps_the_older_comparison(
+    gw: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry a gateway before the request digest stored (no `gateway_request_digest`) is
+    compared as that gateway did: a chat retry by its conversation alone."""
+    from tokencapture.gateway import app as gateway_app
+
+    monkeypatch.setattr(gateway_app, "REQUEST_DIGEST_FIELD", "an_older_build_wrote_none")
+    messages = [_user("hello")]
+    first = await gw.chat("r1", messages, call="c1", max_tokens=16)
+    monkeypatch.undo()
+    [entry] = gw.store.read_entries("r1")
+    assert REQUEST_DIGEST_FIELD not in (entry.model_extra or {})
+    seen = len(gw.fake.requests)
+    again = await gw.chat("r1", messages, call="c1", max_tokens=3)  # the conversation only
+    assert again.status_code == 200
+    content = first.json()["choices"][0]["message"]["content"]
+    assert again.json()["choices"][0]["message"]["content"] == content
+    assert len(gw.fake.requests) == seen
+    other = await gw.chat("r1", [_user("bye")], call="c1", max_tokens=16)
+    assert other.status_code == 409
+
+
+# Two calls with one id at once -----------------------------------------------------------------
+
+
+async def test_two_retries_at_once_are_answered_one_after_the_other(gw: Harness) -> None:
+    """Two calls with one id arrive together (a client's retry racing its first attempt,
+    whose answer was slow): the second waits for the first's outcome and is its retry,
+    replayed from the stored entry: both 200, one request to the engine, one entry, nothing
+    masked, nothing left in flight."""
+    messages = [_user("hello")]
+    one, two = await asyncio.gather(
+        gw.chat("r1", messages, call="c1", fake_delay=0.3),
+        gw.chat("r1", messages, call="c1", fake_delay=0.3),
+    )
+    assert (one.status_code, two.status_code) == (200, 200), (one.text, two.text)
+    was, again = one.json(), two.json()
+    assert was["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
+    assert was["id"] == again["id"]
+    assert gw.fake.calls == 1
+    assert gw.app.state.gateway.metrics.snapshot()["replay"]["count"] == 1
+    assert len(gw.store.read_entries("r1")) == 1
+    assert not gw.store.freeze_now("r1").incomplete
+    assert not gw.app.state.gateway._in_flight
+
+
+async def test_two_streamed_calls_at_once_wait_for_the_streams_end(gw: Harness) -> None:
+    """The same for streams: the first's place is held until its stream is stored and sent."""
+    messages = [_user("hello")]
+    asked = {"stream": True, "return_token_ids": True, "fake_chunk_delay": 0.02}
+    one, two = await asyncio.gather(
+        gw.chat("r1", messages, call="s1", **asked), gw.chat("r1", messages, call="s1", **asked)
+    )
+    assert (one.status_code, two.status_code) == (200, 200)
+
+    def tokens(answer: httpx.Response) -> list[int]:
+        return [
+            t
+            for c in _events(answer)
+            if c["choices"]
+            for t in c["choices"][0].get("token_ids") or ()
+        ]
+
+    assert tokens(one) == tokens(two) != []
+    assert gw.fake.calls == 1
+    assert not gw.store.freeze_now("r1").incomplete
+    assert not gw.app.state.gateway._in_flight
+
+
+async def test_two_different_calls_at_once_with_one_id_are_200_and_409(gw: Harness) -> None:
+    """Two different requests under one id at once: the one that went first is answered,
+    the other is a reused id (409), as one after the other."""
+    one, two = await asyncio.gather(
+        gw.chat("r1", [_user("one")], call="c1", fake_delay=0.2),
+        gw.chat("r1", [_user("two")], call="c1", fake_delay=0.2),
+    )
+    assert sorted((one.status_code, two.status_code)) == [200, 409]
+    assert len(gw.store.read_entries("r1")) == 1
+    assert not gw.app.state.gateway._in_flight
+
+
+async def test_a_call_waiting_for_a_failed_one_is_dispatched_afresh(gw: Harness) -> None:
+    """The first of two calls with one id fails at the engine (its intent has no entry): the
+    second, which waited, is dispatched as a fresh call would be and stored."""
+    failed: list[bool] = []
+
+    def fail_the_first(body: dict[str, Any]) -> None:
+        if not failed:
+            failed.append(True)
+            body["fake_status"] = 500  # the engine fails this one, whatever it asked
+
+    gw.fake.on_request = fail_the_first
+    messages = [_user("hello")]
+    one, two = await asyncio.gather(
+        gw.chat("r1", messages, call="c1", fake_delay=0.2),
+        gw.chat("r1", messages, call="c1", fake_delay=0.2),
+    )
+    assert sorted((one.status_code, two.status_code)) == [200, 500]
+    assert len(gw.fake.requests) == 2 and gw.fake.calls == 1
+    assert [e.model_call_id for e in gw.store.read_entries("r1")] == ["c1"]
+    assert "replay" not in gw.app.state.gateway.metrics.snapshot()
+    assert not gw.app.state.gateway._in_flight
+
+
+async def test_a_cancelled_call_leaves_nothing_in_flight(gw: Harness) -> None:
+    """A call cancelled while at the engine (its client gone) gives up its place: the next
+    call with its id is not held, and nothing is left in the gateway's map."""
+    gateway = gw.app.state.gateway
+    messages = [_user("hello")]
+    slow = asyncio.ensure_future(gw.chat("r1", messages, call="c1", fake_delay=5))
+    deadline = asyncio.get_running_loop().time() + 10
+    while not gw.fake.requests:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    waiting = asyncio.ensure_future(gw.chat("r1", messages, call="c1", max_tokens=4))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # held behind the first
+    assert list(gateway._in_flight) == [("r1", "c1")]
+    slow.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await slow
+    answer = await asyncio.wait_for(waiting, 10)
+    assert answer.status_code == 200, answer.text
+    assert not gateway._in_flight

@@ -16,11 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.fake_upstream import MODEL, Server, render_chat, start_gateway
+from tests.fake_upstream import MODEL, Server, render_chat, replying, start_gateway
 from tests.gateway_kills import fake
 from tests.postgres_fixture import dsn, execute, fetch, pg_dsn, pg_server
 
 from tokencapture import ParentResolutionStatus
+from tokencapture.gateway.app import REQUEST_DIGEST_FIELD
 from tokencapture.postgres import PostgresTokenCaptureStore
 
 __all__ = ["dsn", "fake", "pg_dsn", "pg_server"]
@@ -217,7 +218,7 @@ def test_rollout_summary_tells_the_state_and_the_calls_without_entry(
 
 
 def test_a_retry_of_a_stored_call_is_answered_from_the_store(
-    gateway: tuple[Server, str], pg: PostgresTokenCaptureStore
+    gateway: tuple[Server, str], pg: PostgresTokenCaptureStore, fake: Server
 ) -> None:
     """Over PostgreSQL (one primary-key lookup of the entry): a retry with the call id of a
     stored call gets the stored answer, whole or streamed, where the engine would now answer
@@ -226,14 +227,15 @@ def test_a_retry_of_a_stored_call_is_answered_from_the_store(
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
     asked = {"return_token_ids": True, "logprobs": True}
     first = _chat(server, "pgy", "c1", messages, **asked).json()
-    retry = _chat(server, "pgy", "c1", messages, fake_reply="another", **asked)
+    with replying(fake.url, "another"):  # the engine would now answer otherwise
+        retry = _chat(server, "pgy", "c1", messages, **asked)
+        stream = _chat(server, "pgy", "c1", messages, stream=True, **asked)
     assert retry.status_code == 200, retry.text
     again = retry.json()
     assert (again["id"], again["prompt_token_ids"]) == (first["id"], first["prompt_token_ids"])
     choice, was = again["choices"][0], first["choices"][0]
     assert choice["message"]["content"] == was["message"]["content"]
     assert choice["token_ids"] == was["token_ids"]
-    stream = _chat(server, "pgy", "c1", messages, stream=True, fake_reply="another")
     events = [line[6:] for line in stream.text.split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
@@ -243,5 +245,28 @@ def test_a_retry_of_a_stored_call_is_answered_from_the_store(
     )
     [entry] = pg.read_entries("pgy")
     assert entry.generation_token_ids == was["token_ids"]
+    assert (entry.model_extra or {})[REQUEST_DIGEST_FIELD]  # kept by the database too
     assert not pg.is_incomplete("pgy")
     assert not pg.freeze_now("pgy").incomplete
+
+
+def test_a_retry_with_another_request_is_a_conflict_not_a_replay(
+    gateway: tuple[Server, str], pg: PostgresTokenCaptureStore
+) -> None:
+    """Over PostgreSQL too, the request's digest read back with the entry decides: another
+    text prompt (or other generation parameters) under a stored id is a 409 conflict; the
+    identical request is replayed."""
+    server, _ = gateway
+    url = f"{server.url}/rollouts/pgt/v1/completions"
+    headers = {"x-model-call-id": "t1"}
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 8}
+    first = httpx.post(url, json=body, headers=headers, timeout=30)
+    assert first.status_code == 200, first.text
+    same = httpx.post(url, json=body, headers=headers, timeout=30)
+    assert same.status_code == 200
+    assert same.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    for other in ({"prompt": "xyz"}, {"max_tokens": 4}):
+        answer = httpx.post(url, json={**body, **other}, headers=headers, timeout=30)
+        assert answer.status_code == 409, (other, answer.text)
+        assert answer.json()["error"]["type"] == "model_call_id_conflict"
+    assert len(pg.read_entries("pgt")) == 1

@@ -20,6 +20,7 @@ from tests.fake_upstream import (
     Server,
     encode,
     render_chat,
+    replying,
     server_dir,
     server_runner,
     start_gateway,
@@ -208,11 +209,11 @@ def test_retrying_the_calls_a_sigkill_lost_masks_nothing(
     lost = [key for key in run.sent if key not in run.acknowledged]
     server = start_gateway(fake.url, store_dir, tmp_path)
     try:
-        with httpx.Client(base_url=server.url, timeout=30) as client:
+        with replying(fake.url, "retried"), httpx.Client(base_url=server.url, timeout=30) as client:
             for rollout, call_id in lost:
-                answer = client.post(
+                answer = client.post(  # the same request: a replay needs it
                     f"/rollouts/{rollout}/v1/chat/completions",
-                    json={**run.sent[(rollout, call_id)], "fake_reply": "retried"},
+                    json=run.sent[(rollout, call_id)],
                     headers={"x-model-call-id": call_id},
                 )
                 assert answer.status_code == 200, answer.text

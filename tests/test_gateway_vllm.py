@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from tests.fake_upstream import server_dir, start_gateway
+from tests.fake_upstream import free_port, server_dir, start_gateway
 from tests.gateway_kills import run_kills
 from tests.vllm_engine import TOOLS, VllmEngine, post_json, post_stream
 
@@ -33,11 +33,13 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 class Through:
     """An in-process gateway (tito optional) whose upstream is the real engine."""
 
-    def __init__(self, engine: VllmEngine, root: Path, *, tito: bool = False) -> None:
+    def __init__(
+        self, engine: VllmEngine, root: Path, *, tito: bool = False, upstream: str | None = None
+    ) -> None:
         self.engine = engine
         bridge = Bridge.from_tokenizer_dir(engine.tokenizer_dir) if tito else None
         self.app = create_app(
-            open_backend(store_dir=root), GatewayConfig(engine.base_url, tito=bridge)
+            open_backend(store_dir=root), GatewayConfig(upstream or engine.base_url, tito=bridge)
         )
         self.client = httpx.AsyncClient(
             transport=httpx.ASGITransport(self.app), base_url="http://gateway", timeout=300
@@ -435,11 +437,15 @@ def test_sigkill_under_concurrent_sessions_against_the_engine(
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-async def test_a_retry_after_a_lost_answer_is_replayed_not_resampled(through: Through) -> None:
-    """A retry with the call id of a stored call, which the engine would now sample otherwise
-    (its first token banned): the stored answer comes back, whole and streamed, with
-    the engine's own id, tokens, log-probs, finish reason and token counts; the rollout stays
-    unmasked (a dispatch would have ended in a conflict that masks it)."""
+async def test_a_retry_after_a_lost_answer_is_replayed_not_resampled(
+    through: Through, tmp_path: Path
+) -> None:
+    """A retry with the call id of a stored call, through a new gateway on the same store
+    whose engine is unreachable (a dispatch would be a 502): the stored answer comes back,
+    whole and streamed, with the engine's own id, tokens, log-probs, finish reason and token
+    counts; nothing is marked. The same id with the first answer's first token banned is
+    another request, which the engine would answer otherwise: a 409 conflict, refused before
+    dispatch (so nothing is marked), not the stored answer."""
     body = {
         "messages": [{"role": "user", "content": "Say something."}],
         "max_tokens": 8,
@@ -448,28 +454,44 @@ async def test_a_retry_after_a_lost_answer_is_replayed_not_resampled(through: Th
         "logprobs": True,
     }
     first = (await through.post("chat/completions", "rp", body, "rp1")).json()
-    # The tiny model is peaked: the retry also bans the first answer's first token.
-    banned = {**body, "logit_bias": {str(first["choices"][0]["token_ids"][0]): -100}}
-    other = _direct(through.engine, "chat/completions", banned)
-    assert other["choices"][0]["token_ids"] != first["choices"][0]["token_ids"]
-    again = (await through.post("chat/completions", "rp", banned, "rp1")).json()
-    assert (again["id"], again["model"]) == (first["id"], first["model"])
-    assert again["prompt_token_ids"] == first["prompt_token_ids"]
-    choice, was = again["choices"][0], first["choices"][0]
-    assert choice["token_ids"] == was["token_ids"]
-    assert choice["message"]["content"] == was["message"]["content"]
-    assert choice["finish_reason"] == was["finish_reason"]
-    assert _chat_logprobs(choice) == _chat_logprobs(was)
-    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-        assert again["usage"][key] == first["usage"][key], key
-    answer = await through.post("chat/completions", "rp", {**body, "stream": True}, "rp1")
-    events = [e[6:] for e in answer.text.split("\n\n") if e.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [orjson.loads(e) for e in events[:-1]]
-    choices = [c for chunk in chunks for c in chunk["choices"]]
-    assert "".join(c["delta"].get("content") or "" for c in choices) == was["message"]["content"]
-    assert [t for c in choices for t in c.get("token_ids") or []] == was["token_ids"]
+    # The first answer was lost; the retry goes through a new gateway, whose engine is gone.
+    lost = Through(through.engine, tmp_path / "store", upstream=f"http://127.0.0.1:{free_port()}")
+    try:
+        again = (await lost.post("chat/completions", "rp", body, "rp1")).json()
+        assert (again["id"], again["model"]) == (first["id"], first["model"])
+        assert again["prompt_token_ids"] == first["prompt_token_ids"]
+        choice, was = again["choices"][0], first["choices"][0]
+        assert choice["token_ids"] == was["token_ids"]
+        assert choice["message"]["content"] == was["message"]["content"]
+        assert choice["finish_reason"] == was["finish_reason"]
+        assert _chat_logprobs(choice) == _chat_logprobs(was)
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert again["usage"][key] == first["usage"][key], key
+        answer = await lost.post("chat/completions", "rp", {**body, "stream": True}, "rp1")
+        events = [e[6:] for e in answer.text.split("\n\n") if e.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [orjson.loads(e) for e in events[:-1]]
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+        assert (
+            "".join(c["delta"].get("content") or "" for c in choices) == was["message"]["content"]
+        )
+        assert [t for c in choices for t in c.get("token_ids") or []] == was["token_ids"]
+        assert lost.app.state.gateway.metrics.snapshot()["replay"]["count"] == 2
+    finally:
+        await lost.close()
     [entry] = through.store.read_entries("rp")
     assert entry.generation_token_ids == was["token_ids"]
-    assert not through.store.freeze_now("rp").incomplete
-    assert through.app.state.gateway.metrics.snapshot()["replay"]["count"] == 2
+    assert not through.store.is_incomplete("rp")  # nothing marked by the replays
+    # The tiny model is peaked: banning the first answer's first token changes the answer.
+    banned = {**body, "logit_bias": {str(was["token_ids"][0]): -100}}
+    other = _direct(through.engine, "chat/completions", banned)
+    assert other["choices"][0]["token_ids"] != was["token_ids"]
+    conflict = await through.client.post(
+        "/rollouts/rp/v1/chat/completions",
+        json={"model": through.engine.model, **banned},
+        headers={"x-model-call-id": "rp1"},
+    )
+    assert conflict.status_code == 409, conflict.text
+    assert conflict.json()["error"]["type"] == "model_call_id_conflict"
+    assert through.store.read_entries("rp")[0].generation_token_ids == was["token_ids"]
+    assert not through.store.freeze_now("rp").incomplete  # refused before any dispatch

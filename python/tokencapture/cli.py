@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokencapture.lineage import FileLineageStore, stamp_continuation
 from tokencapture.records import TokenEntry, compute_digest, stamp_lineage
+from tokencapture.rollout_files import complete_lines
 from tokencapture.store import TokenCaptureStore, validate_rollout_id
 
 if TYPE_CHECKING:
@@ -215,10 +216,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         if found is None:
             raise CliError(f"rollout {rollout_id!r} has no files in {root}")
         state = found
-        intents_path = store.intents_path_for(rollout_id)
-        intents = (
-            intents_path.read_text("utf-8", "replace").splitlines() if intents_path.exists() else []
-        )
+        # The shared reader: a torn last line (a crash mid-append) was never acknowledged, so
+        # it is no intent (as the gateway's summary and NeMo Gym's freeze read the file).
+        lines = complete_lines(store.intents_path_for(rollout_id))
+        intents = [line.decode("utf-8", "replace") for line in lines if line]
         entries = store.read_entries(rollout_id)
     stored = {e.model_call_id for e in entries}
     payload = {

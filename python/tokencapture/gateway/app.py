@@ -14,13 +14,17 @@ upstream error, timeout or disconnect marks the call incomplete with the reason 
 of the capture ledger) and passes the upstream's status through; a store write that fails
 answers 503, never 200. A stream is passed through chunk by chunk, except that its final chunk
 and `[DONE]` are held until the entry is stored. A retry of a stored call (the client's own
-call id, the same request) is answered from the stored entry, with nothing sent upstream.
+call id, the same request) is answered from the stored entry, with nothing sent upstream;
+two calls with one client id at once are answered one after the other, the second as a
+retry of the first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
 import hmac
 import inspect
 import logging
@@ -70,7 +74,16 @@ from tokencapture.protocols import (
 from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokencapture.store import check_call_id, validate_rollout_id
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "Gateway", "GatewayApp", "GatewayConfig", "create_app"]
+__all__ = [
+    "ANSWER_FORM_FIELDS",
+    "DEFAULT_MAX_BODY_BYTES",
+    "REQUEST_DIGEST_FIELD",
+    "Gateway",
+    "GatewayApp",
+    "GatewayConfig",
+    "create_app",
+    "request_digest",
+]
 
 logger = logging.getLogger("tokencapture.gateway")
 
@@ -81,6 +94,27 @@ _JSON: Final[dict[str, str]] = {"content-type": "application/json"}
 _SSE_HEADERS: Final[dict[str, str]] = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _UNRESOLVED_ERROR_REASON: Final[str] = "resolver_error"
 _RECENT_SHAPES: Final[int] = 100_000
+
+# The entry's extra field (TokenEntry keeps unknown fields) holding the digest of the request a
+# call with the client's own id was made with, compared on a retry (`request_digest`).
+REQUEST_DIGEST_FIELD: Final[str] = "gateway_request_digest"
+# Request fields that only shape the answer's form, not the generation: a retry may differ in
+# them and still be replayed (the replay is built for the retry's own form).
+ANSWER_FORM_FIELDS: Final[frozenset[str]] = frozenset(
+    {"stream", "stream_options", "return_token_ids"}
+)
+
+
+def request_digest(kind: str, body: dict[str, Any]) -> str:
+    """The digest of a request as the client sent it (before the gateway's injections), less
+    the fields that only shape the answer's form (`ANSWER_FORM_FIELDS`): every other field
+    (the messages or prompt, model, sampling and its limits, stop, tools, log-probs asked for,
+    response format, engine extensions) must be the same for a retry to be replayed. The
+    canonical form is orjson's with sorted keys, so key order does not matter; values do
+    (`1` and `1.0` differ)."""
+    kept = {key: value for key, value in body.items() if key not in ANSWER_FORM_FIELDS}
+    canonical = orjson.dumps([kind, kept], option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(canonical).hexdigest()
 
 
 @dataclass
@@ -127,6 +161,10 @@ class Gateway:
             path: URL(self._base + path) for path in ("/v1/chat/completions", "/v1/completions")
         }
         self._recent: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+        # The calls with a client's own id in flight, by (rollout, call id): a second call with
+        # the same id waits for the first's outcome (`_one_at_a_time`). An entry lives as long
+        # as its call: removed when the call's answer is sent, fails, or is cancelled.
+        self._in_flight: dict[tuple[str, str], asyncio.Event] = {}
 
     # Lifecycle -----------------------------------------------------------------------------
 
@@ -416,15 +454,66 @@ class Gateway:
             messages = raw
         headers = {CALL_HEADER: raw_call_id}
         call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
-        # Only a client's own id can name a call made before: its intent is written unless the
-        # store already holds the call's entry (a retry of a lost answer), in the same step.
-        if await self._begin(call, unless_stored=bool(given_call_id)):
-            replayed = await self._replay(
-                kind, rollout_id, call_id, body, messages, requested, headers
-            )
+        if not given_call_id:
+            # A generated id: no call was made with it before, and none is in flight.
+            await self._begin(call, unless_stored=False)
+            return await self._run(call, upstream_body)
+        # Only a client's own id can name a call made before (a retry), or one in flight.
+        return await self._one_at_a_time(
+            (rollout_id, call_id),
+            functools.partial(self._retry_or_dispatch, call, body, upstream_body),
+        )
+
+    async def _one_at_a_time(
+        self, key: tuple[str, str], work: Callable[[], Awaitable[Response]]
+    ) -> Response:
+        """Run `work()`, a call with the client's own id, once no other call with that id is
+        in flight in this gateway: two calls with one id (a client's retry racing its first
+        attempt) are answered one after the other, the second as a retry of the first
+        (replayed if the first stored its entry for the same request, a 409 conflict if the
+        request differs, dispatched as a fresh call if the first stored nothing). A call holds
+        its place until its answer is sent (a stream: to its end, or its cancellation), so
+        the next sees the first's outcome in the store. Across gateway processes the store
+        decides alone (one 200, the others 409)."""
+        in_flight = self._in_flight
+        while (ahead := in_flight.get(key)) is not None:
+            await ahead.wait()  # a waiter cancelled here holds nothing
+        done = asyncio.Event()
+        in_flight[key] = done
+
+        def settle() -> None:
+            if in_flight.get(key) is done:
+                del in_flight[key]
+            done.set()
+
+        try:
+            response = await work()
+        except BaseException:
+            settle()
+            raise
+        if isinstance(response, StreamingResponse):
+            return _Settling(response, settle)
+        settle()
+        return response
+
+    async def _retry_or_dispatch(
+        self, call: _Call, body: dict[str, Any], upstream_body: dict[str, Any]
+    ) -> Response:
+        """A call with the client's own id: its intent, unless the store already holds its
+        entry (checked in the same step); then a replay for the same request, a 409 for
+        another. A dispatched call's entry carries the request's digest."""
+        digest = request_digest(call.kind, body)
+        if await self._begin(call, unless_stored=True):
+            replayed = await self._replay(call, body, digest)
             if replayed is not None:
                 return replayed
             await self._begin(call, unless_stored=False)  # the entry went since: a new call
+        call.extra[REQUEST_DIGEST_FIELD] = digest
+        return await self._run(call, upstream_body)
+
+    async def _run(self, call: _Call, upstream_body: dict[str, Any]) -> Response:
+        """The call, its intent written: the engine, then its entry."""
+        kind, rollout_id, call_id = call.kind, call.rollout_id, call.call_id
         try:
             if kind == CHAT and self.config.tito is not None:
                 return await call.run_tito(upstream_body)
@@ -464,24 +553,16 @@ class Gateway:
             if not recorded:  # also when cancelled: no call, so no parent to look up
                 call.cancel_resolution()
 
-    async def _replay(
-        self,
-        kind: str,
-        rollout_id: str,
-        call_id: str,
-        body: dict[str, Any],
-        messages: list[dict[str, Any]],
-        requested: Requested,
-        headers: dict[str, str],
-    ) -> Response | None:
+    async def _replay(self, call: _Call, body: dict[str, Any], digest: str) -> Response | None:
         """The answer to a retry of a call the store already holds (its answer was lost: a
         gateway killed after the put, a dropped connection), rebuilt from the stored entry
         with no dispatch and no second intent; None when the store no longer holds an entry
         under this call id (the call then proceeds as any other). Another request under a
         stored call id is a reused id: 409, before anything is dispatched or marked."""
         started = time.perf_counter()
+        kind, requested, headers = call.kind, call.requested, call.headers
         try:
-            entry = await self.backend.stored_entry(rollout_id, call_id)
+            entry = await self.backend.stored_entry(call.rollout_id, call.call_id)
         except Exception as exc:
             raise HttpError(
                 503,
@@ -490,10 +571,11 @@ class Gateway:
             ) from None
         if entry is None:
             return None
-        if not _same_request(kind, entry, messages, body):
+        if not _same_request(kind, entry, call.messages, body, digest):
             raise HttpError(
                 409,
-                f"the store already holds another request's answer under call id {call_id!r}: "
+                "the store already holds another request's answer under call id "
+                f"{call.call_id!r}: "
                 "send every call with its own X-Model-Call-Id",
                 "model_call_id_conflict",
             )
@@ -540,16 +622,27 @@ async def _disconnect_waiting(request: Request) -> bool:
 
 
 def _same_request(
-    kind: str, entry: TokenEntry, messages: list[dict[str, Any]], body: dict[str, Any]
+    kind: str,
+    entry: TokenEntry,
+    messages: list[dict[str, Any]],
+    body: dict[str, Any],
+    digest: str,
 ) -> bool:
-    """Whether a stored entry answers this request: a chat entry stamped with the same
-    conversation (the digest `stamp_continuation` stores); a completions entry (unstamped)
-    with the same prompt when it is token ids (a text prompt cannot be compared with the
-    stored tokens: taken as the same). Another request under a stored call id is a reused
-    id, which the store refuses as a conflict. An entry another writer made (not one output
-    item at index 0, as the gateway writes) is not replayed either."""
+    """Whether a stored entry answers this request: the same request digest
+    (`request_digest`, stored with the entry as `gateway_request_digest`). An entry stored
+    without one (by a gateway before it) is compared as that gateway did: a chat entry
+    stamped with the same conversation (the digest `stamp_continuation` stores); a
+    completions entry (unstamped) with the same prompt when it is token ids (a text prompt
+    cannot be compared with the stored tokens: taken as the same). Another request under a
+    stored call id is a reused id (a 409 before anything is dispatched). An entry another
+    writer made (not one output item at index 0, as the gateway writes) is not replayed
+    either."""
     if len(entry.output_items) != 1 or entry.token_item_index != 0:
         return False
+    extra = entry.__pydantic_extra__ or {}
+    stored = extra.get(REQUEST_DIGEST_FIELD)
+    if stored is not None:
+        return bool(stored == digest)
     if kind == CHAT:
         if entry.continuation_context_len != len(messages):
             return False
@@ -913,6 +1006,28 @@ class _Call:
     async def run_tito(self, upstream_body: dict[str, Any]) -> Response:
         response: Response = await self.gateway.config.tito.run(self, upstream_body)
         return response
+
+
+class _Settling(Response):
+    """A streamed answer that ends its call's place in flight (`Gateway._one_at_a_time`) once
+    it has been sent, or its sending failed or was cancelled (a client gone): the stream's
+    outcome (stored, or marked) is known only then. Whatever the path, even a stream never
+    started, the place is freed."""
+
+    def __init__(self, inner: StreamingResponse, settle: Callable[[], None]) -> None:
+        # Not Response.__init__: the inner response is sent as it is; what a handler reads
+        # of a response (its status) is copied.
+        self.inner = inner
+        self.settle = settle
+        self.status_code = inner.status_code
+        self.background = None
+        self.raw_headers = inner.raw_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            self.settle()
 
 
 def _stream_error(status: int, message: str) -> bytes:
