@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -169,13 +170,17 @@ class PostgresColumn:
             self.server.start()
             self.base = self.server.dsn
 
+    def close_stores(self) -> None:
+        """Close the stores this column opened."""
+        for store in self.opened:
+            store.close()
+        self.opened.clear()
+
     def close(self) -> None:
         """Close this column's stores (and its variants', before the server they share)."""
         for variant in self.variants:
             variant.close()
-        for store in self.opened:
-            store.close()
-        self.opened.clear()
+        self.close_stores()
         if self.server is not None:
             self.server.cleanup()
             self.server = None
@@ -260,8 +265,24 @@ def w2_records(threads: int, chains_per_thread: int, tag: str) -> list[list[Any]
     ]
 
 
-def run_stages(sink: Any, per_thread: list[list[Any]]) -> dict[str, float]:
-    """Stage every thread's records from its own thread; stages/s and latency quantiles."""
+def run_stages(sink: Any, per_thread: list[list[Any]], warm: int = 0) -> dict[str, float]:
+    """Stage every thread's records from its own thread; stages/s and latency quantiles.
+    `warm`: stage that many records of another rollout from as many threads first, untimed
+    (a PostgreSQL store then has its connections and its server backends their compiled
+    functions before the clock starts)."""
+    if warm:
+        warmers = [
+            threading.Thread(
+                target=lambda i=i: sink.stage(
+                    build_chain(models, f"warm-{uuid.uuid4().hex}-{i}", 1, variant=i)[0]
+                )
+            )
+            for i in range(warm)
+        ]
+        for warmer in warmers:
+            warmer.start()
+        for warmer in warmers:
+            warmer.join()
     latencies: list[list[int]] = [[] for _ in per_thread]
     start = threading.Barrier(len(per_thread) + 1)
     failures: list[str] = []
@@ -281,9 +302,11 @@ def run_stages(sink: Any, per_thread: list[list[Any]]) -> dict[str, float]:
         worker.start()
     start.wait()
     t0 = time.perf_counter()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     for worker in workers:
         worker.join()
     wall = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     if failures:
         raise RuntimeError(f"{len(failures)} stages failed: {failures[0]}")
     flat = sorted(ns for per in latencies for ns in per)
@@ -291,6 +314,10 @@ def run_stages(sink: Any, per_thread: list[list[Any]]) -> dict[str, float]:
         "stages_per_s": len(flat) / wall,
         "p50_ms": flat[len(flat) // 2] / 1e6,
         "p99_ms": flat[min(len(flat) - 1, int(len(flat) * 0.99))] / 1e6,
+        # This process's CPU (every thread; a throwaway server is another process).
+        "client_cpu_us": ((cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime))
+        * 1e6
+        / len(flat),
     }
 
 
@@ -350,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-fetch", action="store_true", help="leave out the fetch timing")
     parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="before each timed case, stage one record per thread, untimed (connections "
+        "made, server functions compiled): the steady state without a store's start-up",
+    )
+    parser.add_argument(
         "--fetch-only", action="store_true", help="only the fetch timing (no stage cases)"
     )
     parser.add_argument(
@@ -401,7 +434,12 @@ def main(argv: list[str] | None = None) -> int:
                     directory = scratch / f"{case}-{name}-{run}"
                     factory = BACKENDS[name]
                     assert factory is not None
-                    measured = run_stages(factory(str(directory)), per_thread)
+                    sink = factory(str(directory))
+                    measured = run_stages(sink, per_thread, args.warm and threads)
+                    # Closed after each run: stores left open would hold their connections
+                    # (several variants' stores over many runs exhaust a server's slots).
+                    if isinstance(factory, PostgresColumn):
+                        factory.close_stores()
                     results.setdefault(case, {}).setdefault(name, []).append(measured)
                     shutil.rmtree(directory, ignore_errors=True)
         repeats = args.fetch_repeats or max(5, args.runs * 4)
@@ -415,17 +453,28 @@ def main(argv: list[str] | None = None) -> int:
                 close()
 
     report: dict[str, Any] = {"cases": {}}
-    print(f"{'case':8} {'backend':14} {'stages/s':>24} {'p50 ms':>8} {'p99 ms':>8}")
+    print(
+        f"{'case':8} {'backend':14} {'stages/s':>24} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'cpu us/stage':>12}"
+    )
     for case, by_name in results.items():
         report["cases"][case] = {}
         for name, runs in by_name.items():
             rate = summary([r["stages_per_s"] for r in runs])
             p50 = statistics.median(r["p50_ms"] for r in runs)
             p99 = statistics.median(r["p99_ms"] for r in runs)
-            report["cases"][case][name] = {"stages_per_s": rate, "p50_ms": p50, "p99_ms": p99}
+            cpu = statistics.median(r["client_cpu_us"] for r in runs)
+            report["cases"][case][name] = {
+                "stages_per_s": rate,
+                "p50_ms": p50,
+                "p99_ms": p99,
+                "client_cpu_us": cpu,
+            }
             span = f"{rate['median']:,.0f} ({rate['min']:,.0f}-{rate['max']:,.0f})"
-            print(f"{case:8} {name:14} {span:>24} {p50:8.2f} {p99:8.2f}")
-        for top, bottom in (("postgres", "file"), ("file", "memory")):
+            print(f"{case:8} {name:14} {span:>24} {p50:8.2f} {p99:8.2f} {cpu:12.1f}")
+        postgres_columns = [n for n in by_name if isinstance(BACKENDS.get(n), PostgresColumn)]
+        pairs = [*((n, "file") for n in postgres_columns), ("file", "memory")]
+        for top, bottom in pairs:
             if top in by_name and bottom in by_name:
                 ratios = [
                     a["stages_per_s"] / b["stages_per_s"]

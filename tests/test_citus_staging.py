@@ -262,3 +262,23 @@ def test_an_in_doubt_transaction_on_a_worker_stalls_its_rollout_boundedly(
     finally:
         store.close()
         impatient.close()
+
+
+def test_the_native_group_commit_leaves_a_citus_cluster_to_the_delegated_path(
+    citus_cluster: CitusCluster, citus_db: tuple[str, str], citus_dsn: str
+) -> None:
+    """`native_group_commit=True` on Citus: each stage is still its own call delegated to its
+    rollout's worker (a batch on the coordinator would tie its stages to every worker it
+    spans); the store says why the native client is not used, and it closed it."""
+    name, _ = citus_db
+    store = PostgresStagingStore(citus_dsn, native_group_commit=True)
+    try:
+        ids = rollouts_on_each_worker(citus_cluster, name, 2)
+        for rollout_id in ids:
+            assert store.stage(make_record(rollout_id)).ok
+        assert not store.native_group_commit
+        assert store.native_fallback_reason is not None
+        assert "Citus" in store.native_fallback_reason
+        assert store.keys() == sorted(f"{rollout_id}/c1" for rollout_id in ids)
+    finally:
+        store.close()

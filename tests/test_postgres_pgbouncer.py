@@ -5,12 +5,15 @@ pass on ignored, no prepared statements kept (PgBouncer 1.18 cannot track them).
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from tests.conftest import make_entry
 from tests.pg_server import PgBouncer, PgServer, PgServerUnavailable
 from tests.postgres_fixture import execute, fetch, pg_dsn, pg_server, unavailable
+from tests.staging_backends import chain
 from tests.test_conformance import CHECKS
 
 from tokencapture.conformance import run_conformance
@@ -18,6 +21,7 @@ from tokencapture.postgres import (
     PostgresCaptureLedger,
     PostgresDurabilityError,
     PostgresLineageStore,
+    PostgresStagingStore,
     PostgresTokenCaptureStore,
     PostgresUnavailableError,
     install_schema_sync,
@@ -131,3 +135,41 @@ def test_a_pgbouncer_that_refuses_the_startup_parameters_is_named_with_the_fix(
     message = str(refused.value)
     assert "unsupported startup parameter" in message
     assert "ignore_startup_parameters = statement_timeout,synchronous_commit" in message
+
+
+def test_native_staging_through_pgbouncer_in_transaction_mode(
+    bouncer: PgBouncer,
+    pg_dsn: str,
+) -> None:
+    """The native group commit's sessions through PgBouncer (two server connections shared in
+    transaction mode): it refuses the `options` startup parameter, so the session settings are
+    the role's (checked); each batch is one unnamed statement, nothing prepared is kept."""
+    install_schema_sync(pg_dsn)
+    dsn = through(bouncer, pg_dsn)
+    stores = [
+        PostgresStagingStore(dsn, native_group_commit=True, stage_flushes=2, **BEHIND_PGBOUNCER)
+        for _ in range(2)
+    ]
+    records = [chain(f"b{t}", 15, size=32) for t in range(12)]
+    results: list[list[Any]] = [[] for _ in records]
+
+    def stage(t: int) -> None:
+        results[t] = [stores[t % 2].stage(r) for r in records[t]]
+
+    try:
+        threads = [threading.Thread(target=stage, args=(t,)) for t in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert all(r.ok for per in results for r in per), [
+            r.error for per in results for r in per if not r.ok
+        ][:3]
+        for store in stores:
+            assert store.native_group_commit, store.native_fallback_reason
+        assert sum(store._native.stats()[1] for store in stores if store._native) == 180
+        keys = [r.staging_key for per in records for r in per]
+        assert len(stores[0].fetch(keys)) == 180
+    finally:
+        for store in stores:
+            store.close()

@@ -34,22 +34,31 @@ from tokencapture.staging_rows import encode_stage
 Store = FileStagingStore | PostgresStagingStore
 
 
-@pytest.fixture(params=["file", "postgres"])
+@pytest.fixture(params=["file", "postgres", "postgres-native"])
 def staging(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    """Each backend in turn (the PostgreSQL one on a fresh database)."""
+    """Each backend in turn (the PostgreSQL one on a fresh database, its stages through
+    asyncpg and through the native group commit)."""
     if request.param == "file":
         yield FileStagingStore(tmp_path / "staging")
         return
     database = request.getfixturevalue("dsn")
-    store = PostgresStagingStore(database)
+    store = PostgresStagingStore(database, native_group_commit=request.param == "postgres-native")
     yield store
+    if request.param == "postgres-native" and store.native_fallback_reason is None:
+        # Whatever the test staged went through the native client.
+        assert store._native is None or store._native.stats()[1] > 0 or not store.keys()
     store.close_sync()
 
 
-@pytest.fixture
-def both(tmp_path: Path, dsn: str) -> Iterator[tuple[FileStagingStore, PostgresStagingStore]]:  # noqa: F811
-    """One store of each backend, to compare their answers."""
-    store = PostgresStagingStore(dsn)
+@pytest.fixture(params=["asyncpg", "native"])
+def both(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    dsn: str,  # noqa: F811
+) -> Iterator[tuple[FileStagingStore, PostgresStagingStore]]:
+    """One store of each backend, to compare their answers (the PostgreSQL one staging
+    through asyncpg, then through the native group commit)."""
+    store = PostgresStagingStore(dsn, native_group_commit=request.param == "native")
     yield FileStagingStore(tmp_path / "staging"), store
     store.close_sync()
 

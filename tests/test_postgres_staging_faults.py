@@ -40,14 +40,19 @@ def own_server() -> Iterator[PgServer]:
         server.cleanup()
 
 
-def test_every_acknowledged_stage_survives_a_server_crash(own_server: PgServer) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["asyncpg", "native"])
+def test_every_acknowledged_stage_survives_a_server_crash(
+    own_server: PgServer, native: bool
+) -> None:
     install_schema_sync(own_server.dsn)
     threads_n, per_thread = 16, 60
     records = {t: chain(f"t{t}", per_thread, size=320) for t in range(threads_n)}
     acknowledged: list[str] = []
     failed: list[str] = []
     lock = threading.Lock()
-    store = PostgresStagingStore(own_server.dsn, connect_timeout=2, statement_timeout=5)
+    store = PostgresStagingStore(
+        own_server.dsn, connect_timeout=2, statement_timeout=5, native_group_commit=native
+    )
     killed = threading.Event()
     restarted = threading.Event()
 
@@ -88,6 +93,7 @@ def test_every_acknowledged_stage_survives_a_server_crash(own_server: PgServer) 
         # Every call was eventually acknowledged (a retry after an unknown outcome is
         # idempotent), and every acknowledged key is there, verified, after the crash.
         assert len(acknowledged) == threads_n * per_thread
+        assert store.native_group_commit is native
         survivor = PostgresStagingStore(own_server.dsn)
         try:
             keys = survivor.keys()

@@ -16,6 +16,8 @@ __all__ = [
     "Ledger",
     "LineageJob",
     "MemoryLineage",
+    "PostgresStageError",
+    "PostgresStageGroup",
     "StagedRow",
     "StagingFileStore",
     "Store",
@@ -297,6 +299,36 @@ def staging_decode_attachments(blob: bytes, key: str) -> list[_DecodedAttachment
 def staging_same_content(
     row_a: bytes, attachments_a: bytes, row_b: bytes, attachments_b: bytes
 ) -> bool: ...
+
+# The PostgreSQL staging store's native group commit (rust/src/py/pg_stage.rs).
+class PostgresStageError(Exception):
+    args: tuple[str, str, str | None, str | None, str | None]
+
+@final
+class PostgresStageGroup:
+    def __new__(
+        cls,
+        addresses: Sequence[tuple[str, int, bool]],
+        user: str,
+        password: str | None,
+        database: str,
+        settings: Sequence[tuple[str, str]],
+        application_name: str | None,
+        connect_timeout: float,
+        statement_timeout: float,
+        allow_unflushed_commits: bool,
+        refuse_tls_servers: bool,
+        place: str,
+        max_batch: int,
+        max_leaders: int,
+    ) -> PostgresStageGroup: ...
+    def stage(
+        self, record: Any, attachments: Sequence[_EncodedAttachment] | None = None
+    ) -> tuple[int, str]: ...
+    def warm(self) -> None: ...
+    def stats(self) -> tuple[int, int, int]: ...
+    def idle_connections(self) -> int: ...
+    def close(self) -> None: ...
 
 @final
 class StagingFileStore:

@@ -7,9 +7,12 @@
 //!   verification.
 //! * [`file`](mod@file): the file backend: append-only segments written by group commit, a control log
 //!   for segments and fences, and the recovery rule.
+//! * [`postgres`]: the native group commit of the PostgreSQL backend's `stage` (the rows
+//!   encoded here, sent with `tokio-postgres` by the calling threads).
 
 pub mod digest;
 pub mod file;
+pub mod postgres;
 pub mod row;
 
 use std::io;

@@ -19,6 +19,13 @@ through the client's loop thread instead. On a Citus cluster each stage is its o
 delegated to the worker that owns its rollout (a batch would run on the coordinator and tie
 every stage in it to every worker it spans).
 
+With ``native_group_commit=True`` the same group commit runs in Rust
+(`tokencapture._core.PostgresStageGroup`, rust/src/staging/postgres.rs, connection
+parameters from `tokencapture.postgres._native`): one native call per stage verifies, encodes,
+queues and waits with the GIL released, its leader sending the batch on a native connection.
+It serves the stages the Python group commit serves and falls back to it where it cannot
+(TLS, Citus, ...: docs/postgres.md).
+
 NeMo Gym constructs it as ``tokencapture:PostgresStagingStore`` with ``{"dsn": ...}``.
 """
 
@@ -26,19 +33,31 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
+import time
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped, unused-ignore]
 
+from tokencapture import _core
 from tokencapture._core import staging_same_content
-from tokencapture.postgres._client import CallBatcher, Client, GroupCommit
+from tokencapture.forking import renew_after_fork
+from tokencapture.postgres._client import (
+    CallBatcher,
+    Client,
+    GroupCommit,
+    PostgresDurabilityError,
+    PostgresUnavailableError,
+    _copy_error,
+)
+from tokencapture.postgres._native import native_group
 from tokencapture.protocols import (
     RolloutRemovalPayload,
     TokenCaptureConflictError,
     TokenCaptureRetiredError,
 )
-from tokencapture.staging_attachments import StagedAttachment
+from tokencapture.staging_attachments import StagedAttachment, encode_attachments
 from tokencapture.staging_errors import StagingKeyError, StagingKeyRetiredError
 from tokencapture.staging_rows import (
     ModelsChoice,
@@ -133,6 +152,24 @@ def _check_status(status: int, args: _StageArgs) -> None:
         raise _refusal(status, args)
 
 
+def _native_failure(failure: _core.PostgresStageError) -> BaseException:
+    """The exception the asyncpg path raises for what failed a native batch."""
+    kind, message, sqlstate, detail, hint = failure.args
+    if kind == "unavailable":
+        return PostgresUnavailableError(message)
+    if kind == "durability":
+        return PostgresDurabilityError(message)
+    if kind == "server":
+        fields = {"S": "ERROR", "C": sqlstate, "M": message}
+        if detail is not None:
+            fields["D"] = detail
+        if hint is not None:
+            fields["H"] = hint
+        error: BaseException = asyncpg.PostgresError.new(fields)
+        return error
+    return RuntimeError(message)  # "closed": the store is closed
+
+
 def _same_as_stored(stored: Sequence[Any], args: _StageArgs) -> bool:
     """Whether the row stored under a key whose content digest differs from this stage's still
     carries the same call (`_core.staging_same_content`: the same data in another bytes-like
@@ -176,8 +213,10 @@ class PostgresStagingStore:
 
     Options: ``models`` (as for `FileStagingStore`), ``batch_stages`` (default True: stages
     that wait share one call and one commit), ``stage_batch_size`` (at most 256 stages per
-    call), ``stage_flushes`` (at most 3 such calls in flight at once, each on its own
-    connection: fewer, larger batches; see docs/postgres.md), and the connection options of
+    call), ``stage_flushes`` (such calls in flight at once, each on its own connection: by
+    default 3 through asyncpg, 1 through the native client; fewer, larger batches; see
+    docs/postgres.md), ``native_group_commit`` (default False: the group commit in Rust,
+    without the GIL), and the connection options of
     every PostgreSQL class
     (``pool_size``, ``connect_timeout``, ``statement_timeout``, ``synchronous_commit``,
     ``allow_unflushed_commits``, ``install_schema``, ``statement_cache_size``; see
@@ -194,24 +233,38 @@ class PostgresStagingStore:
         models: ModelsChoice = "auto",
         batch_stages: bool = True,
         stage_batch_size: int = 256,
-        stage_flushes: int = 3,
+        stage_flushes: int | None = None,
+        native_group_commit: bool = False,
         **options: Any,
     ) -> None:
         if isinstance(stage_batch_size, bool) or not isinstance(stage_batch_size, int):
             raise TypeError("stage_batch_size must be an int")
         if stage_batch_size < 1:
             raise ValueError("stage_batch_size must be at least 1")
-        if isinstance(stage_flushes, bool) or not isinstance(stage_flushes, int):
-            raise TypeError("stage_flushes must be an int")
-        if stage_flushes < 1:
-            raise ValueError("stage_flushes must be at least 1")
+        if stage_flushes is not None:
+            if isinstance(stage_flushes, bool) or not isinstance(stage_flushes, int):
+                raise TypeError("stage_flushes must be an int or None")
+            if stage_flushes < 1:
+                raise ValueError("stage_flushes must be at least 1")
         StagingModels.resolve(models)  # refuse a bad choice now
         self._models_choice = models
         self._client = Client(dsn, **options)
         self._batch_stages = batch_stages
         self._stage_batch_size = stage_batch_size
-        self._stage_flushes = stage_flushes
-        self._group = GroupCommit(self._client, _STAGE_BATCH, stage_batch_size, stage_flushes)
+        # Batches in flight at once: measured best at 3 for asyncpg, 1 for the native client
+        # (docs/postgres.md, "Staging throughput").
+        self._stage_flushes = 3 if stage_flushes is None else stage_flushes
+        self._native_flushes = 1 if stage_flushes is None else stage_flushes
+        self._group = GroupCommit(self._client, _STAGE_BATCH, stage_batch_size, self._stage_flushes)
+        if not isinstance(native_group_commit, bool):
+            raise TypeError("native_group_commit must be a bool")
+        # The native group commit (made on the first stage that may use it), or why not.
+        self._native: _core.PostgresStageGroup | None = None
+        self._native_off: str | None = None if native_group_commit else "turned off"
+        # Held by the one caller that makes the first round trip (the others wait for it).
+        self._first = threading.Lock()
+        renew_after_fork(self, "_first")
+        self._first_failed: tuple[float, BaseException] | None = None
 
     def __repr__(self) -> str:
         return f"PostgresStagingStore({self._client.where!r})"
@@ -235,10 +288,102 @@ class PostgresStagingStore:
         blob = row.attachments if row.has_attachments else None
         return row.rollout_id, row.key, row.content_digest, row.row, blob
 
+    @property
+    def native_group_commit(self) -> bool:
+        """Whether stages go through the native group commit (false until the first stage
+        found the server, and for good once it fell back to asyncpg; see
+        `native_fallback_reason`)."""
+        return self._native is not None
+
+    @property
+    def native_fallback_reason(self) -> str | None:
+        """Why stages do not use the native group commit (None when they do or may)."""
+        return self._native_off
+
+    def _native_stager(self) -> _core.PostgresStageGroup | None:
+        """The native group commit, made on first use; None when it cannot serve this store."""
+        if self._native is not None or self._native_off is not None:
+            return self._native
+        made = native_group(self._client, self._stage_batch_size, self._native_flushes)
+        if isinstance(made, str):
+            self._native_off = made
+            return None
+        self._native = made
+        return made
+
+    def _first_round_trip(self) -> None:
+        """Check the schema and learn whether it is distributed, once: one caller makes the
+        round trip, the others wait for it; a caller that waited for one that failed raises
+        that failure (so each caller waits for at most one failed attempt besides its own)."""
+        waiting_since = time.monotonic()
+        with self._first:
+            if self._client.distributed is not None:
+                return
+            failed = self._first_failed
+            if failed is not None and failed[0] >= waiting_since:
+                raise _copy_error(failed[1])
+            native = self._native_stager()
+            if native is not None:
+                # Its first connection opens meanwhile (the stages queue behind it).
+                threading.Thread(
+                    target=native.warm, name="tokencapture-pg-warm", daemon=True
+                ).start()
+            try:
+                self._client.run_sync(self._client.fetch("val", "SELECT 1"))
+            except BaseException as error:
+                self._first_failed = (time.monotonic(), error)
+                raise
+
+    def _native_path(self) -> _core.PostgresStageGroup | None:
+        """The native group commit for a stage from a thread that runs no event loop, or None
+        where today's paths serve it (batching off, fallen back, a Citus cluster)."""
+        if not self._batch_stages or self._native_off is not None:
+            return None
+        if self._client.distributed is None:
+            # The first stage: one round trip through asyncpg (one connection) checks the
+            # schema and whether it is distributed; the stages that come with it wait for it
+            # rather than each take the loop thread's path (and a connection of its pool).
+            self._first_round_trip()
+        if self._client.distributed:
+            self._native_off = "a Citus cluster: each stage is delegated to its rollout's worker"
+            native, self._native = self._native, None
+            if native is not None:
+                native.close()
+            return None
+        return self._native_stager()
+
+    def _stage_native(
+        self, native: _core.PostgresStageGroup, record: Any, attachments: Mapping[str, Any] | None
+    ) -> str | None:
+        """One stage through the native group commit: its key, or None when the native client
+        cannot serve this server (the store falls back to asyncpg; nothing was sent)."""
+        try:
+            status, key = native.stage(record, encode_attachments(attachments))
+        except _core.PostgresStageError as failure:
+            if failure.args[0] == "unsupported":
+                self._native_off = failure.args[1]
+                self._native = None
+                native.close()
+                return None
+            raise _native_failure(failure) from None
+        if status not in (_STORED, _DUPLICATE):
+            args = self._stage_args(record, attachments)
+            if status == _CONFLICT:
+                status = self._client.run_sync(self._recheck_conflict(args))
+            _check_status(status, args)
+        return key
+
     def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
         """Durably stage one call's token delta (and its attachments) before returning."""
         models = StagingModels.of_record(record, self._models())
         try:
+            if (
+                asyncio.events._get_running_loop() is None
+                and (native := self._native_path()) is not None
+            ):
+                key = self._stage_native(native, record, attachments)
+                if key is not None:
+                    return models.ok(key)
             args = self._stage_args(record, attachments)
             if self._batch_stages and self._client.distributed is False:
                 if asyncio.events._get_running_loop() is None:
@@ -446,6 +591,8 @@ class PostgresStagingStore:
     def close(self) -> None:
         """Close this store's connections (idempotent). Synchronous, as the staging protocols
         are (the other PostgreSQL classes' `close` is a coroutine; here that is `aclose`)."""
+        if self._native is not None:
+            self._native.close()
         self._group.close()
         self._client.close_sync()
 
@@ -453,5 +600,7 @@ class PostgresStagingStore:
 
     async def aclose(self) -> None:
         """`close` from a coroutine: this loop's connections closed without blocking it."""
+        if self._native is not None:
+            self._native.close()
         await self._client.close()
         self._group.close(graceful=False)

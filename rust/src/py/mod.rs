@@ -3,8 +3,8 @@
 //! (stored lines into Python objects), `bridge` (the async bridge: worker pool and
 //! completions), `store` (the `Store` class), `records` (digests, entry field checks,
 //! rollout-id validation), `descriptors` (the descriptor budget), `lineage`, `ledger`,
-//! `columnar` (Arrow snapshots) and `staging` (worker-owned staging: digests, rows, the file
-//! staging store). This module
+//! `columnar` (Arrow snapshots), `staging` (worker-owned staging: digests, rows, the file
+//! staging store) and `pg_stage` (the PostgreSQL staging store's native group commit). This module
 //! only registers them.
 //!
 //! Every call that touches a file, waits for a lock or hashes runs detached from the
@@ -19,6 +19,7 @@ mod descriptors;
 mod errors;
 mod ledger;
 mod lineage;
+mod pg_stage;
 mod records;
 mod staging;
 mod store;
@@ -39,5 +40,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     descriptors::register(module)?;
     columnar::register(module)?;
     staging::register(module)?;
+    pg_stage::register(module)?;
     Ok(())
 }

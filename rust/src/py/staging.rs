@@ -34,7 +34,7 @@ static UNKNOWN_KEY: ExceptionClass =
 static RETIRED_KEY: ExceptionClass =
     ExceptionClass::in_module("tokencapture.staging.errors", "StagingKeyRetiredError");
 
-fn staging_err(py: Python<'_>, err: StagingError) -> PyErr {
+pub(super) fn staging_err(py: Python<'_>, err: StagingError) -> PyErr {
     let message = err.to_string();
     match err {
         StagingError::Digest(DigestError::Type(m)) => PyTypeError::new_err(m),
@@ -626,7 +626,7 @@ fn staging_digest<'py>(
 // ---- records and rows --------------------------------------------------------------------
 
 /// A staged record read from Python and checked: its fields, its claimed digest and extras.
-fn call_of_record(record: &Bound<'_, PyAny>) -> PyResult<StagedCall> {
+pub(super) fn call_of_record(record: &Bound<'_, PyAny>) -> PyResult<StagedCall> {
     let fields = CallArgs::of_record(record)?.fields()?;
     let digest_value = record_field(record, "digest")?;
     let claimed = checked_digest(&digest_value, "digest")?;
@@ -654,7 +654,7 @@ type AttachmentTuple<'py> = (
     Vec<Bound<'py, PyAny>>,
 );
 
-fn attachments_of(value: &Bound<'_, PyAny>) -> PyResult<Option<Vec<Attachment>>> {
+pub(super) fn attachments_of(value: &Bound<'_, PyAny>) -> PyResult<Option<Vec<Attachment>>> {
     if value.is_none() {
         return Ok(None);
     }
@@ -691,7 +691,7 @@ fn attachments_of(value: &Bound<'_, PyAny>) -> PyResult<Option<Vec<Attachment>>>
 }
 
 /// Verify a decoded-from-Python call the way `stage` must: every digest recomputed.
-fn verified(call: &StagedCall) -> Result<(), StagingError> {
+pub(super) fn verified(call: &StagedCall) -> Result<(), StagingError> {
     call.verify().map_err(StagingError::Digest)
 }
 
