@@ -269,12 +269,16 @@ def test_what_the_native_client_cannot_serve_keeps_the_asyncpg_path(dsn: str) ->
         reason = native_group(Client(f"{dsn}?{query}"), 8, 1)
         assert isinstance(reason, str) and words in reason, (query, reason)
     assert not isinstance(native_group(Client(f"{dsn}?sslmode=disable"), 8, 1), str)
-    off = PostgresStagingStore(dsn)
+    off = PostgresStagingStore(dsn, native_group_commit=False)
+    by_default = PostgresStagingStore(dsn)
     try:
         assert off.stage(make_record("off")).ok
         assert not off.native_group_commit and off.native_fallback_reason == "turned off"
+        assert by_default.stage(make_record("default")).ok
+        assert by_default.native_group_commit and by_default.native_fallback_reason is None
     finally:
         off.close_sync()
+        by_default.close_sync()
 
 
 def test_a_server_offering_tls_under_sslmode_prefer_is_left_to_asyncpg() -> None:

@@ -215,7 +215,7 @@ class PostgresStagingStore:
     that wait share one call and one commit), ``stage_batch_size`` (at most 256 stages per
     call), ``stage_flushes`` (such calls in flight at once, each on its own connection: by
     default 3 through asyncpg, 1 through the native client; fewer, larger batches; see
-    docs/postgres.md), ``native_group_commit`` (default False: the group commit in Rust,
+    docs/postgres.md), ``native_group_commit`` (default True: the group commit in Rust,
     without the GIL), and the connection options of
     every PostgreSQL class
     (``pool_size``, ``connect_timeout``, ``statement_timeout``, ``synchronous_commit``,
@@ -234,7 +234,7 @@ class PostgresStagingStore:
         batch_stages: bool = True,
         stage_batch_size: int = 256,
         stage_flushes: int | None = None,
-        native_group_commit: bool = False,
+        native_group_commit: bool = True,
         **options: Any,
     ) -> None:
         if isinstance(stage_batch_size, bool) or not isinstance(stage_batch_size, int):
