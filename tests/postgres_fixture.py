@@ -79,6 +79,26 @@ def pg_server() -> Iterator[PgServer]:
 
 
 @pytest.fixture
+def own_server() -> Iterator[PgServer]:
+    """A server of the test's own, which the test may stop, kill, restart or give another
+    authentication (removed at the end)."""
+    try:
+        server = PgServer()
+    except (PgServerUnavailable, OSError) as exc:
+        unavailable(str(exc))
+        raise  # unreachable: unavailable raises
+    try:
+        server.start()
+    except (PgServerUnavailable, OSError) as exc:
+        server.cleanup()
+        unavailable(str(exc))
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
 def pg_dsn(pg_server: PgServer) -> str:
     """The DSN of a fresh database on the session's server (isolates each test's schema)."""
     name = f"t_{uuid.uuid4().hex[:12]}"

@@ -9,13 +9,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.pg_server import PgServer, PgServerUnavailable
-from tests.postgres_fixture import dsn, fetch, pg_dsn, pg_server, unavailable
+from tests.pg_server import PgServer
+from tests.postgres_fixture import dsn, fetch, own_server, pg_dsn, pg_server  # noqa: F401
 from tests.staging_backends import chain
 
 from tokencapture.postgres import PostgresStagingStore, install_schema_sync
@@ -25,24 +24,10 @@ __all__ = ["dsn", "pg_dsn", "pg_server"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def own_server() -> Iterator[PgServer]:
-    """A server of this test's own (it is killed)."""
-    try:
-        server = PgServer()
-        server.start()
-    except (PgServerUnavailable, OSError) as exc:
-        unavailable(str(exc))
-        raise
-    try:
-        yield server
-    finally:
-        server.cleanup()
-
-
 @pytest.mark.parametrize("native", [False, True], ids=["asyncpg", "native"])
 def test_every_acknowledged_stage_survives_a_server_crash(
-    own_server: PgServer, native: bool
+    own_server: PgServer,  # noqa: F811
+    native: bool,
 ) -> None:
     install_schema_sync(own_server.dsn)
     threads_n, per_thread = 16, 60

@@ -13,12 +13,19 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tests.pg_server import PgServer, PgServerUnavailable
-from tests.postgres_fixture import dsn, execute, fetch, pg_dsn, pg_server, unavailable  # noqa: F401
+from tests.pg_server import PgServer
+from tests.postgres_fixture import (  # noqa: F401
+    dsn,
+    execute,
+    fetch,
+    own_server,
+    pg_dsn,
+    pg_server,
+    unavailable,
+)
 from tests.staging_backends import chain, make_record
 from tests.test_fork_safety import run_forked
 from tests.test_postgres_fork_safety import (
@@ -156,23 +163,9 @@ def test_dsn_forms_reach_the_server_natively(
     assert staged_count(pg_dsn) == len(forms)
 
 
-@pytest.fixture
-def own_server() -> Iterator[PgServer]:
-    """A server of this test's own (stopped, restarted, or given other authentication)."""
-    try:
-        server = PgServer()
-        server.start()
-    except (PgServerUnavailable, OSError) as exc:
-        unavailable(str(exc))
-        raise
-    try:
-        yield server
-    finally:
-        server.cleanup()
-
-
 def test_a_password_from_the_dsn_or_the_environment(
-    own_server: PgServer, monkeypatch: pytest.MonkeyPatch
+    own_server: PgServer,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """SCRAM authentication (TCP connections of role `pw` need its password)."""
     own_server.psql("CREATE ROLE pw SUPERUSER LOGIN PASSWORD 'secret w0rd'")
@@ -206,7 +199,7 @@ def test_a_password_from_the_dsn_or_the_environment(
 
 
 def test_a_server_down_fails_stages_with_the_reason_and_the_next_stage_reconnects(
-    own_server: PgServer,
+    own_server: PgServer,  # noqa: F811
 ) -> None:
     install_schema_sync(own_server.dsn)
     store = PostgresStagingStore(
