@@ -479,3 +479,20 @@ def test_tokencapture_otel_0_turns_it_off_with_the_package_installed(tmp_path: P
         """
     )
     assert run_script(script, TOKENCAPTURE_OTEL="0") == "ok"
+
+
+def test_writes_refused_when_called_count_as_failures(tmp_path: Path) -> None:
+    """A `begin_call` or `mark_incomplete` refused by the checks it makes when called (nothing
+    ran) counts as a failed operation of its name, as any failed one."""
+    store = TokenCaptureStore(tmp_path)
+    with pytest.raises(ValueError):
+        store.begin_call("../bad", "c")
+    with pytest.raises(ValueError):
+        store.begin_call_unless_stored("r", "bad\nid")
+    with pytest.raises(ValueError):
+        store.mark_incomplete("../bad")
+    with pytest.raises(ValueError):
+        store.mark_incomplete_if_open("../bad", "c")
+    stats = store.stats()
+    assert (stats["begin_call"]["count"], stats["begin_call"]["failures"]) == (2, 2)
+    assert (stats["mark_incomplete"]["count"], stats["mark_incomplete"]["failures"]) == (2, 2)

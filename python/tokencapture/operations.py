@@ -2,7 +2,9 @@
 
 `Operation(metrics, name, rollout_id)` is `metrics.Timed` (a context manager counting the call
 and its latency, a raised exception as a failure) plus a log record for the failures an
-operator must see; `log_failure` is that record alone, for a call refused before it started.
+operator must see; `log_failure` is that record alone, and `Refusals(metrics, name,
+rollout_id)` the context of the checks an async write makes when it is called, which counts
+and logs what they refuse (a call refused before it started).
 Both token stores (file and PostgreSQL) use them, so one failure logs the same way on either.
 The records go to the ``tokencapture.store`` logger, the name they have always had.
 """
@@ -19,7 +21,7 @@ from tokencapture.protocols import (
     TokenCaptureFrozenError,
 )
 
-__all__ = ["Operation", "log_failure"]
+__all__ = ["Operation", "Refusals", "log_failure"]
 
 logger = logging.getLogger("tokencapture.store")
 
@@ -54,3 +56,29 @@ class Operation(Timed):
         super().__exit__(exc_type, exc, traceback)
         if exc is not None:
             log_failure(self.operation, self.rollout_id, exc)
+
+
+class Refusals:
+    """The checks an async write makes when it is called (`with Refusals(...): validate`):
+    whatever they raise is counted as a failed `name` (with no latency) and logged, then
+    propagates."""
+
+    __slots__ = ("metrics", "name", "rollout_id")
+
+    def __init__(self, metrics: Metrics, name: str, rollout_id: object) -> None:
+        self.metrics = metrics
+        self.name = name
+        self.rollout_id = rollout_id
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            self.metrics.observe(self.name, 0.0, failed=True)
+            log_failure(self.name, self.rollout_id, exc)

@@ -36,7 +36,7 @@ from tokencapture.entries import entries_from_records as entries_from_records
 from tokencapture.jobs import checked_when_called as checked_when_called
 from tokencapture.jobs import native_job, off_loop
 from tokencapture.metrics import Metrics
-from tokencapture.operations import Operation, log_failure
+from tokencapture.operations import Operation, Refusals, log_failure
 from tokencapture.protocols import (
     RolloutRemovalPayload,
     TokenCaptureSnapshot,
@@ -166,10 +166,8 @@ class TokenCaptureStore(RolloutFiles):
             raise
         self._metrics.observe("put", perf_counter() - started)
 
-    def _refused(self, name: str, rollout_id: object, exc: BaseException) -> None:
-        """Count and log a call refused before it started."""
-        self._metrics.observe(name, 0.0, failed=True)
-        log_failure(name, rollout_id, exc)
+    def _refusals(self, name: str, rollout_id: object) -> Refusals:
+        return Refusals(self._metrics, name, rollout_id)
 
     def _put_failed(self, entry: object, exc: BaseException, started: float) -> None:
         self._metrics.observe("put", perf_counter() - started, failed=True)
@@ -182,12 +180,9 @@ class TokenCaptureStore(RolloutFiles):
 
     def _check_intent(self, rollout_id: str, model_call_id: str) -> None:
         """The ids of a `begin_call`, checked when it is called (refusals counted as its)."""
-        try:
+        with self._refusals("begin_call", rollout_id):
             validate_rollout_id(rollout_id)
             check_call_id(model_call_id)
-        except BaseException as exc:
-            self._refused("begin_call", rollout_id, exc)
-            raise
 
     def begin_call(self, rollout_id: str, model_call_id: str) -> Coroutine[Any, Any, None]:
         """Durably record that a captured call is about to be dispatched.
@@ -234,11 +229,8 @@ class TokenCaptureStore(RolloutFiles):
 
         The rollout id is checked when this is called; any call id is accepted.
         """
-        try:
+        with self._refusals("mark_incomplete", rollout_id):
             validate_rollout_id(rollout_id)
-        except BaseException as exc:
-            self._refused("mark_incomplete", rollout_id, exc)
-            raise
         return self._mark_incomplete_job(rollout_id, marker_line(model_call_id))
 
     async def _mark_incomplete_job(self, rollout_id: str, line: bytes) -> None:
@@ -253,11 +245,8 @@ class TokenCaptureStore(RolloutFiles):
         call that failed while its rollout was being frozen, a mark after the freeze would
         move the snapshot's version, and the trainer's `drop` of that snapshot would fail.
         """
-        try:
+        with self._refusals("mark_incomplete", rollout_id):
             validate_rollout_id(rollout_id)
-        except BaseException as exc:
-            self._refused("mark_incomplete", rollout_id, exc)
-            raise
         return self._mark_incomplete_if_open_job(rollout_id, marker_line(model_call_id))
 
     async def _mark_incomplete_if_open_job(self, rollout_id: str, line: bytes) -> bool:

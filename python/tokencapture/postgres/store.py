@@ -20,7 +20,7 @@ from tokencapture import _core
 from tokencapture import columnar as _columnar
 from tokencapture.entries import as_token_entry, canonical_line, marker_line
 from tokencapture.metrics import Metrics
-from tokencapture.operations import Operation, log_failure
+from tokencapture.operations import Operation, Refusals, log_failure
 from tokencapture.postgres._client import Client
 from tokencapture.postgres._decode import decode_columns, decode_entries
 from tokencapture.protocols import (
@@ -142,10 +142,8 @@ class PostgresTokenCaptureStore:
     def _operation(self, name: str, rollout_id: object) -> Operation:
         return Operation(self._metrics, name, rollout_id)
 
-    def _refused(self, name: str, rollout_id: object, exc: BaseException) -> None:
-        """Count and log a call refused before it started."""
-        self._metrics.observe(name, 0.0, failed=True)
-        log_failure(name, rollout_id, exc)
+    def _refusals(self, name: str, rollout_id: object) -> Refusals:
+        return Refusals(self._metrics, name, rollout_id)
 
     # Writes ------------------------------------------------------------------------------
 
@@ -207,12 +205,9 @@ class PostgresTokenCaptureStore:
 
         An intent with no entry at freeze masks the rollout.
         """
-        try:
+        with self._refusals("begin_call", rollout_id):
             rollout = validate_rollout_id(rollout_id)
             call_id = check_call_id(model_call_id).encode("utf-8")
-        except BaseException as exc:
-            self._refused("begin_call", rollout_id, exc)
-            raise
         return self._begin_call_async(rollout, call_id)
 
     async def _begin_call_async(self, rollout_id: str, call_id: bytes) -> None:
@@ -232,11 +227,8 @@ class PostgresTokenCaptureStore:
 
         Not retried after a connection failure: a retry could record a second mark.
         """
-        try:
+        with self._refusals("mark_incomplete", rollout_id):
             rollout = validate_rollout_id(rollout_id)
-        except BaseException as exc:
-            self._refused("mark_incomplete", rollout_id, exc)
-            raise
         return self._mark_incomplete_async(rollout, marker_line(model_call_id))
 
     async def _mark_incomplete_async(self, rollout_id: str, marker: bytes) -> None:
@@ -257,11 +249,8 @@ class PostgresTokenCaptureStore:
 
         Not retried after a connection failure, as `mark_incomplete`.
         """
-        try:
+        with self._refusals("mark_incomplete", rollout_id):
             rollout = validate_rollout_id(rollout_id)
-        except BaseException as exc:
-            self._refused("mark_incomplete", rollout_id, exc)
-            raise
         return self._mark_incomplete_if_open(rollout, marker_line(model_call_id))
 
     async def _mark_incomplete_if_open(self, rollout_id: str, marker: bytes) -> bool:
