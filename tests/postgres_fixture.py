@@ -59,29 +59,9 @@ def unavailable(reason: str) -> None:
     pytest.skip(f"PostgreSQL unavailable: {reason}")
 
 
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[PgServer]:
-    """A throwaway server for the whole session (stopped and removed at the end)."""
-    try:
-        server = PgServer()
-    except (PgServerUnavailable, OSError) as exc:
-        unavailable(str(exc))
-        raise  # unreachable: _unavailable raises
-    try:
-        server.start()
-    except (PgServerUnavailable, OSError) as exc:
-        server.cleanup()
-        unavailable(str(exc))
-    try:
-        yield server
-    finally:
-        server.cleanup()
-
-
-@pytest.fixture
-def own_server() -> Iterator[PgServer]:
-    """A server of the test's own, which the test may stop, kill, restart or give another
-    authentication (removed at the end)."""
+def _started_server() -> Iterator[PgServer]:
+    """A new server, started, and removed once the consumer is done with it (a machine
+    without PostgreSQL: as `unavailable` says)."""
     try:
         server = PgServer()
     except (PgServerUnavailable, OSError) as exc:
@@ -96,6 +76,19 @@ def own_server() -> Iterator[PgServer]:
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """A throwaway server for the whole session (stopped and removed at the end)."""
+    yield from _started_server()
+
+
+@pytest.fixture
+def own_server() -> Iterator[PgServer]:
+    """A server of the test's own, which the test may stop, kill, restart or give another
+    authentication (removed at the end)."""
+    yield from _started_server()
 
 
 @pytest.fixture

@@ -43,6 +43,18 @@ from tokencapture.postgres._client import Client
 # Bounds a call that waits on a broken connection (a healthy one answers in milliseconds).
 STATEMENT_TIMEOUT = 15.0
 
+# The keys a staging store holds after the forked-beside-a-stuck-leader scenario: the parent's
+# two before the fork and one after, the stuck stage, and the child's three.
+FORKED_KEYS = [
+    "busy/c0",
+    "busy/c1",
+    "child-0/c0",
+    "child-0/c1",
+    "child-0/c2",
+    "parent/p0",
+    "parent/p1",
+]
+
 
 class RowLocks:
     """Rows held FOR UPDATE by a transaction of its own (its own connection, thread and loop)
@@ -191,7 +203,11 @@ def test_staging_child_forked_beside_a_stuck_leader_and_a_held_group_lock(
     its own on a session of its own (inheriting the lock held or the leader count, it would
     queue forever)."""
     staging = PostgresStagingStore(
-        dsn, models="tokencapture", stage_flushes=1, statement_timeout=STATEMENT_TIMEOUT
+        dsn,
+        models="tokencapture",
+        native_group_commit=False,  # the asyncpg group commit (the native one: its own test)
+        stage_flushes=1,
+        statement_timeout=STATEMENT_TIMEOUT,
     )
     assert staging.stage(make_record("busy", "c0", [1, 2, 3])).ok  # its fence row exists
     assert staging.stage(make_record("parent", "p0", [4, 5, 6])).ok
@@ -221,15 +237,7 @@ def test_staging_child_forked_beside_a_stuck_leader_and_a_held_group_lock(
     # The parent goes on, on its own sessions.
     assert staging.stage(make_record("parent", "p1", [4, 5, 6, 7])).ok
     assert session_pids(staging._client) <= parent_sessions
-    assert staging.keys() == [
-        "busy/c0",
-        "busy/c1",
-        "child-0/c0",
-        "child-0/c1",
-        "child-0/c2",
-        "parent/p0",
-        "parent/p1",
-    ]
+    assert staging.keys() == FORKED_KEYS
     staging.close()
 
 
@@ -323,7 +331,12 @@ def test_a_child_that_only_closes_what_it_inherited_leaves_the_parent_working(
     """A child whose first call is `close` (a worker that shuts down the objects it was handed)
     closes nothing of the parent's: it does not wait for the parent's loop thread (not in
     the child) nor close the parent's sessions."""
-    staging = PostgresStagingStore(dsn, models="tokencapture", statement_timeout=STATEMENT_TIMEOUT)
+    staging = PostgresStagingStore(
+        dsn,
+        models="tokencapture",
+        native_group_commit=False,  # the asyncpg group commit, whose loop thread is the parent's
+        statement_timeout=STATEMENT_TIMEOUT,
+    )
     store = PostgresTokenCaptureStore(dsn, statement_timeout=STATEMENT_TIMEOUT)
     # The first stage learns the schema (on the loop thread), the second is group-committed.
     assert staging.stage(make_record("parent", "p0", [1, 2])).ok

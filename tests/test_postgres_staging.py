@@ -477,8 +477,9 @@ def test_a_nul_in_a_key_is_refused_not_stored(dsn: str) -> None:  # noqa: F811
         store.close_sync()
 
 
-def test_stages_from_many_threads_share_commits(dsn: str) -> None:  # noqa: F811
-    store = PostgresStagingStore(dsn, pool_size=4)
+@pytest.mark.parametrize("native", [False, True], ids=["asyncpg", "native"])
+def test_stages_from_many_threads_share_commits(dsn: str, native: bool) -> None:  # noqa: F811
+    store = PostgresStagingStore(dsn, pool_size=4, native_group_commit=native)
     records = [r for t in range(32) for r in chain(f"t{t}", 20, size=64)]
     results: list[Any] = [None] * len(records)
     barrier = threading.Barrier(32)
@@ -521,10 +522,12 @@ def test_stages_from_many_threads_share_commits(dsn: str) -> None:  # noqa: F811
         store.close_sync()
 
 
-def test_one_leader_hands_the_lead_on(dsn: str) -> None:  # noqa: F811
+@pytest.mark.parametrize("native", [False, True], ids=["asyncpg", "native"])
+def test_one_leader_hands_the_lead_on(dsn: str, native: bool) -> None:  # noqa: F811
     """With one batch in flight at a time, every stage that queued behind it is still sent:
-    the leader passes the lead to a queued caller (none waits for a newcomer to lead)."""
-    store = PostgresStagingStore(dsn, stage_flushes=1)
+    the leader passes the lead to a queued caller (none waits for a newcomer to lead), in
+    either group commit."""
+    store = PostgresStagingStore(dsn, stage_flushes=1, native_group_commit=native)
     records = [chain(f"h{t}", 10, size=16) for t in range(8)]
     barrier = threading.Barrier(8)
     results: list[list[Any]] = [[] for _ in records]
