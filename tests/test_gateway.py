@@ -680,6 +680,156 @@ async def test_client_gone_before_the_store_is_marked_not_stored(tmp_path: Path)
     assert store.freeze_now("before-store").incomplete
 
 
+class _GoneBeforeTheAnswer(OSError):
+    """What an ASGI server (spec 2.4, as uvicorn's `ClientDisconnected`) raises from `send`
+    when the client has gone."""
+
+
+def _sending_to_a_client_gone_before_the_answer(payload: bytes) -> tuple[Any, Any]:
+    """(receive, send) of an ASGI server whose client sent `payload` and left before the
+    answer's first byte: `http.response.start` raises, as uvicorn's `send` does then."""
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        raise _GoneBeforeTheAnswer("the client is gone")
+
+    return receive, send
+
+
+async def test_stream_whose_client_left_before_its_first_byte_is_marked_and_let_go(
+    tmp_path: Path,
+) -> None:
+    """A captured stream whose client is gone before the answer's headers go out: Starlette
+    never iterates the relay, so nothing of the relay ever runs. The call is still marked
+    `client_disconnected` (not stored, its rollout freezes incomplete), its place in flight
+    freed, and its upstream stream dropped at once (the engine stops generating), not held
+    until the garbage collector finds the relay."""
+    from starlette.requests import ClientDisconnect
+
+    root = tmp_path / "store"
+    fake = FakeUpstream()
+    upstream = ThreadServer(fake.app)
+    app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
+    store = TokenCaptureStore(root)
+    payload = orjson.dumps(
+        {
+            "model": MODEL,
+            "messages": [_user("a stream no one reads")],
+            "stream": True,
+            "fake_chunk_delay": 0.2,
+        }
+    )
+    scope = _chat_scope("unread", "left-early", payload)
+    scope["asgi"] = {"version": "3.0", "spec_version": "2.4"}
+    receive, send = _sending_to_a_client_gone_before_the_answer(payload)
+    try:
+        with pytest.raises(ClientDisconnect):
+            await asyncio.wait_for(app(scope, receive, send), 30)
+        deadline = asyncio.get_running_loop().time() + 10
+        while not (fake.streams_cut and store.is_incomplete("unread")):
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"streams cut {fake.streams_cut}, marked {store.is_incomplete('unread')}"
+            )
+            await asyncio.sleep(0.02)
+    finally:
+        await app.state.gateway.close()
+        upstream.stop()
+    assert (fake.streams_cut, fake.streams_done) == (1, 0)
+    assert not app.gateway._in_flight
+    assert store.read_entries("unread") == []
+    assert json.loads((root / "unread.lineage.jsonl").read_text()) == {
+        "failure_reason": "client_disconnected",
+        "model_call_id": "left-early",
+    }
+    assert store.freeze_now("unread").incomplete
+
+
+async def test_passthrough_whose_client_left_before_its_first_byte_frees_its_connection(
+    tmp_path: Path,
+) -> None:
+    """An uncaptured call whose client is gone before the answer's first byte gives its
+    upstream connection back at once: with a pool of one connection, the next call goes
+    through instead of waiting for the unread stream's end (or the garbage collector)."""
+    from starlette.requests import ClientDisconnect
+
+    fake = FakeUpstream()
+    upstream = ThreadServer(fake.app)
+    app = create_app(
+        open_backend(store_dir=tmp_path / "store"),
+        GatewayConfig(upstream.url, max_connections=1, timeout=20),
+    )
+    # A stream slower than the wait below: its connection is not given back by its end.
+    payload = orjson.dumps(
+        {
+            "model": MODEL,
+            "messages": [_user("passed through")],
+            "stream": True,
+            "fake_chunk_delay": 3,
+        }
+    )
+    scope = _chat_scope("unused", "unused", payload)
+    scope["asgi"] = {"version": "3.0", "spec_version": "2.4"}
+    scope["path"] = "/v1/chat/completions"  # and no X-Rollout-Id: passed through
+    scope["raw_path"] = b"/v1/chat/completions"
+    receive, send = _sending_to_a_client_gone_before_the_answer(payload)
+    try:
+        with pytest.raises(ClientDisconnect):
+            await asyncio.wait_for(app(scope, receive, send), 30)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://gateway"
+        ) as client:
+            answer = await asyncio.wait_for(
+                client.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "messages": [_user("next")]},
+                ),
+                5,
+            )
+        assert answer.status_code == 200
+    finally:
+        await app.state.gateway.close()
+        upstream.stop()
+
+
+async def test_call_cancelled_in_the_gateway_is_marked(tmp_path: Path) -> None:
+    """A call whose task is cancelled while the engine works (a server stopping past its grace
+    period cancels its requests' tasks): no answer leaves, the call is marked `cancelled` and
+    its rollout freezes incomplete, as for any call that failed in flight."""
+    root = tmp_path / "store"
+    fake = FakeUpstream()
+    upstream = ThreadServer(fake.app)
+    app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
+    store = TokenCaptureStore(root)
+    payload = orjson.dumps({"model": MODEL, "messages": [_user("slow")], "fake_delay": 3})
+    receive, send = _sending_to_a_client_gone_before_the_answer(payload)
+    call = asyncio.ensure_future(app(_chat_scope("stopped", "in-flight", payload), receive, send))
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while not (root / "stopped.tokens.intents").exists():  # dispatched: its intent is in
+            assert asyncio.get_running_loop().time() < deadline, "no intent written"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    finally:
+        await app.state.gateway.close()  # waits for the mark
+        upstream.stop()
+    assert json.loads((root / "stopped.lineage.jsonl").read_text()) == {
+        "failure_reason": "cancelled",
+        "model_call_id": "in-flight",
+    }
+    assert store.read_entries("stopped") == []
+    assert store.is_incomplete("stopped")
+
+
 async def test_answer_without_token_ids_is_502_not_captured(gw: Harness) -> None:
     answer = await gw.chat("r1", [_user("x")], fake_no_token_ids=True)
     assert answer.status_code == 502

@@ -31,7 +31,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -382,7 +382,7 @@ class Gateway:
             )
         self.metrics.observe("passthrough", time.perf_counter() - started)
 
-        async def relay() -> AsyncIterator[bytes]:
+        async def relay() -> AsyncGenerator[bytes, None]:
             try:
                 async for chunk in answer.content.iter_any():
                     yield chunk
@@ -390,7 +390,7 @@ class Gateway:
                 answer.release()
 
         media = answer.headers.get("content-type")
-        return StreamingResponse(relay(), answer.status, media_type=media)
+        return _Relayed(relay(), answer, answer.status, media_type=media)
 
     def captured(self, kind: str) -> Callable[[Request, str | None], Awaitable[Response]]:
         """The handler of a captured route: `handle(request, rollout_id)`, the rollout id from
@@ -491,8 +491,9 @@ class Gateway:
         except BaseException:
             settle()
             raise
-        if isinstance(response, StreamingResponse):
-            return _Settling(response, settle)
+        if isinstance(response, _Relayed):
+            response.finally_.append(settle)
+            return response
         settle()
         return response
 
@@ -519,6 +520,12 @@ class Gateway:
                 return await call.run_tito(upstream_body)
             return await call.run(upstream_body)
         except HttpError:
+            raise
+        except asyncio.CancelledError:
+            # The gateway is stopping past its grace period (or its host cancelled the task):
+            # no answer leaves, so the call is marked (from a task of its own: this one is
+            # being torn down; `Gateway.close` waits for it).
+            call.fail_later("cancelled")
             raise
         except Exception as exc:
             logger.exception("call %r of rollout %r failed in the gateway", call_id, rollout_id)
@@ -888,11 +895,13 @@ class _Call:
         if answer.status != 200:
             return await self.refused(answer)
         if stream:
-            return StreamingResponse(
+            return _Relayed(
                 self._relay(answer),
+                answer,
                 200,
                 headers={**self.headers, **_SSE_HEADERS},
                 media_type="text/event-stream",
+                abandoned=lambda: self.fail_later("client_disconnected"),
             )
         content = await self.read(answer)
         try:
@@ -921,7 +930,7 @@ class _Call:
         await asyncio.sleep(0)  # one turn of the loop: a pending disconnect is read
         return await _disconnect_waiting(self.request)
 
-    async def _relay(self, answer: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async def _relay(self, answer: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
         """Pass the stream on chunk by chunk; hold the final chunk and `[DONE]` until stored."""
         accumulator = StreamAccumulator(self.kind)
         strip = strip_chat if self.kind == CHAT else strip_completion
@@ -1008,26 +1017,61 @@ class _Call:
         return response
 
 
-class _Settling(Response):
-    """A streamed answer that ends its call's place in flight (`Gateway._one_at_a_time`) once
-    it has been sent, or its sending failed or was cancelled (a client gone): the stream's
-    outcome (stored, or marked) is known only then. Whatever the path, even a stream never
-    started, the place is freed."""
+class _Relayed(Response):
+    """An upstream answer streamed to the client as it comes (`relay` yields its chunks).
 
-    def __init__(self, inner: StreamingResponse, settle: Callable[[], None]) -> None:
+    However the sending ends (sent whole, failed, cancelled by the client's departure, or
+    never begun because the client was gone before its first byte, when Starlette never
+    iterates the relay at all), the relay is closed then, not at garbage collection: its own
+    cleanup (a mark, the answer's release) runs at once. A relay that never started has
+    cleaned nothing up: the upstream `answer` is closed (its connection dropped, so the engine
+    stops generating, and not held until the collector runs) and `abandoned` runs (a captured
+    call is marked `client_disconnected`). Then each of `finally_` (a call's place in flight,
+    `Gateway._one_at_a_time`: the stream's outcome is known only now)."""
+
+    def __init__(
+        self,
+        relay: AsyncGenerator[bytes, None],
+        answer: aiohttp.ClientResponse,
+        status: int,
+        *,
+        headers: Mapping[str, str] | None = None,
+        media_type: str | None = None,
+        abandoned: Callable[[], None] | None = None,
+    ) -> None:
         # Not Response.__init__: the inner response is sent as it is; what a handler reads
         # of a response (its status) is copied.
-        self.inner = inner
-        self.settle = settle
-        self.status_code = inner.status_code
+        self.inner = StreamingResponse(self, status, headers=headers, media_type=media_type)
+        self.relay = relay
+        self.started = False
+        self.answer = answer
+        self.abandoned = abandoned
+        self.finally_: list[Callable[[], None]] = []
+        self.status_code = self.inner.status_code
         self.background = None
-        self.raw_headers = inner.raw_headers
+        self.raw_headers = self.inner.raw_headers
+
+    def __aiter__(self) -> AsyncGenerator[bytes, None]:
+        # What the inner response iterates, once its headers are sent: the relay, noted as
+        # started (at no cost per chunk).
+        self.started = True
+        return self.relay
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await self.inner(scope, receive, send)
         finally:
-            self.settle()
+            try:
+                # A relay suspended at a chunk when the sending was cancelled runs its
+                # cleanup now; one finished or never started has nothing to run.
+                await self.relay.aclose()
+            finally:
+                if not self.started:
+                    self.answer.close()
+                    if self.abandoned is not None:
+                        self.abandoned()
+                for settle in self.finally_:
+                    settle()
 
 
 def _stream_error(status: int, message: str) -> bytes:

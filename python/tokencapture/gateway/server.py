@@ -75,5 +75,9 @@ def serve(
         port=port,
         log_level=log_level,
         access_log=False,
+        # Nothing here reads the client's address or scheme, so X-Forwarded-* need no
+        # middleware rewriting every request's scope; nor does any client need a Server header.
+        proxy_headers=False,
+        server_header=False,
         timeout_graceful_shutdown=10,
     )
