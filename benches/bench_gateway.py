@@ -8,7 +8,7 @@ soon as the previous answer arrives) for `--seconds`, then SIGKILLs the target w
 in flight and counts the acknowledged calls the store does not have. Figures:
 
 * captured calls/s (answers with status 200 per second of the measured window);
-* gateway CPU per call (user + system CPU of the gateway process over the window / calls);
+* gateway CPU per call (user + system CPU of the gateway's processes over the window / calls);
 * p50 / p99 latency, and the p50 / p99 added over calling the upstream directly;
 * acknowledged calls lost after the SIGKILL (read back through the store API; for rLLM
   through its `/sessions/{id}/traces` API after a restart on the same database).
@@ -60,9 +60,20 @@ MESSAGES = [
 ]
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(group: int) -> float:
+    """User + system CPU of every live process in process group `group` (a server and, with
+    `--workers`, its worker processes, whose CPU its own figures do not include)."""
+    ticks = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == group:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -226,6 +237,9 @@ def _measure_target(
     if target == "tokencapture":
         server = start_gateway(upstream, store, work)
         prefix = f"{server.url}/rollouts/"
+    elif target.startswith("workers"):
+        server = start_gateway(upstream, store, work, "--workers", target.removeprefix("workers"))
+        prefix = f"{server.url}/rollouts/"
     elif target == "baseline":
         server = _start_baseline(args.baseline, upstream, store, work)
         prefix = f"{server.url}/rollouts/"
@@ -249,7 +263,7 @@ def _measure_target(
     finally:
         server.kill()
     acknowledged = measured.pop("acknowledged")
-    if target in ("tokencapture", "baseline"):
+    if target in ("tokencapture", "baseline") or target.startswith("workers"):
         lost = _lost_tokencapture(store, acknowledged)
     else:
         lost = _lost_rllm(args.rllm_python, upstream, store / "traces.db", work, acknowledged)
@@ -292,6 +306,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.start()
         upstreams.append(("vllm", engine.base_url, engine.model))
     targets = ["tokencapture"]
+    if args.workers > 1:
+        targets.append(f"workers{args.workers}")
     if args.baseline:
         targets.append("baseline")
     if args.rllm_python:
@@ -367,7 +383,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "acknowledged_total" in rows[0]:
             item["acknowledged_total"] = sum(r["acknowledged_total"] for r in rows)
             item["acknowledged_lost"] = sum(r["acknowledged_lost"] for r in rows)
-        if target == "tokencapture":
+        if target == "tokencapture" or target.startswith("workers"):
             for peer in ("baseline", "rllm", "rllm-sync"):
                 theirs = {r["round"]: r for r in groups.get((upstream, sessions, peer), [])}
                 pairs = [(r, theirs[r["round"]]) for r in rows if r["round"] in theirs]
@@ -434,6 +450,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a source tree of another build (its python/ with _core built in place), measured "
         "as `baseline` in the same rounds (an interleaved A/B)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="also measure `tokencapture gateway --workers N` (as `workersN`; its CPU is the "
+        "supervisor's and its workers')",
     )
     parser.add_argument("--vllm", action="store_true", help="also against the tiny vLLM")
     parser.add_argument(

@@ -3,6 +3,7 @@ the CLI, a client that disconnects mid-stream, and SIGKILLs under 16 concurrent 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from tests.fake_upstream import (
 )
 from tests.gateway_kills import fake, run_kills
 
-from tokencapture import TokenCaptureStore
+from tokencapture import ParentResolutionStatus, TokenCaptureStore
 
 __all__ = ["fake"]  # the module-scoped fake upstream process (a fixture)
 
@@ -154,6 +155,74 @@ def test_client_disconnect_mid_stream_marks_call_incomplete(
         "model_call_id": "left",
     }
     assert store.freeze_now("gone").incomplete
+
+
+def _workers_of(server: Server) -> list[int]:
+    """The worker processes of a gateway started with `--workers`: the members of its process
+    group that uvicorn's supervisor spawned (multiprocessing's `spawn_main`; not its
+    resource tracker, not the supervisor)."""
+    assert server.process is not None
+    group = server.process.pid
+    workers = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[2]) == group and b"spawn_main" in command:
+            workers.append(int(entry.name))
+    return sorted(workers)
+
+
+def _holds_open(pid: int, suffix: str) -> bool:
+    fds = Path(f"/proc/{pid}/fd")
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd).endswith(suffix):
+                return True
+    return False
+
+
+def test_workers_serve_one_store_and_resolve_across_processes(
+    fake: Server, store_dir: Path, tmp_path: Path
+) -> None:
+    """`--workers 2`: two processes accept calls on one port over one store. A conversation
+    whose turns land on both (each call on a new connection, so either may accept it) is
+    stored whole, and every continuation resolves its parent, whichever process put it."""
+    server = start_gateway(fake.url, store_dir, tmp_path, "--workers", "2")
+    try:
+        _wait_for(lambda: len(_workers_of(server)) == 2, timeout=60)
+        workers = _workers_of(server)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "turn 0"}]
+        turns = 0
+        while turns < 6 or not all(_holds_open(w, "/across.tokens.jsonl") for w in workers):
+            assert turns < 120, "every call went to one worker"
+            answer = httpx.post(
+                f"{server.url}/rollouts/across/v1/chat/completions",
+                json={"model": MODEL, "messages": messages},
+                headers={"x-model-call-id": f"c{turns}", "connection": "close"},
+                timeout=30,
+            )
+            assert answer.status_code == 200, answer.text
+            messages += [
+                answer.json()["choices"][0]["message"],
+                {"role": "user", "content": f"turn {turns + 1}"},
+            ]
+            turns += 1
+        assert _workers_of(server) == workers  # neither restarted
+    finally:
+        server.stop()
+    entries = TokenCaptureStore(store_dir).freeze_now("across").entries
+    assert [e.model_call_id for e in entries] == [f"c{t}" for t in range(turns)]
+    for turn, entry in enumerate(entries[1:], start=1):
+        assert entry.parent_resolution is ParentResolutionStatus.RESOLVED, (
+            turn,
+            entry.parent_resolution_reason,
+        )
+        assert entry.parent_call_id == f"c{turn - 1}"
 
 
 SESSIONS = 16

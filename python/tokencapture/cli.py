@@ -960,6 +960,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         renderer=args.renderer,
         timeout=args.timeout,
         max_body_bytes=args.max_body_bytes,
+        workers=args.workers,
     )
     return 0
 
@@ -1084,6 +1085,13 @@ def _parser() -> argparse.ArgumentParser:
     gateway.add_argument("--renderer", default="qwen3", help="--tito: the renderers chat format")
     gateway.add_argument("--timeout", type=float, default=600.0, help="upstream timeout, seconds")
     gateway.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    gateway.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes over the one store (default 1; see docs/gateway.md)",
+    )
     bench = command("bench", cmd_bench, "run the benchmark comparison (benches/compare.py)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser

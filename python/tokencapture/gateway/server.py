@@ -1,20 +1,30 @@
-"""Run the gateway under uvicorn (what `tokencapture gateway` calls)."""
+"""Run the gateway under uvicorn (what `tokencapture gateway` calls).
+
+One process by default. With `workers=N` (`--workers N`), uvicorn's supervisor binds the
+socket and runs N worker processes, each a whole gateway over the same store (which is safe
+for many processes: every write takes the rollout's lock, and each process folds in what the
+others wrote), and restarts a worker that dies. The settings reach the workers through the
+environment (`SETTINGS_ENV`; the token through `TOKEN_ENV`, as for one process).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import json
 import logging
 import os
 from typing import Any
 
 import uvicorn
 
-from tokencapture.gateway.app import DEFAULT_MAX_BODY_BYTES, GatewayConfig, create_app
+from tokencapture.gateway.app import DEFAULT_MAX_BODY_BYTES, GatewayApp, GatewayConfig, create_app
 from tokencapture.gateway.backend import open_backend
 
-__all__ = ["TOKEN_ENV", "serve"]
+__all__ = ["SETTINGS_ENV", "TOKEN_ENV", "app_from_environment", "serve"]
 
 TOKEN_ENV = "TOKENCAPTURE_GATEWAY_TOKEN"
+SETTINGS_ENV = "TOKENCAPTURE_GATEWAY_SETTINGS"
 logger = logging.getLogger("tokencapture.gateway")
 
 
@@ -25,6 +35,34 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _app(settings: dict[str, Any], token: str | None) -> GatewayApp:
+    """The gateway of `settings` (what `serve` was given, but the token and the bind)."""
+    bridge: Any = None
+    if settings["tito"]:
+        from tokencapture.gateway.tito import Bridge
+
+        bridge = Bridge.from_tokenizer_dir(settings["tokenizer"], settings["renderer"])
+    backend = open_backend(store_dir=settings["store_dir"], dsn=settings["dsn"])
+    return create_app(
+        backend,
+        GatewayConfig(
+            settings["upstream"],
+            token=token,
+            timeout=settings["timeout"],
+            max_body_bytes=settings["max_body_bytes"],
+            tito=bridge,
+        ),
+    )
+
+
+def app_from_environment() -> GatewayApp:
+    """The gateway of one worker process of `serve(workers=N)` (a uvicorn app factory)."""
+    raw = os.environ.get(SETTINGS_ENV)
+    if raw is None:
+        raise RuntimeError(f"{SETTINGS_ENV} is not set: start workers with serve(workers=N)")
+    return _app(json.loads(raw), os.environ.get(TOKEN_ENV) or None)
 
 
 def serve(
@@ -40,44 +78,56 @@ def serve(
     renderer: str = "qwen3",
     timeout: float = 600.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    workers: int = 1,
     log_level: str = "warning",
 ) -> None:
-    """Serve a gateway until interrupted. A non-loopback `host` without a token is refused."""
+    """Serve a gateway until interrupted, in `workers` processes. A non-loopback `host`
+    without a token is refused."""
     if not upstream.startswith(("http://", "https://")):
         raise ValueError(f"--upstream {upstream!r}: give the engine's root URL, http(s)://...")
     if upstream.rstrip("/").endswith("/v1"):
         raise ValueError(
             f"--upstream {upstream!r}: give the engine's root URL (the gateway adds /v1/...)"
         )
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"--workers {workers!r}: a number of processes, at least 1")
     token = token or os.environ.get(TOKEN_ENV) or None
     if not _is_loopback(host) and token is None:
         raise ValueError(
             f"--host {host}: the gateway binds beyond loopback only with a bearer token "
             f"(--token or {TOKEN_ENV})"
         )
-    bridge: Any = None
-    if tito:
-        if tokenizer is None:
-            raise ValueError("--tito needs --tokenizer DIR (the engine's tokenizer.json)")
-        from tokencapture.gateway.tito import Bridge
-
-        bridge = Bridge.from_tokenizer_dir(tokenizer, renderer)
-    backend = open_backend(store_dir=store_dir, dsn=dsn)
-    app = create_app(
-        backend,
-        GatewayConfig(
-            upstream, token=token, timeout=timeout, max_body_bytes=max_body_bytes, tito=bridge
-        ),
-    )
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
+    if tito and tokenizer is None:
+        raise ValueError("--tito needs --tokenizer DIR (the engine's tokenizer.json)")
+    settings = {
+        "upstream": upstream,
+        "store_dir": store_dir,
+        "dsn": dsn,
+        "tito": tito,
+        "tokenizer": tokenizer,
+        "renderer": renderer,
+        "timeout": timeout,
+        "max_body_bytes": max_body_bytes,
+    }
+    # Built here in any case: a store, tokenizer or renderer that cannot be opened fails once,
+    # with its own message, before any socket is bound or worker started.
+    app = _app(settings, token)
+    server_options: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "log_level": log_level,
+        "access_log": False,
         # Nothing here reads the client's address or scheme, so X-Forwarded-* need no
         # middleware rewriting every request's scope; nor does any client need a Server header.
-        proxy_headers=False,
-        server_header=False,
-        timeout_graceful_shutdown=10,
-    )
+        "proxy_headers": False,
+        "server_header": False,
+        "timeout_graceful_shutdown": 10,
+    }
+    if workers == 1:
+        uvicorn.run(app, **server_options)
+        return
+    asyncio.run(app.gateway.backend.close())  # the supervisor serves nothing itself
+    os.environ[SETTINGS_ENV] = json.dumps(settings)
+    if token is not None:
+        os.environ[TOKEN_ENV] = token
+    uvicorn.run(f"{__name__}:app_from_environment", factory=True, workers=workers, **server_options)
