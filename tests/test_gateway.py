@@ -1585,3 +1585,15 @@ async def test_a_cancelled_call_leaves_nothing_in_flight(gw: Harness) -> None:
     answer = await asyncio.wait_for(waiting, 10)
     assert answer.status_code == 200, answer.text
     assert not gateway._in_flight
+
+
+@pytest.mark.parametrize("workers", [0, -1, True, 1.5])
+def test_serve_refuses_a_worker_count_that_is_not_a_positive_int(
+    tmp_path: Path, workers: Any
+) -> None:
+    from tokencapture.gateway.server import serve
+
+    store = tmp_path / "store"
+    with pytest.raises(ValueError, match="--workers"):
+        serve(upstream="http://127.0.0.1:9", store_dir=str(store), workers=workers)
+    assert not store.exists()  # refused before the store was opened
