@@ -685,9 +685,10 @@ class _GoneBeforeTheAnswer(OSError):
     when the client has gone."""
 
 
-def _sending_to_a_client_gone_before_the_answer(payload: bytes) -> tuple[Any, Any]:
-    """(receive, send) of an ASGI server whose client sent `payload` and left before the
-    answer's first byte: `http.response.start` raises, as uvicorn's `send` does then."""
+def _client_gone_after_its_request(payload: bytes, *, send_raises: bool) -> tuple[Any, Any]:
+    """(receive, send) of an ASGI server whose client sent `payload` and left: every later
+    `receive` answers `http.disconnect`; `send` raises (as uvicorn's does under ASGI spec 2.4)
+    or, with `send_raises` false, drops what it is given (spec 2.3)."""
     requested = False
 
     async def receive() -> dict[str, Any]:
@@ -698,7 +699,8 @@ def _sending_to_a_client_gone_before_the_answer(payload: bytes) -> tuple[Any, An
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
-        raise _GoneBeforeTheAnswer("the client is gone")
+        if send_raises:
+            raise _GoneBeforeTheAnswer("the client is gone")
 
     return receive, send
 
@@ -728,7 +730,7 @@ async def test_stream_whose_client_left_before_its_first_byte_is_marked_and_let_
     )
     scope = _chat_scope("unread", "left-early", payload)
     scope["asgi"] = {"version": "3.0", "spec_version": "2.4"}
-    receive, send = _sending_to_a_client_gone_before_the_answer(payload)
+    receive, send = _client_gone_after_its_request(payload, send_raises=True)
     try:
         with pytest.raises(ClientDisconnect):
             await asyncio.wait_for(app(scope, receive, send), 30)
@@ -778,7 +780,7 @@ async def test_passthrough_whose_client_left_before_its_first_byte_frees_its_con
     scope["asgi"] = {"version": "3.0", "spec_version": "2.4"}
     scope["path"] = "/v1/chat/completions"  # and no X-Rollout-Id: passed through
     scope["raw_path"] = b"/v1/chat/completions"
-    receive, send = _sending_to_a_client_gone_before_the_answer(payload)
+    receive, send = _client_gone_after_its_request(payload, send_raises=True)
     try:
         with pytest.raises(ClientDisconnect):
             await asyncio.wait_for(app(scope, receive, send), 30)
@@ -808,7 +810,7 @@ async def test_call_cancelled_in_the_gateway_is_marked(tmp_path: Path) -> None:
     app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
     store = TokenCaptureStore(root)
     payload = orjson.dumps({"model": MODEL, "messages": [_user("slow")], "fake_delay": 3})
-    receive, send = _sending_to_a_client_gone_before_the_answer(payload)
+    receive, send = _client_gone_after_its_request(payload, send_raises=True)
     call = asyncio.ensure_future(app(_chat_scope("stopped", "in-flight", payload), receive, send))
     try:
         deadline = asyncio.get_running_loop().time() + 10
@@ -1160,18 +1162,7 @@ async def test_a_client_gone_before_the_answer_is_marked_not_stored(tmp_path: Pa
     upstream = ThreadServer(fake.app)
     app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
     payload = orjson.dumps({"model": MODEL, "messages": [_user("slow")], "fake_delay": 0.2})
-    requested = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        pass
-
+    receive, send = _client_gone_after_its_request(payload, send_raises=False)
     scope = _chat_scope("left", "gone", payload)
     try:
         await asyncio.wait_for(app(scope, receive, send), 30)
