@@ -144,20 +144,27 @@ def test_verify_passes_then_catches_each_corruption(
 ) -> None:
     code, out, _ = run(capsys, "verify", str(capture))
     assert code == 0 and out.startswith("ok: 4 rollout(s)")
-    log = capture / "open-1.tokens.jsonl"
-    good = log.read_bytes()
+    logs = {rollout: capture / f"{rollout}.tokens.jsonl" for rollout in ("open-1", "frozen-1")}
+    good = {rollout: log.read_bytes() for rollout, log in logs.items()}
+    open_log = good["open-1"]
+    # A changed byte in a line is caught by the line's digest in the state index, which a
+    # freeze (or a mark, a conflict, a checkpoint) writes: open-1 has only been put to and has
+    # none before its 64th entry, so its lines are read as they now say.
     corruptions = {
-        "changed bytes": good.replace(b"-0.25", b"-0.75", 1),
-        "bad middle line": good.split(b"\n")[0] + b"\n{not json\n" + good.split(b"\n")[1] + b"\n",
-        "not an entry": good + b'{"model_call_id":"x"}\n',
+        "changed bytes": ("frozen-1", good["frozen-1"].replace(b"-0.25", b"-0.75", 1)),
+        "bad middle line": (
+            "open-1",
+            open_log.split(b"\n")[0] + b"\n{not json\n" + open_log.split(b"\n")[1] + b"\n",
+        ),
+        "not an entry": ("open-1", open_log + b'{"model_call_id":"x"}\n'),
     }
-    for name, data in corruptions.items():
-        log.write_bytes(data)
+    for name, (rollout, data) in corruptions.items():
+        logs[rollout].write_bytes(data)
         code, out, _ = run(capsys, "verify", str(capture), "--json")
         report = json.loads(out)
         assert code == 1 and not report["ok"], name
-        assert list(report["problems"]) == ["open-1"], name
-    log.write_bytes(good)
+        assert list(report["problems"]) == [rollout], name
+        logs[rollout].write_bytes(good[rollout])
     state = capture / "marked-1.tokens.state.json"
     state.write_bytes(b"{truncated")
     code, out, _ = run(capsys, "verify", str(capture))

@@ -1073,7 +1073,10 @@ async def test_a_reused_call_id_is_a_409_conflict(gw: Harness) -> None:
     assert gw.fake.calls == 1
     [entry] = gw.store.read_entries("r1")
     assert entry.output_items[0]["content"] == first.json()["choices"][0]["message"]["content"]
-    assert gw.store.state_path_for("r1").exists()
+    # Nothing was marked or stored as a conflict: a first put writes no state index, and the
+    # 409 wrote none either.
+    assert not gw.store.state_path_for("r1").exists()
+    assert not gw.store.incomplete_path_for("r1").exists()
     assert gw.store.intents_path_for("r1").read_bytes() == b"same\n"
     assert not gw.store.freeze_now("r1").incomplete
 

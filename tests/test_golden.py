@@ -86,6 +86,9 @@ def test_stored_line_is_byte_identical(tmp_path: Path, vector: dict[str, Any]) -
     assert (
         store.path_for(entry.rollout_id).read_bytes() == vector["canonical_line"].encode() + b"\n"
     )
+    # A first put writes no state index (the log alone reads the same); a freeze writes it.
+    assert not store.state_path_for(entry.rollout_id).exists()
+    store.freeze_now(entry.rollout_id)
     state = json.loads(store.state_path_for(entry.rollout_id).read_bytes())
     assert state["entry_digests"] == {entry.model_call_id: vector["payload_sha256"]}
 

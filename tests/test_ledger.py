@@ -630,8 +630,9 @@ async def test_shares_the_directory_and_lock_with_the_token_store(root: Path) ->
     await ledger.record(make_commit("c1"))
     assert lock_path(ledger, "r1") == store.lock_path_for("r1")
     await ledger.delete(["r1"])
-    # The token store's files (and their lock) are untouched.
-    assert listing(root) == ["r1.tokens.jsonl", "r1.tokens.lock", "r1.tokens.state.json"]
+    # The token store's files (and their lock) are untouched (a first put writes no state
+    # index: the log and the lock are all it has).
+    assert listing(root) == ["r1.tokens.jsonl", "r1.tokens.lock"]
     assert [e.model_call_id for e in (await store.freeze("r1")).entries] == ["call-1"]
 
 

@@ -148,8 +148,8 @@ def test_continues_a_rust_directory_whose_index_lags(tmp_path: Path) -> None:
     rust = RustStore(tmp_path)
     for n in range(5):
         rust.append(make_entry("r", f"c{n}"))
-    lagging = json.loads((tmp_path / "r.tokens.state.json").read_bytes())
-    assert lagging["version"] < 5  # the Rust store checkpoints its index lazily
+    # The Rust store checkpoints its index lazily: none yet after five puts.
+    assert not (tmp_path / "r.tokens.state.json").exists()
     store = TokenCaptureStore(tmp_path)
     store.append(make_entry("r", "c5"))
     assert state_of(store, "r")["version"] == 6

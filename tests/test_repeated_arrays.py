@@ -163,7 +163,13 @@ def test_a_large_log_freezes_exactly_with_a_torn_tail_cut(tmp_path: Path) -> Non
 def test_a_large_log_with_a_damaged_indexed_line_raises_and_stays_unfrozen(
     tmp_path: Path,
 ) -> None:
-    large_rollout(tmp_path)
+    entries = large_rollout(tmp_path)
+    # Index the large lines: puts write no state index until the 64th entry's checkpoint.
+    store = TokenCaptureStore(tmp_path)
+    for n in range(len(entries), 64):
+        assert not (tmp_path / "r.tokens.state.json").exists()
+        store.append(make_entry("r", call=f"small-{n}"))
+    assert (tmp_path / "r.tokens.state.json").exists()
     log = tmp_path / "r.tokens.jsonl"
     data = bytearray(log.read_bytes())
     at = data.index(b'"prompt_token_ids":[') + len(b'"prompt_token_ids":[')

@@ -43,11 +43,27 @@ def test_put_appends_one_canonical_line_and_freeze_reads_it_back(store: TokenCap
     assert len(snapshot.snapshot_id) == 32 and snapshot.version == 2
 
 
-def test_first_put_creates_exactly_the_reference_files(store: TokenCaptureStore) -> None:
+def index_by_checkpoint(store: TokenCaptureStore, rollout_id: str = "r1") -> None:
+    """Put entries until the first checkpoint writes the state index (64 entries)."""
+    for n in range(1, 65):
+        store.append(make_entry(rollout_id, n))
+    assert store.state_path_for(rollout_id).exists()
+
+
+def test_first_put_creates_the_log_and_lock_and_the_index_waits_for_a_checkpoint(
+    store: TokenCaptureStore,
+) -> None:
+    # A missing state index is a fresh rollout (SPEC), so the first puts write none: the log
+    # alone reads the same. It appears at the first checkpoint (64 entries), covering the log.
     store.append(make_entry())
-    assert files(store) == {"r1.tokens.jsonl", "r1.tokens.state.json", "r1.tokens.lock"}
+    assert files(store) == {"r1.tokens.jsonl", "r1.tokens.lock"}
+    assert TokenCaptureStore(store.root).inspect("r1")["version"] == 1  # type: ignore[index]
+    for n in range(2, 64):
+        store.append(make_entry("r1", n))
+        assert not store.state_path_for("r1").exists(), n
+    store.append(make_entry("r1", 64))
     state = state_of(store, "r1")
-    assert state["version"] == 1 and state["indexed_size"] == store.path_for("r1").stat().st_size
+    assert state["version"] == 64 and state["indexed_size"] == store.path_for("r1").stat().st_size
 
 
 def test_identical_reput_is_a_noop_without_version_bump(store: TokenCaptureStore) -> None:
@@ -343,6 +359,7 @@ def test_reads_of_unknown_rollouts_create_nothing(store: TokenCaptureStore) -> N
 
 def test_freeze_detects_a_line_that_changed_after_it_was_indexed(store: TokenCaptureStore) -> None:
     store.append(make_entry(call=1))
+    store.freeze_now("r1")  # indexes the line
     path = store.path_for("r1")
     data = path.read_bytes().replace(b"-0.25", b"-0.75")
     path.write_bytes(data)
@@ -451,14 +468,14 @@ def test_lock_file_deleted_under_a_live_store_is_recreated(store: TokenCaptureSt
 def test_a_vanished_log_with_an_index_is_corruption_not_a_fresh_start(
     store: TokenCaptureStore,
 ) -> None:
-    store.append(make_entry(call=1))
+    index_by_checkpoint(store)
     store.freeze_now("other")  # unrelated rollout keeps working
     os.unlink(store.path_for("r1"))
-    for action in (lambda: store.append(make_entry(call=2)), lambda: store.freeze_now("r1")):
+    for action in (lambda: store.append(make_entry(call=99)), lambda: store.freeze_now("r1")):
         with pytest.raises(TokenCaptureCorruptionError, match="missing"):
             action()
     assert not store.path_for("r1").exists()
-    store._mark_incomplete("r1", "call-2")  # the most available write still works
+    store._mark_incomplete("r1", "call-99")  # the most available write still works
     assert store.retire_now(["r1"]) == {"removed": ["r1"], "absent": []}
 
 

@@ -114,6 +114,10 @@ def test_a_reused_rollout_is_not_swept(tmp_path: Path) -> None:
     store.retire_now(["r"])
     store.delete_now(["r"])
     store.append(make_entry("r", 2))
+    # The put wrote no state index (none before the first checkpoint): nothing to sweep.
+    assert not store.state_path_for("r").exists()
+    assert store.sweep_retired(-math.inf) == 0
+    store.freeze_now("r")  # writes one, not retired
     age_state(store, "r", 2 * HOUR)
     assert store.sweep_retired(-math.inf) == 0
     assert [entry.model_call_id for entry in store.read_entries("r")] == ["call-2"]

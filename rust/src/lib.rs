@@ -16,9 +16,11 @@
 //!
 //! * A put returns only after its line and newline are written in one call and `fdatasync`ed;
 //!   creating a file also fsyncs the directory.
-//! * The state index is replaced atomically (temporary file, fsync, rename). It may lag the log:
-//!   bytes past `indexed_size` are acknowledged records that every reader folds in the same way
-//!   (each new call id bumps the version by one), so the lag is invisible.
+//! * The state index is replaced atomically (temporary file, fsync, rename). It may lag the log,
+//!   or be missing (no put writes it before a rollout's first checkpoint): bytes past
+//!   `indexed_size` are acknowledged records that every reader folds in the same way (each new
+//!   call id bumps the version by one), and a missing index is a fresh rollout, so the lag is
+//!   invisible.
 //! * A final line without a newline was never acknowledged (torn write): readers ignore it,
 //!   writers truncate it under the exclusive lock. A newline-terminated line that is not a
 //!   record is corruption and raises with the file and offset; nothing is skipped silently.

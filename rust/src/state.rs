@@ -3,7 +3,9 @@
 //! It records the lifecycle flags (`frozen`, `retired` — the fence — and `incomplete`), the
 //! snapshot id and version, and `entry_digests` for the first `indexed_size` bytes of the log.
 //! It is only a cache of the log for entries: bytes past `indexed_size` are an acknowledged
-//! tail that every reader folds in the same way, so a state that lags the log is normal.
+//! tail that every reader folds in the same way, so a state that lags the log is normal, and so
+//! is none at all: a missing state file is a fresh rollout, and no put writes one before the
+//! rollout's first checkpoint (`store`).
 //!
 //! Every write is an atomic replace (temporary file, fsync, rename). Lifecycle transitions
 //! also fsync the directory before they return. A state file that cannot be parsed was never

@@ -10,15 +10,26 @@
 //! open handles on the log and the state file it was built from. An open handle pins its inode
 //! (an unlinked inode cannot be reused while open), so "the path still names the inode we hold"
 //! proves the file was not replaced. Under the lock, a cached entry is used only if that holds
-//! for both files; a log that grew behind our back (another process appended) is folded
-//! incrementally, anything else reloads from disk. `begin_call`, which reads only the state
-//! file's fences, checks only the state file; the next put checks the log.
+//! for both files, a file it holds no handle on (a rollout with no state index yet) counting
+//! as unchanged only while its path still names nothing: a fence (retire, freeze, drop) or a
+//! mark_incomplete, by another process or by NeMo Gym's store, always writes a state file, so
+//! its appearance reloads. A log that grew behind our back (another process appended)
+//! is folded incrementally, anything else reloads from disk. `begin_call`, which reads only
+//! the state file's fences, checks only the state file; the next put checks the log.
 //!
-//! **What a put writes.** The line and its newline, then `fdatasync`. The first put of a
-//! rollout also writes the state index durably and fsyncs the directory. Later puts leave the
-//! state index lagging the log (the tail is acknowledged and every reader folds it
-//! identically), except for a durable checkpoint every [`CHECKPOINT_ENTRIES`] entries or
-//! [`CHECKPOINT_BYTES`] bytes, which bounds how much a cold reader has to fold.
+//! **What a put writes.** The line and its newline, then `fdatasync`; a put that created the
+//! log (or the first through a freshly loaded index) also fsyncs the directory, coalesced with
+//! other threads' (`Coalesced`). No put writes the state index except a checkpoint every
+//! [`CHECKPOINT_ENTRIES`] entries or [`CHECKPOINT_BYTES`] bytes past the last one on disk,
+//! which bounds how much a cold reader has to fold; so a rollout that has only been put to
+//! has no state index until its 64th entry (or a conflict, mark_incomplete, freeze, drop or
+//! retire, which write it durably). SPEC reads a missing state index as a fresh rollout and
+//! log bytes past `indexed_size` as an acknowledged tail that every reader (NeMo Gym's store
+//! too) folds identically, so a lagging or missing index loses nothing acknowledged. A first
+//! put costs two syncs (the log's, the shared directory's) instead of three (the state's
+//! temporary file and its rename were the third). What the index does not hold yet is not
+//! checked against a digest at freeze: a line damaged on disk before the first checkpoint
+//! reads as what it now says (as every line of the unindexed tail always has).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::{File, Metadata, OpenOptions};
@@ -54,9 +65,9 @@ pub const MAX_ROLLOUT_ID_LEN: usize = 200;
 pub const CHECKPOINT_ENTRIES: usize = 64;
 /// Unindexed log bytes after which a put checkpoints the state index.
 pub const CHECKPOINT_BYTES: u64 = 4 << 20;
-/// Default number of rollouts whose folded index a store keeps (three descriptors each: the log
-/// and state file it pins, and the lock file kept open between writes), within the process's
-/// descriptor budget (`descriptors`).
+/// Default number of rollouts whose folded index a store keeps (up to three descriptors each:
+/// the log and the state file, once it has one, that it pins, and the lock file kept open
+/// between writes), within the process's descriptor budget (`descriptors`).
 pub const DEFAULT_CACHED_ROLLOUTS: usize = 128;
 
 /// Check a rollout id: non-empty, ASCII letters, digits, `.`, `_`, `-`, and short enough.
@@ -1307,14 +1318,19 @@ impl Store {
                 .entry_digests
                 .insert(item.call_id.clone(), item.digest.clone());
         }
-        if cached.state_file.is_none() {
-            self.persist(cached, paths, false)?;
-        }
+        // A rollout's first puts write no state index: a missing one is a fresh rollout
+        // (SPEC) and the log alone reads the same, so the index waits for the first
+        // checkpoint or lifecycle transition. That takes a temporary file, its fdatasync and
+        // a rename off every new rollout's first put (3 syncs to 2, the directory's shared).
         if created || !cached.dir_synced {
+            // Before any checkpoint below: a state index is never durable ahead of the name
+            // of the log it indexes (a vanished log with an index is corruption).
             self.sync_dir()?;
             cached.dir_synced = true;
-        } else if cached.needs_checkpoint() {
-            // The rename need not be durable: the older state plus the log reads the same.
+        }
+        if cached.needs_checkpoint() {
+            // The rename need not be durable: the older state (or none) plus the log reads
+            // the same.
             self.persist(cached, paths, false)?;
         }
         Ok(())
@@ -2509,6 +2525,54 @@ mod tests {
             store.begin_call_unless_stored("r", "c1"),
             Err(Error::Retired(_))
         ));
+    }
+
+    #[test]
+    fn puts_write_no_state_index_before_the_first_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        let paths = store.paths("r");
+        let line = |n: usize| format!(r#"{{"model_call_id":"c{n}","n":{n}}}"#).into_bytes();
+        for n in 1..CHECKPOINT_ENTRIES {
+            store.put("r", &format!("c{n}"), &line(n)).unwrap();
+            assert!(!paths.state.exists(), "put {n} wrote the state index");
+        }
+        let n = CHECKPOINT_ENTRIES;
+        store.put("r", &format!("c{n}"), &line(n)).unwrap();
+        let (_, state) = state::open_and_read(&paths.state).unwrap().unwrap();
+        assert_eq!(state.entry_digests.len(), CHECKPOINT_ENTRIES);
+        assert_eq!(state.version, CHECKPOINT_ENTRIES as u64);
+        assert_eq!(state.indexed_size, paths.log.metadata().unwrap().len());
+        assert!(!paths.state_tmp.exists());
+    }
+
+    #[test]
+    fn a_fence_another_store_writes_after_a_first_put_is_seen() {
+        let line = |call: &str| format!(r#"{{"model_call_id":"{call}","n":1}}"#).into_bytes();
+        // Each fence, then each operation that must see it through an index cached with no
+        // state file.
+        for fence in ["freeze", "retire"] {
+            for then in ["put", "begin_call"] {
+                let dir = tempfile::tempdir().unwrap();
+                let store = Store::open(dir.path(), 8).unwrap();
+                store.put("r", "c1", &line("c1")).unwrap();
+                store.put("r", "c2", &line("c2")).unwrap();
+                assert!(!store.paths("r").state.exists());
+                let other = Store::open(dir.path(), 8).unwrap();
+                match fence {
+                    "freeze" => drop(other.freeze("r").unwrap()),
+                    _ => drop(other.retire(&["r"]).unwrap()),
+                }
+                let refused = match then {
+                    "put" => store.put("r", "c3", &line("c3")).map(|_| ()),
+                    _ => store.begin_call("r", "c3"),
+                };
+                match (fence, refused) {
+                    ("freeze", Err(Error::Frozen(_))) | ("retire", Err(Error::Retired(_))) => {}
+                    (_, other) => panic!("{then} after another store's {fence}: {other:?}"),
+                }
+            }
+        }
     }
 
     #[test]
