@@ -235,8 +235,6 @@ class PostgresStagingStore:
         stage_batch_size: int = 256,
         stage_flushes: int | None = None,
         native_group_commit: bool = True,
-        native_overlap: bool = False,
-        native_handoff_first: bool = False,
         **options: Any,
     ) -> None:
         if isinstance(stage_batch_size, bool) or not isinstance(stage_batch_size, int):
@@ -260,10 +258,6 @@ class PostgresStagingStore:
         self._group = GroupCommit(self._client, _STAGE_BATCH, stage_batch_size, self._stage_flushes)
         if not isinstance(native_group_commit, bool):
             raise TypeError("native_group_commit must be a bool")
-        if not isinstance(native_overlap, bool):
-            raise TypeError("native_overlap must be a bool")
-        self._native_overlap = native_overlap
-        self._native_handoff_first = native_handoff_first
         # The native group commit (made on the first stage that may use it), or why not.
         self._native: _core.PostgresStageGroup | None = None
         self._native_off: str | None = None if native_group_commit else "turned off"
@@ -310,13 +304,7 @@ class PostgresStagingStore:
         """The native group commit, made on first use; None when it cannot serve this store."""
         if self._native is not None or self._native_off is not None:
             return self._native
-        made = native_group(
-            self._client,
-            self._stage_batch_size,
-            self._native_flushes,
-            self._native_overlap,
-            self._native_handoff_first,
-        )
+        made = native_group(self._client, self._stage_batch_size, self._native_flushes)
         if isinstance(made, str):
             self._native_off = made
             return None

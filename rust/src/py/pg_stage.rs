@@ -72,7 +72,7 @@ impl PyStageGroup {
     #[pyo3(signature = (
         addresses, user, password, database, settings, application_name, connect_timeout,
         statement_timeout, allow_unflushed_commits, refuse_tls_servers, place, max_batch,
-        max_leaders, overlap = false, handoff_first = false
+        max_leaders
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -89,8 +89,6 @@ impl PyStageGroup {
         place: String,
         max_batch: usize,
         max_leaders: usize,
-        overlap: bool,
-        handoff_first: bool,
     ) -> PyResult<Self> {
         let seconds = |value: f64, name: &str| {
             Duration::try_from_secs_f64(value).map_err(|_| {
@@ -126,18 +124,9 @@ impl PyStageGroup {
         };
         let reopen = target.clone();
         Ok(PyStageGroup {
-            handle: PerProcess::new(
-                {
-                    let mut g = StageGroup::new(target, max_batch, max_leaders, overlap);
-                    g.handoff_first = handoff_first;
-                    g
-                },
-                move || {
-                    let mut g = StageGroup::new(reopen.clone(), max_batch, max_leaders, overlap);
-                    g.handoff_first = handoff_first;
-                    Ok(g)
-                },
-            ),
+            handle: PerProcess::new(StageGroup::new(target, max_batch, max_leaders), move || {
+                Ok(StageGroup::new(reopen.clone(), max_batch, max_leaders))
+            }),
         })
     }
 
@@ -200,14 +189,6 @@ impl PyStageGroup {
     fn stats(&self) -> (u64, u64, u64) {
         let stats = self.group().stats();
         (stats.calls, stats.stages, stats.connects)
-    }
-
-    /// `(call_ns, handoffs, handoff_ns)`: nanoseconds spent in `stage_batch` calls (sent to
-    /// answered, summed), leads handed to a queued caller and the nanoseconds from each ask to
-    /// its start (this process's; for benchmarks).
-    fn timings(&self) -> (u64, u64, u64) {
-        let stats = self.group().stats();
-        (stats.call_ns, stats.handoffs, stats.handoff_ns)
     }
 
     /// Open connections kept idle (this process's).

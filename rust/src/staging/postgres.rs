@@ -29,13 +29,10 @@
 //! connections are the parent's sessions, its runtimes the parent's).
 
 use std::collections::VecDeque;
-use std::future::{poll_fn, Future};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::pin::pin;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::task::Poll;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -460,79 +457,27 @@ impl Target {
     }
 
     /// One `stage_batch` call on `connection`: a status per row, or why it failed (and whether
-    /// the connection is still fit for the next call). `executed`: with `Some`, the batch runs
-    /// in an explicit transaction (`BEGIN`, the call, `COMMIT`: three requests written at once,
-    /// one round trip) and `executed` is called when the call's answer arrives, while the
-    /// server flushes the commit; the statuses are returned only once the commit is answered.
-    /// With `None`, one statement in an implicit transaction (Parse, Bind, Execute, Sync).
-    fn call(
-        &self,
-        connection: &Connection,
-        rows: &[&StageRow],
-        executed: Option<&dyn Fn()>,
-    ) -> Result<Vec<i16>, PgStageError> {
+    /// the connection is still fit for the next call).
+    fn call(&self, connection: &Connection, rows: &[&StageRow]) -> Result<Vec<i16>, PgStageError> {
         let rollouts: Vec<&str> = rows.iter().map(|r| r.rollout_id.as_str()).collect();
         let keys: Vec<&str> = rows.iter().map(|r| r.key.as_str()).collect();
         let digests: Vec<&str> = rows.iter().map(|r| r.content_digest.as_str()).collect();
         let bodies: Vec<&[u8]> = rows.iter().map(|r| r.row.as_slice()).collect();
         let blobs: Vec<Option<&[u8]>> = rows.iter().map(|r| r.attachments.as_deref()).collect();
-        let params: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 5] = [
-            (&rollouts, Type::TEXT_ARRAY),
-            (&keys, Type::TEXT_ARRAY),
-            (&digests, Type::TEXT_ARRAY),
-            (&bodies, Type::BYTEA_ARRAY),
-            (&blobs, Type::BYTEA_ARRAY),
-        ];
-        let client = &connection.client;
         let answer = connection.runtime.block_on(async {
-            tokio::time::timeout(self.statement_timeout, async {
-                let Some(executed) = executed else {
-                    return client.query_typed(STAGE_BATCH, &params).await;
-                };
-                let mut begin = pin!(client.simple_query("BEGIN"));
-                let mut batch = pin!(client.query_typed(STAGE_BATCH, &params));
-                let mut commit = pin!(client.simple_query("COMMIT"));
-                let (mut begun, mut staged, mut committed) = (None, None, None);
-                // Every poll polls the three in this order, so their requests are queued on the
-                // connection (and written) in this order by the first one.
-                poll_fn(|cx| {
-                    if begun.is_none() {
-                        if let Poll::Ready(done) = begin.as_mut().poll(cx) {
-                            begun = Some(done);
-                        }
-                    }
-                    if staged.is_none() {
-                        if let Poll::Ready(done) = batch.as_mut().poll(cx) {
-                            if done.is_ok() {
-                                executed();
-                            }
-                            staged = Some(done);
-                        }
-                    }
-                    if committed.is_none() {
-                        if let Poll::Ready(done) = commit.as_mut().poll(cx) {
-                            committed = Some(done);
-                        }
-                    }
-                    if begun.is_some() && staged.is_some() && committed.is_some() {
-                        Poll::Ready(())
-                    } else {
-                        Poll::Pending
-                    }
-                })
-                .await;
-                // A failed call aborts the transaction and its COMMIT rolls it back (an answer,
-                // not an error): the call's error stands. A failed BEGIN or COMMIT is the
-                // batch's failure (a cut during the commit leaves its outcome unknown).
-                let (Some(begun), Some(staged), Some(committed)) = (begun, staged, committed)
-                else {
-                    unreachable!("polled until all three were answered")
-                };
-                begun?;
-                let found = staged?;
-                committed?;
-                Ok(found)
-            })
+            tokio::time::timeout(
+                self.statement_timeout,
+                connection.client.query_typed(
+                    STAGE_BATCH,
+                    &[
+                        (&rollouts, Type::TEXT_ARRAY),
+                        (&keys, Type::TEXT_ARRAY),
+                        (&digests, Type::TEXT_ARRAY),
+                        (&bodies, Type::BYTEA_ARRAY),
+                        (&blobs, Type::BYTEA_ARRAY),
+                    ],
+                ),
+            )
             .await
         });
         let found = match answer {
@@ -580,8 +525,8 @@ struct Waiter {
 #[derive(Default)]
 struct Slot {
     answer: Option<Result<i16, PgStageError>>,
-    /// Asked to lead the next batch (when).
-    lead: Option<Instant>,
+    /// Asked to lead the next batch.
+    lead: bool,
 }
 
 impl Waiter {
@@ -595,7 +540,7 @@ impl Waiter {
     }
 
     fn ask_to_lead(&self) {
-        self.slot().lead = Some(Instant::now());
+        self.slot().lead = true;
         self.wake.notify_one();
     }
 }
@@ -611,32 +556,8 @@ struct Queued {
 struct State {
     queue: VecDeque<Queued>,
     idle: Vec<Connection>,
-    /// Callers leading a batch, or asked to.
     leaders: usize,
-    /// Those of them whose batch executed and whose commit is awaited (overlap only).
-    committing: usize,
     closed: bool,
-}
-
-impl State {
-    /// Whether one more leader may start: fewer than `max` leaders, and with `overlap`, every
-    /// leader at work waiting on its commit (a second batch overlaps a commit, never another
-    /// batch's gathering or execution, so the queue is not split into small batches).
-    fn may_lead(&self, max: usize, overlap: bool) -> bool {
-        self.leaders < max && (!overlap || self.committing == self.leaders)
-    }
-
-    /// Ask the first queued caller not yet asked to lead; whether there was one.
-    fn ask_next(&mut self) -> bool {
-        match self.queue.iter_mut().find(|queued| !queued.asked) {
-            Some(successor) => {
-                successor.asked = true;
-                successor.waiter.ask_to_lead();
-                true
-            }
-            None => false,
-        }
-    }
 }
 
 /// Counters of a group's work (for benchmarks and tests).
@@ -648,11 +569,6 @@ pub struct GroupStats {
     pub stages: u64,
     /// Connections opened.
     pub connects: u64,
-    /// Nanoseconds spent in those calls (sent to answered), summed over the calls.
-    pub call_ns: u64,
-    /// Leads handed to a queued caller, and the nanoseconds from the ask to its start, summed.
-    pub handoffs: u64,
-    pub handoff_ns: u64,
 }
 
 /// The group commit of one store in one process; see the module documentation.
@@ -660,23 +576,17 @@ pub struct StageGroup {
     target: Target,
     max_batch: usize,
     max_leaders: usize,
-    overlap: bool,
-    pub handoff_first: bool,
     state: Mutex<State>,
     stats: Mutex<GroupStats>,
 }
 
 impl StageGroup {
-    /// A group sending at most `max_batch` rows per call, at most `max_leaders` calls at once;
-    /// with `overlap`, a call starts beside others only while they all wait on their commits
-    /// (see [`State::may_lead`]).
-    pub fn new(target: Target, max_batch: usize, max_leaders: usize, overlap: bool) -> Self {
+    /// A group sending at most `max_batch` rows per call, at most `max_leaders` calls at once.
+    pub fn new(target: Target, max_batch: usize, max_leaders: usize) -> Self {
         StageGroup {
             target,
             max_batch: max_batch.max(1),
             max_leaders: max_leaders.max(1),
-            overlap,
-            handoff_first: false,
             state: Mutex::new(State::default()),
             stats: Mutex::new(GroupStats::default()),
         }
@@ -711,7 +621,7 @@ impl StageGroup {
                 row,
                 asked: false,
             });
-            let lead = state.may_lead(self.max_leaders, self.overlap);
+            let lead = state.leaders < self.max_leaders;
             if lead {
                 state.leaders += 1;
             }
@@ -723,18 +633,12 @@ impl StageGroup {
             }
             let mut slot = me
                 .wake
-                .wait_while(me.slot(), |slot| slot.answer.is_none() && slot.lead.is_none())
+                .wait_while(me.slot(), |slot| slot.answer.is_none() && !slot.lead)
                 .unwrap_or_else(PoisonError::into_inner);
             if let Some(answer) = slot.answer.take() {
                 return answer;
             }
-            if let Some(asked) = slot.lead.take() {
-                let waited = asked.elapsed().as_nanos() as u64;
-                self.count(|stats| {
-                    stats.handoffs += 1;
-                    stats.handoff_ns += waited;
-                });
-            }
+            slot.lead = false;
             lead = true;
         }
     }
@@ -747,25 +651,11 @@ impl StageGroup {
             let batch: Vec<Queued> = state.queue.drain(..count).collect();
             (batch, state.idle.pop())
         };
-        // Set once this lead's batch executed and its commit is awaited (overlap only).
-        let committing = std::cell::Cell::new(false);
-        let executed = || {
-            if !committing.replace(true) {
-                let mut state = self.state();
-                state.committing += 1;
-                // The queue gathered while this batch executed may go out now, beside the
-                // commit, unless a leader is already gathering or executing one.
-                if state.may_lead(self.max_leaders, true) && state.ask_next() {
-                    state.leaders += 1;
-                }
-            }
-        };
-        let executed: Option<&dyn Fn()> = if self.overlap { Some(&executed) } else { None };
         let (answer, connection) = if batch.is_empty() {
             (Ok(Vec::new()), connection)
         } else {
             let rows: Vec<&StageRow> = batch.iter().map(|q| &q.row).collect();
-            match catch_unwind(AssertUnwindSafe(|| self.send(connection, &rows, executed))) {
+            match catch_unwind(AssertUnwindSafe(|| self.send(connection, &rows))) {
                 Ok(done) => done,
                 Err(_) => (
                     Err(PgStageError::unavailable(
@@ -777,10 +667,6 @@ impl StageGroup {
                 ),
             }
         };
-        let mut connection = connection;
-        if self.handoff_first {
-            self.step_down(connection.take(), committing.get());
-        }
         match &answer {
             Ok(statuses) => {
                 for (queued, status) in batch.iter().zip(statuses) {
@@ -793,21 +679,14 @@ impl StageGroup {
                 }
             }
         }
-        if !self.handoff_first {
-            self.step_down(connection, committing.get());
-        }
+        self.step_down(connection);
     }
 
-    /// The end of a lead (`committing`: counted among the leaders waiting on their commit):
-    /// keep the connection (unless closed), and pass the lead to the first queued caller not
-    /// yet asked, or give it up (with overlap, also while another leader is gathering or
-    /// executing a batch: that one asks the next leader when its commit starts or it ends).
-    fn step_down(&self, connection: Option<Connection>, committing: bool) {
+    /// The end of a lead: keep the connection (unless closed), and pass the lead to the first
+    /// queued caller not yet asked, or give it up.
+    fn step_down(&self, connection: Option<Connection>) {
         let closing = {
             let mut state = self.state();
-            if committing {
-                state.committing -= 1;
-            }
             let closing = match connection {
                 Some(connection) if state.closed => Some(connection),
                 Some(connection) => {
@@ -816,10 +695,12 @@ impl StageGroup {
                 }
                 None => None,
             };
-            // This lead is over: it may pass on where a new one could start.
-            state.leaders -= 1;
-            if state.may_lead(self.max_leaders, self.overlap) && state.ask_next() {
-                state.leaders += 1;
+            match state.queue.iter_mut().find(|queued| !queued.asked) {
+                Some(successor) => {
+                    successor.asked = true;
+                    successor.waiter.ask_to_lead();
+                }
+                None => state.leaders -= 1,
             }
             closing
         };
@@ -835,10 +716,7 @@ impl StageGroup {
     pub fn warm(&self) {
         {
             let mut state = self.state();
-            if state.closed
-                || !state.may_lead(self.max_leaders, self.overlap)
-                || !state.idle.is_empty()
-            {
+            if state.closed || state.leaders >= self.max_leaders || !state.idle.is_empty() {
                 return;
             }
             state.leaders += 1;
@@ -847,7 +725,7 @@ impl StageGroup {
         let connection = catch_unwind(AssertUnwindSafe(|| self.target.connect()))
             .ok()
             .and_then(Result::ok);
-        self.step_down(connection, false);
+        self.step_down(connection);
     }
 
     /// The call of one batch, with one retry as the asyncpg client makes it; the connection to
@@ -856,7 +734,6 @@ impl StageGroup {
         &self,
         connection: Option<Connection>,
         rows: &[&StageRow],
-        executed: Option<&dyn Fn()>,
     ) -> (Result<Vec<i16>, PgStageError>, Option<Connection>) {
         let mut connection = connection;
         let mut attempt = 0;
@@ -878,11 +755,7 @@ impl StageGroup {
                 }
             };
             self.count(|stats| stats.calls += 1);
-            let started = Instant::now();
-            let called = self.target.call(&current, rows, executed);
-            let took = started.elapsed().as_nanos() as u64;
-            self.count(|stats| stats.call_ns += took);
-            match called {
+            match self.target.call(&current, rows) {
                 Ok(statuses) => {
                     self.count(|stats| stats.stages += rows.len() as u64);
                     return (Ok(statuses), Some(current));
@@ -989,7 +862,7 @@ mod tests {
 
     #[test]
     fn an_unreachable_server_fails_every_stage_and_frees_the_lead() {
-        let group = Arc::new(StageGroup::new(nowhere(), 8, 2, false));
+        let group = Arc::new(StageGroup::new(nowhere(), 8, 2));
         let threads: Vec<_> = (0..6)
             .map(|i| {
                 let group = Arc::clone(&group);
