@@ -213,6 +213,7 @@ def test_an_older_distributed_schema_is_upgraded_in_place(citus_cluster: CitusCl
         "004_lineage_rows.sql",
         "005_staging.sql",
         "006_staging_key_order.sql",
+        "007_staging_fence_insert.sql",
     ]
     tables = fetch(
         dsn,

@@ -65,7 +65,7 @@ def both(
 
 def test_exported_from_tokencapture_lazily() -> None:
     assert tokencapture.PostgresStagingStore is PostgresStagingStore
-    assert SCHEMA_VERSION == 6
+    assert SCHEMA_VERSION == 7
 
 
 def test_stage_then_fetch_in_the_order_asked(staging: Store) -> None:
@@ -418,7 +418,11 @@ def test_upgrade_from_schema_version_4(pg_dsn: str) -> None:  # noqa: F811
     assert refused.error is not None and "PostgresSchemaError" in refused.error
     assert "schema version 4" in refused.error
     old.close_sync()
-    assert install_schema_sync(pg_dsn) == ["005_staging.sql", "006_staging_key_order.sql"]
+    assert install_schema_sync(pg_dsn) == [
+        "005_staging.sql",
+        "006_staging_key_order.sql",
+        "007_staging_fence_insert.sql",
+    ]
     assert install_schema_sync(pg_dsn) == []
     store = PostgresStagingStore(pg_dsn)
     try:
@@ -656,3 +660,89 @@ def test_stage_batch_statuses(dsn: str) -> None:  # noqa: F811
         assert store.fetch(["twice/x"])[0].token_ids_delta == [1]
     finally:
         store.close()
+
+
+class _HeldTransaction:
+    """One statement run in a transaction left open on a connection of its own (in a thread
+    with its own event loop) until `finish()` commits it: a retire or delete in flight."""
+
+    def __init__(self, database: str, sql: str, *args: object) -> None:
+        self._done = threading.Event()
+        self._ran = threading.Event()
+        self._failure: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self._hold(database, sql, *args),), daemon=True
+        )
+        self._thread.start()
+        assert self._ran.wait(30), self._failure
+
+    async def _hold(self, database: str, sql: str, *args: object) -> None:
+        import asyncpg
+
+        connection = await asyncpg.connect(database)
+        try:
+            async with connection.transaction():
+                await connection.fetch(sql, *args)
+                self._ran.set()
+                while not self._done.is_set():
+                    await asyncio.sleep(0.01)
+        except BaseException as error:
+            self._failure.append(error)
+            self._ran.set()
+            raise
+        finally:
+            await connection.close()
+
+    def finish(self) -> None:
+        self._done.set()
+        self._thread.join(30)
+        assert not self._failure
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["asyncpg", "native"])
+def test_a_stage_waits_for_a_retire_or_delete_in_flight(dsn: str, native: bool) -> None:  # noqa: F811
+    """The fence of schema version 7: a stage inserts its rollout's fence row first and looks
+    it up FOR KEY SHARE only when it was there. A retire in flight of a rollout never staged
+    has inserted that row (uncommitted): the stage's insert waits for it, then finds the row
+    and is refused. A delete in flight of a staged rollout has deleted the row: the stage's
+    insert waits for it, then inserts the row again (a fresh rollout, unfenced) and stores the
+    call. (The lookup's own loop, for a row deleted between the insert and the lookup, is a
+    race this test does not time.)"""
+    store = PostgresStagingStore(dsn, native_group_commit=native)
+    try:
+        assert store.stage(make_record("gone", "c1")).ok
+
+        def staged_meanwhile(
+            record: Any,
+        ) -> tuple[list[StageResult], bool, threading.Thread]:
+            """Stage `record` in a thread: where its result goes, whether it was still waiting
+            after half a second, and the thread."""
+            results: list[StageResult] = []
+            thread = threading.Thread(target=lambda: results.append(store.stage(record)))
+            thread.start()
+            thread.join(0.5)
+            return results, thread.is_alive(), thread
+
+        retire = _HeldTransaction(dsn, "SELECT tokencapture.retire_staging($1)", ["fresh"])
+        results, waited, thread = staged_meanwhile(make_record("fresh", "c1"))
+        retire.finish()
+        thread.join(30)
+        assert waited, "a stage did not wait for the retire in flight of its rollout"
+        assert not results[0].ok
+        assert results[0].error is not None
+        assert results[0].error.startswith('TokenCaptureRetiredError: rollout "fresh" is retired')
+
+        delete = _HeldTransaction(dsn, "SELECT tokencapture.delete_staging($1)", ["gone"])
+        results, waited, thread = staged_meanwhile(make_record("gone", "c2"))
+        delete.finish()
+        thread.join(30)
+        assert waited, "a stage did not wait for the delete in flight of its rollout"
+        assert results[0].ok, results[0].error
+        assert store.keys() == ["gone/c2"]
+        fences = fetch(dsn, "SELECT rollout_id, retired FROM tokencapture.staging_rollouts")
+        assert sorted((r["rollout_id"], r["retired"]) for r in fences) == [
+            ("fresh", True),
+            ("gone", False),
+        ]
+    finally:
+        store.close_sync()

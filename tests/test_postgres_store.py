@@ -48,6 +48,7 @@ SCHEMA_FILES = [
     "004_lineage_rows.sql",
     "005_staging.sql",
     "006_staging_key_order.sql",
+    "007_staging_fence_insert.sql",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
