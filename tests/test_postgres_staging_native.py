@@ -11,6 +11,7 @@ the fallbacks, close, a server that goes away and comes back, and a forked child
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -303,6 +304,62 @@ def test_a_server_offering_tls_under_sslmode_prefer_is_left_to_asyncpg() -> None
         group.close()
         server.join(5)
         listener.close()
+
+
+def _refusing_server() -> tuple[socket.socket, threading.Thread, list[bytes]]:
+    """A TCP server that answers whatever a client sends first with a FATAL 28000 error (a
+    `hostssl`-only `pg_hba.conf` refusing a plain session), once per connection, twice."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+    fields = (
+        b"SFATAL\0VFATAL\0C28000\0"
+        b'Mno pg_hba.conf entry for host "127.0.0.1", user "postgres", database "db", '
+        b"no encryption\0\0"
+    )
+    error = b"E" + struct.pack("!i", 4 + len(fields)) + fields
+
+    def answer() -> None:
+        for _ in range(2):
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            with connection:
+                received.append(connection.recv(65536))
+                connection.sendall(error)
+                connection.recv(1)  # until the client hangs up
+
+    server = threading.Thread(target=answer, daemon=True)
+    server.start()
+    return listener, server, received
+
+
+def test_a_server_refusing_plain_text_under_sslmode_allow_is_left_to_asyncpg() -> None:
+    """Under sslmode=allow asyncpg tries a plain session first and, refused, tries again with
+    TLS: the native client (no TLS) reports the refusal as 'unsupported', so the store falls
+    back to asyncpg. Under sslmode=disable the same refusal is the server's answer."""
+    listener, server, received = _refusing_server()
+    port = listener.getsockname()[1]
+    try:
+        for mode, kind in (("allow", "unsupported"), ("disable", "server")):
+            group = native_group(
+                Client(f"postgresql://postgres@127.0.0.1:{port}/db?sslmode={mode}"), 8, 1
+            )
+            assert not isinstance(group, str)
+            try:
+                with pytest.raises(_core.PostgresStageError) as refused:
+                    group.stage(make_record(mode))
+            finally:
+                group.close()
+            assert refused.value.args[0] == kind, (mode, refused.value.args)
+            if mode == "allow":
+                assert "refused a session without TLS" in refused.value.args[1]
+        # A startup message each time, never an SSLRequest (8 bytes, code 80877103).
+        assert len(received) == 2
+        assert all(len(first) > 8 and first[4:8] == b"\x00\x03\x00\x00" for first in received)
+    finally:
+        listener.close()
+        server.join(5)
 
 
 def test_a_forked_child_stages_on_its_own_connections_beside_a_stuck_leader(

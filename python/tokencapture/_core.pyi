@@ -317,7 +317,7 @@ class PostgresStageGroup:
         connect_timeout: float,
         statement_timeout: float,
         allow_unflushed_commits: bool,
-        refuse_tls_servers: bool,
+        sslmode: str,
         place: str,
         max_batch: int,
         max_leaders: int,

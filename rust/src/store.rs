@@ -3152,7 +3152,10 @@ mod tests {
         board.add(LineBytes::Borrowed(&lines[2]));
         assert!(!board.step());
         board.all_read();
-        assert!(board.urgent() && board.step(), "the last line, once every line is read");
+        assert!(
+            board.urgent() && board.step(),
+            "the last line, once every line is read"
+        );
         let expected: Vec<String> = lines.iter().map(|line| payload_digest(line)).collect();
         assert_eq!(board.collect(), expected);
     }

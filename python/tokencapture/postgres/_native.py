@@ -7,8 +7,9 @@ file), so both clients reach the same server as the same user. The native client
 TLS and only the password methods (trust, password, md5, SCRAM): a DSN whose ``sslmode``
 requires TLS, a ``target_session_attrs`` other than ``any``, or a password given as a callable
 keep the asyncpg path (`native_group` returns the reason instead of a group); a TCP server
-that offers TLS under ``sslmode=prefer`` (asyncpg would use it) or asks for another
-authentication method is found at the first connect, and the store falls back then.
+that offers TLS under ``sslmode=prefer`` (asyncpg would use it), one that refuses a session
+without TLS under ``sslmode=allow`` (asyncpg would try again with TLS), or one that asks for
+another authentication method is found at the first connect, and the store falls back then.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def native_group(client: Any, max_batch: int, max_leaders: int) -> _core.Postgre
         client.connect_timeout,
         client.statement_timeout,
         client.allow_unflushed_commits,
-        sslmode == "prefer",
+        sslmode,
         client.where,
         max_batch,
         max_leaders,

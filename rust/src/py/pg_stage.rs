@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 
 use super::staging::{attachments_of, call_of_record, staging_err, verified};
 use crate::fork::PerProcess;
-use crate::staging::postgres::{Address, PgStageError, StageGroup, StageRow, Target};
+use crate::staging::postgres::{Address, PgStageError, PlainSslMode, StageGroup, StageRow, Target};
 use crate::staging::row;
 use crate::staging::StagingError;
 
@@ -71,7 +71,7 @@ impl PyStageGroup {
     #[new]
     #[pyo3(signature = (
         addresses, user, password, database, settings, application_name, connect_timeout,
-        statement_timeout, allow_unflushed_commits, refuse_tls_servers, place, max_batch,
+        statement_timeout, allow_unflushed_commits, sslmode, place, max_batch,
         max_leaders
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -85,7 +85,7 @@ impl PyStageGroup {
         connect_timeout: f64,
         statement_timeout: f64,
         allow_unflushed_commits: bool,
-        refuse_tls_servers: bool,
+        sslmode: &str,
         place: String,
         max_batch: usize,
         max_leaders: usize,
@@ -97,6 +97,11 @@ impl PyStageGroup {
                 ))
             })
         };
+        let sslmode = PlainSslMode::parse(sslmode).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "sslmode {sslmode:?}: the native client serves disable, allow or prefer"
+            ))
+        })?;
         let target = Target {
             addresses: addresses
                 .into_iter()
@@ -119,7 +124,7 @@ impl PyStageGroup {
             connect_timeout: seconds(connect_timeout, "connect_timeout")?,
             statement_timeout: seconds(statement_timeout, "statement_timeout")?,
             allow_unflushed_commits,
-            refuse_tls_servers,
+            sslmode,
             place,
         };
         let reopen = target.clone();

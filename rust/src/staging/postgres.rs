@@ -71,11 +71,38 @@ pub struct Target {
     /// The client-side bound of one batch call (asyncpg's `command_timeout`).
     pub statement_timeout: Duration,
     pub allow_unflushed_commits: bool,
-    /// `sslmode=prefer` (asyncpg's default): a TCP server that offers TLS is one asyncpg would
-    /// talk TLS to, so this client refuses it ([`PgStageError::Unsupported`]).
-    pub refuse_tls_servers: bool,
+    /// What the DSN's `sslmode` leaves this client, which speaks no TLS, to do over TCP.
+    pub sslmode: PlainSslMode,
     /// The server's address for messages (never the password).
     pub place: String,
+}
+
+/// The `sslmode`s under which asyncpg may talk plain text, and what each asks of a client
+/// without TLS where asyncpg would use it ([`PgStageError::Unsupported`] then: the store
+/// falls back to asyncpg).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlainSslMode {
+    /// Never TLS.
+    Disable,
+    /// Plain text first; asyncpg retries with TLS when a TCP server refuses the plain session
+    /// before authenticating it (a `hostssl`-only `pg_hba.conf`): such a refusal is
+    /// unsupported here.
+    Allow,
+    /// asyncpg's default: TLS when a TCP server offers it, so a server that does is refused
+    /// before anything is sent.
+    Prefer,
+}
+
+impl PlainSslMode {
+    /// The mode of a DSN's `sslmode` name, if it is one that may talk plain text.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "disable" => Some(Self::Disable),
+            "allow" => Some(Self::Allow),
+            "prefer" => Some(Self::Prefer),
+            _ => None,
+        }
+    }
 }
 
 /// One encoded stage.
@@ -298,19 +325,21 @@ impl Target {
 
     /// Connect (the addresses in order), within the connect timeout.
     fn open(&self, runtime: &Runtime, with_options: bool) -> Result<Opened, PgStageError> {
-        let probe = self.refuse_tls_servers
-            && self
-                .addresses
-                .iter()
-                .any(|address| matches!(address, Address::Tcp { .. }));
-        if !probe {
+        let over_tcp = self
+            .addresses
+            .iter()
+            .any(|address| matches!(address, Address::Tcp { .. }));
+        if !(over_tcp && self.sslmode == PlainSslMode::Prefer) {
             let config = self.config(&self.addresses, with_options);
             return runtime.block_on(async {
                 self.timed(async {
-                    let (client, connection) = config
-                        .connect(NoTls)
-                        .await
-                        .map_err(|err| self.connect_error(&err))?;
+                    let (client, connection) = config.connect(NoTls).await.map_err(|err| {
+                        if over_tcp && self.sslmode == PlainSslMode::Allow {
+                            self.refused_without_tls(&err)
+                        } else {
+                            self.connect_error(&err)
+                        }
+                    })?;
                     Ok((
                         client,
                         tokio::spawn(async move {
@@ -410,6 +439,20 @@ impl Target {
                 "ConnectionError",
                 format!("unexpected answer {other:#04x} to an SSLRequest"),
             )),
+        }
+    }
+
+    /// A connect error under `sslmode=allow`: a server that refused the plain session (any
+    /// error it answered before authenticating it) is one asyncpg would try again with TLS.
+    fn refused_without_tls(&self, err: &tokio_postgres::Error) -> PgStageError {
+        match err.as_db_error() {
+            Some(db) => PgStageError::Unsupported(format!(
+                "the server at {} refused a session without TLS (sslmode=allow: asyncpg tries \
+                 again with TLS, which the native client does not speak): {}",
+                self.place,
+                db.message()
+            )),
+            None => self.connect_error(err),
         }
     }
 
@@ -845,7 +888,7 @@ mod tests {
             connect_timeout: Duration::from_secs(2),
             statement_timeout: Duration::from_secs(2),
             allow_unflushed_commits: false,
-            refuse_tls_servers: false,
+            sslmode: PlainSslMode::Disable,
             place: "127.0.0.1:9/none".into(),
         }
     }
