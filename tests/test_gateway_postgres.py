@@ -270,3 +270,33 @@ def test_a_retry_with_another_request_is_a_conflict_not_a_replay(
         assert answer.status_code == 409, (other, answer.text)
         assert answer.json()["error"]["type"] == "model_call_id_conflict"
     assert len(pg.read_entries("pgt")) == 1
+
+
+def test_workers_over_one_database(
+    fake: Server, dsn: str, tmp_path: Path, pg: PostgresTokenCaptureStore
+) -> None:
+    """`--workers 2 --dsn`: the supervisor opens (and closes) the backend before the workers
+    start theirs; calls on new connections, whichever worker takes them, are all captured and
+    every continuation resolves its parent."""
+    server = start_gateway(fake.url, dsn, tmp_path, "--workers", "2")
+    try:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "turn 0"}]
+        for turn in range(8):
+            answer = httpx.post(
+                f"{server.url}/rollouts/pg-workers/v1/chat/completions",
+                json={"model": MODEL, "messages": messages},
+                headers={"x-model-call-id": f"c{turn}", "connection": "close"},
+                timeout=30,
+            )
+            assert answer.status_code == 200, answer.text
+            messages += [
+                answer.json()["choices"][0]["message"],
+                {"role": "user", "content": f"turn {turn + 1}"},
+            ]
+    finally:
+        server.stop()
+    entries = pg.freeze_now("pg-workers").entries
+    assert [e.model_call_id for e in entries] == [f"c{t}" for t in range(8)]
+    for turn, entry in enumerate(entries[1:], start=1):
+        assert entry.parent_resolution is ParentResolutionStatus.RESOLVED, turn
+        assert entry.parent_call_id == f"c{turn - 1}"
