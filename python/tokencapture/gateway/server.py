@@ -37,6 +37,13 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _can_enter_cwd() -> bool:
+    try:
+        return os.access(os.getcwd(), os.X_OK)
+    except OSError:  # removed since
+        return False
+
+
 def _app(settings: dict[str, Any], token: str | None) -> GatewayApp:
     """The gateway of `settings` (what `serve` was given, but the token and the bind)."""
     bridge: Any = None
@@ -101,10 +108,10 @@ def serve(
         raise ValueError("--tito needs --tokenizer DIR (the engine's tokenizer.json)")
     settings = {
         "upstream": upstream,
-        "store_dir": store_dir,
+        "store_dir": None if store_dir is None else os.path.abspath(store_dir),
         "dsn": dsn,
         "tito": tito,
-        "tokenizer": tokenizer,
+        "tokenizer": None if tokenizer is None else os.path.abspath(tokenizer),
         "renderer": renderer,
         "timeout": timeout,
         "max_body_bytes": max_body_bytes,
@@ -127,6 +134,11 @@ def serve(
         uvicorn.run(app, **server_options)
         return
     asyncio.run(app.gateway.backend.close())  # the supervisor serves nothing itself
+    if not _can_enter_cwd():
+        # Each worker starts by changing into this process's directory (multiprocessing's
+        # spawn): one this account cannot enter (a service account started from root's home,
+        # say) would fail every worker at its start. The paths above are absolute.
+        os.chdir("/")
     os.environ[SETTINGS_ENV] = json.dumps(settings)
     if token is not None:
         os.environ[TOKEN_ENV] = token
