@@ -855,6 +855,39 @@ def start_fake(log_dir: Path, *, drift: bool = False) -> Server:
     return Server(argv, port, log_dir / f"fake-{port}.log", runner=runner).start()
 
 
+def converse_on_new_connections(
+    gateway_url: str,
+    rollout_id: str,
+    turns: int,
+    *,
+    until: Callable[[], bool] | None = None,
+    max_turns: int = 120,
+) -> int:
+    """Chat calls of one conversation through a gateway (call `c<turn>`, each continuing the
+    conversation with the answer before it), every call on a connection of its own so that
+    any of a gateway's worker processes may take it: `turns` calls, then more until `until()`
+    holds (at most `max_turns` in all). The number of calls made."""
+    import httpx
+
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "turn 0"}]
+    turn = 0
+    while turn < turns or (until is not None and not until()):
+        assert turn < max_turns, f"{max_turns} calls and the condition still does not hold"
+        answer = httpx.post(
+            f"{gateway_url}/rollouts/{rollout_id}/v1/chat/completions",
+            json={"model": MODEL, "messages": messages},
+            headers={"x-model-call-id": f"c{turn}", "connection": "close"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        messages += [
+            answer.json()["choices"][0]["message"],
+            {"role": "user", "content": f"turn {turn + 1}"},
+        ]
+        turn += 1
+    return turn
+
+
 def start_gateway(upstream: str, store: Path | str, log_dir: Path, *extra: str) -> Server:
     """`tokencapture gateway` on a free port over `store`: a directory (which the servers'
     account must be able to write: see `server_dir`), or a PostgreSQL DSN (a `postgresql://`

@@ -16,7 +16,14 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.fake_upstream import MODEL, Server, render_chat, replying, start_gateway
+from tests.fake_upstream import (
+    MODEL,
+    Server,
+    converse_on_new_connections,
+    render_chat,
+    replying,
+    start_gateway,
+)
 from tests.gateway_kills import fake
 from tests.postgres_fixture import dsn, execute, fetch, pg_dsn, pg_server
 
@@ -280,19 +287,7 @@ def test_workers_over_one_database(
     every continuation resolves its parent."""
     server = start_gateway(fake.url, dsn, tmp_path, "--workers", "2")
     try:
-        messages: list[dict[str, Any]] = [{"role": "user", "content": "turn 0"}]
-        for turn in range(8):
-            answer = httpx.post(
-                f"{server.url}/rollouts/pg-workers/v1/chat/completions",
-                json={"model": MODEL, "messages": messages},
-                headers={"x-model-call-id": f"c{turn}", "connection": "close"},
-                timeout=30,
-            )
-            assert answer.status_code == 200, answer.text
-            messages += [
-                answer.json()["choices"][0]["message"],
-                {"role": "user", "content": f"turn {turn + 1}"},
-            ]
+        converse_on_new_connections(server.url, "pg-workers", 8)
     finally:
         server.stop()
     entries = pg.freeze_now("pg-workers").entries

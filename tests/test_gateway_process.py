@@ -19,6 +19,7 @@ from tests.fake_upstream import (
     IM_END,
     MODEL,
     Server,
+    converse_on_new_connections,
     encode,
     render_chat,
     replying,
@@ -196,22 +197,13 @@ def test_workers_serve_one_store_and_resolve_across_processes(
     try:
         _wait_for(lambda: len(_workers_of(server)) == 2, timeout=60)
         workers = _workers_of(server)
-        messages: list[dict[str, Any]] = [{"role": "user", "content": "turn 0"}]
-        turns = 0
-        while turns < 6 or not all(_holds_open(w, "/across.tokens.jsonl") for w in workers):
-            assert turns < 120, "every call went to one worker"
-            answer = httpx.post(
-                f"{server.url}/rollouts/across/v1/chat/completions",
-                json={"model": MODEL, "messages": messages},
-                headers={"x-model-call-id": f"c{turns}", "connection": "close"},
-                timeout=30,
-            )
-            assert answer.status_code == 200, answer.text
-            messages += [
-                answer.json()["choices"][0]["message"],
-                {"role": "user", "content": f"turn {turns + 1}"},
-            ]
-            turns += 1
+        # At least 6 turns, and until each worker has put one (holds the rollout's log open).
+        turns = converse_on_new_connections(
+            server.url,
+            "across",
+            6,
+            until=lambda: all(_holds_open(w, "/across.tokens.jsonl") for w in workers),
+        )
         assert _workers_of(server) == workers  # neither restarted
     finally:
         server.stop()
