@@ -468,28 +468,37 @@ impl Target {
         classify(&self.place, err)
     }
 
+    /// `query`, run on `connection`'s runtime within the statement timeout: its answer, the
+    /// server's error (classified), or a `TimeoutError` saying `timed_out()`.
+    fn bounded<T>(
+        &self,
+        connection: &Connection,
+        query: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+        timed_out: impl FnOnce() -> String,
+    ) -> Result<T, PgStageError> {
+        let answer = connection
+            .runtime
+            .block_on(async { tokio::time::timeout(self.statement_timeout, query).await });
+        match answer {
+            Err(_) => Err(PgStageError::unavailable(
+                &self.place,
+                "TimeoutError",
+                timed_out(),
+            )),
+            Ok(Err(err)) => Err(classify(&self.place, &err)),
+            Ok(Ok(found)) => Ok(found),
+        }
+    }
+
     fn check_session(&self, connection: &Connection) -> Result<(), PgStageError> {
         if self.allow_unflushed_commits {
             return Ok(());
         }
-        let answer = connection.runtime.block_on(async {
-            tokio::time::timeout(
-                self.statement_timeout,
-                connection.client.simple_query("SHOW synchronous_commit"),
-            )
-            .await
-        });
-        let messages = match answer {
-            Err(_) => {
-                return Err(PgStageError::unavailable(
-                    &self.place,
-                    "TimeoutError",
-                    "SHOW synchronous_commit timed out",
-                ))
-            }
-            Ok(Err(err)) => return Err(classify(&self.place, &err)),
-            Ok(Ok(messages)) => messages,
-        };
+        let messages = self.bounded(
+            connection,
+            connection.client.simple_query("SHOW synchronous_commit"),
+            || "SHOW synchronous_commit timed out".to_owned(),
+        )?;
         let off = messages.iter().any(
             |message| matches!(message, SimpleQueryMessage::Row(row) if row.get(0) == Some("off")),
         );
@@ -507,36 +516,25 @@ impl Target {
         let digests: Vec<&str> = rows.iter().map(|r| r.content_digest.as_str()).collect();
         let bodies: Vec<&[u8]> = rows.iter().map(|r| r.row.as_slice()).collect();
         let blobs: Vec<Option<&[u8]>> = rows.iter().map(|r| r.attachments.as_deref()).collect();
-        let answer = connection.runtime.block_on(async {
-            tokio::time::timeout(
-                self.statement_timeout,
-                connection.client.query_typed(
-                    STAGE_BATCH,
-                    &[
-                        (&rollouts, Type::TEXT_ARRAY),
-                        (&keys, Type::TEXT_ARRAY),
-                        (&digests, Type::TEXT_ARRAY),
-                        (&bodies, Type::BYTEA_ARRAY),
-                        (&blobs, Type::BYTEA_ARRAY),
-                    ],
-                ),
-            )
-            .await
-        });
-        let found = match answer {
-            Err(_) => {
-                return Err(PgStageError::unavailable(
-                    &self.place,
-                    "TimeoutError",
-                    format!(
-                        "no answer within the statement timeout ({:?})",
-                        self.statement_timeout
-                    ),
-                ))
-            }
-            Ok(Err(err)) => return Err(classify(&self.place, &err)),
-            Ok(Ok(found)) => found,
-        };
+        let found = self.bounded(
+            connection,
+            connection.client.query_typed(
+                STAGE_BATCH,
+                &[
+                    (&rollouts, Type::TEXT_ARRAY),
+                    (&keys, Type::TEXT_ARRAY),
+                    (&digests, Type::TEXT_ARRAY),
+                    (&bodies, Type::BYTEA_ARRAY),
+                    (&blobs, Type::BYTEA_ARRAY),
+                ],
+            ),
+            || {
+                format!(
+                    "no answer within the statement timeout ({:?})",
+                    self.statement_timeout
+                )
+            },
+        )?;
         let statuses: Vec<i16> = match found.first().map(|row| row.try_get(0)) {
             Some(Ok(statuses)) => statuses,
             Some(Err(err)) => return Err(classify(&self.place, &err)),
