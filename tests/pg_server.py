@@ -6,9 +6,9 @@ and the unix socket directory live in one temporary directory (made traversable 
 account); the server also listens on a free loopback port. `fsync` and `synchronous_commit`
 are on, as in production, and `shared_buffers` is PostgreSQL's default of 128 MB (the
 benchmark's W2 rollouts hold ~40 MB of lines: at 32 MB a freeze read them back through the
-OS page cache, 8 kB at a time). `kill()` is a SIGKILL of the postmaster and of its children
-(backends call `setsid`, so a process-group kill would miss them, and a surviving child keeps
-the shared memory block that makes the restart fail).
+OS page cache, 8 kB at a time). `kill()` is a SIGKILL of the postmaster and of its children,
+listed while the postmaster is stopped (backends call `setsid`, so a process-group kill would
+miss them, and a surviving child keeps the shared memory block that makes the restart fail).
 """
 
 from __future__ import annotations
@@ -304,6 +304,14 @@ class PgServer:
         if self.process is None:
             return
         pid = self.process.pid
+        # Stopped first, so that it forks no backend between the listing of its children and
+        # its death: a client reconnecting at that moment got a backend no list held, which
+        # outlived the kill with the shared memory block, and the restart failed.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while _state(pid) not in ("T", "Z", None) and time.monotonic() < deadline:
+            time.sleep(0.001)
         below = children(pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -437,12 +445,17 @@ class PgBouncer:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def _is_zombie(pid: int) -> bool:
+def _state(pid: int) -> str | None:
+    """The process's state letter (`R`, `S`, `T` stopped, `Z` zombie, ...); None if gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return True
-    return stat[stat.rindex(")") + 2 :].split()[0] == "Z"
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
+def _is_zombie(pid: int) -> bool:
+    return _state(pid) in ("Z", None)
 
 
 # Settings of every node of a test Citus cluster.
