@@ -67,3 +67,6 @@ bash scripts/wheel-smoke.sh "$wheel" 3.11 3.12 3.13
 
 step "pytest"
 python -m pytest -W error -q
+
+step "pytest on CPython 3.13 (NeMo Gym's own interpreter: its wheels need >= 3.13), against the wheel: the tests that start no server"
+bash scripts/pytest-python.sh 3.13 "$wheel"

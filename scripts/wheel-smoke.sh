@@ -41,22 +41,8 @@ smoke_tests=(
 # The pip that installs into the venvs (any pip >= 22.3, for --python).
 installer="$("${PYTHON:-python}" -c 'import sys; print(sys.executable)')"
 
-pyenv_root="${PYENV_ROOT:-}"
-[[ -n "$pyenv_root" ]] || pyenv_root="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
-
 interpreter() {
-    local want="$1" found
-    if [[ "$want" == */* ]]; then
-        printf '%s\n' "$want"
-        return
-    fi
-    found="$(find "$pyenv_root/versions" -maxdepth 1 -name "$want.*" -printf '%f\n' 2>/dev/null |
-        grep -E "^${want//./\\.}\.[0-9]+$" | sort -V | tail -n 1 || true)"
-    if [[ -z "$found" ]]; then
-        echo "no CPython $want under $pyenv_root/versions (pyenv install $want)" >&2
-        return 1
-    fi
-    printf '%s\n' "$pyenv_root/versions/$found/bin/python"
+    bash "$source_root/scripts/pyenv-python.sh" "$1"
 }
 
 # PATH without any Rust toolchain (rustup's and cargo's bin directories), and without pyenv's
