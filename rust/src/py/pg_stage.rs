@@ -72,7 +72,7 @@ impl PyStageGroup {
     #[pyo3(signature = (
         addresses, user, password, database, settings, application_name, connect_timeout,
         statement_timeout, allow_unflushed_commits, sslmode, place, max_batch,
-        max_leaders
+        max_leaders, pipeline = 1
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -89,6 +89,7 @@ impl PyStageGroup {
         place: String,
         max_batch: usize,
         max_leaders: usize,
+        pipeline: usize,
     ) -> PyResult<Self> {
         let seconds = |value: f64, name: &str| {
             Duration::try_from_secs_f64(value).map_err(|_| {
@@ -129,9 +130,17 @@ impl PyStageGroup {
         };
         let reopen = target.clone();
         Ok(PyStageGroup {
-            handle: PerProcess::new(StageGroup::new(target, max_batch, max_leaders), move || {
-                Ok(StageGroup::new(reopen.clone(), max_batch, max_leaders))
-            }),
+            handle: PerProcess::new(
+                StageGroup::new(target, max_batch, max_leaders, pipeline),
+                move || {
+                    Ok(StageGroup::new(
+                        reopen.clone(),
+                        max_batch,
+                        max_leaders,
+                        pipeline,
+                    ))
+                },
+            ),
         })
     }
 
@@ -189,11 +198,12 @@ impl PyStageGroup {
         py.detach(|| group.warm());
     }
 
-    /// `(calls, stages, connects)`: `stage_batch` calls sent, stages they answered,
-    /// connections opened (this process's).
-    fn stats(&self) -> (u64, u64, u64) {
+    /// `(calls, stages, connects, pipelined)`: `stage_batch` calls sent, stages they answered,
+    /// connections opened, calls sent behind another in flight on their connection (this
+    /// process's).
+    fn stats(&self) -> (u64, u64, u64, u64) {
         let stats = self.group().stats();
-        (stats.calls, stats.stages, stats.connects)
+        (stats.calls, stats.stages, stats.connects, stats.pipelined)
     }
 
     /// Open connections kept idle (this process's).
