@@ -40,9 +40,7 @@ def _parse(dsn: str, server_settings: dict[str, str]) -> tuple[list[Any], Any]:
     return list(addresses), params
 
 
-def native_group(
-    client: Any, max_batch: int, max_leaders: int, pipeline: int = 1
-) -> _core.PostgresStageGroup | str:
+def native_group(client: Any, max_batch: int, max_leaders: int) -> _core.PostgresStageGroup | str:
     """A native group commit for `client`'s server, or why there is none (the asyncpg path
     stays)."""
     try:
@@ -88,5 +86,4 @@ def native_group(
         client.where,
         max_batch,
         max_leaders,
-        pipeline,
     )

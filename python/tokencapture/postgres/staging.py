@@ -216,8 +216,7 @@ class PostgresStagingStore:
     call), ``stage_flushes`` (such calls in flight at once, each on its own connection: by
     default 3 through asyncpg, 1 through the native client; fewer, larger batches; see
     docs/postgres.md), ``native_group_commit`` (default True: the group commit in Rust,
-    without the GIL), ``stage_pipeline`` (native calls in flight on one connection: 2, the
-    next sent while the previous one commits), and the connection options of
+    without the GIL), and the connection options of
     every PostgreSQL class
     (``pool_size``, ``connect_timeout``, ``statement_timeout``, ``synchronous_commit``,
     ``allow_unflushed_commits``, ``install_schema``, ``statement_cache_size``; see
@@ -236,7 +235,6 @@ class PostgresStagingStore:
         stage_batch_size: int = 256,
         stage_flushes: int | None = None,
         native_group_commit: bool = True,
-        stage_pipeline: int = 2,
         **options: Any,
     ) -> None:
         if isinstance(stage_batch_size, bool) or not isinstance(stage_batch_size, int):
@@ -248,10 +246,6 @@ class PostgresStagingStore:
                 raise TypeError("stage_flushes must be an int or None")
             if stage_flushes < 1:
                 raise ValueError("stage_flushes must be at least 1")
-        if isinstance(stage_pipeline, bool) or not isinstance(stage_pipeline, int):
-            raise TypeError("stage_pipeline must be an int")
-        if stage_pipeline < 1:
-            raise ValueError("stage_pipeline must be at least 1")
         StagingModels.resolve(models)  # refuse a bad choice now
         self._models_choice = models
         self._client = Client(dsn, **options)
@@ -261,7 +255,6 @@ class PostgresStagingStore:
         # (docs/postgres.md, "Staging throughput").
         self._stage_flushes = 3 if stage_flushes is None else stage_flushes
         self._native_flushes = 1 if stage_flushes is None else stage_flushes
-        self._stage_pipeline = stage_pipeline
         self._group = GroupCommit(self._client, _STAGE_BATCH, stage_batch_size, self._stage_flushes)
         if not isinstance(native_group_commit, bool):
             raise TypeError("native_group_commit must be a bool")
@@ -311,9 +304,7 @@ class PostgresStagingStore:
         """The native group commit, made on first use; None when it cannot serve this store."""
         if self._native is not None or self._native_off is not None:
             return self._native
-        made = native_group(
-            self._client, self._stage_batch_size, self._native_flushes, self._stage_pipeline
-        )
+        made = native_group(self._client, self._stage_batch_size, self._native_flushes)
         if isinstance(made, str):
             self._native_off = made
             return None

@@ -72,7 +72,7 @@ impl PyStageGroup {
     #[pyo3(signature = (
         addresses, user, password, database, settings, application_name, connect_timeout,
         statement_timeout, allow_unflushed_commits, sslmode, place, max_batch,
-        max_leaders, pipeline = 1
+        max_leaders
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -89,7 +89,6 @@ impl PyStageGroup {
         place: String,
         max_batch: usize,
         max_leaders: usize,
-        pipeline: usize,
     ) -> PyResult<Self> {
         let seconds = |value: f64, name: &str| {
             Duration::try_from_secs_f64(value).map_err(|_| {
@@ -130,17 +129,9 @@ impl PyStageGroup {
         };
         let reopen = target.clone();
         Ok(PyStageGroup {
-            handle: PerProcess::new(
-                StageGroup::new(target, max_batch, max_leaders, pipeline),
-                move || {
-                    Ok(StageGroup::new(
-                        reopen.clone(),
-                        max_batch,
-                        max_leaders,
-                        pipeline,
-                    ))
-                },
-            ),
+            handle: PerProcess::new(StageGroup::new(target, max_batch, max_leaders), move || {
+                Ok(StageGroup::new(reopen.clone(), max_batch, max_leaders))
+            }),
         })
     }
 
@@ -198,12 +189,11 @@ impl PyStageGroup {
         py.detach(|| group.warm());
     }
 
-    /// `(calls, stages, connects, pipelined)`: `stage_batch` calls sent, stages they answered,
-    /// connections opened, calls sent behind another in flight on their connection (this
-    /// process's).
-    fn stats(&self) -> (u64, u64, u64, u64) {
+    /// `(calls, stages, connects)`: `stage_batch` calls sent, stages they answered,
+    /// connections opened (this process's).
+    fn stats(&self) -> (u64, u64, u64) {
         let stats = self.group().stats();
-        (stats.calls, stats.stages, stats.connects, stats.pipelined)
+        (stats.calls, stats.stages, stats.connects)
     }
 
     /// Open connections kept idle (this process's).

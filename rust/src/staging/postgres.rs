@@ -7,15 +7,8 @@
 //! `tokencapture.stage_batch` (one round trip, one transaction, one status per row) on a
 //! connection of its own, answers and wakes the callers of its batch, and hands the lead to
 //! the first caller still queued. The others sleep on their own condition variable. The queue
-//! holds at most one row per calling thread; the connections are at most `max_leaders`.
-//!
-//! Pipelining (`pipeline` > 1): a batch may be sent on a connection whose previous batch is
-//! still in flight (tokio-postgres writes it behind the first; the server runs it once the
-//! first has committed, each its own implicit transaction ended by its own Sync). Each batch's
-//! callers are answered by its own result, which arrives after its own commit; a cut fails
-//! (or retries) each batch in flight on its own, and the connection is dropped for new ones.
-//! A batch sent behind another waits, before it takes the queue, for part of the connection's
-//! recent turn (`GATHER`), so that it is not a batch of one.
+//! holds at most one row per calling thread; the connections are at most `max_leaders` (each
+//! leader holds one, and only idle ones are kept).
 //!
 //! The client is `tokio-postgres`, driven by a current-thread runtime per connection (what the
 //! blocking `postgres` crate does), so that every exchange runs under a client-side timeout
@@ -39,7 +32,7 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -600,59 +593,13 @@ struct Queued {
     asked: bool,
 }
 
-/// One connection (or one being opened by the leader that made the lane) and the batches on
-/// it: at most `pipeline` places, each held by one leader, its batch sent behind the ones
-/// before it and answered in the same order (the server runs them one after another, each its
-/// own transaction).
-struct Lane {
-    id: u64,
-    /// None while the leader that made the lane connects.
-    connection: Option<Arc<Connection>>,
-    /// Leaders holding a place (their batch taken, or gathering one).
-    places: usize,
-    /// Batches taken from the queue and not yet answered.
-    taken: usize,
-    /// When the oldest of them began its turn on the server (taken with nothing ahead, or the
-    /// one ahead answered); Some exactly while `taken > 0`.
-    turn_started: Option<Instant>,
-    /// How long a batch holds the server: a moving average of the last turns.
-    turn: Duration,
-}
-
-/// Where a leader's place is.
-enum Place {
-    Open(Arc<Connection>),
-    /// The lane is this leader's to connect.
-    Unopened,
-    /// The lane was dropped (its connection failed under another batch): find another.
-    Gone,
-}
-
 #[derive(Default)]
 struct State {
     queue: VecDeque<Queued>,
-    lanes: Vec<Lane>,
-    next_lane: u64,
+    idle: Vec<Connection>,
     leaders: usize,
     closed: bool,
 }
-
-impl State {
-    fn lane(&mut self, id: u64) -> Option<&mut Lane> {
-        self.lanes.iter_mut().find(|lane| lane.id == id)
-    }
-
-    /// Drop a lane; its connection is closed by the last batch holding it.
-    fn remove(&mut self, id: u64) -> Option<Lane> {
-        let at = self.lanes.iter().position(|lane| lane.id == id)?;
-        Some(self.lanes.swap_remove(at))
-    }
-}
-
-/// The share of a lane's recent turn a batch behind the one in flight waits before it is taken
-/// from the queue: late enough that the stages answered by the turn before have queued again,
-/// early enough to be on the server before the turn ends.
-const GATHER: f64 = 0.5;
 
 /// Counters of a group's work (for benchmarks and tests).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -663,8 +610,6 @@ pub struct GroupStats {
     pub stages: u64,
     /// Connections opened.
     pub connects: u64,
-    /// Calls sent while another was in flight on their connection.
-    pub pipelined: u64,
 }
 
 /// The group commit of one store in one process; see the module documentation.
@@ -672,24 +617,18 @@ pub struct StageGroup {
     target: Target,
     max_batch: usize,
     max_leaders: usize,
-    pipeline: usize,
     state: Mutex<State>,
-    /// Signalled when a lane changes: a batch answered, a connection opened or dropped.
-    lanes_changed: Condvar,
     stats: Mutex<GroupStats>,
 }
 
 impl StageGroup {
-    /// A group sending at most `max_batch` rows per call, on at most `max_leaders` connections,
-    /// with at most `pipeline` calls in flight on each.
-    pub fn new(target: Target, max_batch: usize, max_leaders: usize, pipeline: usize) -> Self {
+    /// A group sending at most `max_batch` rows per call, at most `max_leaders` calls at once.
+    pub fn new(target: Target, max_batch: usize, max_leaders: usize) -> Self {
         StageGroup {
             target,
             max_batch: max_batch.max(1),
             max_leaders: max_leaders.max(1),
-            pipeline: pipeline.max(1),
             state: Mutex::new(State::default()),
-            lanes_changed: Condvar::new(),
             stats: Mutex::new(GroupStats::default()),
         }
     }
@@ -723,7 +662,7 @@ impl StageGroup {
                 row,
                 asked: false,
             });
-            let lead = state.leaders < self.max_leaders * self.pipeline;
+            let lead = state.leaders < self.max_leaders;
             if lead {
                 state.leaders += 1;
             }
@@ -745,103 +684,28 @@ impl StageGroup {
         }
     }
 
-    /// A place for one batch: on the open lane with the fewest (if one has room), else on a
-    /// new lane while there are fewer than `max_leaders`, else wait for room.
-    fn reserve<'a>(&'a self, mut state: MutexGuard<'a, State>) -> (MutexGuard<'a, State>, u64) {
-        loop {
-            let pipeline = self.pipeline;
-            let open = state
-                .lanes
-                .iter_mut()
-                .filter(|lane| lane.connection.is_some() && lane.places < pipeline)
-                .min_by_key(|lane| lane.places);
-            if let Some(lane) = open {
-                lane.places += 1;
-                let id = lane.id;
-                return (state, id);
-            }
-            if state.lanes.len() < self.max_leaders {
-                let id = state.next_lane;
-                state.next_lane += 1;
-                state.lanes.push(Lane {
-                    id,
-                    connection: None,
-                    places: 1,
-                    taken: 0,
-                    turn_started: None,
-                    turn: Duration::ZERO,
-                });
-                return (state, id);
-            }
-            state = self
-                .lanes_changed
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
-        }
-    }
-
-    /// Count a batch as taken on its lane (its turn starts now if nothing is ahead).
-    fn take(state: &mut State, id: u64) {
-        if let Some(lane) = state.lane(id) {
-            lane.taken += 1;
-            if lane.turn_started.is_none() {
-                lane.turn_started = Some(Instant::now());
-            }
-        }
-    }
-
     /// Send one batch as its leader, answer it, and pass the lead on (or give it up).
     fn lead(&self) {
-        let (mut state, mut lane) = self.reserve(self.state());
-        // Behind a batch in flight on the same connection, this one reaches the server only
-        // once that one has committed: the stages that queue meanwhile join it for free, so
-        // gather until the turn ahead is near its end (or over).
-        loop {
-            let Some(ahead) = state.lane(lane) else {
-                (state, lane) = self.reserve(state);
-                continue;
-            };
-            let due = match ahead.turn_started {
-                Some(started) if ahead.taken > 0 => started + ahead.turn.mul_f64(GATHER),
-                _ => break,
-            };
-            let now = Instant::now();
-            if now >= due {
-                break;
-            }
-            state = self
-                .lanes_changed
-                .wait_timeout(state, due - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-        }
-        let count = state.queue.len().min(self.max_batch);
-        let batch: Vec<Queued> = state.queue.drain(..count).collect();
-        if batch.is_empty() {
-            let dropped = self.release(&mut state, lane, false, true);
-            drop(state);
-            self.released(dropped);
-            self.step_down();
-            return;
-        }
-        let behind = state.lane(lane).is_some_and(|ahead| ahead.taken > 0);
-        Self::take(&mut state, lane);
-        drop(state);
-        if behind {
-            self.count(|stats| stats.pipelined += 1);
-        }
-        let rows: Vec<&StageRow> = batch.iter().map(|q| &q.row).collect();
-        let answer = match catch_unwind(AssertUnwindSafe(|| self.send(lane, &rows))) {
-            Ok(answer) => answer,
-            Err(_) => {
-                // The lane's state is unknown: drop it.
-                let dropped = self.release(&mut self.state(), lane, true, false);
-                self.released(dropped);
-                Err(PgStageError::unavailable(
-                    &self.target.place,
-                    "RuntimeError",
-                    "the native client panicked",
-                ))
+        let (batch, connection) = {
+            let mut state = self.state();
+            let count = state.queue.len().min(self.max_batch);
+            let batch: Vec<Queued> = state.queue.drain(..count).collect();
+            (batch, state.idle.pop())
+        };
+        let (answer, connection) = if batch.is_empty() {
+            (Ok(Vec::new()), connection)
+        } else {
+            let rows: Vec<&StageRow> = batch.iter().map(|q| &q.row).collect();
+            match catch_unwind(AssertUnwindSafe(|| self.send(connection, &rows))) {
+                Ok(done) => done,
+                Err(_) => (
+                    Err(PgStageError::unavailable(
+                        &self.target.place,
+                        "RuntimeError",
+                        "the native client panicked",
+                    )),
+                    None,
+                ),
             }
         };
         match &answer {
@@ -856,194 +720,104 @@ impl StageGroup {
                 }
             }
         }
-        self.step_down();
+        self.step_down(connection);
     }
 
-    /// Give up a place on a lane (and the batch it took, if `took`): the lane is kept when
-    /// `keep`, else dropped. Returns the connection of a lane dropped, or of one no batch holds
-    /// once the group is closed, and whether to close it (else it is only dropped); either is
-    /// done outside the state's lock, by [`Self::released`].
-    fn release(
-        &self,
-        state: &mut State,
-        id: u64,
-        took: bool,
-        keep: bool,
-    ) -> Option<(Arc<Connection>, bool)> {
-        let closed = state.closed;
-        if !keep {
-            return state
-                .remove(id)
-                .and_then(|lane| lane.connection)
-                .map(|connection| (connection, closed));
-        }
-        let lane = state.lane(id)?;
-        lane.places = lane.places.saturating_sub(1);
-        if took {
-            lane.taken = lane.taken.saturating_sub(1);
-            let now = Instant::now();
-            if let Some(started) = lane.turn_started {
-                let last = now.saturating_duration_since(started);
-                lane.turn = if lane.turn.is_zero() {
-                    last
-                } else {
-                    (lane.turn * 3 + last) / 4
-                };
+    /// The end of a lead: keep the connection (unless closed), and pass the lead to the first
+    /// queued caller not yet asked, or give it up.
+    fn step_down(&self, connection: Option<Connection>) {
+        let closing = {
+            let mut state = self.state();
+            let closing = match connection {
+                Some(connection) if state.closed => Some(connection),
+                Some(connection) => {
+                    state.idle.push(connection);
+                    None
+                }
+                None => None,
+            };
+            match state.queue.iter_mut().find(|queued| !queued.asked) {
+                Some(successor) => {
+                    successor.asked = true;
+                    successor.waiter.ask_to_lead();
+                }
+                None => state.leaders -= 1,
             }
-            lane.turn_started = (lane.taken > 0).then_some(now);
-        }
-        if closed && lane.places == 0 {
-            return state
-                .remove(id)
-                .and_then(|lane| lane.connection)
-                .map(|connection| (connection, true));
-        }
-        None
-    }
-
-    /// After [`Self::release`]: close (or drop) what it returned, and wake the leaders waiting
-    /// on a lane.
-    fn released(&self, dropped: Option<(Arc<Connection>, bool)>) {
-        if let Some((connection, close)) = dropped {
-            match Arc::try_unwrap(connection) {
-                Ok(connection) if close => connection.close(),
-                _ => {}
-            }
-        }
-        self.lanes_changed.notify_all();
-    }
-
-    /// The end of a lead: pass the lead to the first queued caller not yet asked, or give it up.
-    fn step_down(&self) {
-        let mut state = self.state();
-        match state.queue.iter_mut().find(|queued| !queued.asked) {
-            Some(successor) => {
-                successor.asked = true;
-                successor.waiter.ask_to_lead();
-            }
-            None => state.leaders -= 1,
+            closing
+        };
+        if let Some(connection) = closing {
+            connection.close();
         }
     }
 
     /// Open one connection ahead of the first stages, as a leader with nothing to send (so the
     /// connections stay at most `max_leaders`): the stages that queue meanwhile are led on it
-    /// once it is open. Nothing happens when a leader is at work or a connection is open; a
+    /// once it is open. Nothing happens when a leader is at work or a connection is idle; a
     /// failure is left for the first stage to meet.
     pub fn warm(&self) {
-        let lane = {
+        {
             let mut state = self.state();
-            if state.closed
-                || state.leaders >= self.max_leaders * self.pipeline
-                || !state.lanes.is_empty()
-            {
+            if state.closed || state.leaders >= self.max_leaders || !state.idle.is_empty() {
                 return;
             }
             state.leaders += 1;
-            self.reserve(state).1
-        };
-        let opened = match self.open(lane) {
-            Ok(opened) => opened,
-            Err(_) => {
-                self.step_down();
-                return;
-            }
-        };
-        drop(opened);
-        let dropped = self.release(&mut self.state(), lane, false, true);
-        self.released(dropped);
-        self.step_down();
-    }
-
-    /// Connect the lane this leader made; on failure the lane is dropped.
-    fn open(&self, lane: u64) -> Result<Arc<Connection>, PgStageError> {
-        self.count(|stats| stats.connects += 1);
-        let connected =
-            catch_unwind(AssertUnwindSafe(|| self.target.connect())).unwrap_or_else(|_| {
-                Err(PgStageError::unavailable(
-                    &self.target.place,
-                    "RuntimeError",
-                    "the native client panicked",
-                ))
-            });
-        let mut state = self.state();
-        let opened = match connected {
-            Ok(connection) => match state.lane(lane) {
-                Some(made) => {
-                    let connection = Arc::new(connection);
-                    made.connection = Some(Arc::clone(&connection));
-                    Ok(connection)
-                }
-                None => Err(PgStageError::Closed),
-            },
-            Err(err) => {
-                state.remove(lane);
-                Err(err)
-            }
-        };
-        drop(state);
-        self.lanes_changed.notify_all();
-        opened
-    }
-
-    fn place(&self, lane: u64) -> Place {
-        match self.state().lane(lane) {
-            Some(Lane {
-                connection: Some(connection),
-                ..
-            }) => Place::Open(Arc::clone(connection)),
-            Some(_) => Place::Unopened,
-            None => Place::Gone,
         }
+        self.count(|stats| stats.connects += 1);
+        let connection = catch_unwind(AssertUnwindSafe(|| self.target.connect()))
+            .ok()
+            .and_then(Result::ok);
+        self.step_down(connection);
     }
 
-    /// The call of one batch taken on `lane`, with one retry as the asyncpg client makes it
-    /// (on another place if the lane was dropped). The batch's place is given up when it is
-    /// answered.
-    fn send(&self, lane: u64, rows: &[&StageRow]) -> Result<Vec<i16>, PgStageError> {
-        let mut lane = lane;
+    /// The call of one batch, with one retry as the asyncpg client makes it; the connection to
+    /// keep (None when its state is unknown).
+    fn send(
+        &self,
+        connection: Option<Connection>,
+        rows: &[&StageRow],
+    ) -> (Result<Vec<i16>, PgStageError>, Option<Connection>) {
+        let mut connection = connection;
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let connection = match self.place(lane) {
-                Place::Open(connection) => Ok(connection),
-                Place::Unopened => self.open(lane),
-                Place::Gone => Err(PgStageError::unavailable(
-                    &self.target.place,
-                    "ConnectionError",
-                    "the connection was dropped",
-                )),
-            };
-            let (result, keep) = match connection {
-                Ok(connection) => {
-                    self.count(|stats| stats.calls += 1);
-                    let result = self.target.call(&connection, rows);
-                    // A server's refusal leaves the connection usable; anything else (a cut,
-                    // a timeout) leaves it in an unknown state, and so every batch behind
-                    // this one on it: drop it (they still get their own answers).
-                    let keep = match &result {
-                        Ok(_) => true,
+            let current = match connection.take() {
+                Some(current) => current,
+                None => {
+                    self.count(|stats| stats.connects += 1);
+                    match self.target.connect() {
+                        Ok(current) => current,
                         Err(err) => {
-                            matches!(err, PgStageError::Server { .. })
-                                && !connection.client.is_closed()
+                            if attempt < 2 && err.retryable() {
+                                continue;
+                            }
+                            return (Err(err), None);
                         }
-                    };
-                    (result, keep)
+                    }
                 }
-                Err(err) => (Err(err), false),
             };
-            let dropped = self.release(&mut self.state(), lane, true, keep);
-            self.released(dropped);
-            match result {
+            self.count(|stats| stats.calls += 1);
+            match self.target.call(&current, rows) {
                 Ok(statuses) => {
                     self.count(|stats| stats.stages += rows.len() as u64);
-                    return Ok(statuses);
+                    return (Ok(statuses), Some(current));
                 }
-                Err(err) if attempt < 2 && err.retryable() => {
-                    let mut state = self.state();
-                    (state, lane) = self.reserve(state);
-                    Self::take(&mut state, lane);
+                Err(err) => {
+                    // A server's refusal leaves the connection usable; anything else (a cut,
+                    // a timeout) leaves it in an unknown state: drop it.
+                    let keep =
+                        matches!(err, PgStageError::Server { .. }) && !current.client.is_closed();
+                    let kept = if keep {
+                        Some(current)
+                    } else {
+                        drop(current.client);
+                        None
+                    };
+                    if attempt < 2 && err.retryable() {
+                        connection = kept;
+                        continue;
+                    }
+                    return (Err(err), kept);
                 }
-                Err(err) => return Err(err),
             }
         }
     }
@@ -1052,31 +826,22 @@ impl StageGroup {
         update(&mut self.stats.lock().unwrap_or_else(PoisonError::into_inner));
     }
 
-    /// Refuse new stages and close the idle connections; one in use is closed by the last
-    /// leader on it when its batch is done. Idempotent.
+    /// Refuse new stages and close the idle connections; one in use is closed by its leader
+    /// when its batch is done. Idempotent.
     pub fn close(&self) {
-        let idle: Vec<Lane> = {
+        let idle = {
             let mut state = self.state();
             state.closed = true;
-            let (idle, busy) = std::mem::take(&mut state.lanes)
-                .into_iter()
-                .partition(|lane| lane.places == 0);
-            state.lanes = busy;
-            idle
+            std::mem::take(&mut state.idle)
         };
-        for lane in idle {
-            self.released(lane.connection.map(|connection| (connection, true)));
+        for connection in idle {
+            connection.close();
         }
-        self.lanes_changed.notify_all();
     }
 
-    /// Open connections no batch holds (tests).
+    /// Open connections kept idle (tests).
     pub fn idle_connections(&self) -> usize {
-        self.state()
-            .lanes
-            .iter()
-            .filter(|lane| lane.places == 0 && lane.connection.is_some())
-            .count()
+        self.state().idle.len()
     }
 }
 
@@ -1138,7 +903,7 @@ mod tests {
 
     #[test]
     fn an_unreachable_server_fails_every_stage_and_frees_the_lead() {
-        let group = Arc::new(StageGroup::new(nowhere(), 8, 2, 2));
+        let group = Arc::new(StageGroup::new(nowhere(), 8, 2));
         let threads: Vec<_> = (0..6)
             .map(|i| {
                 let group = Arc::clone(&group);
