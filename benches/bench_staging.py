@@ -52,8 +52,21 @@ from typing import Any
 
 BENCHES = Path(__file__).resolve().parent
 ROOT = BENCHES.parent
-if str(ROOT / "python") not in sys.path:
-    sys.path.insert(0, str(ROOT / "python"))
+
+
+def _package_argument(argv: list[str]) -> str | None:
+    """`--package DIR` (see main), read before tokencapture is first imported."""
+    for i, arg in enumerate(argv):
+        if arg == "--package" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--package="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+# This tree's package unless --package names another build (an A/B); first on sys.path
+# either way, so neither PYTHONPATH nor an installed copy decides which build is measured.
+sys.path.insert(0, str(Path(_package_argument(sys.argv[1:]) or ROOT / "python").resolve()))
 
 from tokencapture import FileStagingStore, TokenCaptureStore, TokenEntry  # noqa: E402
 from tokencapture.conformance_staging import build_chain  # noqa: E402
@@ -377,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-fetch", action="store_true", help="leave out the fetch timing")
     parser.add_argument(
+        "--package",
+        metavar="DIR",
+        help="import tokencapture from DIR (a directory holding a built tokencapture/, e.g. an "
+        "unpacked wheel or another checkout's python/) instead of this tree's python/",
+    )
+    parser.add_argument(
         "--warm",
         action="store_true",
         help="before each timed case, stage one record per thread, untimed (connections "
@@ -452,7 +471,10 @@ def main(argv: list[str] | None = None) -> int:
             if close is not None:
                 close()
 
-    report: dict[str, Any] = {"cases": {}}
+    import tokencapture
+
+    # Which build was measured (this tree's or --package's).
+    report: dict[str, Any] = {"package": str(Path(tokencapture.__file__).parent), "cases": {}}
     print(
         f"{'case':8} {'backend':14} {'stages/s':>24} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'cpu us/stage':>12}"
