@@ -320,6 +320,37 @@ impl<'a> Builder<'a> for ColumnBuilder {
         Ok(())
     }
 
+    fn push_unsigned_run(
+        &mut self,
+        items: &mut ColItems<'a>,
+        values: &[u64],
+        text: impl Fn(usize) -> &'a [u8],
+    ) -> Result<(), LineError> {
+        if let Target::Ids(field, _) = items.target {
+            if values.iter().all(|&id| i64::try_from(id).is_ok()) {
+                self.last_key = None;
+                let ids = &mut self.ids[field as usize];
+                ids.extend(values.iter().map(|&id| id as i64));
+                return Ok(());
+            }
+        }
+        json::push_each_unsigned(self, items, values, text)
+    }
+
+    fn push_float_run(
+        &mut self,
+        items: &mut ColItems<'a>,
+        values: &[f64],
+        text: impl Fn(usize) -> &'a [u8],
+    ) -> Result<(), LineError> {
+        if let Target::Probs(_) = items.target {
+            self.last_key = None;
+            self.probs.extend_from_slice(values);
+            return Ok(());
+        }
+        json::push_each_float(self, items, values, text)
+    }
+
     fn reuse(
         &mut self,
         items: &mut ColItems<'a>,
@@ -1437,6 +1468,86 @@ mod tests {
         assert_eq!(whole.builder.ids, taped.builder.ids);
         assert_eq!(whole.builder.probs, taped.builder.probs);
         assert!(whole.rows.iter().all(Result::is_ok));
+    }
+
+    /// Token arrays whose packed runs (a replay hands ids and floats over a run at a time)
+    /// break anywhere: an id beyond int64, a float among ids, an int or a string among
+    /// log-probs, a nested array, each after a prefix that repeats an earlier array.
+    fn mixed_token_lines(rng: &mut crate::json::tests::Lcg) -> Vec<u8> {
+        let odd = [
+            "18446744073709551615",
+            "9223372036854775808",
+            "1.5",
+            "-3",
+            "\"x\"",
+            "[1]",
+        ];
+        let mut earlier: Vec<String> = (0..100).map(|i| (i * 31 % 5000).to_string()).collect();
+        let mut buf = Vec::new();
+        for call in 0..4 {
+            let mut prompt = earlier.clone();
+            let mut generation: Vec<String> = Vec::new();
+            let mut probs: Vec<String> = Vec::new();
+            for _ in 0..1 + rng.next(70) {
+                let at = rng.next(24);
+                let pick = odd[rng.next(odd.len() as u64) as usize].to_owned();
+                let id = rng.next(50_000).to_string();
+                match at {
+                    0 => prompt.push(pick),
+                    1 => generation.push(pick),
+                    2 => probs.push(if rng.next(2) == 0 { "0".into() } else { pick }),
+                    _ => {
+                        generation.push(id.clone());
+                        probs.push(format!("-{}.{}", rng.next(9), rng.next(1000)));
+                        prompt.push(id);
+                    }
+                }
+            }
+            let line = format!(
+                r#"{{"rollout_id":"r","model_call_id":"c{call}","prompt_token_ids":[{}],"generation_token_ids":[{}],"generation_log_probs":[{}]}}"#,
+                prompt.join(","),
+                generation.join(","),
+                probs.join(",")
+            );
+            buf.extend(line.as_bytes());
+            buf.push(b'\n');
+            if rng.next(2) == 0 {
+                earlier = prompt;
+            }
+        }
+        buf
+    }
+
+    #[test]
+    fn replayed_runs_build_what_a_walk_builds_wherever_a_run_breaks() {
+        let mut rng = crate::json::tests::Lcg(24);
+        let (mut refused, mut kept) = (0, 0);
+        for _ in 0..300 {
+            let buf = mixed_token_lines(&mut rng);
+            let ranges = ranges_of(&buf);
+            for shared in [false, true] {
+                let whole = decode_with(
+                    LinesToDecode::Whole {
+                        buf: &buf,
+                        lines: &ranges,
+                    },
+                    shared,
+                );
+                let (sink, feed) = tape_channel(ranges.len() + 1);
+                tape_lines(&buf, &ranges, |line| sink.send(line));
+                drop(sink);
+                let taped = decode_with(LinesToDecode::Taped(feed), shared);
+                assert_eq!(whole.rows, taped.rows, "{}", String::from_utf8_lossy(&buf));
+                assert_eq!(whole.builder.ids, taped.builder.ids);
+                assert_eq!(whole.builder.probs, taped.builder.probs);
+                refused += whole.rows.iter().filter(|row| row.is_err()).count();
+                kept += whole.rows.iter().filter(|row| row.is_ok()).count();
+            }
+        }
+        assert!(
+            refused > 100 && kept > 100,
+            "{refused} refused, {kept} kept"
+        );
     }
 
     #[test]

@@ -72,6 +72,11 @@ pub struct TapeArray {
 #[derive(Debug)]
 enum Part {
     Item(Tape),
+    /// Plain non-negative integers in a row (the bulk of a token array) and their digits,
+    /// packed: no tape value each to build, replay one by one and drop.
+    Unsigned(Vec<u64>, Vec<Span>),
+    /// Floats in a row (log-probs) and their texts, packed likewise.
+    Floats(Vec<f64>, Vec<Span>),
     /// The first `count` items of the earlier array `source`.
     Reused {
         source: u64,
@@ -150,8 +155,25 @@ impl<'a> Builder<'a> for TapeBuilder {
     }
 
     fn push(&mut self, items: &mut TapeItems, item: Tape) -> Result<(), LineError> {
-        items.parts.push(Part::Item(item));
         items.len += 1;
+        let last = items.parts.last_mut();
+        match item {
+            Tape::Unsigned(value, text) => match last {
+                Some(Part::Unsigned(values, texts)) => {
+                    values.push(value);
+                    texts.push(text);
+                }
+                _ => items.parts.push(Part::Unsigned(vec![value], vec![text])),
+            },
+            Tape::Float(value, text) => match last {
+                Some(Part::Floats(values, texts)) => {
+                    values.push(value);
+                    texts.push(text);
+                }
+                _ => items.parts.push(Part::Floats(vec![value], vec![text])),
+            },
+            item => items.parts.push(Part::Item(item)),
+        }
         Ok(())
     }
 
@@ -502,6 +524,12 @@ impl<V: Clone> Replay<V> {
                 Part::Item(item) => {
                     let item = self.value(item, line, builder)?;
                     builder.push(&mut items, item)?;
+                }
+                Part::Unsigned(values, texts) => {
+                    builder.push_unsigned_run(&mut items, values, |i| texts[i].of(line))?;
+                }
+                Part::Floats(values, texts) => {
+                    builder.push_float_run(&mut items, values, |i| texts[i].of(line))?;
                 }
                 Part::Reused { source, count } => {
                     let Some((_, earlier)) = self.arrays.iter().find(|(id, _)| id == source) else {
