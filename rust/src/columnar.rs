@@ -217,6 +217,15 @@ impl ColumnBuilder {
     }
 }
 
+/// A float the walk met: it checked the grammar, so the text is ASCII and parses (possibly to
+/// ±inf).
+fn parse_walked_float(text: &[u8]) -> Result<f64, LineError> {
+    std::str::from_utf8(text)
+        .ok()
+        .and_then(|text| text.parse::<f64>().ok())
+        .ok_or_else(|| LineError("invalid float".to_owned()))
+}
+
 fn decode_text<'t>(raw: &'t [u8], escaped: bool) -> Result<Cow<'t, str>, String> {
     if escaped {
         serde_json::from_slice::<String>(raw)
@@ -261,12 +270,7 @@ impl<'a> Builder<'a> for ColumnBuilder {
                 },
             );
         }
-        // The walk checked the grammar: the text is ASCII and parses (possibly to ±inf).
-        let value = std::str::from_utf8(text)
-            .ok()
-            .and_then(|text| text.parse::<f64>().ok())
-            .ok_or_else(|| LineError("invalid float".to_owned()))?;
-        Ok(Col::Float(value, Some(text)))
+        Ok(Col::Float(parse_walked_float(text)?, Some(text)))
     }
 
     fn float(&mut self, value: f64, text: &'a [u8]) -> Result<Col<'a>, LineError> {
@@ -349,6 +353,23 @@ impl<'a> Builder<'a> for ColumnBuilder {
             return Ok(());
         }
         json::push_each_float(self, items, values, text)
+    }
+
+    fn push_float_text_run(
+        &mut self,
+        items: &mut ColItems<'a>,
+        count: usize,
+        text: impl Fn(usize) -> &'a [u8],
+    ) -> Result<(), LineError> {
+        if let Target::Probs(_) = items.target {
+            self.last_key = None;
+            self.probs.reserve(count);
+            for i in 0..count {
+                self.probs.push(parse_walked_float(text(i))?);
+            }
+            return Ok(());
+        }
+        json::push_each_float_text(self, items, count, text)
     }
 
     fn reuse(
@@ -948,7 +969,11 @@ fn decode_with(lines: LinesToDecode<'_>, shared_prefixes: bool) -> Decoded {
                 lines.iter().map(|range| &buf[range.clone()]),
             );
         }
-        LinesToDecode::Taped(feed) => replay(&mut builder, &mut rows, feed),
+        LinesToDecode::Taped(feed) => {
+            // This thread keeps up with the walk: parse the log-probs here, off its thread.
+            feed.parse_floats_here();
+            replay(&mut builder, &mut rows, feed);
+        }
     }
     Decoded { builder, rows }
 }
@@ -1369,7 +1394,7 @@ pub fn cumulative_tokens(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::json::tape::{tape_channel, tape_lines};
+    use crate::json::tape::{tape_channel, tape_lines, LineTaper};
     use serde_json::{json, Value};
 
     fn ranges_of(buf: &[u8]) -> Vec<Range<usize>> {
@@ -1382,6 +1407,21 @@ mod tests {
             }
         }
         ranges
+    }
+
+    /// The tapes of the lines, in a channel, their floats parsed by the walk or left as text
+    /// (as a streamed read tapes them once the builder asks to parse them itself).
+    fn taped_feed<'b>(buf: &'b [u8], ranges: &[Range<usize>], as_text: bool) -> TapeFeed<'b> {
+        let (sink, feed) = tape_channel(ranges.len() + 1);
+        let mut taper = LineTaper::new();
+        taper.floats_as_text(as_text);
+        for range in ranges {
+            let line = &buf[range.clone()];
+            let tape = taper.tape(line);
+            let line = crate::ring::LineBytes::Borrowed(line);
+            sink.send(crate::json::tape::LineTape { line, tape });
+        }
+        feed
     }
 
     /// The lines decoded in one walk and by replaying tapes (as a large log is).
@@ -1525,7 +1565,7 @@ mod tests {
         for _ in 0..300 {
             let buf = mixed_token_lines(&mut rng);
             let ranges = ranges_of(&buf);
-            for shared in [false, true] {
+            for (shared, floats_as_text) in [(false, false), (true, false), (false, true)] {
                 let whole = decode_with(
                     LinesToDecode::Whole {
                         buf: &buf,
@@ -1533,9 +1573,7 @@ mod tests {
                     },
                     shared,
                 );
-                let (sink, feed) = tape_channel(ranges.len() + 1);
-                tape_lines(&buf, &ranges, |line| sink.send(line));
-                drop(sink);
+                let feed = taped_feed(&buf, &ranges, floats_as_text);
                 let taped = decode_with(LinesToDecode::Taped(feed), shared);
                 assert_eq!(whole.rows, taped.rows, "{}", String::from_utf8_lossy(&buf));
                 assert_eq!(whole.builder.ids, taped.builder.ids);

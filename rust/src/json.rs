@@ -75,6 +75,16 @@ pub trait Builder<'a> {
     ) -> Result<(), Self::Error> {
         push_each_float(self, items, values, text)
     }
+    /// [`Builder::push_unsigned_run`] for floats left as text: `text(i)` for each `i` below
+    /// `count` ([`Builder::number`] each by default).
+    fn push_float_text_run(
+        &mut self,
+        items: &mut Self::Items,
+        count: usize,
+        text: impl Fn(usize) -> &'a [u8],
+    ) -> Result<(), Self::Error> {
+        push_each_float_text(self, items, count, text)
+    }
     /// Append the first `count` items of `earlier`, an array of unsigned integers this builder
     /// returned before: the walk met the same bytes again (see [`Repeats`]).
     fn reuse(
@@ -118,6 +128,20 @@ pub fn push_each_float<'a, B: Builder<'a> + ?Sized>(
 ) -> Result<(), B::Error> {
     for (i, &value) in values.iter().enumerate() {
         let item = builder.float(value, text(i))?;
+        builder.push(items, item)?;
+    }
+    Ok(())
+}
+
+/// [`Builder::push_float_text_run`] one value at a time.
+pub fn push_each_float_text<'a, B: Builder<'a> + ?Sized>(
+    builder: &mut B,
+    items: &mut B::Items,
+    count: usize,
+    text: impl Fn(usize) -> &'a [u8],
+) -> Result<(), B::Error> {
+    for i in 0..count {
+        let item = builder.number(text(i), false)?;
         builder.push(items, item)?;
     }
     Ok(())
