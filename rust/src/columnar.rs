@@ -217,6 +217,15 @@ impl ColumnBuilder {
     }
 }
 
+/// A float the walk met: it checked the grammar, so the text is ASCII and parses (possibly to
+/// ±inf).
+fn parse_walked_float(text: &[u8]) -> Result<f64, LineError> {
+    std::str::from_utf8(text)
+        .ok()
+        .and_then(|text| text.parse::<f64>().ok())
+        .ok_or_else(|| LineError("invalid float".to_owned()))
+}
+
 fn decode_text<'t>(raw: &'t [u8], escaped: bool) -> Result<Cow<'t, str>, String> {
     if escaped {
         serde_json::from_slice::<String>(raw)
@@ -261,12 +270,7 @@ impl<'a> Builder<'a> for ColumnBuilder {
                 },
             );
         }
-        // The walk checked the grammar: the text is ASCII and parses (possibly to ±inf).
-        let value = std::str::from_utf8(text)
-            .ok()
-            .and_then(|text| text.parse::<f64>().ok())
-            .ok_or_else(|| LineError("invalid float".to_owned()))?;
-        Ok(Col::Float(value, Some(text)))
+        Ok(Col::Float(parse_walked_float(text)?, Some(text)))
     }
 
     fn float(&mut self, value: f64, text: &'a [u8]) -> Result<Col<'a>, LineError> {
@@ -318,6 +322,54 @@ impl<'a> Builder<'a> for ColumnBuilder {
         }
         items.values.push(item);
         Ok(())
+    }
+
+    fn push_unsigned_run(
+        &mut self,
+        items: &mut ColItems<'a>,
+        values: &[u64],
+        text: impl Fn(usize) -> &'a [u8],
+    ) -> Result<(), LineError> {
+        if let Target::Ids(field, _) = items.target {
+            if values.iter().all(|&id| i64::try_from(id).is_ok()) {
+                self.last_key = None;
+                let ids = &mut self.ids[field as usize];
+                ids.extend(values.iter().map(|&id| id as i64));
+                return Ok(());
+            }
+        }
+        json::push_each_unsigned(self, items, values, text)
+    }
+
+    fn push_float_run(
+        &mut self,
+        items: &mut ColItems<'a>,
+        values: &[f64],
+        text: impl Fn(usize) -> &'a [u8],
+    ) -> Result<(), LineError> {
+        if let Target::Probs(_) = items.target {
+            self.last_key = None;
+            self.probs.extend_from_slice(values);
+            return Ok(());
+        }
+        json::push_each_float(self, items, values, text)
+    }
+
+    fn push_float_text_run(
+        &mut self,
+        items: &mut ColItems<'a>,
+        count: usize,
+        text: impl Fn(usize) -> &'a [u8],
+    ) -> Result<(), LineError> {
+        if let Target::Probs(_) = items.target {
+            self.last_key = None;
+            self.probs.reserve(count);
+            for i in 0..count {
+                self.probs.push(parse_walked_float(text(i))?);
+            }
+            return Ok(());
+        }
+        json::push_each_float_text(self, items, count, text)
     }
 
     fn reuse(
@@ -917,7 +969,11 @@ fn decode_with(lines: LinesToDecode<'_>, shared_prefixes: bool) -> Decoded {
                 lines.iter().map(|range| &buf[range.clone()]),
             );
         }
-        LinesToDecode::Taped(feed) => replay(&mut builder, &mut rows, feed),
+        LinesToDecode::Taped(feed) => {
+            // This thread keeps up with the walk: parse the log-probs here, off its thread.
+            feed.parse_floats_here();
+            replay(&mut builder, &mut rows, feed);
+        }
     }
     Decoded { builder, rows }
 }
@@ -1338,7 +1394,7 @@ pub fn cumulative_tokens(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::json::tape::{tape_channel, tape_lines};
+    use crate::json::tape::{tape_channel, tape_lines, LineTaper};
     use serde_json::{json, Value};
 
     fn ranges_of(buf: &[u8]) -> Vec<Range<usize>> {
@@ -1351,6 +1407,21 @@ mod tests {
             }
         }
         ranges
+    }
+
+    /// The tapes of the lines, in a channel, their floats parsed by the walk or left as text
+    /// (as a streamed read tapes them once the builder asks to parse them itself).
+    fn taped_feed<'b>(buf: &'b [u8], ranges: &[Range<usize>], as_text: bool) -> TapeFeed<'b> {
+        let (sink, feed) = tape_channel(ranges.len() + 1);
+        let mut taper = LineTaper::new();
+        taper.floats_as_text(as_text);
+        for range in ranges {
+            let line = &buf[range.clone()];
+            let tape = taper.tape(line);
+            let line = crate::ring::LineBytes::Borrowed(line);
+            sink.send(crate::json::tape::LineTape { line, tape });
+        }
+        feed
     }
 
     /// The lines decoded in one walk and by replaying tapes (as a large log is).
@@ -1437,6 +1508,84 @@ mod tests {
         assert_eq!(whole.builder.ids, taped.builder.ids);
         assert_eq!(whole.builder.probs, taped.builder.probs);
         assert!(whole.rows.iter().all(Result::is_ok));
+    }
+
+    /// Token arrays whose packed runs (a replay hands ids and floats over a run at a time)
+    /// break anywhere: an id beyond int64, a float among ids, an int or a string among
+    /// log-probs, a nested array, each after a prefix that repeats an earlier array.
+    fn mixed_token_lines(rng: &mut crate::json::tests::Lcg) -> Vec<u8> {
+        let odd = [
+            "18446744073709551615",
+            "9223372036854775808",
+            "1.5",
+            "-3",
+            "\"x\"",
+            "[1]",
+        ];
+        let mut earlier: Vec<String> = (0..100).map(|i| (i * 31 % 5000).to_string()).collect();
+        let mut buf = Vec::new();
+        for call in 0..4 {
+            let mut prompt = earlier.clone();
+            let mut generation: Vec<String> = Vec::new();
+            let mut probs: Vec<String> = Vec::new();
+            for _ in 0..1 + rng.next(70) {
+                let at = rng.next(24);
+                let pick = odd[rng.next(odd.len() as u64) as usize].to_owned();
+                let id = rng.next(50_000).to_string();
+                match at {
+                    0 => prompt.push(pick),
+                    1 => generation.push(pick),
+                    2 => probs.push(if rng.next(2) == 0 { "0".into() } else { pick }),
+                    _ => {
+                        generation.push(id.clone());
+                        probs.push(format!("-{}.{}", rng.next(9), rng.next(1000)));
+                        prompt.push(id);
+                    }
+                }
+            }
+            let line = format!(
+                r#"{{"rollout_id":"r","model_call_id":"c{call}","prompt_token_ids":[{}],"generation_token_ids":[{}],"generation_log_probs":[{}]}}"#,
+                prompt.join(","),
+                generation.join(","),
+                probs.join(",")
+            );
+            buf.extend(line.as_bytes());
+            buf.push(b'\n');
+            if rng.next(2) == 0 {
+                earlier = prompt;
+            }
+        }
+        buf
+    }
+
+    #[test]
+    fn replayed_runs_build_what_a_walk_builds_wherever_a_run_breaks() {
+        let mut rng = crate::json::tests::Lcg(24);
+        let (mut refused, mut kept) = (0, 0);
+        for _ in 0..300 {
+            let buf = mixed_token_lines(&mut rng);
+            let ranges = ranges_of(&buf);
+            for (shared, floats_as_text) in [(false, false), (true, false), (false, true)] {
+                let whole = decode_with(
+                    LinesToDecode::Whole {
+                        buf: &buf,
+                        lines: &ranges,
+                    },
+                    shared,
+                );
+                let feed = taped_feed(&buf, &ranges, floats_as_text);
+                let taped = decode_with(LinesToDecode::Taped(feed), shared);
+                assert_eq!(whole.rows, taped.rows, "{}", String::from_utf8_lossy(&buf));
+                assert_eq!(whole.builder.ids, taped.builder.ids);
+                assert_eq!(whole.builder.probs, taped.builder.probs);
+                refused += whole.rows.iter().filter(|row| row.is_err()).count();
+                kept += whole.rows.iter().filter(|row| row.is_ok()).count();
+            }
+        }
+        assert!(
+            refused > 100 && kept > 100,
+            "{refused} refused, {kept} kept"
+        );
     }
 
     #[test]

@@ -148,6 +148,7 @@ pub fn decode_fetched_lines<D>(
                 if split.is_none() && holds_newline(line) {
                     split = Some(index);
                 }
+                taper.floats_as_text(sink.floats_as_text());
                 let tape = taper.tape(line);
                 call_ids.push(call_id_of(line, &tape));
                 let mut item = LineTape {

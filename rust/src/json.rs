@@ -54,6 +54,37 @@ pub trait Builder<'a> {
     /// A new, empty array.
     fn items(&mut self) -> Result<Self::Items, Self::Error>;
     fn push(&mut self, items: &mut Self::Items, item: Self::Value) -> Result<(), Self::Error>;
+    /// Push plain non-negative integers in a row, `text(i)` the digits of `values[i]`: a
+    /// replayed [`tape::Tape`] keeps runs of them packed, so a builder that stores them in bulk
+    /// (the columns) can take a run in one call. By default each goes to
+    /// [`Builder::unsigned`] and [`Builder::push`], as a direct walk hands them over.
+    fn push_unsigned_run(
+        &mut self,
+        items: &mut Self::Items,
+        values: &[u64],
+        text: impl Fn(usize) -> &'a [u8],
+    ) -> Result<(), Self::Error> {
+        push_each_unsigned(self, items, values, text)
+    }
+    /// [`Builder::push_unsigned_run`] for floats ([`Builder::float`] each by default).
+    fn push_float_run(
+        &mut self,
+        items: &mut Self::Items,
+        values: &[f64],
+        text: impl Fn(usize) -> &'a [u8],
+    ) -> Result<(), Self::Error> {
+        push_each_float(self, items, values, text)
+    }
+    /// [`Builder::push_unsigned_run`] for floats left as text: `text(i)` for each `i` below
+    /// `count` ([`Builder::number`] each by default).
+    fn push_float_text_run(
+        &mut self,
+        items: &mut Self::Items,
+        count: usize,
+        text: impl Fn(usize) -> &'a [u8],
+    ) -> Result<(), Self::Error> {
+        push_each_float_text(self, items, count, text)
+    }
     /// Append the first `count` items of `earlier`, an array of unsigned integers this builder
     /// returned before: the walk met the same bytes again (see [`Repeats`]).
     fn reuse(
@@ -72,6 +103,48 @@ pub trait Builder<'a> {
         members: Vec<(Self::Value, Self::Value)>,
         depth: usize,
     ) -> Result<Self::Value, Self::Error>;
+}
+
+/// [`Builder::push_unsigned_run`] one value at a time, as a direct walk hands them over.
+pub fn push_each_unsigned<'a, B: Builder<'a> + ?Sized>(
+    builder: &mut B,
+    items: &mut B::Items,
+    values: &[u64],
+    text: impl Fn(usize) -> &'a [u8],
+) -> Result<(), B::Error> {
+    for (i, &value) in values.iter().enumerate() {
+        let item = builder.unsigned(value, text(i))?;
+        builder.push(items, item)?;
+    }
+    Ok(())
+}
+
+/// [`Builder::push_float_run`] one value at a time.
+pub fn push_each_float<'a, B: Builder<'a> + ?Sized>(
+    builder: &mut B,
+    items: &mut B::Items,
+    values: &[f64],
+    text: impl Fn(usize) -> &'a [u8],
+) -> Result<(), B::Error> {
+    for (i, &value) in values.iter().enumerate() {
+        let item = builder.float(value, text(i))?;
+        builder.push(items, item)?;
+    }
+    Ok(())
+}
+
+/// [`Builder::push_float_text_run`] one value at a time.
+pub fn push_each_float_text<'a, B: Builder<'a> + ?Sized>(
+    builder: &mut B,
+    items: &mut B::Items,
+    count: usize,
+    text: impl Fn(usize) -> &'a [u8],
+) -> Result<(), B::Error> {
+    for i in 0..count {
+        let item = builder.number(text(i), false)?;
+        builder.push(items, item)?;
+    }
+    Ok(())
 }
 
 /// The builder that only validates.

@@ -2045,6 +2045,7 @@ fn stream_taped_lines(
         for (offset, line) in complete_lines(&chunk.bytes()[..cut], 0) {
             let range = offset as usize..offset as usize + line.len();
             each(&chunk, range.clone());
+            taper.floats_as_text(sink.floats_as_text());
             let tape = taper.tape(&chunk, range.clone());
             call_ids.push(call_id_of(line, &tape));
             lines.push((base + offset, line.len()));

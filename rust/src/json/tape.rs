@@ -15,6 +15,7 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{
     channel, sync_channel, Receiver, Sender, SyncSender, TryRecvError, TrySendError,
 };
@@ -41,7 +42,8 @@ impl Span {
     }
 }
 
-/// One value of a line, held in Rust: texts are spans of the line, floats are already parsed.
+/// One value of a line, held in Rust: texts are spans of the line, floats are already parsed
+/// (unless the building end parses them: [`TapeFeed::parse_floats_here`]).
 #[derive(Debug, Clone)]
 pub enum Tape {
     Null,
@@ -52,6 +54,9 @@ pub enum Tape {
     Float(f64, Span),
     /// Any other integer (negative, or beyond 64 bits): its text.
     Integer(Span),
+    /// A number with a fraction or an exponent left as text, for a builder that parses floats
+    /// itself (see [`TapeFeed::parse_floats_here`]).
+    FloatText(Span),
     /// A string with its quotes, and whether it holds an escape.
     String(Span, bool),
     Array(Arc<TapeArray>),
@@ -72,6 +77,13 @@ pub struct TapeArray {
 #[derive(Debug)]
 enum Part {
     Item(Tape),
+    /// Plain non-negative integers in a row (the bulk of a token array) and their digits,
+    /// packed: no tape value each to build, replay one by one and drop.
+    Unsigned(Vec<u64>, Vec<Span>),
+    /// Floats in a row (log-probs) and their texts, packed likewise.
+    Floats(Vec<f64>, Vec<Span>),
+    /// Floats in a row left as text ([`Tape::FloatText`]).
+    FloatTexts(Vec<Span>),
     /// The first `count` items of the earlier array `source`.
     Reused {
         source: u64,
@@ -87,6 +99,8 @@ pub struct TapeBuilder {
     /// The address of the first byte of the line being walked: every text the walk hands over
     /// is a slice of that line, and its span is its place in it.
     line: usize,
+    /// Leave floats as text ([`Tape::FloatText`]): the replaying builder parses them.
+    floats_as_text: bool,
 }
 
 impl TapeBuilder {
@@ -132,6 +146,9 @@ impl<'a> Builder<'a> for TapeBuilder {
         if integer {
             return Ok(Tape::Integer(self.span(text)));
         }
+        if self.floats_as_text {
+            return Ok(Tape::FloatText(self.span(text)));
+        }
         // The walk checked the grammar, so the text is ASCII and parses (possibly to ±inf,
         // exactly as a direct build's parse would).
         let value = std::str::from_utf8(text)
@@ -150,8 +167,29 @@ impl<'a> Builder<'a> for TapeBuilder {
     }
 
     fn push(&mut self, items: &mut TapeItems, item: Tape) -> Result<(), LineError> {
-        items.parts.push(Part::Item(item));
         items.len += 1;
+        let last = items.parts.last_mut();
+        match item {
+            Tape::Unsigned(value, text) => match last {
+                Some(Part::Unsigned(values, texts)) => {
+                    values.push(value);
+                    texts.push(text);
+                }
+                _ => items.parts.push(Part::Unsigned(vec![value], vec![text])),
+            },
+            Tape::Float(value, text) => match last {
+                Some(Part::Floats(values, texts)) => {
+                    values.push(value);
+                    texts.push(text);
+                }
+                _ => items.parts.push(Part::Floats(vec![value], vec![text])),
+            },
+            Tape::FloatText(text) => match last {
+                Some(Part::FloatTexts(texts)) => texts.push(text),
+                _ => items.parts.push(Part::FloatTexts(vec![text])),
+            },
+            item => items.parts.push(Part::Item(item)),
+        }
         Ok(())
     }
 
@@ -212,6 +250,11 @@ impl<'a> LineTaper<'a> {
         Self::default()
     }
 
+    /// Leave the floats of the lines taped from now on as text, or not.
+    pub fn floats_as_text(&mut self, as_text: bool) {
+        self.builder.floats_as_text = as_text;
+    }
+
     /// The next line of the walk.
     pub fn tape(&mut self, line: &'a [u8]) -> TapedLine {
         self.builder.start(line);
@@ -236,6 +279,11 @@ pub struct ChunkTaper {
 impl ChunkTaper {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Leave the floats of the lines taped from now on as text, or not.
+    pub fn floats_as_text(&mut self, as_text: bool) {
+        self.builder.floats_as_text = as_text;
     }
 
     /// The next line of the walk: `range` of `chunk`.
@@ -339,12 +387,19 @@ impl LineTape<'_> {
 pub fn tape_channel<'a>(ahead: usize) -> (TapeSink<'a>, TapeFeed<'a>) {
     let (tapes, taped) = sync_channel(ahead);
     let (spent, returned) = channel();
+    let floats_as_text = Arc::new(AtomicBool::new(false));
     let feed = TapeFeed {
         taped,
         spent,
         side: None,
+        floats_as_text: Arc::clone(&floats_as_text),
     };
-    (TapeSink { tapes, returned }, feed)
+    let sink = TapeSink {
+        tapes,
+        returned,
+        floats_as_text,
+    };
+    (sink, feed)
 }
 
 /// Work that the building end of a [`tape_channel`] can take over from the walking end (a
@@ -362,6 +417,7 @@ pub trait SideWork: Sync {
 pub struct TapeSink<'a> {
     tapes: SyncSender<LineTape<'a>>,
     returned: Receiver<LineTape<'a>>,
+    floats_as_text: Arc<AtomicBool>,
 }
 
 impl<'a> TapeSink<'a> {
@@ -378,6 +434,12 @@ impl<'a> TapeSink<'a> {
         self.tapes.try_send(line)
     }
 
+    /// Whether the building end parses floats itself: the walking end tapes them as text
+    /// (see [`TapeFeed::parse_floats_here`]).
+    pub fn floats_as_text(&self) -> bool {
+        self.floats_as_text.load(Ordering::Relaxed)
+    }
+
     fn free_returned(&self) {
         self.returned.try_iter().for_each(drop);
     }
@@ -388,6 +450,7 @@ pub struct TapeFeed<'a> {
     taped: Receiver<LineTape<'a>>,
     spent: Sender<LineTape<'a>>,
     side: Option<&'a dyn SideWork>,
+    floats_as_text: Arc<AtomicBool>,
 }
 
 impl<'a> TapeFeed<'a> {
@@ -398,6 +461,14 @@ impl<'a> TapeFeed<'a> {
             side: Some(side),
             ..self
         }
+    }
+
+    /// Ask the walking end to leave floats as text from its next line on: this builder parses
+    /// them itself. A builder that keeps up with the walk (the columns) takes that work off
+    /// the walking thread, which a read waits for; one that is the slower end (Python
+    /// objects) does not ask.
+    pub fn parse_floats_here(&self) {
+        self.floats_as_text.store(true, Ordering::Relaxed);
     }
 
     /// The side work handed to this feed if it is urgent now: a builder calls this before it
@@ -464,6 +535,7 @@ impl<V: Clone> Replay<V> {
             Tape::Unsigned(value, text) => builder.unsigned(*value, text.of(line)),
             Tape::Float(value, text) => builder.float(*value, text.of(line)),
             Tape::Integer(text) => builder.number(text.of(line), true),
+            Tape::FloatText(text) => builder.number(text.of(line), false),
             Tape::String(raw, escaped) => builder.string(raw.of(line), *escaped),
             Tape::Array(array) => self.array(array, line, builder),
             Tape::Object(members, depth) => {
@@ -502,6 +574,15 @@ impl<V: Clone> Replay<V> {
                 Part::Item(item) => {
                     let item = self.value(item, line, builder)?;
                     builder.push(&mut items, item)?;
+                }
+                Part::Unsigned(values, texts) => {
+                    builder.push_unsigned_run(&mut items, values, |i| texts[i].of(line))?;
+                }
+                Part::Floats(values, texts) => {
+                    builder.push_float_run(&mut items, values, |i| texts[i].of(line))?;
+                }
+                Part::FloatTexts(texts) => {
+                    builder.push_float_text_run(&mut items, texts.len(), |i| texts[i].of(line))?;
                 }
                 Part::Reused { source, count } => {
                     let Some((_, earlier)) = self.arrays.iter().find(|(id, _)| id == source) else {
