@@ -338,7 +338,9 @@ impl<'a> Builder<'a> for ColumnBuilder {
                 return Ok(());
             }
         }
-        json::push_each_unsigned(self, items, values, text)
+        json::push_each(self, items, values.len(), |b, i| {
+            b.unsigned(values[i], text(i))
+        })
     }
 
     fn push_float_run(
@@ -352,7 +354,9 @@ impl<'a> Builder<'a> for ColumnBuilder {
             self.probs.extend_from_slice(values);
             return Ok(());
         }
-        json::push_each_float(self, items, values, text)
+        json::push_each(self, items, values.len(), |b, i| {
+            b.float(values[i], text(i))
+        })
     }
 
     fn push_float_text_run(
@@ -369,7 +373,7 @@ impl<'a> Builder<'a> for ColumnBuilder {
             }
             return Ok(());
         }
-        json::push_each_float_text(self, items, count, text)
+        json::push_each(self, items, count, |b, i| b.number(text(i), false))
     }
 
     fn reuse(

@@ -64,7 +64,9 @@ pub trait Builder<'a> {
         values: &[u64],
         text: impl Fn(usize) -> &'a [u8],
     ) -> Result<(), Self::Error> {
-        push_each_unsigned(self, items, values, text)
+        push_each(self, items, values.len(), |b, i| {
+            b.unsigned(values[i], text(i))
+        })
     }
     /// [`Builder::push_unsigned_run`] for floats ([`Builder::float`] each by default).
     fn push_float_run(
@@ -73,7 +75,9 @@ pub trait Builder<'a> {
         values: &[f64],
         text: impl Fn(usize) -> &'a [u8],
     ) -> Result<(), Self::Error> {
-        push_each_float(self, items, values, text)
+        push_each(self, items, values.len(), |b, i| {
+            b.float(values[i], text(i))
+        })
     }
     /// [`Builder::push_unsigned_run`] for floats left as text: `text(i)` for each `i` below
     /// `count` ([`Builder::number`] each by default).
@@ -83,7 +87,7 @@ pub trait Builder<'a> {
         count: usize,
         text: impl Fn(usize) -> &'a [u8],
     ) -> Result<(), Self::Error> {
-        push_each_float_text(self, items, count, text)
+        push_each(self, items, count, |b, i| b.number(text(i), false))
     }
     /// Append the first `count` items of `earlier`, an array of unsigned integers this builder
     /// returned before: the walk met the same bytes again (see [`Repeats`]).
@@ -105,43 +109,16 @@ pub trait Builder<'a> {
     ) -> Result<Self::Value, Self::Error>;
 }
 
-/// [`Builder::push_unsigned_run`] one value at a time, as a direct walk hands them over.
-pub fn push_each_unsigned<'a, B: Builder<'a> + ?Sized>(
-    builder: &mut B,
-    items: &mut B::Items,
-    values: &[u64],
-    text: impl Fn(usize) -> &'a [u8],
-) -> Result<(), B::Error> {
-    for (i, &value) in values.iter().enumerate() {
-        let item = builder.unsigned(value, text(i))?;
-        builder.push(items, item)?;
-    }
-    Ok(())
-}
-
-/// [`Builder::push_float_run`] one value at a time.
-pub fn push_each_float<'a, B: Builder<'a> + ?Sized>(
-    builder: &mut B,
-    items: &mut B::Items,
-    values: &[f64],
-    text: impl Fn(usize) -> &'a [u8],
-) -> Result<(), B::Error> {
-    for (i, &value) in values.iter().enumerate() {
-        let item = builder.float(value, text(i))?;
-        builder.push(items, item)?;
-    }
-    Ok(())
-}
-
-/// [`Builder::push_float_text_run`] one value at a time.
-pub fn push_each_float_text<'a, B: Builder<'a> + ?Sized>(
+/// Push `count` items one at a time, item `i` built by `make(builder, i)`, as a direct walk
+/// hands them over: what the `push_*_run` methods of [`Builder`] do by default.
+pub fn push_each<'a, B: Builder<'a> + ?Sized>(
     builder: &mut B,
     items: &mut B::Items,
     count: usize,
-    text: impl Fn(usize) -> &'a [u8],
+    mut make: impl FnMut(&mut B, usize) -> Result<B::Value, B::Error>,
 ) -> Result<(), B::Error> {
     for i in 0..count {
-        let item = builder.number(text(i), false)?;
+        let item = make(builder, i)?;
         builder.push(items, item)?;
     }
     Ok(())
