@@ -171,7 +171,8 @@ CASES = [
 
 
 EXPECTED = {
-    "TokenCaptureStore": "put begin_call begin_call_unless_stored mark_incomplete"
+    "TokenCaptureStore": "put put_unless_stored begin_call begin_call_unless_stored"
+    " mark_incomplete"
     " mark_incomplete_if_open freeze drop"
     " retire delete close",
     "reference.TokenCaptureStore": "put begin_call mark_incomplete freeze drop retire delete close",
@@ -179,7 +180,8 @@ EXPECTED = {
     "reference.FileLineageStore": "resolve close",
     "InMemoryLineageStore": "put resolve delete close",
     "FileCaptureLedger": "record record_failure manifest has_rows resolve retire delete close",
-    "PostgresTokenCaptureStore": "put begin_call mark_incomplete mark_incomplete_if_open freeze"
+    "PostgresTokenCaptureStore": "put put_unless_stored begin_call mark_incomplete"
+    " mark_incomplete_if_open freeze"
     " drop retire delete close"
     " freeze_columns read_entries_async is_incomplete_async read_columns_async",
     "PostgresLineageStore": "resolve close",

@@ -83,15 +83,18 @@ def test_puts_are_sent_alone_on_a_distributed_schema(citus_dsn: str) -> None:
 
 def test_the_gateways_reads_and_conditional_mark_on_the_cluster(citus_dsn: str) -> None:
     """What the gateway asks of the store besides the contract (`mark_incomplete_if_open`,
-    `call_state_async`, `read_entry_async`) runs on the coordinator with the same outcomes
-    as on one server."""
+    `call_state_async`, `read_entry_async`, `put_unless_stored`: a transaction on the
+    coordinator) runs with the same outcomes as on one server."""
     store = PostgresTokenCaptureStore(citus_dsn)
 
     async def run() -> None:
         entry = make_entry("gw")
         await store.begin_call("gw", entry.model_call_id)
         await store.begin_call("gw", "lost")
-        await store.put(entry)
+        assert await store.put_unless_stored(entry) is False
+        other = make_entry("gw", generation_log_probs=[-9.0, -9.0])
+        assert await store.put_unless_stored(other) is True  # kept, nothing marked
+        assert await store.put_unless_stored(entry) is False
         assert await store.read_entry_async("gw", entry.model_call_id) == entry
         assert await store.read_entry_async("gw", "lost") is None
         state = await store.call_state_async("gw")

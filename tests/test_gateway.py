@@ -859,6 +859,8 @@ async def test_store_failure_is_503_never_200(gw: Harness) -> None:
 
             return fail()
 
+        put_unless_stored = put  # how a call with the client's own id is put
+
     gw.backend.store = Failing(gw.backend.store)
     answer = await gw.chat("r2", [_user("z")], call="lost")
     assert answer.status_code == 503
@@ -1534,6 +1536,87 @@ async def test_two_different_calls_at_once_with_one_id_are_200_and_409(gw: Harne
     assert sorted((one.status_code, two.status_code)) == [200, 409]
     assert len(gw.store.read_entries("r1")) == 1
     assert not gw.app.state.gateway._in_flight
+
+
+@pytest.fixture
+async def two_gateways(tmp_path: Path) -> AsyncIterator[tuple[Harness, Harness]]:
+    """Two gateways over one store directory (as two processes: each its own store, map of
+    calls in flight and engine), for calls with one id that reach both at once."""
+    one = Harness(tmp_path / "store", FakeUpstream())
+    two = Harness(tmp_path / "store", FakeUpstream())
+    yield one, two
+    await one.close()
+    await two.close()
+
+
+def _replays(*harnesses: Harness) -> int:
+    snapshots = (h.app.state.gateway.metrics.snapshot() for h in harnesses)
+    return sum(s["replay"]["count"] for s in snapshots if "replay" in s)
+
+
+async def test_one_call_through_two_gateways_at_once_is_stored_once_and_answered_alike(
+    two_gateways: tuple[Harness, Harness],
+) -> None:
+    """A client's retry reaching another gateway process while its first attempt is at the
+    engine: both are dispatched (nothing shared but the store), the first stored is the
+    call's, and the other attempt is answered with it (a replay), not a 409 that marks the
+    rollout: both 200 with one answer, one entry, nothing masked."""
+    one, two = two_gateways
+    messages = [_user("hello")]
+    first, retry = await asyncio.gather(
+        one.chat("r1", messages, call="c1", fake_delay=0.2),
+        two.chat("r1", messages, call="c1", fake_delay=0.2),
+    )
+    assert (first.status_code, retry.status_code) == (200, 200), (first.text, retry.text)
+    assert one.fake.calls == two.fake.calls == 1
+    assert first.json()["id"] == retry.json()["id"]
+    message = first.json()["choices"][0]["message"]
+    assert message["content"] == retry.json()["choices"][0]["message"]["content"] != ""
+    [entry] = one.store.read_entries("r1")
+    assert entry.response_id == first.json()["id"]
+    assert _replays(one, two) == 1
+    assert not one.store.freeze_now("r1").incomplete
+
+
+async def test_two_requests_under_one_id_through_two_gateways_are_200_and_409_unmarked(
+    two_gateways: tuple[Harness, Harness],
+) -> None:
+    """Two different requests under one id at once through two gateways: the one stored
+    first is answered, the other is a reused id (409), and the rollout stays whole."""
+    one, two = two_gateways
+    a, b = await asyncio.gather(
+        one.chat("r1", [_user("one")], call="c1", fake_delay=0.2),
+        two.chat("r1", [_user("two")], call="c1", fake_delay=0.2),
+    )
+    assert sorted((a.status_code, b.status_code)) == [200, 409], (a.text, b.text)
+    conflict = a if a.status_code == 409 else b
+    assert conflict.json()["error"]["type"] == "model_call_id_conflict"
+    assert len(one.store.read_entries("r1")) == 1
+    assert not one.store.freeze_now("r1").incomplete
+
+
+async def test_a_stream_whose_other_attempt_was_stored_first_ends_in_an_error_unmarked(
+    two_gateways: tuple[Harness, Harness],
+) -> None:
+    """A stream has sent its deltas before its entry is put, so when another attempt of the
+    call was stored first it cannot be answered with that one: it ends with an error event
+    (409) and no `[DONE]`; the other stream completes; one entry, nothing masked."""
+    one, two = two_gateways
+    messages = [_user("hello")]
+    asked = {"stream": True, "return_token_ids": True, "fake_chunk_delay": 0.02}
+    a, b = await asyncio.gather(
+        one.chat("r1", messages, call="s1", **asked), two.chat("r1", messages, call="s1", **asked)
+    )
+    assert (a.status_code, b.status_code) == (200, 200)
+    done = [answer for answer in (a, b) if answer.text.rstrip().endswith("data: [DONE]")]
+    assert len(done) == 1, (a.text, b.text)
+    [cut] = [answer for answer in (a, b) if answer is not done[0]]
+    chunks = [orjson.loads(e[6:]) for e in cut.text.split("\n\n") if e.startswith("data: ")]
+    [error] = [chunk["error"] for chunk in chunks if "error" in chunk]
+    assert error["code"] == 409 and "stored while this one was in flight" in error["message"]
+    [entry] = one.store.read_entries("r1")
+    assert entry.response_id == next(c["id"] for c in _events(done[0]) if "id" in c)
+    assert not one.store.freeze_now("r1").incomplete
 
 
 async def test_a_call_waiting_for_a_failed_one_is_dispatched_afresh(gw: Harness) -> None:

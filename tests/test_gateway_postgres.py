@@ -295,3 +295,29 @@ def test_workers_over_one_database(
     for turn, entry in enumerate(entries[1:], start=1):
         assert entry.parent_resolution is ParentResolutionStatus.RESOLVED, turn
         assert entry.parent_call_id == f"c{turn - 1}"
+
+
+def test_one_call_through_two_gateways_at_once_is_stored_once(
+    fake: Server, dsn: str, tmp_path: Path, pg: PostgresTokenCaptureStore
+) -> None:
+    """A client's retry reaching a second gateway process over the same database while its
+    first attempt is at the engine: the first stored is the call's, the other attempt is
+    answered with it (no 409, the rollout not marked), as over a directory."""
+    servers = [start_gateway(fake.url, dsn, tmp_path) for _ in range(2)]
+    try:
+        messages = [{"role": "user", "content": "hello"}]
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(
+                pool.map(
+                    lambda server: _chat(server, "pg-race", "c1", messages, fake_delay=0.3),
+                    servers,
+                )
+            )
+    finally:
+        for server in servers:
+            server.stop()
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert answers[0].json()["id"] == answers[1].json()["id"]
+    [entry] = pg.read_entries("pg-race")
+    assert entry.response_id == answers[0].json()["id"]
+    assert not pg.is_incomplete("pg-race")

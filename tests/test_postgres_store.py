@@ -941,6 +941,47 @@ async def test_puts_sharing_a_batch_keep_their_own_outcomes(
     await store.close()  # on the loop whose pool it closes
 
 
+async def test_put_unless_stored_keeps_the_stored_entry_as_the_file_store_does(
+    store: PostgresTokenCaptureStore, pg_dsn: str, tmp_path: Path
+) -> None:
+    """Another entry under the call id stands and nothing is written or marked (the
+    conflict's mark rolled back with its transaction), the same entry is a no-op, a new one
+    is stored: as the file store's; and of two attempts at once through two stores on the
+    database, exactly one is stored."""
+    files = TokenCaptureStore(tmp_path / "files")
+    first, other = make_entry(), make_entry(generation_log_probs=[-9.0, -9.0])
+    outcomes = []
+    for backend in (files, store):
+        outcomes.append(
+            [
+                await backend.put_unless_stored(first),
+                await backend.put_unless_stored(other),
+                await backend.put_unless_stored(first),
+                await backend.put_unless_stored(make_entry(call=2)),
+            ]
+        )
+    assert outcomes[0] == outcomes[1] == [False, True, False, False]
+    expected, got = files.freeze_now("r1"), await store.freeze("r1")
+    assert lines_of(got) == lines_of(expected)
+    assert (got.incomplete, got.version) == (expected.incomplete, expected.version) == (False, 3)
+    with pytest.raises(TokenCaptureFrozenError):
+        await store.put_unless_stored(make_entry(call=3))
+    second = PostgresTokenCaptureStore(pg_dsn)
+    try:
+        for n in range(20):
+            rollout = f"race{n}"
+            results = await asyncio.gather(
+                store.put_unless_stored(make_entry(rollout, generation_log_probs=[-1.0, -1.0])),
+                second.put_unless_stored(make_entry(rollout, generation_log_probs=[-2.0, -2.0])),
+            )
+            assert sorted(results) == [False, True], (rollout, results)
+            snapshot = await store.freeze(rollout)
+            assert len(snapshot.entries) == 1 and not snapshot.incomplete
+    finally:
+        await second.close()
+    await store.close()
+
+
 def test_an_older_schema_is_refused_then_upgraded_on_first_use(pg_dsn: str) -> None:
     import asyncpg
 

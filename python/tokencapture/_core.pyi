@@ -92,8 +92,15 @@ class Store:
     def max_open_files(self) -> int | None: ...
     def clear(self) -> None: ...
     def put(self, rollout_id: str, model_call_id: str, line: bytes) -> bool: ...
+    def put_unless_stored(self, rollout_id: str, model_call_id: str, line: bytes) -> bool: ...
     def submit_put(
-        self, completions: Completions, token: int, rollout_id: str, model_call_id: str, line: bytes
+        self,
+        completions: Completions,
+        token: int,
+        rollout_id: str,
+        model_call_id: str,
+        line: bytes,
+        unless_stored: bool = False,
     ) -> None: ...
     def submit_begin_call(
         self,

@@ -166,6 +166,39 @@ class TokenCaptureStore(RolloutFiles):
             raise
         self._metrics.observe("put", perf_counter() - started)
 
+    def put_unless_stored(self, entry: TokenEntry) -> Coroutine[Any, Any, bool]:
+        """`put`, unless the rollout already holds another entry under the entry's call id:
+        then nothing is written or marked, and the awaited result is True (the stored entry
+        stands). False once this entry is durable (or was already stored, byte for byte).
+
+        For a second attempt of one call racing the first through another process (a client's
+        retry through another gateway worker): `put`'s rule for that case (SPEC: mark the
+        rollout incomplete and raise `TokenCaptureConflictError`) would cost the whole rollout,
+        where the caller can answer with the stored entry instead. The check and the write are
+        one step under the rollout's lock. Checked and refused as `put` is.
+        """
+        started = perf_counter()
+        try:
+            token_entry = as_token_entry(entry)
+            line = canonical_line(token_entry)
+            _core.validate_rollout_id(token_entry.rollout_id)
+            check_call_id(token_entry.model_call_id)
+        except BaseException as exc:
+            self._put_failed(entry, exc, started)
+            raise
+        return self._put_unless_stored_line(token_entry, line, started)
+
+    async def _put_unless_stored_line(self, entry: TokenEntry, line: bytes, started: float) -> bool:
+        try:
+            kept: bool = await native_job(
+                self._native.submit_put, entry.rollout_id, entry.model_call_id, line, True
+            )
+        except BaseException as exc:
+            self._put_failed(entry, exc, started)
+            raise
+        self._metrics.observe("put", perf_counter() - started)
+        return kept
+
     def _refusals(self, name: str, rollout_id: object) -> Refusals:
         return Refusals(self._metrics, name, rollout_id)
 

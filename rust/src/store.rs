@@ -177,6 +177,21 @@ pub enum PutOutcome {
     Appended,
     /// The same call id with the same payload digest was already stored: nothing changed.
     Duplicate,
+    /// A put made [`OnConflict::Keep`] found another entry under its call id: nothing was
+    /// written or marked, the stored entry stands.
+    Kept,
+}
+
+/// What a put does when its call id already holds another entry (a different payload).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnConflict {
+    /// SPEC's rule: mark the rollout incomplete, persist that, and fail with
+    /// [`Error::Conflict`].
+    Mark,
+    /// Keep the stored entry and report [`PutOutcome::Kept`]: for a second attempt of one
+    /// call (a client's retry racing its first attempt through another process), whose
+    /// answer is then the stored one, so the rollout stays whole.
+    Keep,
 }
 
 /// What a put hands its outcome to (see [`Store::put_then`]).
@@ -192,6 +207,7 @@ const MAX_BATCH_BYTES: usize = 8 << 20;
 struct QueuedPut {
     call_id: String,
     line: Vec<u8>,
+    on_conflict: OnConflict,
     done: PutDone,
 }
 
@@ -213,6 +229,7 @@ struct PutItem {
     call_id: String,
     line: Vec<u8>,
     digest: String,
+    on_conflict: OnConflict,
 }
 
 /// The rollouts with a writer in this process, each with the puts queued behind it.
@@ -1090,15 +1107,27 @@ impl Store {
     /// Durably store one entry line. `line` is the canonical JSON of the entry (one line).
     /// Blocks until the line is fdatasync'ed (or the put failed); see [`Store::put_then`].
     pub fn put(&self, rollout_id: &str, call_id: &str, line: &[u8]) -> Result<PutOutcome> {
+        self.put_as(rollout_id, call_id, line, OnConflict::Mark)
+    }
+
+    /// [`Store::put`], with `on_conflict` deciding what another entry already stored under
+    /// the call id does (see [`OnConflict`]).
+    pub fn put_as(
+        &self,
+        rollout_id: &str,
+        call_id: &str,
+        line: &[u8],
+        on_conflict: OnConflict,
+    ) -> Result<PutOutcome> {
         let (sender, receiver) = std::sync::mpsc::sync_channel(1);
-        self.put_then(
-            rollout_id,
-            call_id,
-            line.to_vec(),
-            Box::new(move |outcome| {
-                let _ = sender.send(outcome);
-            }),
-        );
+        let done: PutDone = Box::new(move |outcome| {
+            let _ = sender.send(outcome);
+        });
+        if let Some(batch) =
+            self.queue_put_as(rollout_id, call_id, line.to_vec(), on_conflict, done)
+        {
+            self.write_puts(rollout_id, batch);
+        }
         receiver
             .recv()
             .unwrap_or_else(|_| Err(panicked_put(&self.paths(rollout_id).log)))
@@ -1134,6 +1163,18 @@ impl Store {
         line: Vec<u8>,
         done: PutDone,
     ) -> Option<PutBatch> {
+        self.queue_put_as(rollout_id, call_id, line, OnConflict::Mark, done)
+    }
+
+    /// [`Store::queue_put`], with `on_conflict` as for [`Store::put_as`].
+    pub fn queue_put_as(
+        &self,
+        rollout_id: &str,
+        call_id: &str,
+        line: Vec<u8>,
+        on_conflict: OnConflict,
+        done: PutDone,
+    ) -> Option<PutBatch> {
         if let Err(err) = check_put(rollout_id, call_id) {
             done(Err(err));
             return None;
@@ -1141,6 +1182,7 @@ impl Store {
         let put = QueuedPut {
             call_id: call_id.to_owned(),
             line,
+            on_conflict,
             done,
         };
         self.writers.join(rollout_id, put).map(PutBatch)
@@ -1175,6 +1217,7 @@ impl Store {
                 digest: payload_digest(&put.line),
                 call_id: put.call_id,
                 line: put.line,
+                on_conflict: put.on_conflict,
             });
             dones.push(put.done);
         }
@@ -1198,6 +1241,7 @@ impl Store {
                 None => rest.push(QueuedPut {
                     call_id: item.call_id,
                     line: item.line,
+                    on_conflict: item.on_conflict,
                     done,
                 }),
             }
@@ -1231,6 +1275,10 @@ impl Store {
                 match cached.state.entry_digests.get(&item.call_id) {
                     Some(known) if *known == item.digest => {
                         results[index] = Some(Ok(PutOutcome::Duplicate));
+                    }
+                    // Nothing to write or mark, so the group need not be committed first.
+                    Some(_) if item.on_conflict == OnConflict::Keep => {
+                        results[index] = Some(Ok(PutOutcome::Kept));
                     }
                     Some(_) => {
                         if !group.is_empty() {
@@ -2526,6 +2574,62 @@ mod tests {
             store.begin_call_unless_stored("r", "c1"),
             Err(Error::Retired(_))
         ));
+    }
+
+    #[test]
+    fn a_put_that_keeps_the_stored_entry_writes_and_marks_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        let line = |call: &str, n: u32| format!(r#"{{"model_call_id":"{call}","n":{n}}}"#);
+        let log = |store: &Store| std::fs::read_to_string(store.paths("r").log).unwrap();
+        let keep = |store: &Store, call: &str, n: u32| {
+            store.put_as("r", call, line(call, n).as_bytes(), OnConflict::Keep)
+        };
+        assert_eq!(keep(&store, "c1", 1).unwrap(), PutOutcome::Appended);
+        // Another attempt of c1 with another answer: the first stands, nothing is marked.
+        assert_eq!(keep(&store, "c1", 2).unwrap(), PutOutcome::Kept);
+        assert_eq!(keep(&store, "c1", 1).unwrap(), PutOutcome::Duplicate);
+        assert_eq!(log(&store), format!("{}\n", line("c1", 1)));
+        assert!(!store.is_incomplete("r").unwrap());
+        // Stored by another process (another store on the directory): folded in, then kept.
+        let other = Store::open(dir.path(), 8).unwrap();
+        other.put("r", "c2", line("c2", 1).as_bytes()).unwrap();
+        assert_eq!(keep(&store, "c2", 2).unwrap(), PutOutcome::Kept);
+        // Queued behind one writer in one batch: the first of the two is stored, then the
+        // second is judged against it.
+        let (sender, receiver) = mpsc::channel();
+        let mut batches = Vec::new();
+        for (call, n) in [("c3", 1), ("c3", 2)] {
+            let sender = sender.clone();
+            let done: PutDone = Box::new(move |outcome| sender.send(outcome).unwrap());
+            let queued = store.queue_put_as(
+                "r",
+                call,
+                line(call, n).into_bytes(),
+                OnConflict::Keep,
+                done,
+            );
+            batches.extend(queued);
+        }
+        assert_eq!(
+            batches.len(),
+            1,
+            "the second put did not queue behind the first"
+        );
+        store.write_puts("r", batches.pop().unwrap());
+        let outcomes: Vec<_> = receiver.try_iter().map(Result::unwrap).collect();
+        assert_eq!(outcomes, [PutOutcome::Appended, PutOutcome::Kept]);
+        assert!(!store.is_incomplete("r").unwrap());
+        let snapshot = store.freeze("r").unwrap();
+        assert!(!snapshot.incomplete);
+        // SPEC's rule is unchanged for an ordinary put: the conflict marks the rollout.
+        store.delete(&["r"]).unwrap();
+        store.put("r", "c1", line("c1", 1).as_bytes()).unwrap();
+        assert!(matches!(
+            store.put("r", "c1", line("c1", 2).as_bytes()),
+            Err(Error::Conflict { .. })
+        ));
+        assert!(store.is_incomplete("r").unwrap());
     }
 
     #[test]

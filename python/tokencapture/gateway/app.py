@@ -510,6 +510,7 @@ class Gateway:
                 return replayed
             await self._begin(call, unless_stored=False)  # the entry went since: a new call
         call.extra[REQUEST_DIGEST_FIELD] = digest
+        call.body = body
         return await self._run(call, upstream_body)
 
     async def _run(self, call: _Call, upstream_body: dict[str, Any]) -> Response:
@@ -521,6 +522,8 @@ class Gateway:
             return await call.run(upstream_body)
         except HttpError:
             raise
+        except _StoredFirst:
+            return await self._answer_stored_first(call)
         except asyncio.CancelledError:
             # The gateway is stopping past its grace period (or its host cancelled the task):
             # no answer leaves, so the call is marked (from a task of its own: this one is
@@ -533,6 +536,21 @@ class Gateway:
             raise HttpError(
                 500, f"the gateway failed: {type(exc).__name__}: {exc}", "gateway_error"
             ) from None
+
+    async def _answer_stored_first(self, call: _Call) -> Response:
+        """The answer to a call whose other attempt (the same client id, through another
+        gateway process) stored its entry while this one was at the engine: the stored entry,
+        replayed, for the same request; a 409 for another (nothing was written or marked)."""
+        assert call.body is not None  # only a call with the client's own id puts this way
+        replayed = await self._replay(call, call.body, call.extra[REQUEST_DIGEST_FIELD])
+        if replayed is None:  # dropped or deleted since: nothing to answer from
+            raise HttpError(
+                409,
+                f"rollout {call.rollout_id!r} no longer holds call {call.call_id!r}, which "
+                "another attempt stored while this one was in flight",
+                "rollout_closed",
+            )
+        return replayed
 
     async def _begin(self, call: _Call, *, unless_stored: bool) -> bool:
         """Write the call's durable intent (with `unless_stored`, unless its entry is already
@@ -693,6 +711,9 @@ class _Call:
         self.resolution: asyncio.Future[LineageResolution] | None = None
         self.prefix_requested = False
         self.extra: dict[str, Any] = {}
+        # The client's body, kept for a call with the client's own id: its entry is put
+        # unless another attempt stored one first, whose answer is then given (a replay).
+        self.body: dict[str, Any] | None = None
 
     # Lineage -------------------------------------------------------------------------------
 
@@ -793,8 +814,7 @@ class _Call:
                 502, f"the upstream's answer cannot be captured: {exc}", "upstream_error"
             ) from None
         try:
-            await self.gateway.backend.put(entry)
-            self.gateway.remember(entry)
+            kept = await self.gateway.backend.put(entry, unless_stored=self.body is not None)
         except TokenCaptureFrozenError as exc:
             # Frozen (or retired) while the call was in flight. The freeze already judged this
             # call (its intent had no entry, so the snapshot is incomplete): the late entry is
@@ -830,6 +850,13 @@ class _Call:
                 "the answer is withheld",
                 "store_unavailable",
             ) from None
+        if kept:
+            # Another attempt of this call (the client's retry, or its first try, through
+            # another gateway process) was stored first: this answer is withheld and the
+            # stored one is the call's. Nothing was written or marked: the rollout holds one
+            # entry for the call, and its intent is not dangling.
+            raise _StoredFirst
+        self.gateway.remember(entry)
 
     async def store_if_client_waits(self, generation: Generation) -> None:
         """`store`, unless the client has gone (an agent's timeout, say) while the engine
@@ -995,6 +1022,12 @@ class _Call:
             except HttpError as exc:
                 yield _event(_stream_error(exc.status, exc.message))
                 return
+            except _StoredFirst:
+                # Its deltas are sent, so the stored answer cannot replace them: the stream
+                # ends without its final chunk, as a failed call, and a retry gets the stored
+                # answer.
+                yield _event(_stream_error(409, _STORED_FIRST_MESSAGE))
+                return
             for event in held:
                 yield event
             yield _event(_DONE)
@@ -1072,6 +1105,18 @@ class _Relayed(Response):
                         self.abandoned()
                 for settle in self.finally_:
                     settle()
+
+
+class _StoredFirst(Exception):
+    """Another attempt of the call (the same client id, through another gateway process)
+    stored its entry first; this attempt's was not written (`Backend.put(unless_stored=True)`)."""
+
+
+_STORED_FIRST_MESSAGE: Final[str] = (
+    "another attempt of this call (the same X-Model-Call-Id, through another gateway process) "
+    "was stored while this one was in flight: its answer is the call's; send the call again "
+    "to receive it"
+)
 
 
 def _stream_error(status: int, message: str) -> bytes:

@@ -28,6 +28,7 @@ logger = logging.getLogger("tokencapture.gateway")
 class _Store(Protocol):
     def begin_call(self, rollout_id: str, model_call_id: str) -> Any: ...
     def put(self, entry: TokenEntry) -> Any: ...
+    def put_unless_stored(self, entry: TokenEntry) -> Any: ...
     def mark_incomplete_if_open(self, rollout_id: str, model_call_id: str = "") -> Any: ...
     async def close(self) -> None: ...
 
@@ -70,8 +71,17 @@ class Backend:
         stored: bool = await store.begin_call_unless_stored(rollout_id, model_call_id)
         return stored
 
-    async def put(self, entry: TokenEntry) -> None:
-        await self.store.put(entry)
+    async def put(self, entry: TokenEntry, *, unless_stored: bool = False) -> bool:
+        """Store the entry; with `unless_stored`, not when the store already holds another
+        entry under its call id (another attempt of the call, through another gateway
+        process, stored first): then True, and nothing is written or marked (the check and the
+        write one step, under the rollout's lock, or its row lock)."""
+        store: Any = self.store
+        if unless_stored:
+            kept: bool = await store.put_unless_stored(entry)
+            return kept
+        await store.put(entry)
+        return False
 
     async def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]

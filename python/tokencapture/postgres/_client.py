@@ -424,17 +424,29 @@ class Client:
         """Run one statement (`kind` is "val", "row" or "rows"); one retry of an idempotent call
         whose connection failed (a pooled connection that died with a restarted server) or that
         lost a deadlock."""
+
+        async def statement(connection: Any) -> Any:
+            if kind == "val":
+                return await connection.fetchval(sql, *args)
+            if kind == "rows":
+                return await connection.fetch(sql, *args)
+            return await connection.fetchrow(sql, *args)
+
+        return await self.on_connection(statement, idempotent=idempotent)
+
+    async def on_connection(
+        self, work: Callable[[Any], Awaitable[_T]], *, idempotent: bool = True
+    ) -> _T:
+        """`work(connection)` on a pooled connection (a transaction of several statements,
+        say), with `fetch`'s retry and errors: `work` runs again after a failed connection
+        or a lost deadlock only when `idempotent`."""
         attempts = 2 if idempotent else 1
         for attempt in range(attempts):
             try:
                 pool = await self.pool()
                 connection = await pool.acquire()
                 try:
-                    if kind == "val":
-                        return await connection.fetchval(sql, *args)
-                    if kind == "rows":
-                        return await connection.fetch(sql, *args)
-                    return await connection.fetchrow(sql, *args)
+                    return await work(connection)
                 except _BREAKS_CONNECTION:
                     # The connection's state is unknown (a cut mid-statement, a timeout, a
                     # cancelled await): close it rather than reset it for the next caller.

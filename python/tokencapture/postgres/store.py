@@ -52,6 +52,10 @@ def _refusal(status: int, rollout_id: str) -> Exception:
     raise AssertionError(f"unexpected status {status} from the server")
 
 
+class _KeepStored(Exception):
+    """`put_unless_stored` found another entry under the call id (its transaction's end)."""
+
+
 _PUT = "SELECT tokencapture.put($1, $2, $3, $4)"
 _PUT_BATCH = "SELECT tokencapture.put_batch($1, $2, $3, $4)"
 _BEGIN_CALL = "SELECT tokencapture.begin_call($1, $2)"
@@ -183,6 +187,43 @@ class PostgresTokenCaptureStore:
             self._put_failed(entry, exc, started)
             raise
         self._metrics.observe("put", perf_counter() - started)
+
+    def put_unless_stored(self, entry: TokenEntry) -> Coroutine[Any, Any, bool]:
+        """`put`, unless the rollout already holds another entry under the entry's call id:
+        then nothing is written or marked and the awaited result is True (the stored entry
+        stands); False once this entry is committed (or was already stored, byte for byte).
+        As the file store's `put_unless_stored` (for the capture gateway). One transaction:
+        the server's `put`, whose conflict (SPEC: mark the rollout incomplete) is rolled
+        back, so the check and the write are one step under the rollout's row lock.
+        Validated when called."""
+        started = perf_counter()
+        try:
+            args = self._put_args(entry)
+        except BaseException as exc:
+            self._put_failed(entry, exc, started)
+            raise
+        return self._put_unless_stored(args, entry, started)
+
+    async def _put_unless_stored(self, args: _PutArgs, entry: object, started: float) -> bool:
+        async def put_or_roll_back(connection: Any) -> int:
+            async with connection.transaction():
+                status: int = await connection.fetchval(_PUT, *args)
+                if status == _CONFLICT:
+                    raise _KeepStored  # rolls the conflict's mark back: nothing is written
+                return status
+
+        try:
+            try:
+                status = await self._client.on_connection(put_or_roll_back)
+            except _KeepStored:
+                self._metrics.observe("put", perf_counter() - started)
+                return True
+            self._put_status(status, args)
+        except BaseException as exc:
+            self._put_failed(entry, exc, started)
+            raise
+        self._metrics.observe("put", perf_counter() - started)
+        return False
 
     def append(self, entry: TokenEntry) -> None:
         """Synchronous `put`."""

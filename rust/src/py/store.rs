@@ -91,7 +91,26 @@ impl PyStore {
             .map_err(|e| to_pyerr(py, e))
     }
 
-    /// `put` on the worker pool; the outcome (True/False or the error) goes to `completions`.
+    /// `put` unless the rollout already holds another entry under the call id: then nothing
+    /// is written or marked and True comes back (False once the line is stored, or was).
+    fn put_unless_stored(
+        &self,
+        py: Python<'_>,
+        rollout_id: &Bound<'_, PyString>,
+        model_call_id: &Bound<'_, PyString>,
+        line: &[u8],
+    ) -> PyResult<bool> {
+        let inner = self.store(py)?;
+        let rollout_id = text(rollout_id, "rollout_id")?;
+        let call_id = text(model_call_id, "model_call_id")?;
+        py.detach(|| inner.put_as(rollout_id, call_id, line, store::OnConflict::Keep))
+            .map(|outcome| outcome == store::PutOutcome::Kept)
+            .map_err(|e| to_pyerr(py, e))
+    }
+
+    /// `put` (or with `unless_stored`, `put_unless_stored`) on the worker pool; the outcome
+    /// (the bool either returns, or the error) goes to `completions`.
+    #[pyo3(signature = (completions, token, rollout_id, model_call_id, line, unless_stored = false))]
     fn submit_put(
         &self,
         completions: &Bound<'_, Completions>,
@@ -99,19 +118,31 @@ impl PyStore {
         rollout_id: &Bound<'_, PyString>,
         model_call_id: &Bound<'_, PyString>,
         line: &[u8],
+        unless_stored: bool,
     ) -> PyResult<()> {
         let rollout_id = text(rollout_id, "rollout_id")?;
         let call_id = text(model_call_id, "model_call_id")?;
         let store = self.store(completions.py())?;
         let report = Report::new(completions, token);
+        let (on_conflict, answer) = if unless_stored {
+            (store::OnConflict::Keep, store::PutOutcome::Kept)
+        } else {
+            (store::OnConflict::Mark, store::PutOutcome::Appended)
+        };
         let done = move |outcome: crate::Result<store::PutOutcome>| {
-            report.send(outcome.map(|outcome| outcome == store::PutOutcome::Appended));
+            report.send(outcome.map(|outcome| outcome == answer));
         };
         // Queued here, on the caller's thread (a mutex, never the disk): a put behind the
         // rollout's writer is in its queue at once, so the writer's next batch takes it. Only
         // a new writer goes to the worker pool.
-        let Some(batch) = store.queue_put(rollout_id, call_id, line.to_vec(), Box::new(done))
-        else {
+        let queued = store.queue_put_as(
+            rollout_id,
+            call_id,
+            line.to_vec(),
+            on_conflict,
+            Box::new(done),
+        );
+        let Some(batch) = queued else {
             return Ok(());
         };
         let rollout_id = rollout_id.to_owned();
