@@ -373,6 +373,29 @@ fn scan_next_line(rest: &[u8]) -> (usize, std::result::Result<LineMeta, String>)
     (len, scan_line(&rest[..len]))
 }
 
+/// A line's length and its scanned members (or why it is not an entry line).
+type ScannedLine = (usize, std::result::Result<LineMeta, String>);
+
+/// The lines of `complete` (complete lines, each ending in a newline), scanned in order.
+struct LineScan<'a>(&'a [u8]);
+
+impl Iterator for LineScan<'_> {
+    type Item = ScannedLine;
+
+    fn next(&mut self) -> Option<ScannedLine> {
+        if self.0.is_empty() {
+            return None;
+        }
+        let (len, meta) = scan_next_line(self.0);
+        self.0 = self.0.get(len + 1..).unwrap_or_default();
+        Some((len, meta))
+    }
+}
+
+/// Chunks this long (a fresh resolver's first look at a long log) are scanned by two
+/// threads; below it, a thread's start costs more than half the scan saves.
+const SPLIT_SCAN_BYTES: usize = 4 << 20;
+
 /// `scan_line` by the scanner in `NL` mode, with the line's length.
 fn scan_members<const NL: bool>(line: &[u8]) -> std::result::Result<(LineMeta, usize), String> {
     #[derive(Default)]
@@ -1414,6 +1437,7 @@ pub struct FileLineage {
     cache: TokenCache,
     read_window: usize,
     map_at_least: u64,
+    split_scan_at_least: usize,
     /// A read buffer kept between looks (see `keep_spare`).
     spare: Mutex<Vec<u8>>,
 }
@@ -1437,6 +1461,7 @@ impl FileLineage {
             cache: TokenCache::new(cached_tokens),
             read_window: READ_WINDOW,
             map_at_least: MAP_AT_LEAST,
+            split_scan_at_least: SPLIT_SCAN_BYTES,
             spare: Mutex::new(Vec::new()),
         }
     }
@@ -1462,6 +1487,13 @@ impl FileLineage {
     #[cfg(test)]
     fn with_map_at_least(mut self, bytes: u64) -> Self {
         self.map_at_least = bytes.max(1);
+        self
+    }
+
+    /// Scan chunks of this many bytes or more on two threads (`usize::MAX`: never).
+    #[cfg(test)]
+    fn with_split_scan_at_least(mut self, bytes: usize) -> Self {
+        self.split_scan_at_least = bytes.max(1);
         self
     }
 
@@ -1696,7 +1728,15 @@ impl FileLineage {
                 let chunk = map.bytes();
                 let complete = complete_prefix_len(chunk);
                 if complete > 0 {
-                    Self::fold(&mut state.index, &log.file, &paths.log, chunk, start)?;
+                    let split_at = self.split_scan_at_least;
+                    Self::fold(
+                        &mut state.index,
+                        &log.file,
+                        &paths.log,
+                        chunk,
+                        start,
+                        split_at,
+                    )?;
                     state.cursor += complete as u64;
                 }
                 // The map lives on with the lock, for the materialization that follows.
@@ -1737,7 +1777,15 @@ impl FileLineage {
                 window = window.saturating_mul(2);
                 continue;
             }
-            Self::fold(&mut state.index, &log.file, &paths.log, chunk, start)?;
+            let split_at = self.split_scan_at_least;
+            Self::fold(
+                &mut state.index,
+                &log.file,
+                &paths.log,
+                chunk,
+                start,
+                split_at,
+            )?;
             state.cursor = start + complete_prefix_len(chunk) as u64;
         }
         state.lock = self.keep_lock(guard);
@@ -1749,17 +1797,66 @@ impl FileLineage {
     }
 
     /// Add the complete lines of `chunk` (read at `start`) to the index.
+    ///
+    /// A chunk of `split_at` bytes or more ([`SPLIT_SCAN_BYTES`] unless a test says otherwise)
+    /// is scanned by two threads: a helper scans the
+    /// lines of its second half (from the first line start past the middle) while this thread
+    /// scans and adds those of the first, then adds the helper's in order. Adding stays in file
+    /// order, so the index, and the first error reported, are those of one thread's fold.
     fn fold(
         index: &mut RolloutIndex,
         file: &File,
         path: &std::path::Path,
         chunk: &[u8],
         start: u64,
+        split_at: usize,
     ) -> Result<()> {
         let complete = &chunk[..complete_prefix_len(chunk)];
+        let middle = (complete.len() >= split_at)
+            .then(|| memchr::memchr(b'\n', &complete[complete.len() / 2..]))
+            .flatten()
+            .map(|at| complete.len() / 2 + at + 1)
+            .filter(|&middle| middle < complete.len());
+        let Some(middle) = middle else {
+            return Self::add_lines(index, file, path, complete, start, LineScan(complete));
+        };
+        let (head, tail) = complete.split_at(middle);
+        let split = crate::spread::Split::begin();
+        let splitting = &split;
+        std::thread::scope(|scope| {
+            let helper = scope.spawn(move || {
+                let _cores = splitting.enter_helper();
+                // Lines past a bad one are never added: the scan stops there.
+                let mut scanned = Vec::new();
+                for line in LineScan(tail) {
+                    let bad = line.1.is_err();
+                    scanned.push(line);
+                    if bad {
+                        break;
+                    }
+                }
+                scanned
+            });
+            let added = Self::add_lines(index, file, path, head, start, LineScan(head));
+            let scanned = helper.join().expect("lineage scan thread");
+            added?;
+            let at = start + middle as u64;
+            Self::add_lines(index, file, path, tail, at, scanned.into_iter())
+        })
+    }
+
+    /// Add `lines` (each line's length and what [`scan_next_line`] made of it), the lines of
+    /// `complete` in order, read at `start`, to the index.
+    fn add_lines(
+        index: &mut RolloutIndex,
+        file: &File,
+        path: &std::path::Path,
+        complete: &[u8],
+        start: u64,
+        lines: impl Iterator<Item = ScannedLine>,
+    ) -> Result<()> {
         let mut at = 0usize;
-        while at < complete.len() {
-            let (len, meta) = scan_next_line(&complete[at..]);
+        for (len, meta) in lines {
             let (offset, line) = (start + at as u64, &complete[at..at + len]);
             at += len + 1;
             let meta = meta.map_err(|e| Error::corrupt(path, offset, e))?;

@@ -888,21 +888,32 @@ fn a_large_log_reports_its_first_corrupt_line_and_resolves_from_any_window() {
         let dir = tempfile::tempdir().unwrap();
         let (log, bad) = log_with_bad_lines(&turns, &bad_before);
         std::fs::write(dir.path().join("r.tokens.jsonl"), &log).unwrap();
-        let lineage = FileLineage::new(dir.path(), 8, 1 << 20);
-        match resolve_file(&lineage, "r", &turns[last].next_request("n")) {
-            Err(LineageError::Store(Error::Corrupt { offset, .. })) => {
-                assert_eq!(offset, bad[0], "bad lines at {bad:?}")
+        // Scanned on one thread, and on two (the log split at its middle: the first bad line
+        // in one half or the other, or one in each).
+        for split_at in [usize::MAX, 1] {
+            let lineage =
+                FileLineage::new(dir.path(), 8, 1 << 20).with_split_scan_at_least(split_at);
+            match resolve_file(&lineage, "r", &turns[last].next_request("n")) {
+                Err(LineageError::Store(Error::Corrupt { offset, .. })) => {
+                    assert_eq!(offset, bad[0], "bad lines at {bad:?}, split at {split_at}")
+                }
+                other => panic!("{other:?}"),
             }
-            other => panic!("{other:?}"),
         }
     }
     // Whole, every call resolves to its own tokens, from one window and from windows that
     // split the log anywhere.
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("r.tokens.jsonl"), &whole).unwrap();
-    for window in [whole.len(), MIB + 12_345] {
+    for (window, split_at) in [
+        (whole.len(), usize::MAX),
+        (MIB + 12_345, usize::MAX),
+        (whole.len(), 1),
+    ] {
         for turn in [&turns[0], &turns[150], &turns[last]] {
-            let lineage = FileLineage::new(dir.path(), 8, 0).with_read_window(window);
+            let lineage = FileLineage::new(dir.path(), 8, 0)
+                .with_read_window(window)
+                .with_split_scan_at_least(split_at);
             let outcome = resolve_file(&lineage, "r", &turn.next_request("n")).unwrap();
             assert_eq!(resolved(&outcome).0, turn.call_id, "window {window}");
             assert_eq!(resolved(&outcome).1, turn.cumulative().as_slice());
@@ -1058,20 +1069,24 @@ fn first_structural_agrees_with_the_three_pass_flat_array_test() {
 }
 
 /// Every answer (or error) of a fresh resolver over the log of rollout `r` in `dir`, for every
-/// request of `requests`, read by `pread` windows of `window` bytes or through a map.
+/// request of `requests`, read by `pread` windows of `window` bytes or through a map, each
+/// chunk scanned on one thread or (`split`) on two.
 fn answers(
     dir: &std::path::Path,
     requests: &[Vec<Value>],
     mapped: bool,
     window: usize,
+    split: bool,
 ) -> Vec<String> {
     let map_at = if mapped { 1 } else { u64::MAX };
+    let split_at = if split { 1 } else { usize::MAX };
     requests
         .iter()
         .map(|request| {
             let lineage = FileLineage::new(dir, 8, 1 << 20)
                 .with_read_window(window)
-                .with_map_at_least(map_at);
+                .with_map_at_least(map_at)
+                .with_split_scan_at_least(split_at);
             format!("{:?}", resolve_file(&lineage, "r", request))
         })
         .collect()
@@ -1157,17 +1172,25 @@ fn mapped_reads_answer_as_pread_reads_on_damaged_forked_and_duplicated_logs() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("r.tokens.lock"), b"").unwrap();
         std::fs::write(dir.path().join("r.tokens.jsonl"), &log).unwrap();
-        let pread = answers(dir.path(), &requests, false, 1 << 20);
+        let pread = answers(dir.path(), &requests, false, 1 << 20, false);
         assert_eq!(
-            answers(dir.path(), &requests, true, 1 << 20),
+            answers(dir.path(), &requests, true, 1 << 20, false),
             pread,
             "case {case}"
         );
         assert_eq!(
-            answers(dir.path(), &requests, false, 97),
+            answers(dir.path(), &requests, false, 97, false),
             pread,
             "case {case}"
         );
+        // Each chunk's lines scanned by two threads, split at the first line past its middle.
+        for mapped in [false, true] {
+            assert_eq!(
+                answers(dir.path(), &requests, mapped, 1 << 20, true),
+                pread,
+                "case {case}, split, mapped {mapped}"
+            );
+        }
         outcomes.extend(pread);
     }
     // The cases reach every kind of answer.
