@@ -1728,15 +1728,7 @@ impl FileLineage {
                 let chunk = map.bytes();
                 let complete = complete_prefix_len(chunk);
                 if complete > 0 {
-                    let split_at = self.split_scan_at_least;
-                    Self::fold(
-                        &mut state.index,
-                        &log.file,
-                        &paths.log,
-                        chunk,
-                        start,
-                        split_at,
-                    )?;
+                    self.fold(&mut state.index, &log.file, &paths.log, chunk, start)?;
                     state.cursor += complete as u64;
                 }
                 // The map lives on with the lock, for the materialization that follows.
@@ -1777,15 +1769,7 @@ impl FileLineage {
                 window = window.saturating_mul(2);
                 continue;
             }
-            let split_at = self.split_scan_at_least;
-            Self::fold(
-                &mut state.index,
-                &log.file,
-                &paths.log,
-                chunk,
-                start,
-                split_at,
-            )?;
+            self.fold(&mut state.index, &log.file, &paths.log, chunk, start)?;
             state.cursor = start + complete_prefix_len(chunk) as u64;
         }
         state.lock = self.keep_lock(guard);
@@ -1798,21 +1782,21 @@ impl FileLineage {
 
     /// Add the complete lines of `chunk` (read at `start`) to the index.
     ///
-    /// A chunk of `split_at` bytes or more ([`SPLIT_SCAN_BYTES`] unless a test says otherwise)
-    /// is scanned by two threads: a helper scans the
+    /// A chunk of [`SPLIT_SCAN_BYTES`] or more (unless a test says otherwise) is scanned by
+    /// two threads: a helper scans the
     /// lines of its second half (from the first line start past the middle) while this thread
     /// scans and adds those of the first, then adds the helper's in order. Adding stays in file
     /// order, so the index, and the first error reported, are those of one thread's fold.
     fn fold(
+        &self,
         index: &mut RolloutIndex,
         file: &File,
         path: &std::path::Path,
         chunk: &[u8],
         start: u64,
-        split_at: usize,
     ) -> Result<()> {
         let complete = &chunk[..complete_prefix_len(chunk)];
-        let middle = (complete.len() >= split_at)
+        let middle = (complete.len() >= self.split_scan_at_least)
             .then(|| memchr::memchr(b'\n', &complete[complete.len() / 2..]))
             .flatten()
             .map(|at| complete.len() / 2 + at + 1)

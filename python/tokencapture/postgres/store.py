@@ -160,15 +160,18 @@ class PostgresTokenCaptureStore:
         call_id = check_call_id(token_entry.model_call_id).encode("utf-8")
         return rollout_id, call_id, _core.payload_digest(line), line
 
-    def put(self, entry: TokenEntry) -> Coroutine[Any, Any, None]:
-        """Store an entry; returns once its commit is flushed. Validated when called."""
-        started = perf_counter()
+    def _checked_put_args(self, entry: object, started: float) -> _PutArgs:
+        """`_put_args`, a refusal counted and logged as a failed put."""
         try:
-            args = self._put_args(entry)
+            return self._put_args(entry)
         except BaseException as exc:
             self._put_failed(entry, exc, started)
             raise
-        return self._put(args, entry, started)
+
+    def put(self, entry: TokenEntry) -> Coroutine[Any, Any, None]:
+        """Store an entry; returns once its commit is flushed. Validated when called."""
+        started = perf_counter()
+        return self._put(self._checked_put_args(entry, started), entry, started)
 
     async def _put(self, args: _PutArgs, entry: object, started: float) -> None:
         try:
@@ -197,12 +200,7 @@ class PostgresTokenCaptureStore:
         back, so the check and the write are one step under the rollout's row lock.
         Validated when called."""
         started = perf_counter()
-        try:
-            args = self._put_args(entry)
-        except BaseException as exc:
-            self._put_failed(entry, exc, started)
-            raise
-        return self._put_unless_stored(args, entry, started)
+        return self._put_unless_stored(self._checked_put_args(entry, started), entry, started)
 
     async def _put_unless_stored(self, args: _PutArgs, entry: object, started: float) -> bool:
         async def put_or_roll_back(connection: Any) -> int:

@@ -91,25 +91,9 @@ impl PyStore {
             .map_err(|e| to_pyerr(py, e))
     }
 
-    /// `put` unless the rollout already holds another entry under the call id: then nothing
-    /// is written or marked and True comes back (False once the line is stored, or was).
-    fn put_unless_stored(
-        &self,
-        py: Python<'_>,
-        rollout_id: &Bound<'_, PyString>,
-        model_call_id: &Bound<'_, PyString>,
-        line: &[u8],
-    ) -> PyResult<bool> {
-        let inner = self.store(py)?;
-        let rollout_id = text(rollout_id, "rollout_id")?;
-        let call_id = text(model_call_id, "model_call_id")?;
-        py.detach(|| inner.put_as(rollout_id, call_id, line, store::OnConflict::Keep))
-            .map(|outcome| outcome == store::PutOutcome::Kept)
-            .map_err(|e| to_pyerr(py, e))
-    }
-
-    /// `put` (or with `unless_stored`, `put_unless_stored`) on the worker pool; the outcome
-    /// (the bool either returns, or the error) goes to `completions`.
+    /// `put` on the worker pool; the outcome (True/False or the error) goes to `completions`.
+    /// With `unless_stored`, a put that leaves another entry stored under the call id standing
+    /// (nothing written or marked), and the outcome says whether it did.
     #[pyo3(signature = (completions, token, rollout_id, model_call_id, line, unless_stored = false))]
     fn submit_put(
         &self,
