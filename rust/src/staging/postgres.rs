@@ -677,6 +677,15 @@ impl StageGroup {
                 .wait_while(me.slot(), |slot| slot.answer.is_none() && !slot.lead)
                 .unwrap_or_else(PoisonError::into_inner);
             if let Some(answer) = slot.answer.take() {
+                // Asked to lead, then answered by another leader's batch (which took this row
+                // before the lead came): the lead handed over is still this thread's to pass
+                // on or give up, or the group would count a leader that never leads (and,
+                // once `max_leaders` were lost that way, no stage would ever be sent again).
+                let asked = std::mem::take(&mut slot.lead);
+                drop(slot);
+                if asked {
+                    self.step_down(None);
+                }
                 return answer;
             }
             slot.lead = false;
@@ -924,6 +933,27 @@ mod tests {
         assert_eq!(group.idle_connections(), 0);
         group.close();
         assert_eq!(group.stage(row("r/x")), Err(PgStageError::Closed));
+    }
+
+    #[test]
+    fn a_lead_handed_to_a_stage_another_leader_answered_is_passed_on() {
+        // Two leaders: one may hand its lead to a queued stage that the other's batch then
+        // takes and answers. That stage must pass the lead on (or give it up): a lead lost
+        // there is a leader slot lost for good, and with every slot lost nothing is sent.
+        let group = Arc::new(StageGroup::new(nowhere(), 2, 2));
+        for round in 0..1000 {
+            let threads: Vec<_> = (0..8)
+                .map(|i| {
+                    let group = Arc::clone(&group);
+                    std::thread::spawn(move || group.stage(row(&format!("r/{round}/{i}"))))
+                })
+                .collect();
+            for thread in threads {
+                assert!(thread.join().unwrap().is_err());
+            }
+            assert_eq!(group.state().leaders, 0, "round {round}");
+            assert!(group.state().queue.is_empty());
+        }
     }
 
     #[test]
