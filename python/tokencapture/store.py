@@ -144,6 +144,16 @@ class TokenCaptureStore(RolloutFiles):
         one fdatasync (group commit), and the await returns once its own line is durable.
         """
         started = perf_counter()
+        token_entry, line = self._checked_line(entry, started)
+        if type(self).append is not TokenCaptureStore.append:
+            # A subclass that overrides `append` (NeMo Gym's store awaits `append` in a thread
+            # from `put`, and subclasses rely on that) gets its own `append` here too.
+            return off_loop(self.append, token_entry)
+        return self._put_line(token_entry, line, started)
+
+    def _checked_line(self, entry: object, started: float) -> tuple[TokenEntry, bytes]:
+        """The entry and its canonical line, checked as a put checks them (a refusal counted
+        and logged as a failed put)."""
         try:
             token_entry = as_token_entry(entry)
             line = canonical_line(token_entry)  # the field types, rollout_id a str included
@@ -152,11 +162,7 @@ class TokenCaptureStore(RolloutFiles):
         except BaseException as exc:
             self._put_failed(entry, exc, started)
             raise
-        if type(self).append is not TokenCaptureStore.append:
-            # A subclass that overrides `append` (NeMo Gym's store awaits `append` in a thread
-            # from `put`, and subclasses rely on that) gets its own `append` here too.
-            return off_loop(self.append, token_entry)
-        return self._put_line(token_entry, line, started)
+        return token_entry, line
 
     async def _put_line(self, entry: TokenEntry, line: bytes, started: float) -> None:
         try:
@@ -178,14 +184,7 @@ class TokenCaptureStore(RolloutFiles):
         one step under the rollout's lock. Checked and refused as `put` is.
         """
         started = perf_counter()
-        try:
-            token_entry = as_token_entry(entry)
-            line = canonical_line(token_entry)
-            _core.validate_rollout_id(token_entry.rollout_id)
-            check_call_id(token_entry.model_call_id)
-        except BaseException as exc:
-            self._put_failed(entry, exc, started)
-            raise
+        token_entry, line = self._checked_line(entry, started)
         return self._put_unless_stored_line(token_entry, line, started)
 
     async def _put_unless_stored_line(self, entry: TokenEntry, line: bytes, started: float) -> bool:

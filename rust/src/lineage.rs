@@ -1783,10 +1783,10 @@ impl FileLineage {
     /// Add the complete lines of `chunk` (read at `start`) to the index.
     ///
     /// A chunk of [`SPLIT_SCAN_BYTES`] or more (unless a test says otherwise) is scanned by
-    /// two threads: a helper scans the
-    /// lines of its second half (from the first line start past the middle) while this thread
-    /// scans and adds those of the first, then adds the helper's in order. Adding stays in file
-    /// order, so the index, and the first error reported, are those of one thread's fold.
+    /// two threads: a helper scans the lines of its second half (from the first line start
+    /// past the middle) while this thread scans and adds those of the first, then adds the
+    /// helper's in order. Adding stays in file order, so the index, and the first error
+    /// reported, are those of one thread's fold.
     fn fold(
         &self,
         index: &mut RolloutIndex,

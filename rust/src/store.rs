@@ -1123,19 +1123,15 @@ impl Store {
         let done: PutDone = Box::new(move |outcome| {
             let _ = sender.send(outcome);
         });
-        if let Some(batch) =
-            self.queue_put_as(rollout_id, call_id, line.to_vec(), on_conflict, done)
-        {
-            self.write_puts(rollout_id, batch);
-        }
+        self.put_then(rollout_id, call_id, line.to_vec(), on_conflict, done);
         receiver
             .recv()
             .unwrap_or_else(|_| Err(panicked_put(&self.paths(rollout_id).log)))
     }
 
-    /// Durably store one entry line and call `done` with the outcome once the line is
-    /// fdatasync'ed (or the put failed): on this thread, or on the thread of another put of
-    /// the same rollout that commits it.
+    /// Durably store one entry line (`on_conflict` as for [`Store::put_as`]) and call `done`
+    /// with the outcome once the line is fdatasync'ed (or the put failed): on this thread, or
+    /// on the thread of another put of the same rollout that commits it.
     ///
     /// **Group commit.** A rollout has at most one writer in this process at a time. A put
     /// that finds one queued behind it and returns at once (a worker thread is never parked on
@@ -1144,8 +1140,15 @@ impl Store {
     /// calls each put's `done` and takes the next batch, until the queue is empty. Every put
     /// is still acknowledged only after its own line is on disk; what changes is that the
     /// puts queued behind one fdatasync share the next one instead of waiting for one each.
-    pub fn put_then(&self, rollout_id: &str, call_id: &str, line: Vec<u8>, done: PutDone) {
-        if let Some(batch) = self.queue_put(rollout_id, call_id, line, done) {
+    pub fn put_then(
+        &self,
+        rollout_id: &str,
+        call_id: &str,
+        line: Vec<u8>,
+        on_conflict: OnConflict,
+        done: PutDone,
+    ) {
+        if let Some(batch) = self.queue_put_as(rollout_id, call_id, line, on_conflict, done) {
             self.write_puts(rollout_id, batch);
         }
     }

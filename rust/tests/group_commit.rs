@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
-use tokencapture::store::{PutBatch, PutDone};
+use tokencapture::store::{OnConflict, PutBatch, PutDone};
 use tokencapture::{Error, PutOutcome, Result, Store};
 
 fn line(call: &str, tokens: &str) -> Vec<u8> {
@@ -172,7 +172,8 @@ fn puts_from_many_threads_are_all_answered_and_stored_once() {
                     let call = format!("t{t}-{i}");
                     let sender = sender.clone();
                     let done: PutDone = Box::new(move |outcome| sender.send(outcome).unwrap());
-                    store.put_then(&format!("r{}", i % 2), &call, line(&call, "1"), done);
+                    let rollout = format!("r{}", i % 2);
+                    store.put_then(&rollout, &call, line(&call, "1"), OnConflict::Mark, done);
                 }
             })
         })
