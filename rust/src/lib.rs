@@ -42,6 +42,8 @@ pub mod ledger;
 pub mod lineage;
 pub mod lock;
 pub mod log;
+#[cfg(any(target_os = "linux", target_os = "android"))]
+pub mod mapped;
 pub mod pool;
 pub mod ring;
 pub mod sha256x2;

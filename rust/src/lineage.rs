@@ -55,8 +55,6 @@
 //! Reading creates no file.
 
 pub mod fingerprint;
-#[cfg(any(target_os = "linux", target_os = "android"))]
-mod mapped;
 pub mod verdict;
 
 use std::collections::{HashMap, HashSet};
@@ -1029,12 +1027,12 @@ enum Recent {
         buf: Vec<u8>,
         len: usize,
     },
-    /// A map of the log from `start`, and the shared lock it was made under (see `mapped`:
+    /// A map of the log from `start`, and the shared lock it was made under (see `crate::mapped`:
     /// the lock must outlive the map, and fields drop in declaration order).
     #[cfg(any(target_os = "linux", target_os = "android"))]
     Mapped {
         start: u64,
-        map: mapped::Mapped,
+        map: crate::mapped::Mapped,
         _guard: RolloutLock,
     },
 }
@@ -1721,9 +1719,9 @@ impl FileLineage {
         }
         #[cfg(any(target_os = "linux", target_os = "android"))]
         if guard.is_some() && len - state.cursor >= self.map_at_least {
-            // Only under the shared lock (see `mapped`); a map that fails (a filesystem that
+            // Only under the shared lock (see `crate::mapped`); a map that fails (a filesystem that
             // cannot map, no address space) falls back to reading.
-            if let Ok(map) = mapped::Mapped::new(&log.file, state.cursor, len) {
+            if let Ok(map) = crate::mapped::Mapped::new(&log.file, state.cursor, len) {
                 let start = state.cursor;
                 let chunk = map.bytes();
                 let complete = complete_prefix_len(chunk);

@@ -7,7 +7,9 @@
 //! fills one [`Chunk`] at a time; the lines of a chunk go out as [`LineBytes`] holding it
 //! shared, and when the last of them is dropped (the decoder built its lines, the hashing and
 //! the call-id walk are done with it) the buffer goes back to its [`Ring`] for the next read.
-//! A line longer than a chunk gets a buffer of its own, grown to fit.
+//! A line longer than a chunk gets a buffer of its own, grown to fit. A log that can be
+//! mapped is read in place instead, as one chunk ([`Chunk::mapped`]); the ring is then not
+//! used.
 
 use std::ops::Range;
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -21,26 +23,51 @@ use std::sync::Arc;
 pub const CHUNK_BYTES: usize = 512 << 10;
 
 /// One filled buffer of a streamed read, shared by the lines it holds; dropped, it goes back
-/// to the ring it came from.
+/// to the ring it came from. Or a map of the whole log ([`Chunk::mapped`]), read in place.
 #[derive(Debug)]
 pub struct Chunk {
-    bytes: Vec<u8>,
-    /// How many of `bytes` were read.
+    bytes: ChunkBytes,
+    /// How many of the bytes were read.
     filled: usize,
-    home: Sender<Vec<u8>>,
+}
+
+#[derive(Debug)]
+enum ChunkBytes {
+    Buffer {
+        bytes: Vec<u8>,
+        home: Sender<Vec<u8>>,
+    },
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    Mapped(crate::mapped::Mapped),
 }
 
 impl Chunk {
     /// The bytes read into it.
     pub fn bytes(&self) -> &[u8] {
-        &self.bytes[..self.filled]
+        match &self.bytes {
+            ChunkBytes::Buffer { bytes, .. } => &bytes[..self.filled],
+            #[cfg(any(target_os = "linux", target_os = "android"))]
+            ChunkBytes::Mapped(map) => map.bytes(),
+        }
+    }
+
+    /// A map's bytes, shared as one chunk. Whoever makes it keeps the log locked until every
+    /// holder has dropped it (see [`crate::mapped`]).
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    pub fn mapped(map: crate::mapped::Mapped) -> Shared {
+        Arc::new(Chunk {
+            filled: map.bytes().len(),
+            bytes: ChunkBytes::Mapped(map),
+        })
     }
 }
 
 impl Drop for Chunk {
     fn drop(&mut self) {
-        // A ring that is gone frees it here.
-        let _ = self.home.send(std::mem::take(&mut self.bytes));
+        if let ChunkBytes::Buffer { bytes, home } = &mut self.bytes {
+            // A ring that is gone frees it here.
+            let _ = home.send(std::mem::take(bytes));
+        }
     }
 }
 
@@ -113,9 +140,11 @@ impl Ring {
     /// holder has dropped it.
     pub fn share(&self, bytes: Vec<u8>, filled: usize) -> Shared {
         Arc::new(Chunk {
-            bytes,
+            bytes: ChunkBytes::Buffer {
+                bytes,
+                home: self.home.clone(),
+            },
             filled,
-            home: self.home.clone(),
         })
     }
 

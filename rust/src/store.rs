@@ -55,7 +55,7 @@ use crate::log::{
     append_line, append_lines, complete_lines, complete_prefix_len, read_at, read_into,
     reserve_past,
 };
-use crate::ring::{LineBytes, Ring, Shared, CHUNK_BYTES};
+use crate::ring::{Chunk, LineBytes, Ring, Shared, CHUNK_BYTES};
 use crate::spread;
 use crate::state::{self, State};
 
@@ -546,6 +546,9 @@ pub struct Store {
     spare_chunks: Mutex<Vec<Vec<u8>>>,
     /// The length of a chunk of a streamed read (`CHUNK_BYTES`; tests make it small).
     chunk_bytes: usize,
+    /// Whether a freeze of a large log reads it through a map (`crate::mapped`); tests turn
+    /// it off to take the chunk ring, which a map that fails falls back to.
+    map_logs: bool,
     /// Each rollout's one writer of puts, and the puts queued behind it (`put_then`).
     writers: Writers,
 }
@@ -781,6 +784,7 @@ impl Store {
             spare_buffer: Mutex::new(Vec::new()),
             spare_chunks: Mutex::new(Vec::new()),
             chunk_bytes: CHUNK_BYTES,
+            map_logs: true,
             writers: Writers::default(),
         })
     }
@@ -790,6 +794,13 @@ impl Store {
     #[cfg(test)]
     fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Self {
         self.chunk_bytes = chunk_bytes;
+        self
+    }
+
+    /// This store, freezing large logs through its chunk ring instead of a map.
+    #[cfg(test)]
+    fn without_maps(mut self) -> Self {
+        self.map_logs = false;
         self
     }
 
@@ -871,6 +882,21 @@ impl Store {
                 spare.push(buf);
             }
         }
+    }
+
+    /// The first `len` bytes of a log as one chunk read in place, when the log maps (a
+    /// filesystem that cannot map, or no address space left, reads through the chunk ring
+    /// instead). The caller holds the rollout's lock, taken before `len` was, until every
+    /// line of the chunk is dropped (see `crate::mapped`).
+    fn map_log(&self, file: &File, len: u64) -> Option<Shared> {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if self.map_logs && len > 0 {
+            return crate::mapped::Mapped::new(file, 0, len)
+                .ok()
+                .map(Chunk::mapped);
+        }
+        let _ = (file, len);
+        None
     }
 
     fn spare_chunks(&self) -> MutexGuard<'_, Vec<Vec<u8>>> {
@@ -1527,6 +1553,9 @@ impl Store {
         decode: impl for<'b> FnOnce(LinesToDecode<'b>) -> D,
     ) -> Result<(Snapshot, Vec<Range<usize>>, D)> {
         let mut ring = self.ring();
+        // Under the exclusive lock this freeze holds (see `map_log`).
+        let mapped = self.map_log(file, len);
+        let unmapped = mapped.as_ref().map(Arc::downgrade);
         // Each line's digest, hashed by whichever thread has time for it: the verifying one
         // while the channel to `decode` is full (or before it takes a new buffer while every
         // chunk is still held), `decode`'s while it waits for a line and, once every line is
@@ -1544,7 +1573,7 @@ impl Store {
                 let _cores = splitting.enter_helper();
                 let add = |chunk: &Shared, range| board.add(LineBytes::Chunk(chunk.clone(), range));
                 let (lines, call_ids) =
-                    stream_taped_lines(file, len, ring, &sink, add, || board.step())
+                    stream_lines(mapped, file, len, ring, &sink, add, || board.step())
                         .ctx("read log", &paths.log)?;
                 board.all_read();
                 drop(sink); // every line is sent: `decode` may finish and help
@@ -1563,6 +1592,10 @@ impl Store {
             (verifying.join().expect("freeze thread"), decoded)
         });
         drop(split);
+        drop(board);
+        // Every line of a map is dropped by now (a decoder returns what it built, never a
+        // line), so the map is gone before the lock is released.
+        assert!(unmapped.is_none_or(|map| map.strong_count() == 0));
         self.keep_ring(ring);
         let (settled, lines) = verified?;
         Ok((settled.into_snapshot(Vec::new()), lines, decoded))
@@ -1882,6 +1915,9 @@ impl Store {
             return Ok((Records { buf, lines }, ranges, decoded));
         }
         let mut ring = self.ring();
+        // Under the shared lock this read holds (see `map_log`).
+        let mapped = self.map_log(&log, len);
+        let unmapped = mapped.as_ref().map(Arc::downgrade);
         let split = spread::Split::begin();
         let splitting = &split;
         let (read, decoded) = std::thread::scope(|scope| {
@@ -1891,7 +1927,7 @@ impl Store {
             let reading = scope.spawn(move || {
                 let _cores = splitting.enter_helper();
                 let (lines, call_ids) =
-                    stream_taped_lines(log, len, ring, &sink, |_, _| {}, || false)
+                    stream_lines(mapped, log, len, ring, &sink, |_, _| {}, || false)
                         .ctx("read log", &paths.log)?;
                 drop(sink);
                 let records = first_records(&paths.log, &lines, call_ids)?;
@@ -1907,6 +1943,8 @@ impl Store {
             (reading.join().expect("read thread"), decoded)
         });
         drop(split);
+        // The map is gone before the lock is released (see `freeze_streaming`).
+        assert!(unmapped.is_none_or(|map| map.strong_count() == 0));
         self.keep_ring(ring);
         let (lines, ranges) = read?;
         let records = Records {
@@ -2042,23 +2080,17 @@ pub(crate) const TAPES_AHEAD: usize = 8;
 /// A chunk is filled whole (the first read is small, so that the first lines go out at once);
 /// the bytes after its last newline are carried to the start of the next one. A line longer
 /// than a chunk grows its chunk until it fits (the grown buffer is then that line's own).
-#[allow(clippy::type_complexity)]
 fn stream_taped_lines(
     file: &File,
     len: u64,
     ring: &mut Ring,
     sink: &TapeSink<'_>,
-    mut each: impl FnMut(&Shared, Range<usize>),
+    each: impl FnMut(&Shared, Range<usize>),
     mut when_full: impl FnMut() -> bool,
-) -> io::Result<(
-    Vec<(u64, usize)>,
-    Vec<std::result::Result<String, LineError>>,
-)> {
+) -> io::Result<StreamedLines> {
     /// The first read: small, so that the first lines go out at once.
     const FIRST_READ: usize = 64 << 10;
-    let mut taper = ChunkTaper::new();
-    let mut lines = Vec::new();
-    let mut call_ids = Vec::new();
+    let mut stream = LineStream::new(sink, each);
     let next_buffer = |ring: &mut Ring, when_full: &mut dyn FnMut() -> bool| loop {
         if let Some(buf) = ring.reuse() {
             return buf;
@@ -2093,28 +2125,7 @@ fn stream_taped_lines(
         };
         let cut = new.start + last + 1;
         let chunk = ring.share(std::mem::take(&mut buf), filled);
-        for (offset, line) in complete_lines(&chunk.bytes()[..cut], 0) {
-            let range = offset as usize..offset as usize + line.len();
-            each(&chunk, range.clone());
-            taper.floats_as_text(sink.floats_as_text());
-            let tape = taper.tape(&chunk, range.clone());
-            call_ids.push(call_id_of(line, &tape));
-            lines.push((base + offset, line.len()));
-            let mut item = LineTape {
-                line: LineBytes::Chunk(chunk.clone(), range),
-                tape,
-            };
-            loop {
-                match sink.try_send(item) {
-                    Ok(()) | Err(TrySendError::Disconnected(_)) => break,
-                    Err(TrySendError::Full(back)) if when_full() => item = back,
-                    Err(TrySendError::Full(back)) => {
-                        sink.send(back);
-                        break;
-                    }
-                }
-            }
-        }
+        stream.send(&chunk, cut, base, &mut when_full);
         // The bytes past the last newline start the next buffer.
         buf = next_buffer(ring, &mut when_full);
         let rest = &chunk.bytes()[cut..];
@@ -2126,7 +2137,104 @@ fn stream_taped_lines(
         base += cut as u64;
     }
     ring.give_back(buf);
-    Ok((lines, call_ids))
+    Ok(stream.into_lines())
+}
+
+/// [`stream_mapped_lines`] when the log is mapped, else [`stream_taped_lines`].
+fn stream_lines(
+    mapped: Option<Shared>,
+    file: &File,
+    len: u64,
+    ring: &mut Ring,
+    sink: &TapeSink<'_>,
+    each: impl FnMut(&Shared, Range<usize>),
+    when_full: impl FnMut() -> bool,
+) -> io::Result<StreamedLines> {
+    match mapped {
+        Some(log) => Ok(stream_mapped_lines(log, sink, each, when_full)),
+        None => stream_taped_lines(file, len, ring, sink, each, when_full),
+    }
+}
+
+/// [`stream_taped_lines`] over a map of the whole log (`Chunk::mapped`), read in place: the
+/// same lines, call ids and tapes, with no copy out of the page cache. A torn final line
+/// (bytes past the last newline) is left out, as a streamed read leaves it.
+fn stream_mapped_lines(
+    log: Shared,
+    sink: &TapeSink<'_>,
+    each: impl FnMut(&Shared, Range<usize>),
+    mut when_full: impl FnMut() -> bool,
+) -> StreamedLines {
+    let mut stream = LineStream::new(sink, each);
+    let cut = complete_prefix_len(log.bytes());
+    stream.send(&log, cut, 0, &mut when_full);
+    stream.into_lines()
+}
+
+/// The lines of a streamed read (`(file offset, length)`) and their call ids as
+/// `json::extract_call_id` would answer them.
+type StreamedLines = (
+    Vec<(u64, usize)>,
+    Vec<std::result::Result<String, LineError>>,
+);
+
+/// What a streamed read does with each complete line: show it to `each`, tape it, note its
+/// place and call id, and send it on through `sink` (while the channel is full, `when_full`
+/// does other work; a closed channel drops the tapes).
+struct LineStream<'s, 'a, E> {
+    sink: &'s TapeSink<'a>,
+    each: E,
+    taper: ChunkTaper,
+    lines: Vec<(u64, usize)>,
+    call_ids: Vec<std::result::Result<String, LineError>>,
+}
+
+impl<'s, 'a, E: FnMut(&Shared, Range<usize>)> LineStream<'s, 'a, E> {
+    fn new(sink: &'s TapeSink<'a>, each: E) -> Self {
+        LineStream {
+            sink,
+            each,
+            taper: ChunkTaper::new(),
+            lines: Vec::new(),
+            call_ids: Vec::new(),
+        }
+    }
+
+    /// The complete lines of `chunk[..cut]`, whose first byte is at file offset `base`.
+    fn send(
+        &mut self,
+        chunk: &Shared,
+        cut: usize,
+        base: u64,
+        when_full: &mut impl FnMut() -> bool,
+    ) {
+        for (offset, line) in complete_lines(&chunk.bytes()[..cut], 0) {
+            let range = offset as usize..offset as usize + line.len();
+            (self.each)(chunk, range.clone());
+            self.taper.floats_as_text(self.sink.floats_as_text());
+            let tape = self.taper.tape(chunk, range.clone());
+            self.call_ids.push(call_id_of(line, &tape));
+            self.lines.push((base + offset, line.len()));
+            let mut item = LineTape {
+                line: LineBytes::Chunk(chunk.clone(), range),
+                tape,
+            };
+            loop {
+                match self.sink.try_send(item) {
+                    Ok(()) | Err(TrySendError::Disconnected(_)) => break,
+                    Err(TrySendError::Full(back)) if when_full() => item = back,
+                    Err(TrySendError::Full(back)) => {
+                        self.sink.send(back);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    fn into_lines(self) -> StreamedLines {
+        (self.lines, self.call_ids)
+    }
 }
 
 /// The payload digests of a streamed freeze's lines (see `Store::freeze_streaming`), hashed
@@ -2686,7 +2794,7 @@ mod tests {
     #[test]
     fn a_store_shows_its_spare_read_buffers_by_size_not_by_content() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path(), 8).unwrap();
+        let store = Store::open(dir.path(), 8).unwrap().without_maps();
         growing_log(&store, "r", 4 * CHUNK_BYTES as u64);
         store.freeze_decoding("r", |_| ()).unwrap();
         assert!(
@@ -3212,7 +3320,10 @@ mod tests {
         // its own buffer: between reads the store keeps at most `MAX_SPARE_CHUNKS` of them,
         // none grown (the bound on what an idle store holds, 4 MiB at the default size).
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path(), 8).unwrap().with_chunk_bytes(4_096);
+        let store = Store::open(dir.path(), 8)
+            .unwrap()
+            .with_chunk_bytes(4_096)
+            .without_maps();
         let mut call = 0;
         while store.paths("r").log.metadata().map_or(0, |m| m.len()) < 300_000 {
             let pad = if call == 150 { 20_000 } else { 1_000 };
@@ -3378,20 +3489,21 @@ mod tests {
 
     #[test]
     fn a_streamed_freeze_agrees_with_a_whole_buffer_freeze_on_damaged_logs() {
-        // Two copies of one large rollout, damaged alike: the freeze that reads in chunks
-        // and hands tapes to a decoder, and the one that reads the whole log first, must
-        // return the same, leave the same files, and refuse the same damage the same way.
+        // Three copies of one large rollout, damaged alike: the freezes that hand tapes to a
+        // decoder, reading the log through a map or in chunks, and the one that reads the
+        // whole log first, must return the same, leave the same files, and refuse the same
+        // damage the same way.
         let mut rng = crate::json::tests::Lcg(29);
         let mut outcomes = HashSet::new();
         for round in 0..12 {
-            let (first, second) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-            let writer = Store::open(first.path(), 8).unwrap();
+            let dirs = [(); 3].map(|()| tempfile::tempdir().unwrap());
+            let writer = Store::open(dirs[0].path(), 8).unwrap();
             growing_log(&writer, "r", PARALLEL_SCAN_BYTES as u64 + rng.next(400_000));
             if round < 6 {
                 writer.freeze("r").unwrap(); // every line indexed
             }
             let log = writer.paths("r").log;
-            drop(writer); // both freezes start from the files alone
+            drop(writer); // every freeze starts from the files alone
             let mut bytes = std::fs::read(&log).unwrap();
             let starts: Vec<usize> = complete_lines(&bytes, 0).map(|(o, _)| o as usize).collect();
             let line = starts[rng.next(starts.len() as u64) as usize];
@@ -3404,9 +3516,11 @@ mod tests {
             damage(&mut bytes, round % 6, line, torn);
             std::fs::write(&log, &bytes).unwrap();
             for name in ["r.tokens.jsonl", "r.tokens.state.json"] {
-                let from = first.path().join(name);
+                let from = dirs[0].path().join(name);
                 if from.exists() {
-                    std::fs::copy(&from, second.path().join(name)).unwrap();
+                    for to in &dirs[1..] {
+                        std::fs::copy(&from, to.path().join(name)).unwrap();
+                    }
                 }
             }
             // Chunks from a few hundred bytes (every line longer than one) to the default.
@@ -3415,39 +3529,85 @@ mod tests {
                 1 => 200 + rng.next(2_000) as usize,
                 _ => 10_000 + rng.next(200_000) as usize,
             };
-            let streamed = Store::open(first.path(), 8)
+            let mapped = Store::open(dirs[0].path(), 8).unwrap();
+            let chunked = Store::open(dirs[1].path(), 8)
                 .unwrap()
-                .with_chunk_bytes(chunk_bytes);
-            let whole = Store::open(second.path(), 8).unwrap();
-            let streamed_result = streamed
-                .freeze_decoding("r", replaying_decode)
-                .map(|(snapshot, _, _)| snapshot);
-            let streamed_outcome = freeze_outcome(streamed_result, first.path());
-            let whole_outcome = freeze_outcome(whole.freeze("r"), second.path());
-            assert_eq!(streamed_outcome, whole_outcome, "round {round}");
-            let left_alike = std::fs::read(&log).unwrap()
-                == std::fs::read(second.path().join("r.tokens.jsonl")).unwrap();
-            assert!(
-                left_alike,
-                "round {round}: the two freezes left different logs"
-            );
+                .with_chunk_bytes(chunk_bytes)
+                .without_maps();
+            let whole = Store::open(dirs[2].path(), 8).unwrap();
+            let streamed = |store: &Store, dir: &Path| {
+                let frozen = store.freeze_decoding("r", replaying_decode);
+                freeze_outcome(frozen.map(|(snapshot, _, _)| snapshot), dir)
+            };
+            let whole_outcome = freeze_outcome(whole.freeze("r"), dirs[2].path());
             let state = |dir: &Path| {
                 let bytes = std::fs::read(dir.join("r.tokens.state.json")).ok()?;
                 let mut state: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
                 state["snapshot_id"] = serde_json::Value::Null;
                 Some(state)
             };
-            assert_eq!(state(first.path()), state(second.path()), "round {round}");
-            outcomes.insert(streamed_outcome.split(' ').next().unwrap().to_owned());
+            for (store, dir, how) in [
+                (&mapped, &dirs[0], "mapped"),
+                (&chunked, &dirs[1], "chunked"),
+            ] {
+                let outcome = streamed(store, dir.path());
+                assert_eq!(outcome, whole_outcome, "round {round}, {how}");
+                let left_alike = std::fs::read(dir.path().join("r.tokens.jsonl")).unwrap()
+                    == std::fs::read(dirs[2].path().join("r.tokens.jsonl")).unwrap();
+                assert!(
+                    left_alike,
+                    "round {round}, {how}: the freezes left different logs"
+                );
+                assert_eq!(
+                    state(dir.path()),
+                    state(dirs[2].path()),
+                    "round {round}, {how}"
+                );
+            }
+            outcomes.insert(whole_outcome.split(' ').next().unwrap().to_owned());
         }
         // Both successes and refusals were compared.
         assert!(outcomes.len() > 1, "{outcomes:?}");
     }
 
     #[test]
+    fn a_mapped_freeze_cuts_a_long_torn_tail_while_its_decoder_still_reads() {
+        // The freeze cuts a torn tail of several pages off the mapped log as soon as every
+        // line is sent, while a slow decoder still builds the last ones from the map: those
+        // lie before the cut, so they read whole (a page past the new end would raise SIGBUS
+        // and end this test's process).
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 8).unwrap();
+        growing_log(&store, "r", PARALLEL_SCAN_BYTES as u64 + 100_000);
+        let log = store.paths("r").log;
+        let whole = std::fs::read(&log).unwrap();
+        let torn = format!(
+            r#"{{"model_call_id":"torn","pad":"{}"#,
+            "x".repeat(5 * 4096)
+        );
+        let mut file = OpenOptions::new().append(true).open(&log).unwrap();
+        file.write_all(torn.as_bytes()).unwrap();
+        drop(file);
+        let slow = |lines: LinesToDecode<'_>| {
+            taped(lines)
+                .iter()
+                .map(|line| {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                    line.line().to_vec()
+                })
+                .collect::<Vec<_>>()
+        };
+        let (snapshot, _, built) = store.freeze_decoding("r", slow).unwrap();
+        assert_eq!(std::fs::read(&log).unwrap(), whole, "the torn tail is cut");
+        let lines: Vec<&[u8]> = complete_lines(&whole, 0).map(|(_, line)| line).collect();
+        assert_eq!(built, lines, "every line built whole");
+        assert_eq!(snapshot.records.lines.len(), lines.len());
+    }
+
+    #[test]
     fn a_large_read_finds_the_records_a_line_by_line_walk_finds() {
         // The read that streams (tapes, call ids from them) against the plain rule, on large
-        // logs undamaged and damaged; a read never changes the log.
+        // logs undamaged and damaged, mapped or read in chunks; a read never changes the log.
         let mut rng = crate::json::tests::Lcg(31);
         let mut refusals = 0;
         for round in 0..12 {
@@ -3473,7 +3633,13 @@ mod tests {
                         Err(err) => Some(Err((offset, err.0))),
                     })
                     .collect();
+            // Through a map, and in every other round through the chunk ring.
             let store = Store::open(dir.path(), 8).unwrap();
+            let store = if round % 2 == 0 {
+                store
+            } else {
+                store.without_maps()
+            };
             let read = store.read_decoding("r", |lines| taped(lines).iter().count());
             let complete = complete_lines(&bytes, 0).count();
             match (read, expected) {

@@ -1,23 +1,27 @@
-//! A read-only memory map of a log's acknowledged bytes, for folding a long log in one go.
+//! A read-only memory map of a log's acknowledged bytes, for reading a long log in one go.
 //!
 //! Why a map: a fresh resolver of a long rollout (W5: 28.5 MiB of log) spent about a quarter
 //! of its time in `pread` copying the page cache into a buffer (and, in a fresh process, in
 //! the page faults of that buffer), before scanning the copy. A map scans the page-cache pages
 //! where they are: measured on that log, map + one pass 2.3 ms against 4-6 ms for the copy
-//! alone (docs/benchmarks.md, "Resolve").
+//! alone (docs/benchmarks.md, "Resolve"). A freeze of a long log reads it through a map for
+//! the same reason (the copy was ~12% of its verifying thread).
 //!
 //! The one hazard of a file map is a file shortened under it: touching a page past the new
-//! end raises SIGBUS. [`Mapped`] is therefore only made while the rollout's shared lock is
-//! held, over bytes that were in the file when the length was taken under that lock, and it is
-//! dropped before the lock is (a resolve keeps both until its answer is built): every writer (this crate's and NeMo Gym 0.7.0's store) shortens
-//! a log only under the exclusive lock, and only to cut a torn tail. A log read without a lock
-//! file (an operator removed it) is read with `pread`, never mapped.
+//! end raises SIGBUS. [`Mapped`] is therefore only made while the rollout's lock is held
+//! (shared for a resolve, exclusive for a freeze), over bytes that were in the file when the
+//! length was taken under that lock, and it is dropped before the lock is: every writer (this
+//! crate's and NeMo Gym 0.7.0's store) shortens a log only under the exclusive lock, and only
+//! to cut a torn tail, which a freeze holding that lock does itself only past its last
+//! complete line (whose page stays mapped and readable). A log read without a lock file (an
+//! operator removed it) is read with `pread`, never mapped.
 
 use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
 
 /// A `PROT_READ` map of `[start, end)` of a file, unmapped on drop.
+#[derive(Debug)]
 pub struct Mapped {
     base: *mut std::ffi::c_void,
     mapped: usize,
@@ -26,8 +30,8 @@ pub struct Mapped {
 }
 
 impl Mapped {
-    /// Map `[start, end)` of `file` (`start < end`). The caller holds the rollout's shared
-    /// lock until this is dropped, and `end` was taken under it (see the module docs).
+    /// Map `[start, end)` of `file` (`start < end`). The caller holds the rollout's lock until
+    /// this is dropped, and `end` was taken under it (see the module docs).
     pub fn new(file: &File, start: u64, end: u64) -> io::Result<Mapped> {
         if end <= start {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty map"));
@@ -59,13 +63,20 @@ impl Mapped {
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: `base..base + mapped` is mapped readable until `drop`, which the borrow
         // outlives no longer than `self`. Every byte lies in the file (below `end`, taken
-        // under the shared lock, which outlives the map), so no access raises SIGBUS; and no
+        // under the rollout's lock, which outlives the map), so no access raises SIGBUS; and no
         // writer changes acknowledged bytes in place (puts append past `end` under the
         // exclusive lock), so the bytes do not change while borrowed.
         let all = unsafe { std::slice::from_raw_parts(self.base.cast::<u8>(), self.mapped) };
         &all[self.skip..]
     }
 }
+
+// SAFETY: the map is read-only and its bytes do not change while it lives (see `bytes`), so
+// borrowing them from several threads at once, or unmapping from another thread than the one
+// that mapped, is as safe as sharing a `&[u8]`; the raw pointer is only what keeps the compiler
+// from inferring this.
+unsafe impl Send for Mapped {}
+unsafe impl Sync for Mapped {}
 
 impl Drop for Mapped {
     fn drop(&mut self) {
