@@ -1027,8 +1027,8 @@ enum Recent {
         buf: Vec<u8>,
         len: usize,
     },
-    /// A map of the log from `start`, and the shared lock it was made under (see `crate::mapped`:
-    /// the lock must outlive the map, and fields drop in declaration order).
+    /// A map of the log from `start`, and the shared lock it was made under (see
+    /// `crate::mapped`: the lock must outlive the map, and fields drop in declaration order).
     #[cfg(any(target_os = "linux", target_os = "android"))]
     Mapped {
         start: u64,
@@ -1719,8 +1719,8 @@ impl FileLineage {
         }
         #[cfg(any(target_os = "linux", target_os = "android"))]
         if guard.is_some() && len - state.cursor >= self.map_at_least {
-            // Only under the shared lock (see `crate::mapped`); a map that fails (a filesystem that
-            // cannot map, no address space) falls back to reading.
+            // Only under the shared lock (see `crate::mapped`); a map that fails (a filesystem
+            // that cannot map, no address space) falls back to reading.
             if let Ok(map) = crate::mapped::Mapped::new(&log.file, state.cursor, len) {
                 let start = state.cursor;
                 let chunk = map.bytes();

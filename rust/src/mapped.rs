@@ -9,12 +9,12 @@
 //!
 //! The one hazard of a file map is a file shortened under it: touching a page past the new
 //! end raises SIGBUS. [`Mapped`] is therefore only made while the rollout's lock is held
-//! (shared for a resolve, exclusive for a freeze), over bytes that were in the file when the
-//! length was taken under that lock, and it is dropped before the lock is: every writer (this
-//! crate's and NeMo Gym 0.7.0's store) shortens a log only under the exclusive lock, and only
-//! to cut a torn tail, which a freeze holding that lock does itself only past its last
-//! complete line (whose page stays mapped and readable). A log read without a lock file (an
-//! operator removed it) is read with `pread`, never mapped.
+//! (shared for a resolve or a read, exclusive for a freeze), over bytes that were in the file
+//! when the length was taken under that lock, and it is dropped before the lock is: every
+//! writer (this crate's and NeMo Gym 0.7.0's store) shortens a log only under the exclusive
+//! lock, and only to cut a torn tail, which a freeze holding that lock does itself only past
+//! its last complete line (whose page stays mapped and readable). A log read without a lock
+//! file (an operator removed it) is read with `pread`, never mapped.
 
 use std::fs::File;
 use std::io;

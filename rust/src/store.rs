@@ -546,8 +546,8 @@ pub struct Store {
     spare_chunks: Mutex<Vec<Vec<u8>>>,
     /// The length of a chunk of a streamed read (`CHUNK_BYTES`; tests make it small).
     chunk_bytes: usize,
-    /// Whether a freeze of a large log reads it through a map (`crate::mapped`); tests turn
-    /// it off to take the chunk ring, which a map that fails falls back to.
+    /// Whether a streamed freeze or read (a large log) maps the log (`crate::mapped`); tests
+    /// turn it off to take the chunk ring, which a map that fails falls back to.
     map_logs: bool,
     /// Each rollout's one writer of puts, and the puts queued behind it (`put_then`).
     writers: Writers,
@@ -797,7 +797,7 @@ impl Store {
         self
     }
 
-    /// This store, freezing large logs through its chunk ring instead of a map.
+    /// This store, reading large logs through its chunk ring instead of a map.
     #[cfg(test)]
     fn without_maps(mut self) -> Self {
         self.map_logs = false;
@@ -895,7 +895,7 @@ impl Store {
                 .ok()
                 .map(Chunk::mapped);
         }
-        let _ = (file, len);
+        let _ = (file, len); // nothing maps elsewhere
         None
     }
 
@@ -3588,20 +3588,27 @@ mod tests {
         let mut file = OpenOptions::new().append(true).open(&log).unwrap();
         file.write_all(torn.as_bytes()).unwrap();
         drop(file);
+        let cut_len = whole.len() as u64;
+        // Each line built after a pause, with the log's length at that moment.
         let slow = |lines: LinesToDecode<'_>| {
             taped(lines)
                 .iter()
                 .map(|line| {
-                    std::thread::sleep(std::time::Duration::from_millis(2));
-                    line.line().to_vec()
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    let len = std::fs::metadata(&log).unwrap().len();
+                    (line.line().to_vec(), len)
                 })
                 .collect::<Vec<_>>()
         };
         let (snapshot, _, built) = store.freeze_decoding("r", slow).unwrap();
         assert_eq!(std::fs::read(&log).unwrap(), whole, "the torn tail is cut");
         let lines: Vec<&[u8]> = complete_lines(&whole, 0).map(|(_, line)| line).collect();
-        assert_eq!(built, lines, "every line built whole");
+        let built_lines: Vec<&[u8]> = built.iter().map(|(line, _)| line.as_slice()).collect();
+        assert_eq!(built_lines, lines, "every line built whole");
         assert_eq!(snapshot.records.lines.len(), lines.len());
+        let after_cut = built.iter().filter(|(_, len)| *len == cut_len).count();
+        let lens: Vec<u64> = built.iter().map(|(_, len)| *len).collect();
+        assert!(after_cut > 0, "no line was built after the cut: {lens:?}");
     }
 
     #[test]
