@@ -13,8 +13,12 @@
 //! when the length was taken under that lock, and it is dropped before the lock is: every
 //! writer (this crate's and NeMo Gym 0.7.0's store) shortens a log only under the exclusive
 //! lock, and only to cut a torn tail, which a freeze holding that lock does itself only past
-//! its last complete line (whose page stays mapped and readable). A log read without a lock
-//! file (an operator removed it) is read with `pread`, never mapped.
+//! its last complete line (whose page stays mapped and readable). A resolver, which creates
+//! no file, reads a log that has no lock file (an operator removed it) with `pread`, never
+//! mapped; a store's freeze or read locks the lock file it recreates. The rule rests on the
+//! rollout's lock being the one lock every process takes: an operator who removes a lock file
+//! while another process holds it breaks that exclusion for every operation of the rollout
+//! (its fences included), and a map made then could meet a cut.
 
 use std::fs::File;
 use std::io;
