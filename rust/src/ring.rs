@@ -27,14 +27,14 @@ pub const CHUNK_BYTES: usize = 512 << 10;
 #[derive(Debug)]
 pub struct Chunk {
     bytes: ChunkBytes,
-    /// How many of the bytes were read.
-    filled: usize,
 }
 
 #[derive(Debug)]
 enum ChunkBytes {
     Buffer {
         bytes: Vec<u8>,
+        /// How many of `bytes` were read.
+        filled: usize,
         home: Sender<Vec<u8>>,
     },
     #[cfg(any(target_os = "linux", target_os = "android"))]
@@ -45,7 +45,7 @@ impl Chunk {
     /// The bytes read into it.
     pub fn bytes(&self) -> &[u8] {
         match &self.bytes {
-            ChunkBytes::Buffer { bytes, .. } => &bytes[..self.filled],
+            ChunkBytes::Buffer { bytes, filled, .. } => &bytes[..*filled],
             #[cfg(any(target_os = "linux", target_os = "android"))]
             ChunkBytes::Mapped(map) => map.bytes(),
         }
@@ -56,7 +56,6 @@ impl Chunk {
     #[cfg(any(target_os = "linux", target_os = "android"))]
     pub fn mapped(map: crate::mapped::Mapped) -> Shared {
         Arc::new(Chunk {
-            filled: map.bytes().len(),
             bytes: ChunkBytes::Mapped(map),
         })
     }
@@ -64,7 +63,7 @@ impl Chunk {
 
 impl Drop for Chunk {
     fn drop(&mut self) {
-        if let ChunkBytes::Buffer { bytes, home } = &mut self.bytes {
+        if let ChunkBytes::Buffer { bytes, home, .. } = &mut self.bytes {
             // A ring that is gone frees it here.
             let _ = home.send(std::mem::take(bytes));
         }
@@ -142,9 +141,9 @@ impl Ring {
         Arc::new(Chunk {
             bytes: ChunkBytes::Buffer {
                 bytes,
+                filled,
                 home: self.home.clone(),
             },
-            filled,
         })
     }
 

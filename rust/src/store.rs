@@ -895,7 +895,7 @@ impl Store {
                 .ok()
                 .map(Chunk::mapped);
         }
-        let _ = (file, len); // nothing maps elsewhere
+        let _ = (file, len); // used only where logs map
         None
     }
 
@@ -2553,6 +2553,12 @@ mod tests {
         assert!(ran);
     }
 
+    /// Append `bytes` to the file at `path` as they are (a torn or foreign line, no put).
+    fn append_raw(path: &Path, bytes: &[u8]) {
+        let mut file = OpenOptions::new().append(true).open(path).unwrap();
+        file.write_all(bytes).unwrap();
+    }
+
     /// A rollout whose log is at least `bytes` long: prompts that grow by repeating the
     /// previous prompt and answer, as an agentic rollout's do.
     fn growing_log(store: &Store, rollout_id: &str, bytes: u64) -> usize {
@@ -2822,12 +2828,7 @@ mod tests {
             .unwrap();
         let mut copy = last.to_vec();
         copy.push(b'\n');
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&log)
-            .unwrap()
-            .write_all(&copy)
-            .unwrap();
+        append_raw(&log, &copy);
         let bytes = std::fs::read(&log).unwrap();
         let (snapshot, ranges, (replayed, walked)) =
             store.freeze_decoding("r", replayed_and_walked).unwrap();
@@ -2849,12 +2850,10 @@ mod tests {
         let calls = growing_log(&store, "r", PARALLEL_SCAN_BYTES as u64 * 3);
         let log = store.paths("r").log;
         let complete = std::fs::metadata(&log).unwrap().len();
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&log)
-            .unwrap()
-            .write_all(b"{\"model_call_id\":\"torn\",\"prompt_token_ids\":[1,2")
-            .unwrap();
+        append_raw(
+            &log,
+            b"{\"model_call_id\":\"torn\",\"prompt_token_ids\":[1,2",
+        );
         let (snapshot, ranges, (replayed, _)) =
             store.freeze_decoding("r", replayed_and_walked).unwrap();
         assert_eq!(snapshot.records.lines.len(), calls);
@@ -2869,12 +2868,7 @@ mod tests {
         let store = Store::open(dir.path(), 8).unwrap();
         growing_log(&store, "r", PARALLEL_SCAN_BYTES as u64 + 1);
         let log = store.paths("r").log;
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&log)
-            .unwrap()
-            .write_all(b"{\"prompt_token_ids\":[1,2]}\n")
-            .unwrap();
+        append_raw(&log, b"{\"prompt_token_ids\":[1,2]}\n");
         let frozen = store.freeze_decoding("r", |lines| taped(lines).iter().count());
         assert!(
             matches!(&frozen, Err(Error::Corrupt { detail, .. }) if detail.contains("no model_call_id")),
@@ -3585,9 +3579,7 @@ mod tests {
             r#"{{"model_call_id":"torn","pad":"{}"#,
             "x".repeat(5 * 4096)
         );
-        let mut file = OpenOptions::new().append(true).open(&log).unwrap();
-        file.write_all(torn.as_bytes()).unwrap();
-        drop(file);
+        append_raw(&log, torn.as_bytes());
         let cut_len = whole.len() as u64;
         // Each line built after a pause, with the log's length at that moment.
         let slow = |lines: LinesToDecode<'_>| {
