@@ -49,12 +49,25 @@ impl<T, R> Inner<T, R> {
             // the item ran, and a helper's panic leaves its item unfinished, so `finish`
             // runs it again to raise it on the caller's thread.
             let result = (self.work)(&self.data, i);
-            let mut guard = self.results.lock().unwrap_or_else(PoisonError::into_inner);
-            guard.0[i] = Some(result);
-            guard.1 += 1;
-            if guard.1 == self.len {
-                self.all_done.notify_all();
-            }
+            self.record(i, result);
+        }
+    }
+
+    /// Keep item `i`'s result, unless it is there already: a helper too slow for `finish`
+    /// has had its item run again on the calling thread, which may even have taken every
+    /// result and returned (the vector is then empty) by the time the helper's comes in.
+    fn record(&self, i: usize, result: R) {
+        let mut guard = self.results.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(slot) = guard.0.get_mut(i) else {
+            return; // taken by `finish`
+        };
+        if slot.is_some() {
+            return;
+        }
+        *slot = Some(result);
+        guard.1 += 1;
+        if guard.1 == self.len {
+            self.all_done.notify_all();
         }
     }
 }
@@ -65,8 +78,7 @@ pub struct Split<T, R> {
 }
 
 impl<T: Send + Sync + 'static, R: Send + 'static> Split<T, R> {
-    /// Start a helper thread on the items (none when `len` is 0).
-    pub fn start(data: T, len: usize, work: fn(&T, usize) -> R) -> Self {
+    fn unstarted(data: T, len: usize, work: fn(&T, usize) -> R) -> Self {
         let inner = Arc::new(Inner {
             data,
             work,
@@ -75,6 +87,12 @@ impl<T: Send + Sync + 'static, R: Send + 'static> Split<T, R> {
             results: Mutex::new(((0..len).map(|_| None).collect(), 0)),
             all_done: Condvar::new(),
         });
+        Split { inner }
+    }
+
+    /// Start a helper thread on the items (none when `len` is 0).
+    pub fn start(data: T, len: usize, work: fn(&T, usize) -> R) -> Self {
+        let Split { inner } = Self::unstarted(data, len, work);
         if len > 1 {
             if let Some(pool) = helper() {
                 let shared = Arc::clone(&inner);
@@ -101,7 +119,7 @@ impl<T: Send + Sync + 'static, R: Send + 'static> Split<T, R> {
         while guard.1 < self.inner.len {
             // An item the helper claimed but has not finished. If the helper panicked it
             // never will: wait a bounded time, then run the missing items here (a panic
-            // then surfaces on this thread; a slow helper's duplicate result is the same).
+            // then surfaces on this thread; a slow helper's late result is dropped: `record`).
             let (next, timeout) = self
                 .inner
                 .all_done
@@ -113,21 +131,14 @@ impl<T: Send + Sync + 'static, R: Send + 'static> Split<T, R> {
                     .filter(|i| guard.0[*i].is_none())
                     .collect();
                 drop(guard);
-                let done: Vec<(usize, R)> = missing
-                    .into_iter()
-                    .map(|i| (i, (self.inner.work)(&self.inner.data, i)))
-                    .collect();
+                for i in missing {
+                    self.inner.record(i, (self.inner.work)(&self.inner.data, i));
+                }
                 guard = self
                     .inner
                     .results
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner);
-                for (i, result) in done {
-                    if guard.0[i].is_none() {
-                        guard.0[i] = Some(result);
-                        guard.1 += 1;
-                    }
-                }
             }
         }
         std::mem::take(&mut guard.0)
@@ -149,6 +160,25 @@ mod tests {
             let out = split.finish();
             assert_eq!(out, (0..len as u64).map(|v| v * 2).collect::<Vec<_>>());
         }
+    }
+
+    #[test]
+    fn a_helper_slower_than_finish_leaves_its_late_result_unused() {
+        // The helper claims item 0 and is held up; `finish` runs item 1, waits its bounded
+        // time, runs item 0 itself and returns. The helper's result then comes in: it once
+        // indexed the vector `finish` had taken, and panicked on the helper thread.
+        let split = Split::unstarted((), 2, |_, i| i * 10);
+        let inner = Arc::clone(&split.inner);
+        let claimed = inner.next.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(split.finish(), vec![0, 10]);
+        inner.record(claimed, 99);
+        // A late result for an item `finish` already has is not counted twice either.
+        let split = Split::unstarted((), 2, |_, i| i + 1);
+        let inner = Arc::clone(&split.inner);
+        inner.next.fetch_add(1, Ordering::Relaxed);
+        inner.record(0, 1);
+        inner.record(0, 7);
+        assert_eq!(split.finish(), vec![1, 2]);
     }
 
     #[test]
