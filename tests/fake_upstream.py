@@ -888,12 +888,20 @@ def converse_on_new_connections(
     return turn
 
 
-def start_gateway(upstream: str, store: Path | str, log_dir: Path, *extra: str) -> Server:
+def start_gateway(
+    upstream: str,
+    store: Path | str,
+    log_dir: Path,
+    *extra: str,
+    nofile: tuple[int, int] | None = None,
+) -> Server:
     """`tokencapture gateway` on a free port over `store`: a directory (which the servers'
     account must be able to write: see `server_dir`), or a PostgreSQL DSN (a `postgresql://`
-    string)."""
+    string). `nofile`: its (soft, hard) descriptor limit, set by util-linux's `prlimit`."""
     port = free_port()
     runner, python = server_runner()
+    if nofile is not None:
+        python = ["prlimit", f"--nofile={nofile[0]}:{nofile[1]}", "--", *python]
     where = (
         ["--dsn", store]
         if isinstance(store, str) and store.startswith(("postgresql://", "postgres://"))

@@ -123,6 +123,34 @@ async def test_requested_token_fields_are_kept(gw: Harness) -> None:
     assert lps == entry.generation_log_probs
 
 
+@pytest.mark.parametrize(
+    ("value", "asked"),
+    [
+        (1, True),
+        (1.0, True),
+        ("true", True),
+        ("Yes", True),
+        ("on", True),
+        (0, False),
+        ("false", False),
+        ("no", False),
+    ],
+)
+async def test_token_fields_asked_as_the_engine_reads_a_boolean(
+    gw: Harness, value: object, asked: bool
+) -> None:
+    # vLLM's request models are pydantic's: `"logprobs": 1` or `"true"` asks for log-probs,
+    # and the engine answers them; the client gets what it asked for.
+    answer = await gw.chat("r1", [_user("hi")], return_token_ids=value, logprobs=value)
+    assert answer.status_code == 200
+    body = answer.json()
+    choice = body["choices"][0]
+    assert ("prompt_token_ids" in body) is asked
+    assert ("token_ids" in choice) is asked
+    assert ("logprobs" in choice) is asked
+    assert gw.store.read_entries("r1")[0].generation_log_probs  # captured either way
+
+
 async def test_continuation_resolves_to_parent(gw: Harness) -> None:
     messages = [_user("hello")]
     first = (await gw.chat("r1", messages, call="a")).json()
@@ -986,7 +1014,13 @@ async def test_stream_broken_by_upstream_is_marked_and_never_done(gw: Harness) -
         "r1", [_user("long text here")], stream=True, fake_break_after=3, call="broken"
     )
     assert "[DONE]" not in answer.text
-    assert '"error"' in answer.text
+    [error] = [
+        json.loads(line[len("data: ") :])["error"]
+        for line in answer.text.splitlines()
+        if line.startswith("data: {") and '"error"' in line
+    ]
+    assert error["type"] == "upstream_error"  # the engine's stream failed, not the gateway
+    assert error["code"] == 502
     assert gw.store.read_entries("r1") == []
     assert gw.store.is_incomplete("r1")
 

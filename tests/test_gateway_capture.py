@@ -13,6 +13,7 @@ from tokencapture.gateway.capture import (
     COMPLETIONS,
     Generation,
     StreamAccumulator,
+    echoed_text,
     generation_from_chat,
     generation_from_completion,
     prepare_upstream_body,
@@ -91,6 +92,55 @@ def test_echo_stream_keeps_only_the_generated_tokens_log_probs() -> None:
     assert generation.generation_token_ids == [452, 452, 452]
     assert generation.generation_log_probs == [-0.0146, -0.0017, -0.0054]
     assert generation.prompt_token_ids == PROMPT
+
+
+def _chat_echo_answer(content: str) -> dict[str, Any]:
+    """vLLM's chat answer to `echo: true` after a final assistant message "It is": the message's
+    content is that text followed by the generated text; `token_ids` the generated tokens."""
+    return {
+        "id": "chatcmpl-echo",
+        "model": "tiny-qwen3",
+        "prompt_token_ids": PROMPT,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.25}]},
+                "token_ids": [726, 726],
+                "finish_reason": "length",
+            }
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "echoed"),
+    [
+        ({"echo": True}, "It is"),
+        ({"echo": "true"}, "It is"),
+        ({"echo": False}, ""),
+        ({}, ""),
+        ({"echo": True, "last_role": "user"}, ""),
+        ({"echo": True, "last_role": "user", "add_generation_prompt": False}, "It is"),
+        ({"echo": True, "parts": True}, "It\nis"),
+    ],
+)
+def test_a_chat_echo_is_taken_off_the_stored_content(
+    request_fields: dict[str, Any], echoed: str
+) -> None:
+    fields = dict(request_fields)
+    role = fields.pop("last_role", "assistant")
+    content: Any = [{"type": "text", "text": "It"}, {"type": "text", "text": "is"}]
+    if not fields.pop("parts", False):
+        content = "It is"
+    request = {"messages": [{"role": "user", "content": "Say"}, {"role": role, "content": content}]}
+    request.update(fields)
+    assert echoed_text(request) == echoed
+    answer = _chat_echo_answer(echoed + "pacepace")
+    generation = generation_from_chat(answer, echoed_text(request))
+    assert generation.output_items[0]["content"] == "pacepace"
+    assert generation.generation_token_ids == [726, 726]
+    assert answer["choices"][0]["message"]["content"] == echoed + "pacepace"  # the client's
 
 
 def test_prompt_log_probs_the_gateway_caused_are_removed() -> None:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from tokencapture import _core
 
-__all__ = ["budget", "check_max_open_files", "descriptor_stats", "set_budget"]
+__all__ = ["budget", "check_max_open_files", "close_cached", "descriptor_stats", "set_budget"]
 
 ENV_VAR = "TOKENCAPTURE_MAX_OPEN_FILES"
 
@@ -74,6 +74,15 @@ def set_budget(limit: int | None) -> None:
     """Fix the process's budget (None: back to the share of the soft limit); the caches close
     what is over it at once."""
     _core.set_descriptor_budget(check_max_open_files(limit))
+
+
+def close_cached() -> int:
+    """Close every idle descriptor tokencapture's caches keep in this process; how many.
+
+    What every open of the stores does when it runs out of descriptors (`EMFILE`/`ENFILE`),
+    before its one retry: a server whose own open ran out (a socket it accepts or connects)
+    calls it before retrying that open once. The caches fill again as they are used."""
+    return _core.close_cached_descriptors()
 
 
 def descriptor_stats(native: _HoldsDescriptors) -> dict[str, Any]:

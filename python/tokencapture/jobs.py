@@ -10,6 +10,8 @@ Two ways to run blocking work without blocking the event loop:
 * `start_together(*coroutines)`: start coroutines as tasks whose native jobs (those each
   starts before it first waits) go to the worker pool as one job, run in order: one worker
   wake-up instead of one per job.
+* `prepare_loop()`: make the running loop's queue (and its descriptor) now, as a server does at
+  startup, instead of at its first native job.
 * `off_loop(func, *args)`: run a blocking call that builds Python objects (a freeze, a batch)
   on the process-wide thread pool (`io_executor()`, recreated in a forked child).
 
@@ -34,7 +36,14 @@ from typing import Any, ParamSpec, TypeVar, cast
 from tokencapture import _core
 from tokencapture.forking import renew_after_fork
 
-__all__ = ["checked_when_called", "io_executor", "native_job", "off_loop", "start_together"]
+__all__ = [
+    "checked_when_called",
+    "io_executor",
+    "native_job",
+    "off_loop",
+    "prepare_loop",
+    "start_together",
+]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -135,6 +144,15 @@ def _bridge(loop: asyncio.AbstractEventLoop) -> _LoopBridge:
     return bridge
 
 
+def prepare_loop() -> None:
+    """Make the running loop's completion queue now, not at its first native job.
+
+    The queue holds a descriptor (its doorbell): a server makes it at startup, so that a later
+    shortage of descriptors (its clients' sockets) cannot fail a call for the want of it.
+    """
+    _bridge(asyncio.get_running_loop())
+
+
 def native_job(start: Callable[..., None], *args: object) -> asyncio.Future[Any]:
     """Start `start(completions, token, *args)` on the worker pool; a future for its result.
 
@@ -167,7 +185,14 @@ def start_together(*coroutines: Coroutine[Any, Any, Any]) -> list[asyncio.Task[A
     loop's completion queue); a job started by anything else runs apart.
     """
     loop = asyncio.get_running_loop()
-    completions = _bridge(loop).completions
+    try:
+        completions = _bridge(loop).completions
+    except BaseException:
+        # No queue (its descriptor could not be made): none of them starts, and none is left
+        # behind unawaited.
+        for coroutine in coroutines:
+            coroutine.close()
+        raise
     loop.call_soon(completions.hold)
     try:
         return [loop.create_task(coroutine) for coroutine in coroutines]

@@ -28,6 +28,7 @@ import hashlib
 import hmac
 import inspect
 import logging
+import resource
 import time
 import uuid
 from collections import OrderedDict
@@ -44,6 +45,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from yarl import URL
 
+from tokencapture.descriptors import close_cached
 from tokencapture.gateway.backend import Backend
 from tokencapture.gateway.capture import (
     CHAT,
@@ -53,6 +55,7 @@ from tokencapture.gateway.capture import (
     Generation,
     Requested,
     StreamAccumulator,
+    echoed_text,
     generation_from_chat,
     generation_from_completion,
     generation_from_entry,
@@ -62,8 +65,13 @@ from tokencapture.gateway.capture import (
     strip_chat,
     strip_completion,
 )
-from tokencapture.gateway.errors import HttpError, error_response
-from tokencapture.jobs import start_together
+from tokencapture.gateway.errors import (
+    OUT_OF_DESCRIPTORS_HEADERS,
+    HttpError,
+    error_response,
+    out_of_descriptors,
+)
+from tokencapture.jobs import off_loop, prepare_loop, start_together
 from tokencapture.lineage import stamp_continuation
 from tokencapture.metrics import Metrics
 from tokencapture.protocols import (
@@ -123,7 +131,8 @@ class GatewayConfig:
 
     `upstream` is the engine's root URL (the gateway adds `/v1/...`); `token` protects every
     route but `/healthz` (a bearer token); `timeout` bounds each upstream call (seconds,
-    connect included); `max_connections` sizes the pooled upstream client; `tito` is a
+    connect included); `max_connections` sizes the pooled upstream client (None: from the
+    process's descriptor limit, see `upstream_pool_size`); `tito` is a
     `tokencapture.gateway.tito.Bridge` that turns resolved continuations into token-in
     completions (None: chat goes to the engine's chat endpoint).
     """
@@ -132,10 +141,37 @@ class GatewayConfig:
     token: str | None = None
     timeout: float = 600.0
     connect_timeout: float = 10.0
-    max_connections: int = 512
+    max_connections: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tito: Any = None
     extra_headers: dict[str, str] = field(default_factory=dict)
+
+
+MAX_UPSTREAM_CONNECTIONS: Final[int] = 512
+
+
+def upstream_pool_size(soft_limit: int | None = None) -> int:
+    """The upstream pool's default size: 512, or a quarter of the process's soft descriptor
+    limit when that is smaller (at least 8).
+
+    Each call in flight holds its client's socket and, while at the engine, one of the pool's;
+    the store needs descriptors of its own for the intent and the entry. A pool as large as
+    the limit would let clients and the engine take every descriptor, and then every call
+    fails at the store (503) while its sockets wait: with a quarter, calls beyond the pool
+    wait for a connection instead, and keep their descriptors' worth for the store.
+    """
+    if soft_limit is None:
+        soft_limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft_limit == resource.RLIM_INFINITY:
+        return MAX_UPSTREAM_CONNECTIONS
+    return max(8, min(MAX_UPSTREAM_CONNECTIONS, soft_limit // 4))
+
+
+def _store_unavailable(message: str, exc: BaseException) -> HttpError:
+    """The 503 of a store that failed; one for want of descriptors also closes its
+    connection (see `OUT_OF_DESCRIPTORS_HEADERS`)."""
+    headers = OUT_OF_DESCRIPTORS_HEADERS if out_of_descriptors(exc) else None
+    return HttpError(503, message, "store_unavailable", headers)
 
 
 def _event(payload: bytes) -> bytes:
@@ -172,8 +208,11 @@ class Gateway:
     def client(self) -> aiohttp.ClientSession:
         """The pooled upstream session (made on first use, on the running loop)."""
         if self._client is None:
+            limit = self.config.max_connections
             connector = aiohttp.TCPConnector(
-                limit=self.config.max_connections, keepalive_timeout=60, enable_cleanup_closed=True
+                limit=upstream_pool_size() if limit is None else limit,
+                keepalive_timeout=60,
+                enable_cleanup_closed=True,
             )
             timeout = aiohttp.ClientTimeout(
                 total=self.config.timeout, connect=self.config.connect_timeout
@@ -188,6 +227,21 @@ class Gateway:
                 cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._client
+
+    async def post_upstream(
+        self, path: str, data: bytes, request: Request
+    ) -> aiohttp.ClientResponse:
+        """POST a captured call upstream. A connect that ran out of descriptors (`EMFILE`,
+        `ENFILE`: nothing was sent) is tried once more after the store's cached descriptors are
+        closed, the rule every open of the store follows."""
+        url, headers = self.url(path), self._upstream_headers(request)
+        try:
+            return await self.client.post(url, data=data, headers=headers)
+        except aiohttp.ClientConnectorError as exc:
+            if not out_of_descriptors(exc.os_error):
+                raise
+        await off_loop(close_cached)
+        return await self.client.post(url, data=data, headers=headers)
 
     def url(self, path: str) -> URL:
         """The upstream's URL of `path` (the captured calls' two are parsed once)."""
@@ -558,10 +612,9 @@ class Gateway:
         written (a read: nothing to undo), by the same job of the store's worker pool: one
         worker wake-up for both; the lookup is done long before the engine answers (the call
         goes upstream only after the intent)."""
-        intent = call.start_intent(unless_stored=unless_stored)
         recorded = False
         try:
-            stored = await intent
+            stored = await call.start_intent(unless_stored=unless_stored)
             recorded = not stored
             return stored
         except TokenCaptureFrozenError as exc:
@@ -571,8 +624,8 @@ class Gateway:
         except (TypeError, ValueError) as exc:
             raise HttpError(400, str(exc)) from None
         except Exception as exc:
-            raise HttpError(
-                503, f"the store could not record the call's intent: {exc}", "store_unavailable"
+            raise _store_unavailable(
+                f"the store could not record the call's intent: {exc}", exc
             ) from None
         finally:
             if not recorded:  # also when cancelled: no call, so no parent to look up
@@ -589,10 +642,8 @@ class Gateway:
         try:
             entry = await self.backend.stored_entry(call.rollout_id, call.call_id)
         except Exception as exc:
-            raise HttpError(
-                503,
-                f"the store could not be read for an earlier answer to this call id: {exc}",
-                "store_unavailable",
+            raise _store_unavailable(
+                f"the store could not be read for an earlier answer to this call id: {exc}", exc
             ) from None
         if entry is None:
             return None
@@ -844,11 +895,10 @@ class _Call:
             ) from None
         except Exception as exc:
             await self.fail(f"store_write_failed: {type(exc).__name__}")
-            raise HttpError(
-                503,
+            raise _store_unavailable(
                 f"the store did not accept the entry ({type(exc).__name__}: {exc}); "
                 "the answer is withheld",
-                "store_unavailable",
+                exc,
             ) from None
         if kept:
             # Another attempt of this call (the client's retry, or its first try, through
@@ -874,11 +924,7 @@ class _Call:
         """POST upstream; the answer's headers are in, its body is still to be read."""
         gateway = self.gateway
         try:
-            return await gateway.client.post(
-                gateway.url(path),
-                data=orjson.dumps(body),
-                headers=gateway._upstream_headers(self.request),
-            )
+            return await gateway.post_upstream(path, orjson.dumps(body), self.request)
         except TimeoutError:
             await self.fail("upstream_timeout")
             raise HttpError(504, "upstream timed out", "upstream_error") from None
@@ -934,7 +980,7 @@ class _Call:
         try:
             data = orjson.loads(content)
             generation = (
-                generation_from_chat(data)
+                generation_from_chat(data, echoed_text(upstream_body))
                 if self.kind == CHAT
                 else generation_from_completion(data)
             )
@@ -991,25 +1037,35 @@ class _Call:
                     await asyncio.sleep(0)
             except TimeoutError:
                 await self.fail("upstream_timeout")
-                yield _event(_stream_error(504, "upstream timed out"))
+                yield _event(_stream_error(504, "upstream timed out", "upstream_error"))
                 return
             except aiohttp.ClientError as exc:
                 await self.fail(f"upstream_disconnected: {type(exc).__name__}")
-                yield _event(_stream_error(502, f"upstream disconnected: {type(exc).__name__}"))
+                yield _event(
+                    _stream_error(
+                        502, f"upstream disconnected: {type(exc).__name__}", "upstream_error"
+                    )
+                )
                 return
             except (CaptureError, orjson.JSONDecodeError) as exc:
                 await self.fail(f"capture_failed: {exc}")
-                yield _event(_stream_error(502, f"the upstream's stream cannot be captured: {exc}"))
+                message = f"the upstream's stream cannot be captured: {exc}"
+                yield _event(_stream_error(502, message, "upstream_error"))
                 return
             if not finished:
                 await self.fail("upstream_disconnected: stream ended without [DONE]")
-                yield _event(_stream_error(502, "the upstream's stream ended without [DONE]"))
+                yield _event(
+                    _stream_error(
+                        502, "the upstream's stream ended without [DONE]", "upstream_error"
+                    )
+                )
                 return
             try:
                 generation = accumulator.generation()
             except CaptureError as exc:
                 await self.fail(f"capture_failed: {exc}")
-                yield _event(_stream_error(502, f"the upstream's stream cannot be captured: {exc}"))
+                message = f"the upstream's stream cannot be captured: {exc}"
+                yield _event(_stream_error(502, message, "upstream_error"))
                 return
             if await self.client_gone():
                 # Gone before the final chunk: the call did not reach the client, so it is
@@ -1020,7 +1076,7 @@ class _Call:
             try:
                 await self.store(generation)
             except HttpError as exc:
-                yield _event(_stream_error(exc.status, exc.message))
+                yield _event(_stream_error(exc.status, exc.message, exc.kind))
                 return
             except _StoredFirst:
                 # Its deltas are sent, so the stored answer cannot replace them: the stream
@@ -1119,8 +1175,10 @@ _STORED_FIRST_MESSAGE: Final[str] = (
 )
 
 
-def _stream_error(status: int, message: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": "gateway_error", "code": status}})
+def _stream_error(status: int, message: str, kind: str = "gateway_error") -> bytes:
+    """A stream's error event, typed as the gateway's errors are (`upstream_error` when the
+    engine's stream failed)."""
+    return orjson.dumps({"error": {"message": message, "type": kind, "code": status}})
 
 
 _CAPTURED_PATHS: Final[dict[str, str]] = {
@@ -1200,6 +1258,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         gateway.client  # noqa: B018 - build the pooled client (its TLS context) before calls
+        prepare_loop()  # the store's completion queue: its descriptor taken before any client's
         try:
             yield
         finally:

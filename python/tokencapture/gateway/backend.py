@@ -119,12 +119,20 @@ class Backend:
                 # version, and the trainer's `drop` of it would fail. Both stores check and
                 # mark at once (under the rollout's lock, or its row lock).
                 await self.store.mark_incomplete_if_open(rollout_id, model_call_id)
+            except OSError as exc:  # the store's own words say what and why: no traceback
+                logger.warning(
+                    "could not mark call %r of %r incomplete: %s", model_call_id, rollout_id, exc
+                )
             except Exception:
                 logger.exception(
                     "could not mark call %r of %r incomplete", model_call_id, rollout_id
                 )
         try:
             await self.ledger.record_failure(rollout_id, model_call_id, reason)
+        except OSError as exc:
+            logger.warning(
+                "could not record the failure of call %r of %r: %s", model_call_id, rollout_id, exc
+            )
         except Exception:
             logger.exception(
                 "could not record the failure of call %r of %r", model_call_id, rollout_id

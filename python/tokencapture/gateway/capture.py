@@ -33,6 +33,7 @@ __all__ = [
     "Requested",
     "StreamAccumulator",
     "assistant_item",
+    "echoed_text",
     "generation_from_chat",
     "generation_from_completion",
     "generation_from_entry",
@@ -71,6 +72,23 @@ def _int_list(value: object, what: str) -> list[int]:
     return value
 
 
+# The strings pydantic's lax mode reads as true, as vLLM's request models read a boolean field.
+_TRUE_WORDS: Final[frozenset[str]] = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def _engine_reads_true(value: object) -> bool:
+    """Whether the engine takes `value` of a boolean field as true: vLLM's request models are
+    pydantic's, whose lax booleans take `1`, `1.0` and words like `"true"` or `"yes"` too. A
+    client that sent `"logprobs": 1` asked for them, and is given them."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return value == 1
+    if isinstance(value, str):
+        return value.lower() in _TRUE_WORDS
+    return False
+
+
 def prepare_upstream_body(kind: str, body: dict[str, Any]) -> tuple[dict[str, Any], Requested]:
     """The body to send upstream (token ids and log-probs injected) and what the client asked.
 
@@ -91,11 +109,11 @@ def prepare_upstream_body(kind: str, body: dict[str, Any]) -> tuple[dict[str, An
             "per call; send one prompt (a string or a list of token ids) per call, each with "
             "its own X-Model-Call-Id"
         )
-    asked_ids = body.get("return_token_ids") is True
+    asked_ids = _engine_reads_true(body.get("return_token_ids"))
     upstream = dict(body)
     upstream["return_token_ids"] = True
     if kind == CHAT:
-        asked_logprobs = body.get("logprobs") is True
+        asked_logprobs = _engine_reads_true(body.get("logprobs"))
         upstream["logprobs"] = True
     else:
         logprobs = body.get("logprobs")
@@ -201,12 +219,39 @@ def _checked(generation: Generation) -> Generation:
     return generation
 
 
-def generation_from_chat(body: Mapping[str, Any]) -> Generation:
-    """The generation of a chat completion answered with `return_token_ids` and log-probs."""
+def echoed_text(request: Mapping[str, Any]) -> str:
+    """The text vLLM puts before a chat answer's content when the request asks for `echo`:
+    the last message's content, when that message is in the answer's role (the assistant's,
+    or with `add_generation_prompt: false` the last message's own); "" otherwise."""
+    messages = request.get("messages")
+    if not _engine_reads_true(request.get("echo")) or not isinstance(messages, list):
+        return ""
+    last = messages[-1] if messages else None
+    if not isinstance(last, Mapping):
+        return ""
+    role = "assistant" if request.get("add_generation_prompt", True) is not False else None
+    if role is not None and last.get("role") != role:
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):  # parts: the engine joins their texts with newlines
+        content = "\n".join(
+            str(part.get("text", "")) for part in content if isinstance(part, Mapping)
+        )
+    return content if isinstance(content, str) else ""
+
+
+def generation_from_chat(body: Mapping[str, Any], echoed: str = "") -> Generation:
+    """The generation of a chat completion answered with `return_token_ids` and log-probs.
+
+    `echoed` (see `echoed_text`) is taken off the front of the answer's content: the entry's
+    output is what the engine generated, as its token ids are."""
     choice = _one_choice(body)
     message = choice.get("message")
     if not isinstance(message, Mapping):
         raise CaptureError("the upstream's chat answer has no message")
+    content = message.get("content")
+    if echoed and isinstance(content, str) and content.startswith(echoed):
+        message = {**message, "content": content[len(echoed) :]}
     return _checked(
         Generation(
             _int_list(body.get("prompt_token_ids"), "prompt_token_ids"),

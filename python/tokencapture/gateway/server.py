@@ -14,6 +14,7 @@ import ipaddress
 import json
 import logging
 import os
+import resource
 from typing import Any
 
 import uvicorn
@@ -21,7 +22,13 @@ import uvicorn
 from tokencapture.gateway.app import DEFAULT_MAX_BODY_BYTES, GatewayApp, GatewayConfig, create_app
 from tokencapture.gateway.backend import open_backend
 
-__all__ = ["SETTINGS_ENV", "TOKEN_ENV", "app_from_environment", "serve"]
+__all__ = [
+    "SETTINGS_ENV",
+    "TOKEN_ENV",
+    "app_from_environment",
+    "raise_descriptor_limit",
+    "serve",
+]
 
 TOKEN_ENV = "TOKENCAPTURE_GATEWAY_TOKEN"
 SETTINGS_ENV = "TOKENCAPTURE_GATEWAY_SETTINGS"
@@ -42,6 +49,27 @@ def _can_enter_cwd() -> bool:
         return os.access(os.getcwd(), os.X_OK)
     except OSError:  # removed since
         return False
+
+
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Raise this process's soft `RLIMIT_NOFILE` to its hard limit, as servers do (Go's runtime
+    does it for every program); returns the soft limit before and after.
+
+    Every client of the gateway holds a socket, and so does each call at the engine: under the
+    common default soft limit of 1,024 a few hundred concurrent sessions would take every
+    descriptor, and the store could then open nothing. The hard limit is the operator's bound
+    and stays as it is; an unlimited one leaves the soft limit alone.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or (soft != resource.RLIM_INFINITY and soft >= hard):
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError) as exc:
+        logger.warning("could not raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+        return soft, soft
+    logger.info("descriptor limit raised from %d to %d", soft, hard)
+    return soft, hard
 
 
 def _app(settings: dict[str, Any], token: str | None) -> GatewayApp:
@@ -116,6 +144,9 @@ def serve(
         "timeout": timeout,
         "max_body_bytes": max_body_bytes,
     }
+    # Before the store is opened (its descriptor budget is a share of the soft limit) and
+    # before any worker starts (they inherit it).
+    raise_descriptor_limit()
     # Built here in any case: a store, tokenizer or renderer that cannot be opened fails once,
     # with its own message, before any socket is bound or worker started.
     app = _app(settings, token)

@@ -31,6 +31,18 @@ fn set_descriptor_budget(py: Python<'_>, limit: Option<usize>) {
     py.detach(|| budget().set_limit(limit));
 }
 
+/// Close every idle descriptor the process's caches keep (what an open that runs out of
+/// descriptors does before its one retry), for a caller whose own open ran out: a server's
+/// socket, say. Returns how many the caches held before less how many they hold after.
+#[pyfunction]
+fn close_cached_descriptors(py: Python<'_>) -> usize {
+    py.detach(|| {
+        let before = budget().held();
+        budget().evict_all();
+        before.saturating_sub(budget().held())
+    })
+}
+
 /// In a forked child, first thing (`tokencapture.forking`'s after-fork hook): the numbers of
 /// the lock file descriptors the parent had open, which the caller replaces with `/dev/null`
 /// so that no lock of the parent's stays held through the child (`rust/src/lock.rs`).
@@ -43,5 +55,6 @@ pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(descriptor_budget, module)?)?;
     module.add_function(wrap_pyfunction!(take_inherited_lock_files, module)?)?;
     module.add_function(wrap_pyfunction!(set_descriptor_budget, module)?)?;
+    module.add_function(wrap_pyfunction!(close_cached_descriptors, module)?)?;
     Ok(())
 }
