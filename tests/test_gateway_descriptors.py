@@ -141,17 +141,19 @@ async def test_an_upstream_connect_out_of_descriptors_is_retried_after_closing_t
     import tokencapture.gateway.app as gateway_app
 
     gateway = harness.app.state.gateway
-    post = gateway.client.post
+    request = gateway.client.request
     attempts: list[str] = []
     closed: list[int] = []
 
-    async def post_once_out_of_descriptors(url: Any, **kwargs: Any) -> aiohttp.ClientResponse:
+    async def once_out_of_descriptors(
+        method: str, url: Any, **kwargs: Any
+    ) -> aiohttp.ClientResponse:
         attempts.append(str(url))
         if len(attempts) == 1:
             raise _connect_out_of_descriptors()
-        return await post(url, **kwargs)
+        return await request(method, url, **kwargs)
 
-    monkeypatch.setattr(gateway.client, "post", post_once_out_of_descriptors)
+    monkeypatch.setattr(gateway.client, "request", once_out_of_descriptors)
     monkeypatch.setattr(gateway_app, "close_cached", lambda: closed.append(1) or 0)
     answer = await harness.chat("r1", "c1")
     assert answer.status_code == 200
@@ -163,15 +165,22 @@ async def test_an_upstream_connect_out_of_descriptors_is_retried_after_closing_t
     # Out of descriptors again on the retry: a 502, the call marked (its intent is written).
     attempts.clear()
 
-    async def never(url: Any, **kwargs: Any) -> aiohttp.ClientResponse:
+    async def never(method: str, url: Any, **kwargs: Any) -> aiohttp.ClientResponse:
         attempts.append(str(url))
         raise _connect_out_of_descriptors()
 
-    monkeypatch.setattr(gateway.client, "post", never)
+    monkeypatch.setattr(gateway.client, "request", never)
     answer = await harness.chat("r2", "c1")
     assert answer.status_code == 502
     assert len(attempts) == 2
     assert harness.store.is_incomplete("r2")
+
+    # An uncaptured call passed through follows the same rule.
+    attempts.clear()
+    monkeypatch.setattr(gateway.client, "request", once_out_of_descriptors)
+    answer = await harness.client.get("/v1/models")
+    assert answer.status_code == 200
+    assert len(attempts) == 2 and attempts[0].endswith("/v1/models")
 
 
 # The gateway as its own process, under a descriptor limit -----------------------------------

@@ -228,20 +228,19 @@ class Gateway:
             )
         return self._client
 
-    async def post_upstream(
-        self, path: str, data: bytes, request: Request
+    async def request_upstream(
+        self, method: str, url: URL, **options: Any
     ) -> aiohttp.ClientResponse:
-        """POST a captured call upstream. A connect that ran out of descriptors (`EMFILE`,
-        `ENFILE`: nothing was sent) is tried once more after the store's cached descriptors are
-        closed, the rule every open of the store follows."""
-        url, headers = self.url(path), self._upstream_headers(request)
+        """A request upstream (its body already read: bytes). A connect that ran out of
+        descriptors (`EMFILE`, `ENFILE`: nothing was sent) is tried once more after the store's
+        cached descriptors are closed, the rule every open of the store follows."""
         try:
-            return await self.client.post(url, data=data, headers=headers)
+            return await self.client.request(method, url, **options)
         except aiohttp.ClientConnectorError as exc:
             if not out_of_descriptors(exc.os_error):
                 raise
         await off_loop(close_cached)
-        return await self.client.post(url, data=data, headers=headers)
+        return await self.client.request(method, url, **options)
 
     def url(self, path: str) -> URL:
         """The upstream's URL of `path` (the captured calls' two are parsed once)."""
@@ -419,7 +418,7 @@ class Gateway:
         except HttpError as exc:
             return exc.response()
         try:
-            answer = await self.client.request(
+            answer = await self.request_upstream(
                 request.method,
                 self.url(path),
                 data=body,
@@ -924,7 +923,12 @@ class _Call:
         """POST upstream; the answer's headers are in, its body is still to be read."""
         gateway = self.gateway
         try:
-            return await gateway.post_upstream(path, orjson.dumps(body), self.request)
+            return await gateway.request_upstream(
+                "POST",
+                gateway.url(path),
+                data=orjson.dumps(body),
+                headers=gateway._upstream_headers(self.request),
+            )
         except TimeoutError:
             await self.fail("upstream_timeout")
             raise HttpError(504, "upstream timed out", "upstream_error") from None
