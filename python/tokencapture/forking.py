@@ -73,6 +73,10 @@ class ProcessOwner:
     def __init__(self) -> None:
         self._pid = os.getpid()
 
+    def is_current(self) -> bool:
+        """Whether the state belongs to this process (made here, or started over here)."""
+        return self._pid == os.getpid()
+
     def start_over_in_child(self, lock: threading.Lock, start_over: Callable[[], None]) -> None:
         """Run `start_over` if this process is not the owner yet; `lock` must be one that
         `renew_after_fork` renews (a parent's thread may have held it at the fork)."""

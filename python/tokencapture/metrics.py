@@ -270,8 +270,10 @@ def instrumented(store: str, backend: str, operations: Mapping[str, str]) -> Cal
     return decorate
 
 
-# The object whose timed method is running in this context (its nested timed calls don't count).
-_timing: ContextVar[object] = ContextVar("tokencapture_timing", default=None)
+# The `id` of the object whose timed method is running in this context (its nested timed calls
+# don't count). Its id, not the object: a context is copied into whatever a call schedules (a
+# driver's timer, say, which may live for minutes), and must not keep the store alive there.
+_timing: ContextVar[int | None] = ContextVar("tokencapture_timing", default=None)
 
 
 def _timed_method(function: Callable[..., Any], recorder: Recorder, operation: str) -> Any:
@@ -279,7 +281,7 @@ def _timed_method(function: Callable[..., Any], recorder: Recorder, operation: s
     clock = time.perf_counter
 
     async def finish(self: object, awaitable: Awaitable[Any], started: float) -> Any:
-        token = _timing.set(self)
+        token = _timing.set(id(self))
         try:
             result = await awaitable
         except BaseException as exc:
@@ -292,9 +294,9 @@ def _timed_method(function: Callable[..., Any], recorder: Recorder, operation: s
 
     @functools.wraps(function)
     def timed(self: object, *args: Any, **kwargs: Any) -> Any:
-        if _timing.get() is self:
+        if _timing.get() == id(self):
             return function(self, *args, **kwargs)
-        token = _timing.set(self)
+        token = _timing.set(id(self))
         started = clock()
         try:
             result = function(self, *args, **kwargs)

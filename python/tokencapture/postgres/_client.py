@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import threading
 import time
 import weakref
@@ -214,22 +215,75 @@ class _Pool:
 
 
 class _LoopThread:
-    """An event loop on a daemon thread, for the synchronous twins of the async methods."""
+    """An event loop on a daemon thread, for the synchronous twins of the async methods. The
+    loop is closed by its own thread once stopped (`stop`, or a dropped client's `_reap`)."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(
-            target=self.loop.run_forever, name="tokencapture-postgres", daemon=True
+            target=self._serve, name="tokencapture-postgres", daemon=True
         )
         self.thread.start()
 
+    def _serve(self) -> None:
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
     def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        # Submitted from an empty context: the caller's context variables (a timed method's
+        # marker) would otherwise be copied into whatever the call schedules on this loop.
+        submit = asyncio.run_coroutine_threadsafe
+        return contextvars.Context().run(submit, coro, self.loop).result()
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        with contextlib.suppress(RuntimeError):  # closed already: stopped by a `_reap`
+            self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
-        self.loop.close()
+
+
+def _weakly(connect: Callable[[], Awaitable[_T]]) -> Callable[[], Awaitable[_T]]:
+    """The bound method `connect`, without keeping its client alive: a client's pools must not
+    hold it back (a cycle is freed by the garbage collector on whichever thread runs it, and a
+    connection freed there is torn down off its loop; see `_reap`)."""
+    method = weakref.WeakMethod(connect)
+
+    async def call() -> _T:
+        bound = method()
+        if bound is None:
+            raise asyncpg.InterfaceError("the store was dropped")
+        return await bound()
+
+    return call
+
+
+def _reap(state: dict[str, Any]) -> None:
+    """A client dropped without `close` (its `__dict__`, kept by its finalizer): tear its pools
+    down on their own loops and stop its loop thread. Without it the thread, its loop's
+    descriptors and the server sessions stayed for the life of the process, and connections
+    freed by the garbage collector off their loop raced the loop in asyncio's transport."""
+    if state.get("closed") or not state["_owner"].is_current():
+        return  # closed, or the parent's (a forked child never touches those)
+    thread: _LoopThread | None = state.get("_thread")
+    pools = list(state["_pools"].items())
+    for loop, pool in pools:
+        if thread is not None and loop is thread.loop:
+            continue
+        if not loop.is_closed() and not loop.is_running():
+            pool.terminate()  # an idle loop (a group commit's): nothing runs on it now
+    if thread is None or thread.loop.is_closed():
+        return
+    loop = thread.loop
+
+    def shutdown() -> None:
+        for owner, pool in pools:
+            if owner is loop:
+                pool.terminate()
+        loop.call_soon(loop.stop)  # after the callbacks the terminations queued
+
+    with contextlib.suppress(RuntimeError):  # closed meanwhile
+        loop.call_soon_threadsafe(shutdown)
 
 
 class Client:
@@ -291,6 +345,9 @@ class Client:
         self._thread_lock = threading.Lock()
         renew_after_fork(self, "_thread_lock")
         self.closed = False
+        # Dropped without `close`: its connections and loop thread are let go (`_reap`). The
+        # finalizer keeps the state, not the client.
+        weakref.finalize(self, _reap, self.__dict__).atexit = False  # exit ends them anyway
 
     def this_process(self) -> None:
         """In a forked child, on its first call: forget the parent's pools, batchers and loop
@@ -388,7 +445,7 @@ class Client:
         async with lock:
             pool = self._pools.get(loop)
             if pool is None:
-                pool = _Pool(self._connect, self.pool_size, self.connect_timeout)
+                pool = _Pool(_weakly(self._connect), self.pool_size, self.connect_timeout)
                 if not self._schema_checked:
                     try:
                         await self._check_schema(pool)
