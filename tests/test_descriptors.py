@@ -284,6 +284,39 @@ print(json.dumps({{
 )
 
 
+FIRST_ASYNC_CALL = (
+    SOCKET_NEIGHBOUR
+    + """
+store = TokenCaptureStore(ROOT)
+async def first():
+    exhaust()  # before the loop's first native job: its completion queue cannot be made
+    try:
+        await store.put(make_entry("r", call=0))
+    except OSError as exc:
+        return [exc.errno, str(exc)]
+    finally:
+        release()
+failure = asyncio.run(first())
+release()
+async def again():
+    await store.put(make_entry("r", call=0))
+    return len((await store.freeze("r")).entries)
+print(json.dumps({{"failure": failure, "again": asyncio.run(again())}}))
+"""
+)
+
+
+def test_a_loop_whose_completion_queue_cannot_be_made_says_errno_24(tmp_path: Path) -> None:
+    """An event loop's first async call makes its completion queue (an eventfd): with every
+    descriptor taken it raises OSError with errno 24 and the store's words, as every open does
+    (it was an OSError without an errno, its message the bare system error)."""
+    seen = run_limited(tmp_path, FIRST_ASYNC_CALL.format())
+    errno_, message = seen["failure"]
+    assert errno_ == 24
+    assert "make the completion queue failed" in message and "retrying" in message
+    assert seen["again"] == 1
+
+
 def test_a_socket_hungry_neighbour_exhausting_the_limit(tmp_path: Path) -> None:
     """A neighbour in the same process opens sockets until EMFILE. While the store's caches
     hold descriptors, its operations succeed by closing them (evict, retry once); with

@@ -123,7 +123,8 @@ impl Completions {
         Ok(Completions {
             queue: Arc::new(Queue {
                 done: Mutex::new(Vec::new()),
-                doorbell: Doorbell::new()?,
+                doorbell: Doorbell::new()
+                    .map_err(|err| super::errors::os_error("make the completion queue", &err))?,
             }),
             held: Mutex::new(None),
         })

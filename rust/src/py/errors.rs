@@ -73,6 +73,20 @@ pub(super) fn to_pyerr(py: Python<'_>, err: Error) -> PyErr {
     }
 }
 
+/// `OSError` for an open with no path (the completion queue's eventfd): its errno kept, and
+/// an exhaustion worded as the store's opens word it (see [`to_pyerr`]).
+pub(super) fn os_error(op: &'static str, source: &std::io::Error) -> PyErr {
+    let words = crate::descriptors::exhaustion_message(op, source)
+        .unwrap_or_else(|| format!("{op} failed: {source}"));
+    match crate::descriptors::exhaustion(source) {
+        Some((errno, _)) => PyOSError::new_err((errno, words)),
+        None => match source.raw_os_error() {
+            Some(errno) => PyOSError::new_err((errno, words)),
+            None => PyOSError::new_err(words),
+        },
+    }
+}
+
 /// The exception the file store raises for a refused write of `rollout_id`: `kind` is
 /// `"frozen"`, `"retired"` or `"conflict"` (which names `model_call_id`). Another backend that
 /// learns of the refusal from its server raises this, so every store words it as the core does.
