@@ -787,3 +787,50 @@ def test_canonical_line_is_the_line_nemo_writes(fields: dict[str, Any]) -> None:
             assert ours.path_for("prop").read_bytes() == written
             (read_back,) = impl(nemo.root).read_entries("prop")
             assert_same_entries([read_back], [theirs])
+
+
+def test_ints_in_float_fields_are_written_and_read_as_nemo_gym_does(
+    impl: OurImpl, tmp_path: Path
+) -> None:
+    """An entry mutated after validation (or built with `model_construct`) with an int where a
+    float belongs is written as NeMo Gym writes it (pydantic's JSON mode: `7.0`, `-2.0`), and a
+    line holding ints there reads back as floats, as NeMo Gym's validation reads it (before,
+    ours wrote `7` and `[-2]` and read such a line back as ints)."""
+    fields: dict[str, Any] = {
+        "rollout_id": "r",
+        "model_call_id": "c0",
+        "prompt_token_ids": [1, 2],
+        "generation_token_ids": [3],
+        "generation_log_probs": [-0.5],
+        "created_at": 1.5,
+    }
+    theirs, mine = NemoEntry(**fields), TokenEntry(**fields)
+    for entry in (theirs, mine):
+        entry.created_at = 7
+        entry.generation_log_probs = [-2]
+    nemo = NemoStore(tmp_path / "nemo")
+    nemo.append(theirs)
+    ours = impl(tmp_path / "ours")
+    ours.append(mine)
+    assert ours.path_for("r").read_bytes() == nemo.path_for("r").read_bytes()
+
+    # A line with ints in the float fields (hand-made, or another writer's), read by each.
+    record = orjson.loads(nemo.path_for("r").read_bytes())
+    record.update(
+        model_call_id="c1",
+        created_at=5,
+        generation_token_ids=[3, 4],
+        generation_log_probs=[-1, -0.25],
+    )
+    for store in (nemo, ours):
+        append_bytes(store.path_for("r"), orjson.dumps(record, option=orjson.OPT_SORT_KEYS) + b"\n")
+    (_, expected) = NemoStore(nemo.root).read_entries("r")
+    for snapshot_entries in (
+        impl(ours.root).read_entries("r"),
+        impl(ours.root).freeze_now("r").entries,
+    ):
+        got = snapshot_entries[1]
+        assert (got.created_at, got.generation_log_probs) == (5.0, [-1.0, -0.25])
+        assert type(got.created_at) is type(expected.created_at) is float
+        assert [type(v) for v in got.generation_log_probs] == [float, float]
+        assert expected.generation_log_probs == got.generation_log_probs

@@ -60,7 +60,52 @@ impl<'py> PyBuilder<'py> {
         (value, false)
     }
 
-    /// Refuse a top-level token field of the wrong shape, naming it.
+    /// A top-level field as the entry holds it: a token field of the wrong shape refused,
+    /// naming it, and the float fields' integers made floats (`-1` in the log-probs, `7` as
+    /// `created_at`: what NeMo Gym's validation, and our columns, read them as; our writer
+    /// and NeMo Gym's never write them so, but a hand-made or foreign line may).
+    fn top_level(&self, key: &str, value: Decoded<'py>) -> PyResult<Decoded<'py>> {
+        let object = &value.0;
+        if key == "created_at" && object.is_exact_instance_of::<pyo3::types::PyInt>() {
+            let number: f64 = object.extract()?;
+            return Ok(Self::plain(
+                pyo3::types::PyFloat::new(self.py, number).into_any(),
+            ));
+        }
+        if key != "generation_log_probs" {
+            self.check_top_level(key, &value)?;
+            return Ok(value);
+        }
+        // One pass over the log-probs: each a float or an int, the ints noted.
+        let mut ints = Vec::new();
+        let mut floats = false;
+        if let Ok(list) = object.cast::<PyList>() {
+            floats = true;
+            for_each_item_type(list, |index, item_type| match item_type {
+                ItemType::Float(_) => true,
+                ItemType::Int => {
+                    ints.push(index);
+                    true
+                }
+                ItemType::Other => {
+                    floats = false;
+                    false
+                }
+            });
+            for index in ints {
+                let number: f64 = list.get_item(index)?.extract()?;
+                list.set_item(index, pyo3::types::PyFloat::new(self.py, number))?;
+            }
+        }
+        if !floats {
+            return Err(PyValueError::new_err(format!(
+                "{key} must be a list of floats"
+            )));
+        }
+        Ok(value)
+    }
+
+    /// Refuse a top-level token-id field of the wrong shape, naming it.
     fn check_top_level(&self, key: &str, value: &Decoded<'py>) -> PyResult<()> {
         let (object, unsigned_list) = value;
         let list_of = |accept: fn(ItemType) -> bool, what: &str| -> PyResult<()> {
@@ -82,11 +127,6 @@ impl<'py> PyBuilder<'py> {
         };
         if TOKEN_ID_FIELDS.contains(&key) && !unsigned_list {
             list_of(|item| item == ItemType::Int, "ints")?;
-        } else if key == "generation_log_probs" {
-            list_of(
-                |item| matches!(item, ItemType::Int | ItemType::Float(_)),
-                "floats",
-            )?;
         }
         Ok(())
     }
@@ -210,9 +250,11 @@ impl<'py> crate::json::Builder<'_> for PyBuilder<'py> {
     ) -> PyResult<Self::Value> {
         let dict = pyo3::types::PyDict::new(self.py);
         for ((key, _), value) in members {
-            if depth == 1 {
-                self.check_top_level(key.cast::<PyString>()?.to_str()?, &value)?;
-            }
+            let value = if depth == 1 {
+                self.top_level(key.cast::<PyString>()?.to_str()?, value)?
+            } else {
+                value
+            };
             dict.set_item(key, value.0)?;
         }
         Ok(Self::plain(dict.into_any()))

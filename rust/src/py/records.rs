@@ -350,6 +350,11 @@ fn scan_entry_values(values: &Bound<'_, pyo3::types::PyDict>) -> PyResult<bool> 
                 scan_token_ids(&value, field)?
             }
             Some("generation_log_probs") => scan_log_probs(&value)?,
+            // A float field holding an int: pydantic's JSON mode writes `7.0`, orjson `7`.
+            Some("created_at") if !value.is_instance_of::<pyo3::types::PyFloat>() => {
+                scan_value(&value, 1).map_err(|e| e.at(|| key.to_string()).into_pyerr())?;
+                false
+            }
             _ => scan_value(&value, 1).map_err(|e| e.at(|| key.to_string()).into_pyerr())?,
         };
         plain &= value_plain && key.is_exact_instance_of::<PyString>();
@@ -396,6 +401,8 @@ fn scan_log_probs(value: &Bound<'_, PyAny>) -> PyResult<bool> {
                 return true;
             }
         } else if item_type == ItemType::Int {
+            // Not plain: pydantic's JSON mode writes it as a float (`-2.0`), orjson would not.
+            plain = false;
             return true;
         }
         let Ok(item) = list.get_item(index) else {
@@ -413,7 +420,7 @@ fn scan_log_probs(value: &Bound<'_, PyAny>) -> PyResult<bool> {
             }
             plain &= item.is_exact_instance_of::<PyFloat>();
         } else if item.is_instance_of::<PyInt>() && !item.is_instance_of::<PyBool>() {
-            plain &= item.is_exact_instance_of::<PyInt>();
+            plain = false;
         } else {
             refused = Some(format!(
                 "{field}.{index} must be a float, got {}",
