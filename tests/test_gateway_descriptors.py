@@ -162,7 +162,8 @@ async def test_an_upstream_connect_out_of_descriptors_is_retried_after_closing_t
     assert [e.model_call_id for e in harness.store.freeze_now("r1").entries] == ["c1"]
     assert not harness.store.is_incomplete("r1")
 
-    # Out of descriptors again on the retry: a 502, the call marked (its intent is written).
+    # Out of descriptors at every retry (0.75 s of waits, the caches closed before each): a
+    # 502, the call marked (its intent is written).
     attempts.clear()
 
     async def never(method: str, url: Any, **kwargs: Any) -> aiohttp.ClientResponse:
@@ -172,7 +173,8 @@ async def test_an_upstream_connect_out_of_descriptors_is_retried_after_closing_t
     monkeypatch.setattr(gateway.client, "request", never)
     answer = await harness.chat("r2", "c1")
     assert answer.status_code == 502
-    assert len(attempts) == 2
+    assert len(attempts) == 2 + len(gateway_app.UPSTREAM_DESCRIPTOR_WAITS)
+    assert len(closed) == 1 + (len(attempts) - 1)  # the first call's, and one per retry
     assert harness.store.is_incomplete("r2")
 
     # An uncaptured call passed through follows the same rule.

@@ -148,6 +148,9 @@ class GatewayConfig:
 
 
 MAX_UPSTREAM_CONNECTIONS: Final[int] = 512
+# Seconds an upstream connect that ran out of descriptors waits before each retry after the
+# first (0.75 s in all; see `Gateway.request_upstream`).
+UPSTREAM_DESCRIPTOR_WAITS: Final[tuple[float, ...]] = (0.05, 0.1, 0.2, 0.4)
 
 
 def upstream_pool_size(soft_limit: int | None = None) -> int:
@@ -232,15 +235,21 @@ class Gateway:
         self, method: str, url: URL, **options: Any
     ) -> aiohttp.ClientResponse:
         """A request upstream (its body already read: bytes). A connect that ran out of
-        descriptors (`EMFILE`, `ENFILE`: nothing was sent) is tried once more after the store's
-        cached descriptors are closed, the rule every open of the store follows."""
-        try:
-            return await self.client.request(method, url, **options)
-        except aiohttp.ClientConnectorError as exc:
-            if not out_of_descriptors(exc.os_error):
-                raise
-        await off_loop(close_cached)
-        return await self.client.request(method, url, **options)
+        descriptors (`EMFILE`, `ENFILE`: nothing was sent) is tried again after the store's
+        cached descriptors are closed (the rule every open of the store follows), then a few
+        times more within `UPSTREAM_DESCRIPTOR_WAITS`: a captured call's intent is already
+        written, and giving up marks its rollout incomplete, while the sockets of calls being
+        answered meanwhile close and give their descriptors back."""
+        for wait in (None, 0.0, *UPSTREAM_DESCRIPTOR_WAITS):
+            if wait is not None:
+                await off_loop(close_cached)
+                await asyncio.sleep(wait)
+            try:
+                return await self.client.request(method, url, **options)
+            except aiohttp.ClientConnectorError as exc:
+                if not out_of_descriptors(exc.os_error) or wait == UPSTREAM_DESCRIPTOR_WAITS[-1]:
+                    raise
+        raise AssertionError("unreachable")
 
     def url(self, path: str) -> URL:
         """The upstream's URL of `path` (the captured calls' two are parsed once)."""
