@@ -248,3 +248,38 @@ def test_copy_between_two_databases(
             await client.close()
 
     assert asyncio.run(images(source)) == asyncio.run(images(target))
+
+
+def test_a_role_or_database_that_does_not_exist_is_one_line_not_a_traceback(
+    pg_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The driver's refusals are its own exception types; the CLI said them with a traceback."""
+    for dsn in (
+        pg_server.dsn.replace("postgres@", "nobody@"),
+        pg_server.dsn_for("no_such_database"),
+    ):
+        for args in (["ls", dsn], ["verify", dsn, "--json"], ["ls", dsn, "--staging"]):
+            assert main(args) == 1
+            err = capsys.readouterr().err
+            assert "Traceback" not in err
+            assert err.startswith("tokencapture: error: PostgreSQL: ") and err.count("\n") == 1
+
+
+def test_copy_goes_on_past_a_rollout_it_cannot_read_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One unreadable rollout in the source (a line that is not a record, newline-terminated:
+    damage, not a torn tail) is reported and the others are copied; before, the copy stopped
+    there with one error line and no report, some rollouts already written."""
+    source = TokenCaptureStore(tmp_path / "source")
+    for rollout_id in ("a", "b", "b2", "c"):
+        source.append(make_entry(rollout_id, call=0))
+    log = source.path_for("b2")
+    log.write_bytes(b"not a record\n" + log.read_bytes())
+    code, report = run(capsys, "copy", str(tmp_path / "source"), str(tmp_path / "target"))
+    assert code == 1
+    assert [c["rollout_id"] for c in report["copied"]] == ["a", "b", "c"]
+    ((unreadable),) = report["unreadable_in_source"]
+    assert unreadable["rollout_id"] == "b2" and "byte offset 0" in unreadable["problem"]
+    target = TokenCaptureStore(tmp_path / "target")
+    assert [len(target.read_entries(r)) for r in ("a", "b", "c")] == [1, 1, 1]

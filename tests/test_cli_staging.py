@@ -220,6 +220,7 @@ def test_copy_between_backends_both_ways(
         "refused": [],
         "mismatched": [],
         "missing_in_source": [],
+        "damaged_in_source": [],
     }
     # ... and back into a third store: identical records and attachments.
     back = str(tmp_path / "back")
@@ -247,3 +248,39 @@ def test_copy_between_backends_both_ways(
         'solo/c1: TokenCaptureConflictError: staging key "solo/c1" is already staged with '
         "different content"
     ]
+
+
+def test_copy_says_what_it_did_not_copy_and_leaves_no_broken_chain(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A frame damaged in the source is reported and the copy fails (before, it said it copied
+    everything and exited 0, the damaged call missing from the target); a call the target
+    refuses takes its descendants with it (before, they were staged on top of the target's
+    other parent, a chain that does not verify)."""
+    source = tmp_path / "source"
+    store = FileStagingStore(source)
+    assert store.stage(make_record("leaf", extras={"k": "x" * 64})).ok
+    for record in chain("r", 3):  # later batches: the damage is not a torn tail
+        assert store.stage(record).ok
+    del store
+    (segment,) = source.glob("seg-*.tcs")
+    data = bytearray(segment.read_bytes())
+    at = data.index(b"x" * 64) + 10
+    data[at] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    target = tmp_path / "target"
+    assert FileStagingStore(target).stage(make_record("r", "c0", [9, 9, 9])).ok  # another c0
+    code, report = run(capsys, "copy", str(source), str(target))
+    assert code == 1
+    ((name, start, end),) = report["damaged_in_source"]
+    assert name == segment.name and start <= at < end
+    assert report["copied"] == {}
+    conflict, child, grandchild = report["refused"]
+    assert conflict.startswith("r/c0: TokenCaptureConflictError")
+    assert child == "r/c1: its parent call 'c0' was not copied"
+    assert grandchild == "r/c2: its parent call 'c1' was not copied"
+    code, verified = run(capsys, "verify", str(target))
+    assert code == 0 and verified["ok"], verified
+    assert main(["copy", str(source), str(tmp_path / "text"), "--staging"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == f"damaged in the source, not copied: segment {name} bytes {start}..{end}"

@@ -506,10 +506,15 @@ def cmd_copy(args: argparse.Namespace) -> int:
     copied: list[dict[str, Any]] = []
     skipped: list[str] = []
     missing: list[str] = []
+    unreadable: list[dict[str, str]] = []
     try:
         names = args.rollouts or source.rollouts()
         for rollout_id in names:
-            image = source.export(validate_rollout_id(rollout_id))
+            try:
+                image = source.export(validate_rollout_id(rollout_id))
+            except (OSError, ValueError) as exc:  # one damaged rollout must not stop the rest
+                unreadable.append({"rollout_id": rollout_id, "problem": str(exc)})
+                continue
             if image is None:
                 missing.append(rollout_id)
             elif target.create(image):
@@ -519,7 +524,12 @@ def cmd_copy(args: argparse.Namespace) -> int:
     finally:
         source.close()
         target.close()
-    payload = {"copied": copied, "exists_in_target": skipped, "missing_in_source": missing}
+    payload = {
+        "copied": copied,
+        "exists_in_target": skipped,
+        "missing_in_source": missing,
+        "unreadable_in_source": unreadable,
+    }
 
     def render(p: dict[str, Any]) -> str:
         lines = [
@@ -530,10 +540,14 @@ def cmd_copy(args: argparse.Namespace) -> int:
             lines.append(f"not copied, already in the target: {', '.join(p['exists_in_target'])}")
         if p["missing_in_source"]:
             lines.append(f"not in the source: {', '.join(p['missing_in_source'])}")
+        lines.extend(
+            f"not copied, unreadable in the source: {u['rollout_id']}: {u['problem']}"
+            for u in p["unreadable_in_source"]
+        )
         return "\n".join(lines)
 
     _emit(args, payload, render)
-    return 0 if not skipped and not missing else 1
+    return 0 if not skipped and not missing and not unreadable else 1
 
 
 # Staging stores (`--staging`): a FileStagingStore directory or a PostgresStagingStore DSN ----
@@ -800,15 +814,25 @@ def _staging_copy(args: argparse.Namespace) -> int:
     copied: dict[str, int] = {}
     refused: list[str] = []
     mismatched: list[str] = []
+    not_copied: set[tuple[str, str]] = set()  # (rollout, call): its children are not either
     try:
+        # Frames the source acknowledged that no longer read back: not copied, and said so.
+        damage = getattr(source, "damage", None)
+        damaged = [list(entry) for entry in damage()] if callable(damage) else []
         for rollout_id, records in _staged_by_rollout(source, args.rollouts).items():
             for record in records:
                 key = record.staging_key
+                parent = record.parent_call_id
+                if parent is not None and (rollout_id, parent) in not_copied:
+                    refused.append(f"{key}: its parent call {parent!r} was not copied")
+                    not_copied.add((rollout_id, record.model_call_id))
+                    continue
                 attachments = source.fetch_attachments(key)
                 restaged = {name: _restageable(a) for name, a in attachments.items()}
                 result = target.stage(record, attachments=restaged or None)
                 if not result.ok:
                     refused.append(f"{key}: {result.error}")
+                    not_copied.add((rollout_id, record.model_call_id))
                     continue
                 # Verified: the target gives back the same record and attachments.
                 (back,) = target.fetch_records([key])
@@ -816,6 +840,7 @@ def _staging_copy(args: argparse.Namespace) -> int:
                     target.fetch_attachments(key) != attachments
                 ):
                     mismatched.append(key)
+                    not_copied.add((rollout_id, record.model_call_id))
                     continue
                 copied[rollout_id] = copied.get(rollout_id, 0) + 1
         missing = [r for r in args.rollouts or [] if r not in copied and not source.keys(r)]
@@ -827,6 +852,7 @@ def _staging_copy(args: argparse.Namespace) -> int:
         "refused": refused,
         "mismatched": mismatched,
         "missing_in_source": missing,
+        "damaged_in_source": damaged,
     }
 
     def render(p: dict[str, Any]) -> str:
@@ -839,10 +865,14 @@ def _staging_copy(args: argparse.Namespace) -> int:
             lines.append(f"fetched back different: {', '.join(p['mismatched'])}")
         if p["missing_in_source"]:
             lines.append(f"not in the source: {', '.join(p['missing_in_source'])}")
+        lines.extend(
+            f"damaged in the source, not copied: segment {segment} bytes {start}..{end}"
+            for segment, start, end in p["damaged_in_source"]
+        )
         return "\n".join(lines)
 
     _emit(args, payload, render)
-    return 0 if not refused and not mismatched and not missing else 1
+    return 0 if not refused and not mismatched and not missing and not damaged else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -1110,6 +1140,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (OSError, ValueError, TypeError, LookupError, RuntimeError) as exc:
         print(f"tokencapture: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        # The PostgreSQL driver's refusals (a role or database that does not exist, a bad
+        # password) are its own exception types: one line too, named, never a traceback.
+        if type(exc).__module__.split(".")[0] != "asyncpg":
+            raise
+        print(f"tokencapture: error: PostgreSQL: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("tokencapture: interrupted", file=sys.stderr)
