@@ -284,3 +284,32 @@ def test_copy_says_what_it_did_not_copy_and_leaves_no_broken_chain(
     assert main(["copy", str(source), str(tmp_path / "text"), "--staging"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == f"damaged in the source, not copied: segment {name} bytes {start}..{end}"
+
+
+def test_reading_a_directory_that_holds_no_staging_store_is_refused_and_leaves_it_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ls`/`show`/`verify --staging` on a token store (or an empty directory) said "0 staged
+    rollout(s)" and left a `store.lock` behind; now they say what the directory is not, and
+    write nothing."""
+    from tests.conftest import make_entry
+
+    from tokencapture import TokenCaptureStore
+
+    tokens = tmp_path / "tokens"
+    TokenCaptureStore(tokens).append(make_entry("r", call=0))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for where, hint in ((tokens, True), (empty, False)):
+        before = sorted(p.name for p in where.iterdir())
+        for args in (["ls", str(where)], ["show", str(where), "r"], ["verify", str(where)]):
+            assert main([*args, "--staging"]) == 2
+            err = capsys.readouterr().err
+            assert "holds no staging store" in err
+            assert ("leave out --staging" in err) is hint
+        assert sorted(p.name for p in where.iterdir()) == before
+    # A staging store that exists is read as before.
+    staging = tmp_path / "staging"
+    assert FileStagingStore(staging).stage(make_record("solo")).ok
+    code, rows = run(capsys, "ls", str(staging))
+    assert code == 0 and [row["rollout_id"] for row in rows] == ["solo"]

@@ -553,8 +553,10 @@ def cmd_copy(args: argparse.Namespace) -> int:
 # Staging stores (`--staging`): a FileStagingStore directory or a PostgresStagingStore DSN ----
 
 
-def _staging_store(location: str, *, create: bool = False) -> Any:
-    """The staging store at `location` (a directory, or a postgresql:// DSN)."""
+def _staging_store(location: str, *, create: bool = False, reading: bool = False) -> Any:
+    """The staging store at `location` (a directory, or a postgresql:// DSN). `reading`: a
+    command that only reads, refused on a directory that holds no staging store (it would
+    otherwise leave a `store.lock` there, in a token store say)."""
     if _is_dsn(location):
         from tokencapture.postgres import PostgresStagingStore
 
@@ -562,7 +564,13 @@ def _staging_store(location: str, *, create: bool = False) -> Any:
     from tokencapture.staging import FileStagingStore
 
     if not create:
-        _existing_dir(location)
+        path = _existing_dir(location)
+        if reading and not (path / "control.log").exists() and not any(path.glob("seg-*.tcs")):
+            tokens = any(path.glob("*.tokens.jsonl"))
+            raise CliError(
+                f"{location}: holds no staging store (no control.log, no segment)"
+                + ("; it holds a token store: leave out --staging" if tokens else "")
+            )
     return FileStagingStore(location, models="tokencapture")
 
 
@@ -590,7 +598,7 @@ def _staged_by_rollout(
 
 
 def _staging_ls(args: argparse.Namespace) -> int:
-    store = _staging_store(args.dir)
+    store = _staging_store(args.dir, reading=True)
     try:
         grouped = _staged_by_rollout(store)
         retired = store.retired()
@@ -641,7 +649,7 @@ def _staging_ls(args: argparse.Namespace) -> int:
 
 
 def _staging_show(args: argparse.Namespace) -> int:
-    store = _staging_store(args.dir)
+    store = _staging_store(args.dir, reading=True)
     try:
         records = _staged_by_rollout(store, [args.rollout]).get(args.rollout, [])
         if not records:
@@ -744,7 +752,7 @@ def _rollout_of_key(store: Any, key: str, known: dict[str, set[str]]) -> str:
 
 
 def _staging_verify(args: argparse.Namespace) -> int:
-    store = _staging_store(args.dir)
+    store = _staging_store(args.dir, reading=True)
     problems: dict[str, list[str]] = {}
     grouped: dict[str, list[Any]] = {}
     keys: list[str] = []
@@ -809,7 +817,7 @@ def _restageable(attachment: Any) -> Any:
 
 
 def _staging_copy(args: argparse.Namespace) -> int:
-    source = _staging_store(args.source)
+    source = _staging_store(args.source, reading=True)
     target = _staging_store(args.target, create=True)
     copied: dict[str, int] = {}
     refused: list[str] = []
