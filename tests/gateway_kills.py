@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,11 +19,11 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.fake_upstream import Server, start_fake, start_gateway
+from tests.fake_upstream import Server, server_dir, start_fake, start_gateway
 
 from tokencapture import TokenCaptureStore, TokenEntry
 
-__all__ = ["KillRun", "fake", "run_kills"]
+__all__ = ["KillRun", "fake", "run_kills", "store_dir"]
 
 Key = tuple[str, str]
 
@@ -33,6 +34,14 @@ def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_fake(tmp_path_factory.mktemp("fake"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def store_dir() -> Iterator[Path]:
+    """A store directory the servers' account can write (tests/accounts.py)."""
+    path = server_dir()
+    yield path / "store"
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass

@@ -154,16 +154,13 @@ def test_verify_files_an_unreadable_key_under_its_own_rollout(
     assert verified["problems"]["q"][0].startswith("q/x/y: ")
 
 
-def test_verify_reports_a_damaged_frame_whose_key_is_gone(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A call whose frame is damaged mid-segment is not listed by ``keys()`` at all: verify
-    must report the damaged range itself (before, a damaged leaf call vanished and verify said
-    ok)."""
-    where = tmp_path / "staging"
+def damaged_leaf_then(where: Path, rollout_id: str, calls: int) -> tuple[Path, int]:
+    """A staging store at `where` whose first call (`leaf/c1`) has a byte flipped in its frame,
+    followed by a chain of `calls` calls of `rollout_id` in later batches (so the damage is not
+    a torn tail): the segment and the offset of the flipped byte."""
     store = FileStagingStore(where)
     assert store.stage(make_record("leaf", extras={"k": "x" * 64})).ok
-    for record in chain("after", 2):  # later batches: the damage is not a torn tail
+    for record in chain(rollout_id, calls):
         assert store.stage(record).ok
     del store
     (segment,) = where.glob("seg-*.tcs")
@@ -171,6 +168,17 @@ def test_verify_reports_a_damaged_frame_whose_key_is_gone(
     at = data.index(b"x" * 64) + 10
     data[at] ^= 0xFF
     segment.write_bytes(bytes(data))
+    return segment, at
+
+
+def test_verify_reports_a_damaged_frame_whose_key_is_gone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A call whose frame is damaged mid-segment is not listed by ``keys()`` at all: verify
+    must report the damaged range itself (before, a damaged leaf call vanished and verify said
+    ok)."""
+    where = tmp_path / "staging"
+    segment, at = damaged_leaf_then(where, "after", 2)
     code, verified = run(capsys, "verify", str(where))
     assert code == 1 and not verified["ok"]
     assert verified["keys"] == 2  # leaf/c1 is not listed
@@ -258,16 +266,7 @@ def test_copy_says_what_it_did_not_copy_and_leaves_no_broken_chain(
     refuses takes its descendants with it (before, they were staged on top of the target's
     other parent, a chain that does not verify)."""
     source = tmp_path / "source"
-    store = FileStagingStore(source)
-    assert store.stage(make_record("leaf", extras={"k": "x" * 64})).ok
-    for record in chain("r", 3):  # later batches: the damage is not a torn tail
-        assert store.stage(record).ok
-    del store
-    (segment,) = source.glob("seg-*.tcs")
-    data = bytearray(segment.read_bytes())
-    at = data.index(b"x" * 64) + 10
-    data[at] ^= 0xFF
-    segment.write_bytes(bytes(data))
+    segment, at = damaged_leaf_then(source, "r", 3)
     target = tmp_path / "target"
     assert FileStagingStore(target).stage(make_record("r", "c0", [9, 9, 9])).ok  # another c0
     code, report = run(capsys, "copy", str(source), str(target))

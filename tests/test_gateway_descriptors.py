@@ -10,23 +10,21 @@ import asyncio
 import errno
 import inspect
 import resource
-import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
 import pytest
-from tests.fake_upstream import MODEL, FakeUpstream, Server, ThreadServer, server_dir, start_gateway
-from tests.gateway_kills import fake
+from tests.fake_upstream import MODEL, FakeUpstream, Server, ThreadServer, start_gateway
+from tests.gateway_kills import fake, store_dir
 
 from tokencapture import TokenCaptureStore, jobs
 from tokencapture.gateway import GatewayConfig, create_app, open_backend
 from tokencapture.gateway.app import upstream_pool_size
 
-__all__ = ["fake"]  # the module-scoped fake upstream process (a fixture)
+__all__ = ["fake", "store_dir"]  # fixtures: the fake upstream process, a store directory
 
 EMFILE = OSError(errno.EMFILE, "Too many open files")
 
@@ -186,13 +184,6 @@ async def test_an_upstream_connect_out_of_descriptors_is_retried_after_closing_t
 
 
 # The gateway as its own process, under a descriptor limit -----------------------------------
-
-
-@pytest.fixture
-def store_dir() -> Iterator[Path]:
-    path = server_dir()
-    yield path / "store"
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _soft_limit(pid: int) -> int:

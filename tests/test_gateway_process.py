@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,23 +22,14 @@ from tests.fake_upstream import (
     encode,
     render_chat,
     replying,
-    server_dir,
     server_runner,
     start_gateway,
 )
-from tests.gateway_kills import fake, run_kills
+from tests.gateway_kills import fake, run_kills, store_dir
 
 from tokencapture import ParentResolutionStatus, TokenCaptureStore
 
-__all__ = ["fake"]  # the module-scoped fake upstream process (a fixture)
-
-
-@pytest.fixture
-def store_dir() -> Iterator[Path]:
-    """A store directory the servers' account can write (tests/accounts.py)."""
-    path = server_dir()
-    yield path / "store"
-    shutil.rmtree(path, ignore_errors=True)
+__all__ = ["fake", "store_dir"]  # fixtures: the fake upstream process, a store directory
 
 
 @pytest.fixture

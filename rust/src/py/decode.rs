@@ -105,30 +105,28 @@ impl<'py> PyBuilder<'py> {
         Ok(value)
     }
 
-    /// Refuse a top-level token-id field of the wrong shape, naming it.
+    /// Refuse a top-level token-id field of the wrong shape, naming it (one the walk saw as
+    /// a list of non-negative ints needs no second look).
     fn check_top_level(&self, key: &str, value: &Decoded<'py>) -> PyResult<()> {
         let (object, unsigned_list) = value;
-        let list_of = |accept: fn(ItemType) -> bool, what: &str| -> PyResult<()> {
-            let mut ok = false;
-            if let Ok(list) = object.cast::<PyList>() {
-                ok = true;
-                for_each_item_type(list, |_, item_type| {
-                    ok = accept(item_type);
-                    ok
-                });
-            }
-            if ok {
-                Ok(())
-            } else {
-                Err(PyValueError::new_err(format!(
-                    "{key} must be a list of {what}"
-                )))
-            }
-        };
-        if TOKEN_ID_FIELDS.contains(&key) && !unsigned_list {
-            list_of(|item| item == ItemType::Int, "ints")?;
+        if *unsigned_list || !TOKEN_ID_FIELDS.contains(&key) {
+            return Ok(());
         }
-        Ok(())
+        let mut ints = false;
+        if let Ok(list) = object.cast::<PyList>() {
+            ints = true;
+            for_each_item_type(list, |_, item_type| {
+                ints = item_type == ItemType::Int;
+                ints
+            });
+        }
+        if ints {
+            Ok(())
+        } else {
+            Err(PyValueError::new_err(format!(
+                "{key} must be a list of ints"
+            )))
+        }
     }
 }
 
