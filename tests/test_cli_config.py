@@ -111,6 +111,22 @@ def test_ls_human_and_json(capture: Path, capsys: pytest.CaptureFixture[str]) ->
     assert rows["retired-1"]["entries"] == 0 and rows["retired-1"]["bytes"] == 0
 
 
+def test_ls_tells_a_rollout_it_cannot_open_from_a_damaged_one(
+    capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log the store cannot open (here a directory where the file should be: an OSError, as a
+    permission error is) was listed "corrupt", which sent operators looking for damage."""
+    log = capture / "open-1.tokens.jsonl"
+    log.unlink()
+    log.mkdir()
+    (capture / "frozen-1.tokens.jsonl").write_bytes(b"not a record\n")
+    code, out, _ = run(capsys, "ls", str(capture), "--json")
+    rows = {row["rollout_id"]: row for row in json.loads(out)}
+    assert code == 0 and rows["marked-1"]["status"] == "incomplete"
+    assert rows["open-1"]["status"] == "unreadable" and "directory" in rows["open-1"]["problem"]
+    assert rows["frozen-1"]["status"] == "corrupt"
+
+
 def test_show(capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "show", str(capture), "open-1", "--json")
     shown = json.loads(out)
@@ -198,8 +214,9 @@ def test_errors_are_one_line_and_nonzero(
 ) -> None:
     code, _, err = run(capsys, "ls", str(tmp_path / "missing"))
     assert code == 2 and err.count("\n") == 1 and "not a directory" in err
-    code, _, err = run(capsys, "retire", str(tmp_path), "../bad")
-    assert code == 1 and err.startswith("tokencapture: error:") and "Traceback" not in err
+    code, out, err = run(capsys, "retire", str(tmp_path), "../bad")
+    assert code == 2 and err.startswith("tokencapture: error:") and "Traceback" not in err
+    assert out == ""  # exit 1 is kept for a check that ran and found problems
     with pytest.raises(SystemExit) as info:
         main(["sweep", str(tmp_path), "--older-than", "soon"])
     assert info.value.code == 2

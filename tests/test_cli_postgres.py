@@ -259,7 +259,7 @@ def test_a_role_or_database_that_does_not_exist_is_one_line_not_a_traceback(
         pg_server.dsn_for("no_such_database"),
     ):
         for args in (["ls", dsn], ["verify", dsn, "--json"], ["ls", dsn, "--staging"]):
-            assert main(args) == 1
+            assert main(args) == 2
             err = capsys.readouterr().err
             assert "Traceback" not in err
             assert err.startswith("tokencapture: error: PostgreSQL: ") and err.count("\n") == 1

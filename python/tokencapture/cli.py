@@ -34,6 +34,12 @@ _DURATION = re.compile(r"^(?P<value>\d+(?:\.\d+)?)(?P<unit>s|m|h|d)?$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+# Exit codes: 0 done; 1 the command ran and found problems (verify, copy); 2 it could not run
+# (bad arguments, as argparse says them too; no such store; an I/O or database error).
+EXIT_PROBLEMS = 1
+EXIT_ERROR = 2
+
+
 class CliError(Exception):
     """A problem to report as one line, with exit code 2."""
 
@@ -148,16 +154,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     now = time.time()
     rows = []
     for rollout_id, paths in _rollouts_in(root).items():
-        problem = None
+        problem = status = None
         try:
             state = store.inspect(rollout_id) or {}
-        except (ValueError, OSError) as exc:  # one damaged rollout must not hide the others
+        except (ValueError, OSError) as exc:  # one bad rollout must not hide the others
+            # Damage is "corrupt"; a file the store cannot open (permissions, I/O) is not
+            # evidence of damage, and says so.
             state, problem = {}, str(exc)
+            status = "unreadable" if isinstance(exc, OSError) else "corrupt"
         log = store.path_for(rollout_id)
         rows.append(
             {
                 "rollout_id": rollout_id,
-                "status": "corrupt" if problem else _status(state),
+                "status": status or _status(state),
                 "problem": problem,
                 "entries": state.get("entry_count", 0),
                 "bytes": log.stat().st_size if log.exists() else 0,
@@ -366,7 +375,7 @@ def _verified(args: argparse.Namespace, payload: dict[str, Any], ok_line: str) -
         return "\n".join(lines)
 
     _emit(args, payload, render)
-    return 0 if payload["ok"] else 1
+    return 0 if payload["ok"] else EXIT_PROBLEMS
 
 
 def _removal(args: argparse.Namespace, operation: str) -> Any:
@@ -547,7 +556,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
         return "\n".join(lines)
 
     _emit(args, payload, render)
-    return 0 if not skipped and not missing and not unreadable else 1
+    return 0 if not skipped and not missing and not unreadable else EXIT_PROBLEMS
 
 
 # Staging stores (`--staging`): a FileStagingStore directory or a PostgresStagingStore DSN ----
@@ -880,7 +889,7 @@ def _staging_copy(args: argparse.Namespace) -> int:
         return "\n".join(lines)
 
     _emit(args, payload, render)
-    return 0 if not refused and not mismatched and not missing and not damaged else 1
+    return 0 if not refused and not mismatched and not missing and not damaged else EXIT_PROBLEMS
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -1143,19 +1152,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader (say `| head`) stopped early: not an error; silence the final flush.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except CliError as exc:
+    except (CliError, OSError, ValueError, TypeError, LookupError, RuntimeError) as exc:
+        # Exit 2: the command could not do its job. Exit 1 is kept for a command that ran and
+        # found problems (verify, copy), so a script can tell "damaged" from "not checked".
         print(f"tokencapture: error: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError, TypeError, LookupError, RuntimeError) as exc:
-        print(f"tokencapture: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     except Exception as exc:
         # The PostgreSQL driver's refusals (a role or database that does not exist, a bad
         # password) are its own exception types: one line too, named, never a traceback.
         if type(exc).__module__.split(".")[0] != "asyncpg":
             raise
         print(f"tokencapture: error: PostgreSQL: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("tokencapture: interrupted", file=sys.stderr)
         return 130
