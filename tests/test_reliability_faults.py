@@ -335,6 +335,49 @@ def test_a_state_index_that_cannot_be_written_never_loses_or_doubles_an_entry(
     assert not list(root.glob("*.tmp")), "a failed state write left its temporary file"
 
 
+def test_a_checkpoint_that_cannot_be_written_does_not_fail_the_puts_it_follows(
+    faultfs: Path, tmp_path: Path
+) -> None:
+    """Every 64 entries a put checkpoints the state index, after its line is durable. On a
+    full disk that checkpoint failed and the put raised ENOSPC with its line stored: a caller
+    that regenerated the call then conflicted with its own line and the rollout was marked
+    incomplete (found filling a real tmpfs). The index may lag the log, so those puts succeed;
+    the index catches up once space returns. (NeMo Gym's store, which writes its state on
+    every put, is not held to this.)"""
+    root = tmp_path / "store"
+    before = [(f"put{i}", ["put", "r", f"c{i}", 5]) for i in range(60)]
+    during = [(f"full{i}", ["put", "r", f"c{i}", 5]) for i in range(60, 70)]
+    res = drive(
+        faultfs,
+        "rust",
+        root,
+        [
+            *before,
+            ("arm", arm("state.json", "write", errno.ENOSPC)),
+            *during,
+            ("read_full", ["read", "r"]),
+            ("disarm", ["disarm"]),
+            ("after", ["put", "r", "c70", 5]),
+            ("reopen", ["reopen"]),
+            ("read", ["read", "r"]),
+            ("freeze", ["freeze", "r"]),
+        ],
+    )
+    assert res.fired >= 7  # the checkpoint at the 64th entry, then at every put after it
+    for label, _ in during:
+        res[label].ok()
+    ids = [f"c{i}" for i in range(71)]
+    assert res["read_full"].ok() == ids[:70]
+    res["after"].ok()
+    assert res["read"].ok() == ids
+    frozen = res["freeze"].ok()
+    assert frozen["ids"] == ids and not frozen["incomplete"]
+    assert_files_sane(root)
+    state = json.loads((root / "r.tokens.state.json").read_bytes())
+    assert len(state["entry_digests"]) == 71  # the index caught up (the freeze wrote it)
+    assert not list(root.glob("*.tmp")), "a failed state write left its temporary file"
+
+
 @pytest.mark.parametrize("kind", STORES)
 def test_directory_fsync_failure_is_reported_and_retire_can_be_retried(
     faultfs: Path, kind: str, tmp_path: Path

@@ -1407,8 +1407,11 @@ impl Store {
         }
         if cached.needs_checkpoint() {
             // The rename need not be durable: the older state (or none) plus the log reads
-            // the same.
-            self.persist(cached, paths, false)?;
+            // the same. Nor need it succeed: the lines are durable and every reader finds
+            // them, so a checkpoint that fails (a full disk) must not tell these puts they
+            // failed (a caller would regenerate the call and conflict with its own stored
+            // line). The index stays behind, as it may, and the next put tries again.
+            let _ = self.persist(cached, paths, false);
         }
         Ok(())
     }
