@@ -63,14 +63,19 @@ async def test_custom_sink_and_lineage_from_module_class_strings(tmp_path: Path)
 def test_make_token_store_reads_the_gym_config_block(tmp_path: Path) -> None:
     store = make_token_store({"token_id_capture": {"enabled": True, "dir": str(tmp_path / "a")}})
     assert isinstance(store, TokenCaptureStore) and store.root == tmp_path / "a"
-    legacy = make_token_store({"model_call_capture_dir": str(tmp_path / "b")})
+    legacy = make_token_store(
+        {"token_id_capture": {"enabled": True}, "model_call_capture_dir": str(tmp_path / "b")}
+    )
     assert legacy is not None and legacy.root == tmp_path / "b"
+    # Off unless enabled, as NeMo Gym reads it (tests/test_nemo_gym_config.py has the rest).
+    assert make_token_store({"model_call_capture_dir": str(tmp_path / "b")}) is None
     assert make_token_store({"token_id_capture": {"enabled": False, "dir": str(tmp_path)}}) is None
-    assert make_token_store({"token_id_capture": {"dir": str(tmp_path), "sink": "x:Y"}}) is None
+    sink = {"enabled": True, "dir": str(tmp_path), "sink": "x:Y", "lineage_store": "x:Z"}
+    assert make_token_store({"token_id_capture": sink}) is None
     assert make_token_store({}) is None
     assert make_token_store(None) is None
     with pytest.raises(ValueError, match="absolute"):
-        make_token_store({"token_id_capture": {"dir": "relative/dir"}})
+        make_token_store({"token_id_capture": {"enabled": True, "dir": "relative/dir"}})
 
 
 # -- command line ----------------------------------------------------------------------------

@@ -36,6 +36,7 @@ except ImportError as _error:
         name="tokencapture._core",
     ) from _error
 
+from tokencapture.config import TokenIdCaptureConfig
 from tokencapture.fingerprint import (
     FINGERPRINT_VERSION,
     assistant_fingerprint,
@@ -84,10 +85,12 @@ from tokencapture.records import (
     TokenEntry,
     compute_digest,
     cumulative_tokens,
+    extract_token_fields,
     stamp_lineage,
 )
 from tokencapture.staging.store import FileStagingStore
 from tokencapture.staging_errors import StagingKeyError, StagingKeyRetiredError
+from tokencapture.staging_records import CallRecord, CaptureLedgerCommit
 from tokencapture.store import (
     TokenCaptureStore,
     make_token_store,
@@ -109,7 +112,9 @@ __all__ = [
     "TOKEN_FIELDS",
     "UNCOMMITTED_CALL_REASON",
     "UNRESOLVED_PARENT_REASON",
+    "CallRecord",
     "CaptureLedger",
+    "CaptureLedgerCommit",
     "CaptureLedgerConflictError",
     "FileCaptureLedger",
     "FileLineageStore",
@@ -131,6 +136,7 @@ __all__ = [
     "TokenCaptureSnapshot",
     "TokenCaptureStore",
     "TokenEntry",
+    "TokenIdCaptureConfig",
     "TokenSink",
     "TokenSource",
     "assistant_fingerprint",
@@ -139,6 +145,7 @@ __all__ = [
     "conversation_digest",
     "cumulative_tokens",
     "encode_delta",
+    "extract_token_fields",
     "install_lineage_store",
     "install_token_sink",
     "install_token_source",

@@ -445,22 +445,8 @@ class TokenCaptureStore(RolloutFiles):
 
 
 def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
-    """Build the training-token file store from a NeMo Gym global config.
+    """Build the training-token file store from a NeMo Gym global config: see
+    `tokencapture.config.make_token_store` (here too, where NeMo Gym's store module has it)."""
+    from tokencapture.config import make_token_store as from_config  # config imports this module
 
-    Reads `token_id_capture.{enabled, dir, sink}`, falling back to a top-level
-    `model_call_capture_dir`. Returns None when capture is disabled, when a custom sink owns
-    the records, or when no directory resolves. A relative directory is a `ValueError`.
-    """
-    config = global_config_dict if global_config_dict is not None else {}
-    capture = config.get("token_id_capture") or {}
-    if not capture.get("enabled", True):
-        return None
-    if capture.get("sink"):
-        return None
-    directory = capture.get("dir") or config.get("model_call_capture_dir")
-    if not directory:
-        return None
-    path = Path(os.fspath(directory)).expanduser()
-    if not path.is_absolute():
-        raise ValueError(f"token capture directory must be absolute, got {os.fspath(directory)!r}")
-    return TokenCaptureStore(path)
+    return from_config(global_config_dict)
