@@ -8,6 +8,7 @@ so that entries are interchangeable field for field. The token digest runs in th
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any
@@ -17,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from tokencapture import _core
 
 __all__ = [
+    "DIGEST_VERSION",
+    "LEDGER_ROW_MISSING_CHAIN_HASH_REASON",
+    "LEDGER_ROW_MISSING_RESPONSE_ID_REASON",
     "TOKEN_ENTRY_MIN_SCHEMA_VERSION",
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
     "TOKEN_FIELDS",
@@ -28,7 +32,11 @@ __all__ = [
     "check_entry_invariants",
     "compute_digest",
     "cumulative_tokens",
+    "encode_token_ids",
+    "extract_token_fields",
+    "response_to_output_items",
     "stamp_lineage",
+    "strip_token_fields",
 ]
 
 TOKEN_ENTRY_RECORD_SCHEMA_VERSION = 1
@@ -41,6 +49,10 @@ TOKEN_FIELDS = (
 )
 UNRESOLVED_PARENT_REASON = "unresolved_parent"
 UNCOMMITTED_CALL_REASON = "request_finished_without_staged_coordinates"
+LEDGER_ROW_MISSING_RESPONSE_ID_REASON = "ledger_row_missing_response_id"
+LEDGER_ROW_MISSING_CHAIN_HASH_REASON = "ledger_row_missing_chain_hash"
+# The framing version `compute_digest` hashes (the first byte of `encode_token_ids`).
+DIGEST_VERSION = 1
 
 
 class ParentResolutionStatus(StrEnum):
@@ -272,6 +284,19 @@ def compute_digest(token_ids: Sequence[int] | Any) -> str:
         raise ValueError(f"token ids must be non-negative, got {negative} ({exc})") from None
 
 
+def encode_token_ids(token_ids: Sequence[int]) -> bytes:
+    """The bytes `compute_digest` hashes (after its domain tag): `DIGEST_VERSION` as one byte,
+    the count as a big-endian u64, then each id as a big-endian u64."""
+    ids = list(token_ids)
+    try:
+        return struct.pack(f">BQ{len(ids)}Q", DIGEST_VERSION, len(ids), *ids)
+    except struct.error:
+        negative = _first_negative(ids)
+        if negative is None:
+            raise ValueError("token ids must be integers below 2**64") from None
+        raise ValueError(f"token ids must be non-negative, got {negative}") from None
+
+
 def _first_negative(token_ids: Any) -> int | None:
     """The first negative id of a sequence that failed to digest (None if there is none)."""
     try:
@@ -313,3 +338,82 @@ def stamp_lineage(
     entry.parent_call_id = parent_call_id
     entry.parent_resolution = parent_resolution
     return entry
+
+
+# ---- served responses (NeMo Gym's helpers for the token fields a server returns) -----------
+
+_REQUIRED_TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+_THINKING_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+
+
+def response_to_output_items(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A served response as Responses output items: its `output` as it is (dict items), an
+    Anthropic Messages answer as reasoning items (one per thinking block) then one assistant
+    message of its other content, or each Chat Completions choice's message as an assistant
+    `message` item."""
+    output = payload.get("output")
+    if isinstance(output, list) and output:
+        return [item for item in output if isinstance(item, dict)]
+    if payload.get("type") == "message" and payload.get("role") == "assistant":
+        return _anthropic_items(payload.get("content") or [])
+    items = []
+    for choice in payload.get("choices") or []:
+        message = (choice or {}).get("message") or {}
+        if isinstance(message, dict):
+            item = dict(message)
+            item.setdefault("type", "message")
+            item.setdefault("role", "assistant")
+            items.append(item)
+    return items
+
+
+def _anthropic_items(blocks: list[Any]) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    content: list[Any] = []
+    for block in blocks:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in _THINKING_BLOCKS:
+            content.append(block)
+            continue
+        reasoning: dict[str, Any] = {"type": "reasoning", "summary": []}
+        if kind == "thinking" and isinstance(block.get("thinking"), str):
+            reasoning["summary"] = [{"type": "summary_text", "text": block["thinking"]}]
+        elif kind == "redacted_thinking" and block.get("data") is not None:
+            reasoning["encrypted_content"] = block["data"]
+        items.append(reasoning)
+    if content:
+        items.append({"type": "message", "role": "assistant", "content": content})
+    return items
+
+
+def strip_token_fields(items: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int | None]:
+    """The items without their token fields, and the index of the one item that carried
+    generated token ids (None if none did; more than one is a `ValueError`)."""
+    carriers = [i for i, item in enumerate(items) if item.get("generation_token_ids") is not None]
+    if len(carriers) > 1:
+        raise ValueError("multiple output items carry token metadata")
+    stripped = [{k: v for k, v in item.items() if k not in TOKEN_FIELDS} for item in items]
+    return stripped, carriers[0] if carriers else None
+
+
+def extract_token_fields(response_json: dict[str, Any]) -> dict[str, Any] | None:
+    """The token fields of a served response (Responses output items or Chat Completions
+    messages): None when no item carries any; a `ValueError` when more than one does, or when
+    the one that does lacks prompt ids, generated ids or log-probs."""
+    messages = [
+        (choice or {}).get("message") or {} for choice in response_json.get("choices") or []
+    ]
+    candidates = [
+        item
+        for item in [*(response_json.get("output") or []), *messages]
+        if isinstance(item, dict) and any(item.get(f) is not None for f in _REQUIRED_TOKEN_FIELDS)
+    ]
+    if not candidates:
+        return None
+    if len(candidates) > 1:
+        raise ValueError("multiple response items carry token metadata")
+    (source,) = candidates
+    missing = [f for f in _REQUIRED_TOKEN_FIELDS if source.get(f) is None]
+    if missing:
+        raise ValueError(f"partial token metadata is missing: {', '.join(missing)}")
+    return {field: source.get(field) for field in TOKEN_FIELDS}

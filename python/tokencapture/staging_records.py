@@ -33,7 +33,12 @@ from pydantic import (
     model_validator,
 )
 
-from tokencapture.records import UNCOMMITTED_CALL_REASON, UNRESOLVED_PARENT_REASON
+from tokencapture.records import (
+    LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
+    LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
+    UNCOMMITTED_CALL_REASON,
+    UNRESOLVED_PARENT_REASON,
+)
 from tokencapture.staging_digest import (
     EMPTY_EXTRAS_DIGEST,
     compute_extras_digest,
@@ -115,10 +120,9 @@ def staging_key(rollout_id: str, model_call_id: str) -> str:
 
 # ---- reasons (wire values: frameworks switch on them) -------------------------------------
 
-LEDGER_ROW_MISSING_RESPONSE_ID_REASON: Final[str] = "ledger_row_missing_response_id"
-"""A committed ledger row has no response id (terminal attribution joins on it)."""
-LEDGER_ROW_MISSING_CHAIN_HASH_REASON: Final[str] = "ledger_row_missing_chain_hash"
-"""A committed ledger row lacks its chain or cumulative hash (verification anchors on them)."""
+# LEDGER_ROW_MISSING_RESPONSE_ID_REASON: a committed ledger row has no response id (terminal
+# attribution joins on it); LEDGER_ROW_MISSING_CHAIN_HASH_REASON: it lacks its chain or
+# cumulative hash (verification anchors on them). Both are NeMo Gym's records constants.
 MISSING_RESPONSE_ID_REASON: Final[str] = LEDGER_ROW_MISSING_RESPONSE_ID_REASON
 """Older name of `LEDGER_ROW_MISSING_RESPONSE_ID_REASON`."""
 MISSING_CHAIN_DIGEST_REASON: Final[str] = LEDGER_ROW_MISSING_CHAIN_HASH_REASON
@@ -168,8 +172,11 @@ class _WireModel(BaseModel):
     # a model-typed field from an instance of that very class, a dict or any
     # `collections.abc.Mapping` (read with ``get`` and ``items``), so NeMo Gym's
     # ``CaptureLedgerCommit(record=<our CallRecord>)`` or ``RolloutReceipt(manifest=[...])``
-    # revalidates our values by its own rules. Iteration is left as pydantic's (``(name, value)``
-    # pairs); ``dict(model)`` goes through ``keys`` and gives the same dict as before.
+    # revalidates our values by its own rules. As a registered `Mapping` it answers ``len``,
+    # ``in``, ``keys``, ``items``, ``get`` and ``[]`` over the field names. One exception:
+    # iteration stays pydantic's ``(name, value)`` pairs, which code written for NeMo Gym's
+    # plain models may rely on (``for name, value in record``); generic mapping code should
+    # use ``keys()`` or ``items()``. ``dict(model)`` goes through ``keys``: the same dict.
 
     def keys(self) -> KeysView[str]:
         """The field names."""
@@ -188,6 +195,12 @@ class _WireModel(BaseModel):
             return self.__dict__[key]
         except KeyError:
             raise KeyError(key) from None
+
+    def __len__(self) -> int:
+        return len(self.__dict__)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.__dict__
 
 
 Mapping.register(_WireModel)
