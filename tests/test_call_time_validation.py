@@ -9,6 +9,7 @@ without a row in the bad-argument table below fails `test_every_async_method_is_
 
 from __future__ import annotations
 
+import asyncio
 import collections.abc
 import gc
 import inspect
@@ -115,6 +116,9 @@ BAD: dict[str, list[tuple[str, Callable[[], Any], type[Exception]]]] = {
         ("a str", lambda: "hello", TypeError),
         ("an int", lambda: 5, TypeError),
         ("a dict", lambda: {"role": "user"}, TypeError),
+        ("a list holding an int", lambda: [{"role": "user"}, 5], ValueError),
+        ("a list holding None", lambda: [None], ValueError),
+        ("a list holding a str", lambda: ["hello"], ValueError),
     ],
     "snapshot_id": [("an int", lambda: 5, TypeError)],
     "commit": [
@@ -230,6 +234,45 @@ async def test_bad_arguments_raise_when_called(
         warnings.simplefilter("always")
         with pytest.raises(error):
             getattr(obj, method)(**args)  # not awaited: it must raise right here
+        gc.collect()
+    leaked = [w for w in caught if "never awaited" in str(w.message)]
+    assert not leaked, leaked
+    close = getattr(obj, "close", None)
+    if close is not None:
+        await close()
+
+
+VALID_CALLS = [
+    pytest.param(cls_name, method, id=f"{cls_name}.{method}")
+    for cls_name, cls in CLASSES.items()
+    for method in async_methods(cls)
+    if method != "close"
+]
+
+
+@pytest.mark.parametrize("how", ["closed", "cancelled"])
+@pytest.mark.parametrize(("cls_name", "method"), VALID_CALLS)
+async def test_a_call_cancelled_before_it_starts_leaves_nothing_unawaited(
+    request: pytest.FixtureRequest, tmp_path: Path, cls_name: str, method: str, how: str
+) -> None:
+    """A valid call's coroutine is made when the method is called (its arguments are checked
+    then). Cancelled before its first step (a `wait_for` timeout, a shutdown) or closed, it
+    must take every coroutine it made with it: with OpenTelemetry's timing around the call, the
+    call's own coroutine was left "never awaited" (an error under `-W error`)."""
+    obj = FACTORIES[cls_name](tmp_path, lambda: str(request.getfixturevalue("pg_dsn")))
+    cls = CLASSES[cls_name]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call = getattr(obj, method)(**call_args(cls, method))
+        if how == "closed":
+            call.close()
+        else:
+            task = asyncio.ensure_future(call)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            del task
+        del call
         gc.collect()
     leaked = [w for w in caught if "never awaited" in str(w.message)]
     assert not leaked, leaked

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from bisect import bisect_left
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
 from contextvars import ContextVar
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -276,6 +276,42 @@ def instrumented(store: str, backend: str, operations: Mapping[str, str]) -> Cal
 _timing: ContextVar[int | None] = ContextVar("tokencapture_timing", default=None)
 
 
+class _Timed(Coroutine[Any, Any, Any]):
+    """The timing coroutine of a call, which closes the call's own coroutine when it is closed
+    or cancelled before it ran (a task cancelled before its first step, `wait_for` timing out,
+    a shutdown): the call's coroutine was made when the method was called (its arguments are
+    checked then), so otherwise it would be left "never awaited" (a RuntimeWarning, an error
+    under `-W error`)."""
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, outer: Coroutine[Any, Any, Any], inner: Awaitable[Any]) -> None:
+        self._outer = outer
+        self._inner = inner
+
+    def send(self, value: Any) -> Any:
+        return self._outer.send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        try:
+            return self._outer.throw(*exc)
+        finally:
+            if inspect.getcoroutinestate(self._outer) == inspect.CORO_CLOSED:  # so is the call
+                self._close_inner()
+
+    def close(self) -> None:
+        self._outer.close()
+        self._close_inner()
+
+    def _close_inner(self) -> None:
+        close = getattr(self._inner, "close", None)
+        if callable(close):
+            close()  # a no-op for a coroutine that ran to its end
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._outer.__await__()
+
+
 def _timed_method(function: Callable[..., Any], recorder: Recorder, operation: str) -> Any:
     record = recorder.record
     clock = time.perf_counter
@@ -306,7 +342,7 @@ def _timed_method(function: Callable[..., Any], recorder: Recorder, operation: s
         finally:
             _timing.reset(token)
         if inspect.isawaitable(result):
-            return finish(self, result, started)
+            return _Timed(finish(self, result, started), result)
         record(operation, clock() - started, False, None)
         return result
 

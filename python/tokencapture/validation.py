@@ -167,9 +167,14 @@ def request_list(request_items: Iterable[Any]) -> list[Any]:
 
 def check_resolve_args(rollout_id: str, request_items: Iterable[Any]) -> list[Any]:
     """The checks of `resolve`'s arguments: a valid rollout id and a list of request items
-    (`TypeError` / `ValueError`); returns the items as `request_list` does."""
+    (`TypeError` / `ValueError`); returns the items as `request_list` does. An item that is
+    not a dict is the `ValueError` the fingerprint would raise when awaited, raised here."""
     validate_rollout_id(rollout_id)
-    return request_list(request_items)
+    items = request_list(request_items)
+    for item in items:
+        if not isinstance(item, dict):
+            raise ValueError(f"a message item must be a dict, not {type(item).__name__}")
+    return items
 
 
 def check_cache_limits(max_cached_rollouts: int, max_cached_tokens: int) -> None:

@@ -32,7 +32,7 @@ from tokencapture.lineage import (
 )
 from tokencapture.protocols import LineageMatch, LineageResolution, TokenCaptureCorruptionError
 from tokencapture.records import ParentResolutionStatus
-from tokencapture.validation import validate_rollout_id
+from tokencapture.validation import check_resolve_args, validate_rollout_id
 
 __all__ = ["FileLineageStore", "token_digest"]
 
@@ -246,8 +246,7 @@ class FileLineageStore:
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> Coroutine[Any, Any, LineageResolution]:
         """`resolve_now` off the event loop; the arguments are checked when this is called."""
-        validate_rollout_id(rollout_id)
-        return off_loop(self.resolve_now, rollout_id, request_list(request_items))
+        return off_loop(self.resolve_now, rollout_id, check_resolve_args(rollout_id, request_items))
 
     @staticmethod
     def _unresolved(reason: str) -> LineageResolution:
