@@ -557,6 +557,10 @@ def test_the_mapping_view_leaves_our_models_pydantic_models() -> None:
     assert dict(failure) == fields == failure.model_dump() == {**failure}
     assert failure["reason"] == failure.get("reason") == "worker_capture_failed"
     assert failure.get("nope", 7) == 7
+    # The Mapping's size and membership are the field names' (len raised TypeError, and `in`
+    # compared the name with each (name, value) pair: always False).
+    assert len(failure) == 3 and "reason" in failure and "nope" not in failure
+    assert ("reason", "worker_capture_failed") not in failure
     with pytest.raises(KeyError):
         failure["nope"]
     assert isinstance(failure, Mapping)
