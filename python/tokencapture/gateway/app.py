@@ -30,6 +30,7 @@ import inspect
 import logging
 import resource
 import time
+import urllib.parse
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Mapping
@@ -39,13 +40,15 @@ from typing import Any, Final
 import aiohttp
 import orjson
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from yarl import URL
 
+from tokencapture import _core
 from tokencapture.descriptors import close_cached
+from tokencapture.fingerprint import conversation_digest
 from tokencapture.gateway.backend import Backend
 from tokencapture.gateway.capture import (
     CHAT,
@@ -183,6 +186,38 @@ def _event(payload: bytes) -> bytes:
 
 _DONE: Final[bytes] = b"[DONE]"
 
+# Headers about one connection, not the message (RFC 9110 7.6.1), and the ones the HTTP client
+# and server set themselves: a passthrough forwards neither way.
+_HOP_BY_HOP_HEADERS: Final[frozenset[str]] = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "expect",
+        # Nor cookies: a gateway serves many clients, and an engine's cookies are none of
+        # theirs (the upstream client keeps no jar either).
+        "cookie",
+        "set-cookie",
+    }
+)
+# The engine's headers the gateway's server sets for itself.
+_ANSWER_OWN_HEADERS: Final[frozenset[str]] = frozenset({"date", "server"})
+
+
+def _connection_tokens(values: list[str]) -> frozenset[str]:
+    """The header names a `Connection` header lists (hop-by-hop too)."""
+    return frozenset(
+        token.strip().lower() for value in values for token in value.split(",") if token.strip()
+    )
+
 
 class Gateway:
     """The request handlers, the pooled upstream client and the metrics of one gateway."""
@@ -195,7 +230,15 @@ class Gateway:
         self._base = config.upstream.rstrip("/")
         self._background: set[asyncio.Task[None]] = set()
         self._upstream_auth: bool = config.token is None
-        self._headers: dict[str, str] = {"content-type": "application/json", **config.extra_headers}
+        # `identity`: the session does not decompress (a captured answer is parsed as sent, a
+        # passthrough relayed as sent), so a captured call asks for no encoding; a passthrough
+        # forwards the client's own Accept-Encoding and the engine's Content-Encoding back.
+        self._headers: dict[str, str] = {
+            "content-type": "application/json",
+            "accept-encoding": "identity",
+            **config.extra_headers,
+        }
+        self._base_url = URL(self._base)
         self._urls: dict[str, URL] = {
             path: URL(self._base + path) for path in ("/v1/chat/completions", "/v1/completions")
         }
@@ -226,6 +269,9 @@ class Gateway:
                 connector=connector,
                 timeout=timeout,
                 auto_decompress=False,
+                # aiohttp would otherwise ask every upstream for `gzip, deflate`, which this
+                # session does not decode.
+                skip_auto_headers=("Accept-Encoding",),
                 trust_env=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
             )
@@ -245,7 +291,10 @@ class Gateway:
                 await off_loop(close_cached)
                 await asyncio.sleep(wait)
             try:
-                return await self.client.request(method, url, **options)
+                # Never follows a redirect: a captured call's answer must come from the
+                # endpoint it was sent to (a 302 would also turn its POST into a bodiless GET),
+                # and a passthrough hands the redirect to its client.
+                return await self.client.request(method, url, allow_redirects=False, **options)
             except aiohttp.ClientConnectorError as exc:
                 if not out_of_descriptors(exc.os_error) or wait == UPSTREAM_DESCRIPTOR_WAITS[-1]:
                     raise
@@ -308,11 +357,18 @@ class Gateway:
             raise HttpError(413, f"request body over the gateway's limit of {limit} bytes")
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HttpError(413, f"request body over the gateway's limit of {limit} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise HttpError(413, f"request body over the gateway's limit of {limit} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            # The client left while sending its body: nothing was written or sent; the answer
+            # reaches no one (a quiet end, not an error in the server's log).
+            raise HttpError(
+                499, "the client disconnected during its request", "client_gone"
+            ) from None
         return b"".join(chunks)
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
@@ -337,7 +393,7 @@ class Gateway:
     async def healthz(self, request: Request) -> Response:
         try:
             async with self.client.get(
-                self.url("/health"), timeout=aiohttp.ClientTimeout(total=5.0)
+                self.url("/health"), timeout=aiohttp.ClientTimeout(total=5.0), allow_redirects=False
             ) as answer:
                 status = answer.status
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -414,11 +470,65 @@ class Gateway:
         return await self._passthrough(request, "/v1/models")
 
     async def passthrough(self, request: Request) -> Response:
+        path = "/v1/" + request.path_params["path"]
         try:
             self._authorize(request)
         except HttpError as exc:
             return exc.response()
-        return await self._passthrough(request, "/v1/" + request.path_params["path"])
+        if any(segment in (".", "..") for segment in path.split("/")):
+            # A dot segment (also spelled `%2e` or with an encoded slash: the path is decoded)
+            # would be resolved by the URL's normalisation, or by a proxy, to an engine route
+            # outside /v1/ (`/health`, `/collective_rpc`, ...).
+            return error_response(
+                400, f"invalid path {path!r}: a '.' or '..' segment is not passed through"
+            )
+        return await self._passthrough(request, path)
+
+    def _passthrough_url(self, path: str) -> URL:
+        """The upstream URL of a passthrough's decoded `path`, every character but the
+        path's own delimiters percent-encoded (a `%` too: what the engine decodes is what the
+        client sent), dot segments not normalised (they are refused before)."""
+        base = self._base_url
+        quoted = urllib.parse.quote(path, safe="/!$&'()*+,;=:@~")
+        return base.with_path(base.raw_path.rstrip("/") + quoted, encoded=True)
+
+    def _passthrough_headers(self, request: Request) -> list[tuple[str, str]]:
+        """The client's end-to-end headers for the engine (not the hop-by-hop ones, nor those
+        the client's `Connection` names, nor its `Authorization` unless the gateway has no
+        token of its own), then the configured extra headers; a body without a content type
+        is sent as JSON, as the OpenAI API's are."""
+        dropped = _HOP_BY_HOP_HEADERS | _connection_tokens(request.headers.getlist("connection"))
+        own = {name.lower() for name in self.config.extra_headers}
+        headers = [
+            (name, value)
+            for name, value in request.headers.items()
+            if name not in dropped and name not in own and name != "authorization"
+        ]
+        if "content-type" not in request.headers and "content-type" not in own:
+            headers.append(("content-type", "application/json"))
+        headers.extend(self.config.extra_headers.items())
+        if self._upstream_auth:
+            authorization = request.headers.get("authorization")
+            if authorization is not None:
+                headers.append(("authorization", authorization))
+        return headers
+
+    def _answer_headers(self, answer: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+        """The engine's end-to-end headers for the client (not the hop-by-hop ones, nor its
+        `Date` and `Server`, which the gateway's server sets); a `Location` under the
+        upstream's URL is made relative, so that a client follows it through the gateway."""
+        dropped = _HOP_BY_HOP_HEADERS | _ANSWER_OWN_HEADERS
+        dropped = dropped | _connection_tokens(answer.headers.getall("connection", []))
+        base = self._base.encode("latin-1", "replace")
+        headers: list[tuple[bytes, bytes]] = []
+        for raw_name, value in answer.raw_headers:
+            name = raw_name.lower()
+            if name.decode("latin-1") in dropped:
+                continue
+            if name == b"location" and value.startswith(base + b"/"):
+                value = value[len(base) :]
+            headers.append((name, value))
+        return headers
 
     async def _passthrough(self, request: Request, path: str) -> Response:
         started = time.perf_counter()
@@ -429,9 +539,9 @@ class Gateway:
         try:
             answer = await self.request_upstream(
                 request.method,
-                self.url(path),
+                self._passthrough_url(path),
                 data=body,
-                headers=self._upstream_headers(request),
+                headers=self._passthrough_headers(request),
                 params=list(request.query_params.multi_items()),
             )
         except TimeoutError:
@@ -451,8 +561,9 @@ class Gateway:
             finally:
                 answer.release()
 
-        media = answer.headers.get("content-type")
-        return _Relayed(relay(), answer, answer.status, media_type=media)
+        relayed = _Relayed(relay(), answer, answer.status)
+        relayed.raw_headers.extend(self._answer_headers(answer))
+        return relayed
 
     def captured(self, kind: str) -> Callable[[Request, str | None], Awaitable[Response]]:
         """The handler of a captured route: `handle(request, rollout_id)`, the rollout id from
@@ -493,6 +604,10 @@ class Gateway:
     async def _capture(self, kind: str, path: str, request: Request, rollout: str) -> Response:
         rollout_id = self._rollout(rollout)
         given_call_id = request.headers.get(CALL_HEADER)
+        if given_call_id == "":
+            # Present but empty: an invalid id, not "no id" (a generated one would drop the
+            # client's retry protection: its retry would be a second generation).
+            raise HttpError(400, "invalid model call id: the X-Model-Call-Id header is empty")
         raw_call_id = given_call_id or uuid.uuid4().hex
         try:
             # Header values arrive as latin-1; a client sends UTF-8.
@@ -513,7 +628,7 @@ class Gateway:
             raw = body.get("messages")
             if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
                 raise HttpError(400, "messages must be a list of message objects")
-            messages = raw
+            messages = _stampable(raw)
         headers = {CALL_HEADER: raw_call_id}
         call = _Call(self, kind, path, request, rollout_id, call_id, messages, requested, headers)
         if not given_call_id:
@@ -683,6 +798,73 @@ class Gateway:
             )
         self.metrics.observe("replay", time.perf_counter() - started)
         return response
+
+
+# A content part without a type that vLLM reads by the field it carries (`chat_utils`: "Handle
+# missing 'type' but provided direct URL fields"), in vLLM's order of looking.
+_UNTYPED_PART_FIELDS: Final[tuple[str, ...]] = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+    "tool_reference",
+)
+
+
+def _stampable(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation the call's lineage is stamped and resolved with, checked before the
+    intent: a conversation the stamp (`stamp_continuation`, NeMo Gym's fingerprint) cannot
+    read is a 400 here, not a 502 after the engine generated.
+
+    A content part with no type (missing or null) and no string `text`, which the fingerprint
+    refuses, is read as vLLM reads it: by the first of `_UNTYPED_PART_FIELDS` it carries, as
+    the part with that type (`{"image_url": U}` as `{"type": "image_url", "image_url": U}`, so
+    the two spellings of one image have one fingerprint). Only the stamped copy has the type;
+    the engine gets the request as sent. Every conversation the fingerprint already reads is
+    used as it is, so no fingerprint of it changes."""
+    try:
+        if _core.continuation_hashes(messages, len(messages)) is None:
+            conversation_digest(messages)  # what the native hash defers; raises as the stamp
+        return messages
+    except (TypeError, ValueError) as exc:
+        typed = _typed_parts(messages)
+        if typed is not None:
+            try:
+                conversation_digest(typed)
+                return typed
+            except (TypeError, ValueError):
+                pass
+        raise HttpError(400, f"messages cannot be captured: {exc}") from None
+
+
+def _typed_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """`messages` with each untyped part `_stampable` reads as vLLM does given its type (a
+    copy of what changes), or None if there is none."""
+    changed = False
+    typed: list[dict[str, Any]] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts: list[Any] = []
+            for part in content:
+                if (
+                    isinstance(part, dict)
+                    and part.get("type") is None
+                    and not isinstance(part.get("text"), str)
+                ):
+                    field_name = next((f for f in _UNTYPED_PART_FIELDS if f in part), None)
+                    if field_name is not None:
+                        part = {**part, "type": field_name}
+                        changed = True
+                parts.append(part)
+            message = {**message, "content": parts}
+        typed.append(message)
+    return typed if changed else None
 
 
 async def _disconnect_waiting(request: Request) -> bool:
@@ -971,6 +1153,17 @@ class _Call:
         finally:
             answer.release()
         await self.fail(f"upstream_status_{answer.status}")
+        if 300 <= answer.status < 400:
+            # Not followed (`Gateway.request_upstream`), and not passed on: the client asked
+            # the gateway, and a redirect's target would not be captured.
+            location = answer.headers.get("location", "")
+            return error_response(
+                502,
+                f"the upstream answered {answer.status} (a redirect to {location!r}); the "
+                "gateway does not follow redirects: point --upstream at the engine itself",
+                "upstream_error",
+                self.headers,
+            )
         media = answer.headers.get("content-type", "application/json")
         return Response(content, answer.status, headers=self.headers, media_type=media)
 
@@ -997,10 +1190,13 @@ class _Call:
                 if self.kind == CHAT
                 else generation_from_completion(data)
             )
-        except (orjson.JSONDecodeError, CaptureError, AttributeError) as exc:
-            await self.fail(f"capture_failed: {exc}")
+        except Exception as exc:
+            # An answer of another shape than the engine's (a field of another type raises
+            # TypeError, say) is the engine's failure, not the gateway's.
+            reason = _capture_failure(exc)
+            await self.fail(f"capture_failed: {reason}")
             raise HttpError(
-                502, f"the upstream's answer cannot be captured: {exc}", "upstream_error"
+                502, f"the upstream's answer cannot be captured: {reason}", "upstream_error"
             ) from None
         await self.store_if_client_waits(generation)
         strip = strip_chat if self.kind == CHAT else strip_completion
@@ -1024,30 +1220,35 @@ class _Call:
         untouched = requested.token_ids and requested.logprobs
         held: list[bytes] = []
         finished = False
+        lines = _Lines(answer.content, _max_sse_line(self.gateway.config.max_body_bytes))
         try:
             try:
-                async for line in answer.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == _DONE:
-                        finished = True
-                        break
-                    chunk = orjson.loads(payload)
-                    if not isinstance(chunk, dict):
-                        raise CaptureError("a stream chunk is not a JSON object")
-                    if "error" in chunk and "choices" not in chunk:
-                        raise CaptureError(f"the upstream's stream failed: {chunk['error']}")
-                    accumulator.add(chunk)
-                    event = _event(payload if untouched else orjson.dumps(strip(chunk, requested)))
-                    if held or accumulator.finish_reason is not None:
-                        held.append(event)
-                    else:
-                        yield event
-                    # Let the loop run between chunks: when the engine is ahead and its chunks
-                    # are all buffered, nothing here would wait, and the client's disconnect
-                    # (which cancels this relay) would not be seen until the stream is over.
-                    await asyncio.sleep(0)
+                while not finished and (read := await lines.read()) is not None:
+                    for line in read:
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == _DONE:
+                            finished = True
+                            break
+                        chunk = orjson.loads(payload)
+                        if not isinstance(chunk, dict):
+                            raise CaptureError("a stream chunk is not a JSON object")
+                        if "error" in chunk and "choices" not in chunk:
+                            raise CaptureError(f"the upstream's stream failed: {chunk['error']}")
+                        accumulator.add(chunk)
+                        event = _event(
+                            payload if untouched else orjson.dumps(strip(chunk, requested))
+                        )
+                        if held or accumulator.finish_reason is not None:
+                            held.append(event)
+                        else:
+                            yield event
+                        # Let the loop run between chunks: when the engine is ahead and its
+                        # chunks are all buffered, nothing here would wait, and the client's
+                        # disconnect (which cancels this relay) would not be seen until the
+                        # stream is over.
+                        await asyncio.sleep(0)
             except TimeoutError:
                 await self.fail("upstream_timeout")
                 yield _event(_stream_error(504, "upstream timed out", "upstream_error"))
@@ -1060,9 +1261,13 @@ class _Call:
                     )
                 )
                 return
-            except (CaptureError, orjson.JSONDecodeError) as exc:
-                await self.fail(f"capture_failed: {exc}")
-                message = f"the upstream's stream cannot be captured: {exc}"
+            except Exception as exc:
+                # A chunk the gateway cannot read (not JSON, an error event, another shape
+                # than the engine's: a field of another type raises TypeError, say) fails the
+                # call as the engine's failure, with an error event, never a cut connection.
+                reason = _capture_failure(exc)
+                await self.fail(f"capture_failed: {reason}")
+                message = f"the upstream's stream cannot be captured: {reason}"
                 yield _event(_stream_error(502, message, "upstream_error"))
                 return
             if not finished:
@@ -1075,9 +1280,10 @@ class _Call:
                 return
             try:
                 generation = accumulator.generation()
-            except CaptureError as exc:
-                await self.fail(f"capture_failed: {exc}")
-                message = f"the upstream's stream cannot be captured: {exc}"
+            except Exception as exc:
+                reason = _capture_failure(exc)
+                await self.fail(f"capture_failed: {reason}")
+                message = f"the upstream's stream cannot be captured: {reason}"
                 yield _event(_stream_error(502, message, "upstream_error"))
                 return
             if await self.client_gone():
@@ -1188,6 +1394,67 @@ _STORED_FIRST_MESSAGE: Final[str] = (
 )
 
 
+def _capture_failure(exc: Exception) -> str:
+    """Why an upstream answer could not be captured: the gateway's own reasons (CaptureError,
+    a JSON error) as they are, anything else (an answer of another shape) with its type."""
+    if isinstance(exc, CaptureError | orjson.JSONDecodeError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+# A stream's line (an SSE event's `data:` line) may be long: vLLM's first chunk carries every
+# prompt token id (~7 bytes each), past aiohttp's own line limit (512 KiB: ~75k tokens). The
+# relay splits lines itself, bounded by this many bytes or 8 times the request body limit,
+# whichever is more (a line over it fails the call: its memory would be unbounded).
+MIN_MAX_SSE_LINE_BYTES: Final[int] = 64 * 1024 * 1024
+
+
+def _max_sse_line(max_body_bytes: int) -> int:
+    return max(MIN_MAX_SSE_LINE_BYTES, 8 * max_body_bytes)
+
+
+class _Lines:
+    """The lines of an upstream stream (each with its `\\n`; the last may lack it), read as
+    they come, as many as each read of the socket completes; none longer than `limit`."""
+
+    def __init__(self, content: aiohttp.StreamReader, limit: int) -> None:
+        self.content = content
+        self.limit = limit
+        self.partial = bytearray()
+        self.ended = False
+
+    async def read(self) -> list[bytes] | None:
+        """The lines the next read completes (maybe none); None once the stream is over."""
+        if self.ended:
+            return None
+        data = await self.content.readany()
+        partial = self.partial
+        if not data:
+            self.ended = True
+            if partial:
+                last = bytes(partial)
+                partial.clear()
+                return [last]
+            return None
+        lines: list[bytes] = []
+        start = 0
+        while (end := data.find(b"\n", start)) != -1:
+            if partial:
+                partial += data[start : end + 1]
+                lines.append(bytes(partial))
+                partial.clear()
+            else:
+                lines.append(data[start : end + 1])
+            start = end + 1
+        if start < len(data):
+            partial += data[start:]
+            if len(partial) > self.limit:
+                raise CaptureError(
+                    f"a stream line is over the gateway's limit of {self.limit} bytes"
+                )
+        return lines
+
+
 def _stream_error(status: int, message: str, kind: str = "gateway_error") -> bytes:
     """A stream's error event, typed as the gateway's errors are (`upstream_error` when the
     engine's stream failed)."""
@@ -1250,8 +1517,9 @@ def create_app(
     """The gateway as an ASGI application (closes `backend` at shutdown).
 
     Routes: `POST /rollouts/{rollout_id}/v1/chat/completions` and `.../v1/completions`
-    (captured), `GET /rollouts/{rollout_id}/v1/models`, the same under `/v1/...` with the
-    rollout in an `X-Rollout-Id` header (without one a call passes through uncaptured),
+    (captured, with or without a trailing slash), `GET /rollouts/{rollout_id}/v1/models`, the
+    same under `/v1/...` with the rollout in an `X-Rollout-Id` header (without one a call
+    passes through uncaptured; a `.` or `..` path segment is refused),
     `GET /rollouts/{rollout_id}` (an operator summary) and `GET /healthz`.
     """
     gateway = Gateway(backend, config)
@@ -1285,6 +1553,12 @@ def create_app(
         Route("/rollouts/{rollout_id}", gateway.rollout_summary, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        # With a trailing slash, the same endpoints at the engine (which redirects there): the
+        # same captured calls, never passed through uncaptured.
+        Route("/rollouts/{rollout_id}/v1/chat/completions/", chat, methods=["POST"]),
+        Route("/rollouts/{rollout_id}/v1/completions/", completions, methods=["POST"]),
+        Route("/v1/chat/completions/", chat, methods=["POST"]),
+        Route("/v1/completions/", completions, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/v1/{path:path}", gateway.passthrough, methods=["GET", "POST"]),
     ]

@@ -39,7 +39,6 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
     ) from exc
 
 from tokencapture.gateway.capture import (
-    CaptureError,
     Generation,
     assistant_item,
     generation_from_completion,
@@ -356,7 +355,7 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
         data = orjson.loads(content)
         completion = generation_from_completion(data)
         message = bridge.message(completion.generation_token_ids, prompt, tools)
-    except (ValueError, CaptureError) as exc:
+    except Exception as exc:  # another shape than the engine's (TypeError...): its failure
         await call.fail(f"capture_failed: {exc}")
         raise HttpError(
             502, f"the upstream's completion cannot be captured: {exc}", "upstream_error"
