@@ -4,6 +4,7 @@ A drop-in for `nemo_gym.token_id_capture`: the same records, protocols, store AP
 format, with the hot path (append + fsync, flock, digests, tail reconciliation) in Rust.
 """
 
+import logging as _logging
 import platform as _platform
 import sys as _sys
 from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
@@ -97,6 +98,11 @@ from tokencapture.store import (
     validate_rollout_id,
     validate_rollout_ids,
 )
+
+# A library prints nothing its application did not ask for: without this, Python's last-resort
+# handler wrote every logged failure to stderr (a CLI error came out twice, a full disk gave a
+# line a put). Applications configure logging as they like; the gateway and the CLI do.
+_logging.getLogger("tokencapture").addHandler(_logging.NullHandler())
 
 # The installed distribution's version, which maturin takes from Cargo.toml (its one source).
 # Imported from a bare source tree (no installed metadata), the version is unknown, not guessed.

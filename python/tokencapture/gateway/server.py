@@ -10,6 +10,7 @@ environment (`SETTINGS_ENV`; the token through `TOKEN_ENV`, as for one process).
 from __future__ import annotations
 
 import asyncio
+import copy
 import ipaddress
 import json
 import logging
@@ -26,6 +27,7 @@ __all__ = [
     "SETTINGS_ENV",
     "TOKEN_ENV",
     "app_from_environment",
+    "log_config",
     "raise_descriptor_limit",
     "serve",
 ]
@@ -33,6 +35,20 @@ __all__ = [
 TOKEN_ENV = "TOKENCAPTURE_GATEWAY_TOKEN"
 SETTINGS_ENV = "TOKENCAPTURE_GATEWAY_SETTINGS"
 logger = logging.getLogger("tokencapture.gateway")
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging configuration, with the gateway's and the store's loggers
+    (`tokencapture.*`) on its stderr handler at `level`: the library gives them only a
+    `NullHandler` (a library prints nothing its application did not ask for), and the gateway
+    is an application whose failures an operator must see."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["loggers"]["tokencapture"] = {
+        "handlers": ["default"],
+        "level": level.upper(),
+        "propagate": False,
+    }
+    return config
 
 
 def _is_loopback(host: str) -> bool:
@@ -154,6 +170,7 @@ def serve(
         "host": host,
         "port": port,
         "log_level": log_level,
+        "log_config": log_config(log_level),  # in each worker too
         "access_log": False,
         # Nothing here reads the client's address or scheme, so X-Forwarded-* need no
         # middleware rewriting every request's scope; nor does any client need a Server header.
