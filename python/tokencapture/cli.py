@@ -516,6 +516,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
     skipped: list[str] = []
     missing: list[str] = []
     unreadable: list[dict[str, str]] = []
+    failed: list[dict[str, str]] = []
     try:
         names = args.rollouts or source.rollouts()
         for rollout_id in names:
@@ -526,7 +527,13 @@ def cmd_copy(args: argparse.Namespace) -> int:
                 continue
             if image is None:
                 missing.append(rollout_id)
-            elif target.create(image):
+                continue
+            try:
+                created = target.create(image)
+            except OSError as exc:  # a full disk, say: the import left nothing; say which
+                failed.append({"rollout_id": rollout_id, "problem": str(exc)})
+                continue
+            if created:
                 copied.append(image.summary())
             else:
                 skipped.append(rollout_id)
@@ -538,6 +545,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
         "exists_in_target": skipped,
         "missing_in_source": missing,
         "unreadable_in_source": unreadable,
+        "failed_in_target": failed,
     }
 
     def render(p: dict[str, Any]) -> str:
@@ -553,10 +561,15 @@ def cmd_copy(args: argparse.Namespace) -> int:
             f"not copied, unreadable in the source: {u['rollout_id']}: {u['problem']}"
             for u in p["unreadable_in_source"]
         )
+        lines.extend(
+            f"not copied, the target refused it: {f['rollout_id']}: {f['problem']}"
+            for f in p["failed_in_target"]
+        )
         return "\n".join(lines)
 
     _emit(args, payload, render)
-    return 0 if not skipped and not missing and not unreadable else EXIT_PROBLEMS
+    clean = not skipped and not missing and not unreadable and not failed
+    return 0 if clean else EXIT_PROBLEMS
 
 
 # Staging stores (`--staging`): a FileStagingStore directory or a PostgresStagingStore DSN ----

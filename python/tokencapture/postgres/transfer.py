@@ -9,6 +9,7 @@ these; it is an operator tool for rollouts nobody is writing at the moment.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -120,44 +121,74 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(out.fileno())
 
 
+def _sync_directory(path: Path) -> None:
+    directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
 def import_into_directory(store: TokenCaptureStore, image: RolloutImage) -> bool:
-    """Create the rollout's files from an image; False if the rollout already has files."""
+    """Create the rollout's files from an image; False if the rollout already has files.
+
+    Whole or not at all: an import that fails (a full disk) removes what it wrote and raises
+    an `OSError` naming the rollout, and one a crash cut short is redone by the next import:
+    `<rollout>.tokens.importing` is made (and its name synced) before any file and removed
+    (synced) after the last, so its presence says the files beside it are a partial copy.
+    """
     rollout_id = validate_rollout_id(image.rollout_id)
-    paths = [
+    root = Path(store.root)
+    marker = root / f"{rollout_id}.tokens.importing"
+    log, state, intents, markers = (
         store.path_for(rollout_id),
         store.state_path_for(rollout_id),
         store.intents_path_for(rollout_id),
         store.incomplete_path_for(rollout_id),
-    ]
+    )
+    temporary = state.with_name(state.name + ".copy-tmp")
+    written = [log, intents, markers, temporary, state]
     with open(store.lock_path_for(rollout_id), "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if any(path.exists() for path in paths):
+        if marker.exists():  # an import a crash cut short: what it left is not the rollout's
+            for path in written:
+                path.unlink(missing_ok=True)
+        elif any(path.exists() for path in (log, state, intents, markers)):
             return False
-        log = b"".join(line + b"\n" for _, _, line in image.entries)
-        if log:
-            _write_synced(paths[0], log)
-        if image.intents:
-            _write_synced(paths[2], b"".join(i + b"\n" for i in image.intents))
-        if image.markers:
-            _write_synced(paths[3], b"".join(m + b"\n" for m in image.markers))
-        state = {
-            "entry_digests": {call_id: digest for call_id, digest, _ in image.entries},
-            "frozen": image.frozen,
-            "incomplete": image.incomplete,
-            "indexed_size": len(log),
-            "retired": image.retired,
-            "snapshot_id": image.snapshot_id,
-            "version": image.version,
-        }
-        temporary = paths[1].with_name(paths[1].name + ".copy-tmp")
-        temporary.unlink(missing_ok=True)
-        _write_synced(temporary, orjson.dumps(state, option=orjson.OPT_SORT_KEYS))
-        os.replace(temporary, paths[1])
-        directory = os.open(store.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+            marker.touch()
+            _sync_directory(root)
+            lines = b"".join(line + b"\n" for _, _, line in image.entries)
+            if lines:
+                _write_synced(log, lines)
+            if image.intents:
+                _write_synced(intents, b"".join(i + b"\n" for i in image.intents))
+            if image.markers:
+                _write_synced(markers, b"".join(m + b"\n" for m in image.markers))
+            index = {
+                "entry_digests": {call_id: digest for call_id, digest, _ in image.entries},
+                "frozen": image.frozen,
+                "incomplete": image.incomplete,
+                "indexed_size": len(lines),
+                "retired": image.retired,
+                "snapshot_id": image.snapshot_id,
+                "version": image.version,
+            }
+            temporary.unlink(missing_ok=True)
+            _write_synced(temporary, orjson.dumps(index, option=orjson.OPT_SORT_KEYS))
+            os.replace(temporary, state)
+            _sync_directory(root)  # every name above durable before the marker goes
+            marker.unlink()
+            _sync_directory(root)
+        except OSError as exc:
+            for path in written:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                marker.unlink(missing_ok=True)
+            raise OSError(
+                exc.errno, f"copying rollout {rollout_id!r} into {root}: {exc.strerror or exc}"
+            ) from exc
     return True
 
 
