@@ -436,3 +436,57 @@ async def test_a_passthrough_forwards_end_to_end_headers_both_ways(odd: OddHarne
     assert answer.headers["x-request-id"] == "req-1"
     assert answer.headers["content-type"].startswith("text/plain")
     assert b"RIFF...." in answer.content
+
+
+async def test_the_engines_own_key_goes_upstream_and_a_clients_never(tmp_path: Path) -> None:
+    """An engine started with `--api-key` behind a gateway (`--upstream-api-key`): every
+    upstream request, captured or passed through, carries the engine's key, never the key a
+    client sent (before, a gateway with `--token` could not reach such an engine at all)."""
+    harness = OddHarness(tmp_path / "store", Odd())
+    harness.app = create_app(
+        harness.backend, GatewayConfig(harness.upstream.url, upstream_api_key="engine-key")
+    )
+    harness.client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(harness.app),
+        base_url="http://gateway",
+        headers={"authorization": "Bearer client-secret"},
+    )
+    try:
+        await harness.chat("keyed", [_user("x")], call="c", odd="shape")
+        await harness.client.get("/v1/elsewhere")
+        seen = [headers.get("authorization") for headers in harness.odd.headers]
+        assert seen == ["Bearer engine-key", "Bearer engine-key"]
+    finally:
+        await harness.close()
+
+
+def test_the_cli_passes_the_engines_key_to_every_worker(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from tokencapture.cli import main
+    from tokencapture.gateway import server
+
+    given: dict[str, Any] = {}
+    monkeypatch.setattr(server, "serve", lambda **options: given.update(options))
+    argv = ["gateway", "--upstream", "http://127.0.0.1:9", "--store", str(tmp_path)]
+    assert main([*argv, "--upstream-api-key", "engine-key"]) == 0
+    assert given["upstream_api_key"] == "engine-key"
+    # Workers build their gateway from the environment: the key reaches them there.
+    monkeypatch.setenv(server.SETTINGS_ENV, json.dumps(server_settings(tmp_path)))
+    monkeypatch.setenv(server.UPSTREAM_KEY_ENV, "engine-key")
+    app = server.app_from_environment()
+    assert app.gateway.config.upstream_api_key == "engine-key"
+    asyncio.run(app.gateway.backend.close())
+
+
+def server_settings(store: Path) -> dict[str, Any]:
+    return {
+        "upstream": "http://127.0.0.1:9",
+        "store_dir": str(store),
+        "dsn": None,
+        "tito": False,
+        "tokenizer": None,
+        "renderer": "qwen3",
+        "timeout": 600.0,
+        "max_body_bytes": 1 << 20,
+    }

@@ -1021,6 +1021,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         max_body_bytes=args.max_body_bytes,
         workers=args.workers,
+        upstream_api_key=args.upstream_api_key,
     )
     return 0
 
@@ -1137,6 +1138,13 @@ def _parser() -> argparse.ArgumentParser:
         "--token",
         default=None,
         help="bearer token clients must send (or $TOKENCAPTURE_GATEWAY_TOKEN)",
+    )
+    gateway.add_argument(
+        "--upstream-api-key",
+        default=None,
+        metavar="KEY",
+        help="the engine's API key (vLLM --api-key), sent upstream as a bearer token "
+        "(or $TOKENCAPTURE_UPSTREAM_API_KEY)",
     )
     gateway.add_argument(
         "--tito", action="store_true", help="token-in-token-out continuations (renderers)"

@@ -148,6 +148,9 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tito: Any = None
     extra_headers: dict[str, str] = field(default_factory=dict)
+    # The engine's own API key (vLLM's `--api-key`), sent as `Authorization: Bearer ...` on
+    # every upstream request; the clients' `Authorization` is then never forwarded.
+    upstream_api_key: str | None = None
 
 
 MAX_UPSTREAM_CONNECTIONS: Final[int] = 512
@@ -229,7 +232,14 @@ class Gateway:
         self._client: aiohttp.ClientSession | None = None
         self._base = config.upstream.rstrip("/")
         self._background: set[asyncio.Task[None]] = set()
-        self._upstream_auth: bool = config.token is None
+        # Whether a client's `Authorization` is the engine's to read: not when the gateway
+        # checks it itself (`token`) or sends the engine a key of its own.
+        self._upstream_auth: bool = config.token is None and config.upstream_api_key is None
+        engine_auth = (
+            {}
+            if config.upstream_api_key is None
+            else {"authorization": f"Bearer {config.upstream_api_key}"}
+        )
         # `identity`: the session does not decompress (a captured answer is parsed as sent, a
         # passthrough relayed as sent), so a captured call asks for no encoding; a passthrough
         # forwards the client's own Accept-Encoding and the engine's Content-Encoding back.
@@ -237,7 +247,9 @@ class Gateway:
             "content-type": "application/json",
             "accept-encoding": "identity",
             **config.extra_headers,
+            **engine_auth,
         }
+        self._engine_auth = list(engine_auth.items())
         self._base_url = URL(self._base)
         self._urls: dict[str, URL] = {
             path: URL(self._base + path) for path in ("/v1/chat/completions", "/v1/completions")
@@ -507,6 +519,7 @@ class Gateway:
         if "content-type" not in request.headers and "content-type" not in own:
             headers.append(("content-type", "application/json"))
         headers.extend(self.config.extra_headers.items())
+        headers.extend(self._engine_auth)
         if self._upstream_auth:
             authorization = request.headers.get("authorization")
             if authorization is not None:

@@ -4,7 +4,8 @@ One process by default. With `workers=N` (`--workers N`), uvicorn's supervisor b
 socket and runs N worker processes, each a whole gateway over the same store (which is safe
 for many processes: every write takes the rollout's lock, and each process folds in what the
 others wrote), and restarts a worker that dies. The settings reach the workers through the
-environment (`SETTINGS_ENV`; the token through `TOKEN_ENV`, as for one process).
+environment (`SETTINGS_ENV`; the token through `TOKEN_ENV` and the engine's key through
+`UPSTREAM_KEY_ENV`, as for one process: secrets stay out of the settings).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tokencapture.gateway.backend import open_backend
 __all__ = [
     "SETTINGS_ENV",
     "TOKEN_ENV",
+    "UPSTREAM_KEY_ENV",
     "app_from_environment",
     "log_config",
     "raise_descriptor_limit",
@@ -33,6 +35,7 @@ __all__ = [
 ]
 
 TOKEN_ENV = "TOKENCAPTURE_GATEWAY_TOKEN"
+UPSTREAM_KEY_ENV = "TOKENCAPTURE_UPSTREAM_API_KEY"
 SETTINGS_ENV = "TOKENCAPTURE_GATEWAY_SETTINGS"
 logger = logging.getLogger("tokencapture.gateway")
 
@@ -88,8 +91,8 @@ def raise_descriptor_limit() -> tuple[int, int]:
     return soft, hard
 
 
-def _app(settings: dict[str, Any], token: str | None) -> GatewayApp:
-    """The gateway of `settings` (what `serve` was given, but the token and the bind)."""
+def _app(settings: dict[str, Any], token: str | None, upstream_key: str | None) -> GatewayApp:
+    """The gateway of `settings` (what `serve` was given, but the secrets and the bind)."""
     bridge: Any = None
     if settings["tito"]:
         from tokencapture.gateway.tito import Bridge
@@ -104,6 +107,7 @@ def _app(settings: dict[str, Any], token: str | None) -> GatewayApp:
             timeout=settings["timeout"],
             max_body_bytes=settings["max_body_bytes"],
             tito=bridge,
+            upstream_api_key=upstream_key,
         ),
     )
 
@@ -113,7 +117,11 @@ def app_from_environment() -> GatewayApp:
     raw = os.environ.get(SETTINGS_ENV)
     if raw is None:
         raise RuntimeError(f"{SETTINGS_ENV} is not set: start workers with serve(workers=N)")
-    return _app(json.loads(raw), os.environ.get(TOKEN_ENV) or None)
+    return _app(
+        json.loads(raw),
+        os.environ.get(TOKEN_ENV) or None,
+        os.environ.get(UPSTREAM_KEY_ENV) or None,
+    )
 
 
 def serve(
@@ -131,6 +139,7 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     workers: int = 1,
     log_level: str = "warning",
+    upstream_api_key: str | None = None,
 ) -> None:
     """Serve a gateway until interrupted, in `workers` processes. A non-loopback `host`
     without a token is refused."""
@@ -143,6 +152,7 @@ def serve(
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--workers {workers!r}: a number of processes, at least 1")
     token = token or os.environ.get(TOKEN_ENV) or None
+    upstream_api_key = upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV) or None
     if not _is_loopback(host) and token is None:
         raise ValueError(
             f"--host {host}: the gateway binds beyond loopback only with a bearer token "
@@ -165,7 +175,7 @@ def serve(
     raise_descriptor_limit()
     # Built here in any case: a store, tokenizer or renderer that cannot be opened fails once,
     # with its own message, before any socket is bound or worker started.
-    app = _app(settings, token)
+    app = _app(settings, token, upstream_api_key)
     server_options: dict[str, Any] = {
         "host": host,
         "port": port,
@@ -190,4 +200,6 @@ def serve(
     os.environ[SETTINGS_ENV] = json.dumps(settings)
     if token is not None:
         os.environ[TOKEN_ENV] = token
+    if upstream_api_key is not None:
+        os.environ[UPSTREAM_KEY_ENV] = upstream_api_key
     uvicorn.run(f"{__name__}:app_from_environment", factory=True, workers=workers, **server_options)
