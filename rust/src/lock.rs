@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use arc_swap::ArcSwapOption;
 
-use crate::error::{IoContext, Result};
+use crate::error::{Error, IoContext, Result};
 
 /// Shared (readers) or exclusive (writers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -200,6 +200,45 @@ impl RolloutLock {
     /// created (readers of a rollout that has no files must leave none behind).
     pub fn acquire_if_exists(path: &Path, mode: LockMode) -> Result<Option<Self>> {
         Self::attempt(path, mode, false)
+    }
+
+    /// A shared lock for a reader that needs no write access: an existing lock file is opened
+    /// read-only (`flock` works on any descriptor), so a read-only mount or a user who may
+    /// only read can still read. An absent one is created, as [`RolloutLock::acquire`] would.
+    ///
+    /// `Ok(None)`: the lock file is absent and the filesystem is read-only, so it cannot be
+    /// created. Nothing writes through a read-only mount and every writer creates the lock
+    /// file before anything else, so the caller reads without a lock. Any other failure to
+    /// create it is the error: without write permission (`EACCES`) another user may be
+    /// writing, and reading unlocked could see a write its writer is about to undo.
+    pub fn acquire_to_read(path: &Path) -> Result<Option<Self>> {
+        let mut read_only_fs = false;
+        loop {
+            if let Some(lock) = Self::attempt(path, LockMode::Shared, false)? {
+                return Ok(Some(lock));
+            }
+            if read_only_fs {
+                return Ok(None); // still absent: nobody created it meanwhile
+            }
+            match Self::attempt(path, LockMode::Shared, true) {
+                Ok(lock) => return Ok(lock),
+                Err(Error::Io { source, .. })
+                    if source.kind() == io::ErrorKind::ReadOnlyFilesystem =>
+                {
+                    read_only_fs = true; // look once more: another mount may have made it
+                }
+                // Made by another process meanwhile (an existing file this user cannot open
+                // for writing): the next round opens it read-only.
+                Err(Error::Io { source, .. })
+                    if source.kind() == io::ErrorKind::PermissionDenied && path.exists() => {}
+                Err(Error::Io {
+                    op: "open lock",
+                    source,
+                    ..
+                }) => return Err(source).ctx("create missing lock file", path),
+                Err(err) => return Err(err),
+            }
+        }
     }
 
     /// One lock-then-verify round; `None` means "retry" with `create`, "absent" without.

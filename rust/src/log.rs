@@ -89,6 +89,19 @@ pub fn reserve_past(_file: &File, _from: u64, _end: u64) -> Option<u64> {
     None
 }
 
+/// Allocate exactly `len` bytes of blocks for `file` from `from`, size unchanged (see
+/// [`reserve_past`]); whether the filesystem did.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+pub fn reserve_exactly(file: &File, from: u64, len: u64) -> bool {
+    rustix::fs::fallocate(file, rustix::fs::FallocateFlags::KEEP_SIZE, from, len).is_ok()
+}
+
+/// Elsewhere nothing is reserved.
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+pub fn reserve_exactly(_file: &File, _from: u64, _len: u64) -> bool {
+    false
+}
+
 /// Read `len` bytes at `offset`.
 pub fn read_at(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
     let mut buf = Vec::new();

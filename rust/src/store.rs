@@ -53,7 +53,7 @@ use crate::json::{extract_call_id, LineError, Repeats};
 use crate::lock::{FileId, LockFile, LockMode, RolloutLock};
 use crate::log::{
     append_line, append_lines, complete_lines, complete_prefix_len, read_at, read_into,
-    reserve_past,
+    reserve_exactly, reserve_past,
 };
 use crate::ring::{Chunk, LineBytes, Ring, Shared, CHUNK_BYTES};
 use crate::spread;
@@ -69,6 +69,10 @@ pub const CHECKPOINT_BYTES: u64 = 4 << 20;
 /// the log and the state file, once it has one, that it pins, and the lock file kept open
 /// between writes), within the process's descriptor budget (`descriptors`).
 pub const DEFAULT_CACHED_ROLLOUTS: usize = 128;
+/// Blocks a first freeze keeps reserved past the log's end for the rollout's fence (a state
+/// file of a few hundred bytes): its retire or drop gives them back just before writing the
+/// fence, so it lands on a full disk.
+const FENCE_RESERVE: u64 = 4096;
 
 /// Check a rollout id: non-empty, ASCII letters, digits, `.`, `_`, `-`, and short enough.
 pub fn validate_rollout_id(rollout_id: &str) -> Result<()> {
@@ -715,6 +719,24 @@ fn open_existing(options: &OpenOptions, path: &Path, op: &'static str) -> Result
     }
 }
 
+/// Give back the blocks reserved past a log's end (`log::reserve_past`, or a freeze's
+/// `FENCE_RESERVE`) before a lifecycle write: a truncation to its own length frees them, and
+/// on a full disk they are the room its state file needs. Failing only leaves them taken.
+fn give_back_reserved(cached: &mut Cached) {
+    if let Some(log) = &cached.log {
+        if let Ok(meta) = log.file.metadata() {
+            let _ = log.file.set_len(meta.len());
+        }
+    }
+    cached.reserved_to = 0;
+}
+
+/// Whether `err` is a full disk (or quota).
+fn is_full(err: &Error) -> bool {
+    matches!(err, Error::Io { source, .. }
+        if matches!(source.kind(), io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded))
+}
+
 fn log_options() -> OpenOptions {
     let mut options = OpenOptions::new();
     options.read(true).append(true);
@@ -944,12 +966,18 @@ impl Store {
     }
 
     fn load(&self, paths: &RolloutPaths) -> Result<Cached> {
+        self.load_with(paths, &log_options())
+    }
+
+    /// [`Store::load`], opening the log with `log_options` (read-only for a reader, which
+    /// must work on a read-only mount and for a user who may only read).
+    fn load_with(&self, paths: &RolloutPaths, log_options: &OpenOptions) -> Result<Cached> {
         let account = self.cache.account();
         let (state_file, state) = match state::open_and_read(&paths.state)? {
             Some((file, state)) => (Some(Pinned::new(file, &paths.state, account)?), state),
             None => (None, State::default()),
         };
-        let log = match open_existing(&log_options(), &paths.log, "open log")? {
+        let log = match open_existing(log_options, &paths.log, "open log")? {
             Some(file) => Some(Pinned::new(file, &paths.log, account)?),
             None => None,
         };
@@ -1029,6 +1057,23 @@ impl Store {
             if file_id(path)?.is_some() {
                 // Files without a lock file (an operator removed it): recreate it.
                 return RolloutLock::acquire(&paths.lock, mode).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// What a reader holds while it reads a rollout: `None` when the rollout has no files
+    /// (nothing is created), else its shared lock, taken on a read-only descriptor, or no lock
+    /// at all on a read-only filesystem without a lock file (`RolloutLock::acquire_to_read`).
+    fn lock_to_read(&self, paths: &RolloutPaths) -> Result<Option<Option<RolloutLock>>> {
+        if let Some(lock) = RolloutLock::acquire_if_exists(&paths.lock, LockMode::Shared)? {
+            return Ok(Some(Some(lock)));
+        }
+        let any_file = paths.records().into_iter().chain([paths.state.as_path()]);
+        for path in any_file {
+            if file_id(path)?.is_some() {
+                // Files without a lock file (an operator removed it): recreate it if we can.
+                return RolloutLock::acquire_to_read(&paths.lock).map(Some);
             }
         }
         Ok(None)
@@ -1484,6 +1529,12 @@ impl Store {
             if cached.state.retired {
                 return Err(Error::Retired(rollout_id.to_owned()));
             }
+            if !cached.state.frozen {
+                // Room for the marker and the state on a full disk (the rollout that failed
+                // a put with ENOSPC is the one to mark); the next put reserves again. A frozen
+                // rollout keeps its block for its fence.
+                give_back_reserved(cached);
+            }
             self.append_marker(&paths.incomplete, line)?;
             cached.state.incomplete = true;
             cached.state.version += 1;
@@ -1650,6 +1701,10 @@ impl Store {
                 let _ = log.file.set_len(cached.state.indexed_size);
             }
             cached.reserved_to = 0;
+            if !cached.state.frozen && !cached.cannot_reserve {
+                // One block kept for the fence (see `FENCE_RESERVE`); only space if it fails.
+                reserve_exactly(&log.file, cached.state.indexed_size, FENCE_RESERVE);
+            }
         }
         let mut changed = cached.state.indexed_size != cached.disk_indexed_size;
         if !cached.state.frozen {
@@ -1689,6 +1744,8 @@ impl Store {
         }
         if !state.retired {
             cached.state = state.fenced();
+            // The records go: their reserved blocks are the fence's room on a full disk.
+            give_back_reserved(&mut cached);
             // The fence must be durable before any removal can be.
             self.persist(&mut cached, &paths, true)?;
         }
@@ -1716,24 +1773,17 @@ impl Store {
             return Ok(Removal::default());
         }
         let _permit = self.cache.enter();
+        let mut full = Vec::new();
         for id in &ids {
-            let paths = self.paths(id);
-            let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
-            // The fence keeps the version and flags readers saw: the tail folded in, up to a
-            // corrupt line if there is one (the records are about to go). A corrupt state gives
-            // a bare fence: retiring is how a damaged rollout gets cleaned up.
-            let taken = self.cache().pop(id.as_str());
-            let state = match self.checkout(taken, &paths, Uses::Log) {
-                Ok(mut cached) => {
-                    let _partial = self.fold_tail(&mut cached, &paths);
-                    cached.state
-                }
-                Err(_) => State::default(),
-            };
-            self.forget(id);
-            if !state.retired {
-                state::write_atomic(&paths.state, &paths.state_tmp, &state.fenced())?;
+            match self.fence(id) {
+                Err(err) if is_full(&err) => full.push(id),
+                other => other?,
             }
+        }
+        // The disk was full: once more now that every other rollout of the batch gave back its
+        // reserved blocks (an open one's are 64 KiB or more).
+        for id in full {
+            self.fence(id)?;
         }
         // Even when no fence was written: one found may come from an overlapping retire that
         // has not synced yet, and this call must not return before it is durable.
@@ -1748,6 +1798,31 @@ impl Store {
         }
         self.sync_dir()?;
         Ok(removal)
+    }
+
+    /// Write a retire's fence (not yet durable: the caller fsyncs the directory).
+    fn fence(&self, id: &str) -> Result<()> {
+        let paths = self.paths(id);
+        let _lock = RolloutLock::acquire(&paths.lock, LockMode::Exclusive)?;
+        // The fence keeps the version and flags readers saw: the tail folded in, up to a
+        // corrupt line if there is one (the records are about to go). A corrupt state gives
+        // a bare fence: retiring is how a damaged rollout gets cleaned up.
+        let taken = self.cache().pop(id);
+        let state = match self.checkout(taken, &paths, Uses::Log) {
+            Ok(mut cached) => {
+                let _partial = self.fold_tail(&mut cached, &paths);
+                if !cached.state.retired {
+                    give_back_reserved(&mut cached); // the records go: room for the fence
+                }
+                cached.state
+            }
+            Err(_) => State::default(),
+        };
+        self.forget(id);
+        if !state.retired {
+            state::write_atomic(&paths.state, &paths.state_tmp, &state.fenced())?;
+        }
+        Ok(())
     }
 
     /// Remove records, fences and lock files, so a reused id starts empty.
@@ -1842,10 +1917,10 @@ impl Store {
         validate_rollout_id(rollout_id)?;
         let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
-        let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
+        let Some(_lock) = self.lock_to_read(&paths)? else {
             return Ok(None);
         };
-        let mut loaded = self.load(&paths)?;
+        let mut loaded = self.load_with(&paths, OpenOptions::new().read(true))?;
         let records = match &loaded.log {
             Some(log) => {
                 let len = log.file.metadata().ctx("stat log", &paths.log)?.len();
@@ -1895,7 +1970,7 @@ impl Store {
         validate_rollout_id(rollout_id)?;
         let _permit = self.cache.enter();
         let paths = self.paths(rollout_id);
-        let Some(_lock) = self.lock_existing(&paths, LockMode::Shared)? else {
+        let Some(_lock) = self.lock_to_read(&paths)? else {
             return Ok(no_records(decode));
         };
         let Some(log) = open_existing(OpenOptions::new().read(true), &paths.log, "open log")?

@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -73,13 +73,23 @@ def rollouts_in_directory(root: Path) -> list[str]:
     return sorted(found)
 
 
+def _open_to_read(lock_path: Path) -> BinaryIO:
+    """A rollout's lock file for a shared lock: read-only when it exists (`flock` works on
+    any descriptor, so a read-only mount or a user who may only read can copy out), else
+    made as a writer makes it."""
+    try:
+        return open(lock_path, "rb")
+    except FileNotFoundError:
+        return open(lock_path, "a+b")
+
+
 def export_from_directory(store: TokenCaptureStore, rollout_id: str) -> RolloutImage | None:
     """The rollout as the file store holds it (digests verified, the tail folded in)."""
     validate_rollout_id(rollout_id)
     lock_path = store.lock_path_for(rollout_id)
     if not lock_path.exists() and not store.state_path_for(rollout_id).exists():
         return None
-    with open(lock_path, "a+b") as lock:
+    with _open_to_read(lock_path) as lock:
         fcntl.flock(lock, fcntl.LOCK_SH)
         state = store.inspect(rollout_id)  # verifies every indexed line's digest
         if state is None:

@@ -668,6 +668,14 @@ impl FileStaging {
         RolloutLock::acquire(&self.lock_path, mode).map_err(StagingError::Io)
     }
 
+    /// The shared lock a reader holds while it folds, taken on a read-only descriptor: every
+    /// read works on a read-only mount and for a user who may only read. `None`: no
+    /// `store.lock` on a read-only filesystem, where nothing writes (see
+    /// `RolloutLock::acquire_to_read`).
+    fn lock_store_to_read(&self) -> Result<Option<RolloutLock>> {
+        RolloutLock::acquire_to_read(&self.lock_path).map_err(StagingError::Io)
+    }
+
     /// Close the kept store lock. The segment being written stays open (the process budget
     /// closes it too when it must: the next batch then starts a new segment).
     pub fn release_cached_fds(&self) {
@@ -684,7 +692,7 @@ impl FileStaging {
     /// [`FileStaging::refresh`], keeping the segment tails it reads in `keep`.
     fn refresh_keeping(&self, keep: Option<&mut Vec<FoldedTail>>) -> Result<()> {
         let _guard = lock(&self.folding);
-        let _lock = self.lock_store(LockMode::Shared)?;
+        let _lock = self.lock_store_to_read()?;
         self.fold_keeping(keep)
     }
 
@@ -1184,6 +1192,19 @@ impl FileStaging {
         epoch: u64,
         segment: &mut Option<OwnSegment>,
     ) -> Result<(usize, u64)> {
+        self.write_batch_into(frames, epoch, segment, true)
+    }
+
+    /// [`FileStaging::write_batch`]; `may_rotate`: on `EFBIG` (the process's file size limit,
+    /// `RLIMIT_FSIZE`, reached by a segment that holds frames) seal the segment and write the
+    /// batch once more into a new one, or every later batch of this instance would fail too.
+    fn write_batch_into(
+        &self,
+        frames: &mut [Pending],
+        epoch: u64,
+        segment: &mut Option<OwnSegment>,
+        may_rotate: bool,
+    ) -> Result<(usize, u64)> {
         if segment
             .as_ref()
             .is_some_and(|s| s.len >= SEGMENT_ROTATE_BYTES)
@@ -1221,6 +1242,15 @@ impl FileStaging {
                 if undone.is_err() {
                     // The file may hold part of the batch: never append after it again.
                     *segment = None;
+                }
+                let rotate = may_rotate
+                    && err.kind() == io::ErrorKind::FileTooLarge
+                    && start > SEGMENT_MAGIC.len() as u64;
+                if rotate {
+                    if let Some(old) = segment.take() {
+                        self.seal(old);
+                    }
+                    return self.write_batch_into(frames, epoch, segment, false);
                 }
                 Err(StagingError::io("write staged batch to", &path, err))
             }
@@ -1623,7 +1653,7 @@ impl FileStaging {
         {
             let _permit = self.fds.enter();
             let _guard = lock(&self.folding);
-            let _lock = self.lock_store(LockMode::Shared)?;
+            let _lock = self.lock_store_to_read()?;
             let view = self.fold_control()?;
             for index in 0..view.segments.len() {
                 if view.segments[index].own || view.segments[index].dropped {

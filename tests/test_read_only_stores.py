@@ -1,0 +1,301 @@
+"""Read-only stores: every read of a token store and of a staging store works on a read-only
+mount and for a user who may only read, and every write fails cleanly, naming the path.
+
+Before, the token store's `inspect` (so `tokencapture ls/show/verify`) opened the log for
+appending, and every staging read opened `store.lock` for writing: on a read-only mount or as
+another user, `ls` called every rollout unreadable, `verify` failed an undamaged store, and no
+staging read worked at all. The checks run twice: on a tmpfs remounted read-only (as root),
+and as `nobody` (through `setpriv`) over a root-owned 0755/0644 store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.conftest import make_entry
+from tests.staging_backends import chain, make_record
+
+from tokencapture import TokenCaptureStore
+from tokencapture.cli import main
+from tokencapture.staging import FileStagingStore
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build(root: Path, *, lock_removed: bool = False) -> tuple[Path, Path]:
+    """A token store and a staging store with some of everything under `root`."""
+    tokens, staging = root / "tokens", root / "staging"
+    store = TokenCaptureStore(tokens)
+    for call in range(3):
+        store.append(make_entry("open", call))
+    for call in range(2):
+        store.append(make_entry("frozen", call))
+    store.freeze_now("frozen")
+    store.append(make_entry("marked", 1))
+    store._mark_incomplete("marked", "call-9")
+    if lock_removed:
+        # An operator removed the lock file: a read on a read-only mount cannot recreate it.
+        store.append(make_entry("nolock", 1))
+        store.lock_path_for("nolock").unlink()
+    stage = FileStagingStore(staging)
+    for record in chain("a/b", 3):
+        assert stage.stage(record).ok
+    raw = {"raw": b"\x01\x02\x03"}
+    assert stage.stage(make_record("solo", extras={"k": 1}), attachments=raw).ok
+    return tokens, staging
+
+
+def cli(*args: str) -> tuple[int, Any]:
+    """`tokencapture ARGS --json` in this process: its exit code and its parsed output."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([*args, "--json"])
+    return code, json.loads(out.getvalue()) if out.getvalue() else err.getvalue()
+
+
+def read_everything(tokens: Path, staging: Path, copy_to: Path) -> dict[str, Any]:
+    """Everything a reader can learn from both stores, through the API and the CLI."""
+    seen: dict[str, Any] = {}
+    store = TokenCaptureStore(tokens)
+    rollouts = sorted({p.name.split(".tokens.")[0] for p in tokens.glob("*.tokens.*")})
+    for rollout_id in rollouts:
+        seen[f"entries {rollout_id}"] = [e.model_call_id for e in store.read_entries(rollout_id)]
+        seen[f"inspect {rollout_id}"] = store.inspect(rollout_id)
+        seen[f"incomplete {rollout_id}"] = store.is_incomplete(rollout_id)
+    code, rows = cli("ls", str(tokens))
+    for row in rows if code == 0 else []:
+        row.pop("age_seconds")
+    seen["ls"] = (code, rows)
+    seen["show open"] = cli("show", str(tokens), "open")
+    seen["verify"] = cli("verify", str(tokens))
+    stage = FileStagingStore(staging)
+    keys = stage.keys()
+    seen["keys"] = keys
+    seen["keys a/b"] = stage.keys("a/b")
+    seen["fetch"] = [s.model_call_id for s in stage.fetch(keys)]
+    seen["fetch_records"] = [r.digest for r in stage.fetch_records(keys)]
+    solo = next(key for key in keys if key.startswith("solo"))
+    seen["attachments"] = {
+        name: bytes(a).hex() for name, a in stage.fetch_attachments(solo).items()
+    }
+    seen["damage"] = stage.damage()
+    seen["retired"] = stage.retired()
+    seen["ls --staging"] = cli("ls", str(staging), "--staging")
+    seen["show --staging"] = cli("show", str(staging), "a/b", "--staging")
+    seen["verify --staging"] = cli("verify", str(staging), "--staging")
+    code, copied = cli("copy", str(staging), str(copy_to / "staging"), "--staging")
+    seen["copy --staging"] = (code, copied)
+    if code == 0:
+        back = FileStagingStore(copy_to / "staging")
+        seen["copied staging keys"] = back.keys()
+    return seen
+
+
+def copy_tokens(tokens: Path, copy_to: Path) -> dict[str, Any]:
+    """`tokencapture copy` out of the token store, and what the copy holds."""
+    code, copied = cli("copy", str(tokens), str(copy_to / "tokens"))
+    seen: dict[str, Any] = {"copy": code}
+    if code == 0:
+        target = TokenCaptureStore(copy_to / "tokens")
+        seen["copied"] = {
+            r: [e.model_call_id for e in target.read_entries(r)] for r in ("open", "frozen")
+        }
+    else:
+        seen["problem"] = copied
+    return seen
+
+
+def try_writes(tokens: Path, staging: Path) -> dict[str, Any]:
+    """Every kind of write, each expected to fail: its error (type, errno, message)."""
+    before = sorted(str(p) for p in (*tokens.iterdir(), *staging.iterdir()))
+    store = TokenCaptureStore(tokens)
+    failed: dict[str, Any] = {}
+    writes = {
+        "put open": lambda: store.append(make_entry("open", 99)),
+        "put new": lambda: store.append(make_entry("new", 1)),
+        "freeze": lambda: store.freeze_now("open"),
+        "retire": lambda: store.retire_now(["frozen"]),
+        "mark": lambda: store._mark_incomplete("open", "call-77"),
+    }
+    for name, write in writes.items():
+        try:
+            write()
+        except OSError as exc:
+            failed[name] = [type(exc).__name__, exc.errno, str(exc)]
+        else:
+            failed[name] = "succeeded"
+    stage = FileStagingStore(staging)
+    result = stage.stage(make_record("a/b", "c9"))
+    failed["stage"] = [result.ok, result.error]
+    failed["files unchanged"] = before == sorted(
+        str(p) for p in (*tokens.iterdir(), *staging.iterdir())
+    )
+    return failed
+
+
+def expected_reads(tokens: Path, staging: Path, scratch: Path) -> dict[str, Any]:
+    """What the reads give on the store while it is still writable (by root)."""
+    copy_to = scratch / "expected"
+    copy_to.mkdir()
+    return read_everything(tokens, staging, copy_to)
+
+
+def check_writes_failed(failed: dict[str, Any], reason: str) -> None:
+    for name in ("put open", "put new", "freeze", "retire", "mark"):
+        kind, _, message = failed[name]
+        assert kind in ("OSError", "PermissionError"), (name, failed[name])
+        assert reason in message and "/tokens/" in message, (name, message)
+    ok, error = failed["stage"]
+    assert not ok and reason in error and "store.lock" in error, failed["stage"]
+    assert failed["files unchanged"]
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path) -> Iterator[Path]:
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs Linux and root")
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def remount(where: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(where)], check=True)
+
+
+def test_reads_work_on_a_read_only_mount(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "mnt") as mount:
+        tokens, staging = build(mount, lock_removed=True)
+        expected = expected_reads(tokens, staging, tmp_path)
+        assert expected["verify"][0] == 0 and expected["ls"][0] == 0
+        assert expected["entries nolock"] == ["call-1"]
+        expected_copy = copy_tokens(tokens, tmp_path / "expected")
+        assert expected_copy["copy"] == 0, expected_copy
+        # The read above made the removed lock file again: remove it once more.
+        (tokens / "nolock.tokens.lock").unlink()
+        remount(mount, "ro")
+        try:
+            out = tmp_path / "out"
+            out.mkdir()
+            assert read_everything(tokens, staging, out) == expected
+            # Without its lock file: read unlocked (nothing writes through a read-only mount).
+            assert not (tokens / "nolock.tokens.lock").exists()
+            check_writes_failed(try_writes(tokens, staging), "Read-only file system")
+        finally:
+            remount(mount, "rw")
+
+
+def test_copy_out_of_a_read_only_mount(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "mnt") as mount:
+        tokens, _ = build(mount)
+        expected = copy_tokens(tokens, tmp_path / "expected_copy")
+        remount(mount, "ro")
+        try:
+            assert copy_tokens(tokens, tmp_path / "copy") == expected
+        finally:
+            remount(mount, "rw")
+
+
+def as_nobody(function: str, *args: str) -> Any:
+    """`function(*args)` of this module, run as `nobody`; its JSON result."""
+    code = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "import tests.test_read_only_stores as t\n"
+        f"print(json.dumps(t.{function}(*map(Path, sys.argv[1:]))))\n"
+    )
+    done = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            code,
+            *args,
+        ],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        },
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory `nobody` can reach (pytest's own is private to root)."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("running as another user needs Linux and root")
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv is not installed")
+    where = Path(tempfile.mkdtemp(prefix="tc-readonly-"))
+    where.chmod(0o755)
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where)
+
+
+def test_reads_work_for_a_user_who_may_only_read(shared_tmp: Path) -> None:
+    tokens, staging = build(shared_tmp / "store")
+    for path in [shared_tmp / "store", *(shared_tmp / "store").rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    scratch = shared_tmp / "scratch"
+    scratch.mkdir()
+    expected = expected_reads(tokens, staging, scratch)
+    assert expected["verify"][0] == 0 and expected["ls"][0] == 0
+    out = shared_tmp / "out"
+    out.mkdir()
+    os.chown(out, 65534, 65534)
+    # Through JSON, as the child's answer comes (tuples become lists).
+    assert as_nobody("read_everything", str(tokens), str(staging), str(out)) == json.loads(
+        json.dumps(expected)
+    )
+    check_writes_failed(as_nobody("try_writes", str(tokens), str(staging)), "Permission denied")
+
+
+def test_a_missing_lock_file_a_reader_cannot_create_is_a_clear_error(shared_tmp: Path) -> None:
+    """Without write permission another user may be writing: reading without the lock could
+    see a write its writer is about to undo, so the read fails, naming the lock file."""
+    tokens, _ = build(shared_tmp / "store", lock_removed=True)
+    problem = as_nobody("read_nolock", str(tokens))
+    assert problem[0] == "PermissionError", problem
+    assert "create missing lock file" in problem[1] and "nolock.tokens.lock" in problem[1]
+    assert not (tokens / "nolock.tokens.lock").exists()
+
+
+def read_nolock(tokens: Path) -> Any:
+    try:
+        TokenCaptureStore(tokens).read_entries("nolock")
+    except OSError as exc:
+        return [type(exc).__name__, str(exc)]
+    return "read"
