@@ -22,6 +22,7 @@ from starlette.routing import Route
 from tests.fake_upstream import MODEL, FakeUpstream, ThreadServer, render_chat
 from tests.test_gateway import Harness, _chat_scope, _user, gw
 
+from tokencapture import TokenCaptureStore
 from tokencapture.gateway import GatewayConfig, create_app, open_backend
 
 __all__ = ["gw"]  # the shared fixture, imported for pytest
@@ -490,3 +491,39 @@ def server_settings(store: Path) -> dict[str, Any]:
         "timeout": 600.0,
         "max_body_bytes": 1 << 20,
     }
+
+
+async def test_the_timeout_is_the_engines_silence_not_the_calls_length(tmp_path: Path) -> None:
+    """A stream that keeps sending runs past `timeout` (before, every call was cut at
+    `timeout` seconds in all: a long reasoning stream was lost, its rollout masked); a
+    silent engine still times out."""
+    upstream = ThreadServer(FakeUpstream().app)
+    backend = open_backend(store_dir=tmp_path)
+    app = create_app(backend, GatewayConfig(upstream.url, timeout=0.6))
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://g", timeout=30
+        ) as client:
+            long = await client.post(
+                "/rollouts/long/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": [_user("tell me")],
+                    "stream": True,
+                    "max_tokens": 6,
+                    "fake_chunk_delay": 0.25,
+                },
+                headers={"x-model-call-id": "c"},
+            )
+            assert _events(long)[-1] == "[DONE]"
+            silent = await client.post(
+                "/rollouts/silent/v1/chat/completions",
+                json={"model": MODEL, "messages": [_user("x")], "fake_delay": 2},
+            )
+            assert silent.status_code == 504
+    finally:
+        await app.state.gateway.close()
+        upstream.stop()
+    store = TokenCaptureStore(tmp_path)
+    assert not store.freeze_now("long").incomplete and store.read_entries("long")
+    assert store.freeze_now("silent").incomplete

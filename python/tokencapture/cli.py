@@ -1151,7 +1151,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     gateway.add_argument("--tokenizer", metavar="DIR", help="--tito: the engine's tokenizer dir")
     gateway.add_argument("--renderer", default="qwen3", help="--tito: the renderers chat format")
-    gateway.add_argument("--timeout", type=float, default=600.0, help="upstream timeout, seconds")
+    gateway.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds the engine may stay silent: a non-streamed answer must come within it, a "
+        "stream's chunks each restart it (default 600)",
+    )
     gateway.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     gateway.add_argument(
         "--workers",

@@ -133,11 +133,12 @@ class GatewayConfig:
     """What a gateway needs besides its backend.
 
     `upstream` is the engine's root URL (the gateway adds `/v1/...`); `token` protects every
-    route but `/healthz` (a bearer token); `timeout` bounds each upstream call (seconds,
-    connect included); `max_connections` sizes the pooled upstream client (None: from the
-    process's descriptor limit, see `upstream_pool_size`); `tito` is a
-    `tokencapture.gateway.tito.Bridge` that turns resolved continuations into token-in
-    completions (None: chat goes to the engine's chat endpoint).
+    route but `/healthz` (a bearer token); `timeout` is how long an upstream call may wait for
+    the engine's next bytes (seconds: a stream's chunks each restart it, a non-streamed
+    answer must arrive within it; `connect_timeout` bounds the connect); `max_connections`
+    sizes the pooled upstream client (None: from the process's descriptor limit, see
+    `upstream_pool_size`); `tito` is a `tokencapture.gateway.tito.Bridge` that turns resolved
+    continuations into token-in completions (None: chat goes to the engine's chat endpoint).
     """
 
     upstream: str
@@ -272,8 +273,12 @@ class Gateway:
                 keepalive_timeout=60,
                 enable_cleanup_closed=True,
             )
+            # `timeout` is how long the engine may stay silent, not how long a call may run:
+            # a stream's every chunk restarts it (a long reasoning stream is not cut while it
+            # still sends), and a non-streamed answer, which vLLM sends whole once generated,
+            # must arrive within it.
             timeout = aiohttp.ClientTimeout(
-                total=self.config.timeout, connect=self.config.connect_timeout
+                total=None, connect=self.config.connect_timeout, sock_read=self.config.timeout
             )
             # No cookie jar: a gateway serves many clients, and an engine's cookies are none of
             # theirs (and a jar costs a filter per request).
