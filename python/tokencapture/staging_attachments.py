@@ -92,8 +92,13 @@ def _pyarrow(what: str) -> Any:
     return pyarrow
 
 
+class _Refused(TypeError):
+    """A refusal that already names its attachment and type (`_refuse`); raised as the plain
+    `TypeError` it derives from everywhere else (`_encode_one`)."""
+
+
 def _refuse(name: str, value: Any, why: str) -> TypeError:
-    return TypeError(
+    return _Refused(
         f"attachment {name!r} is a {type(value).__module__}.{type(value).__qualname__}, which "
         f"cannot be staged: {why}"
     )
@@ -119,6 +124,19 @@ def _holds_objects(fmt: str) -> bool:
 
 
 def _encode_one(name: str, value: Any) -> EncodedAttachment:
+    """Encode one attachment, or refuse it with a `TypeError` naming it and its type: also
+    when what fails comes from deep inside (numpy's ``descr``, an Arrow export that raises or
+    returns something else than capsules), the failure's type and words kept in the reason."""
+    try:
+        return _encode_value(name, value)
+    except _Refused as refused:
+        raise TypeError(*refused.args) from refused.__cause__
+    except Exception as error:
+        refusal = _refuse(name, value, f"{type(error).__name__}: {error}")
+        raise TypeError(*refusal.args) from error
+
+
+def _encode_value(name: str, value: Any) -> EncodedAttachment:
     if type(value) is bytes:
         return (name, _KIND_CODES["bytes"], "", "", None, [value])
     try:
@@ -153,7 +171,10 @@ def _encode_one(name: str, value: Any) -> EncodedAttachment:
         shape = tuple(view.shape or ())
         return (name, _KIND_CODES["buffer"], view.format, dtype_text, shape, [flat])
     if hasattr(type(value), "__arrow_c_array__"):
-        pa = _pyarrow(f"stage the Arrow attachment {name!r} ({type(value).__name__})")
+        try:
+            pa = _pyarrow(f"stage the Arrow attachment {name!r} ({type(value).__name__})")
+        except TypeError as missing:  # its words name the attachment already
+            raise _Refused(*missing.args) from missing.__cause__
         array = pa.array(value)
         batch = pa.RecordBatch.from_arrays([array], names=[name])
         sink = pa.BufferOutputStream()
@@ -176,9 +197,10 @@ def _encode_one(name: str, value: Any) -> EncodedAttachment:
 
 
 def encode_attachments(attachments: Mapping[str, Any] | None) -> list[EncodedAttachment] | None:
-    """Encode every attachment (in the mapping's order), or refuse the whole call. An empty
-    mapping is no attachments, as ``None`` is: both store the same call, so a restage with
-    either is idempotent."""
+    """Encode every attachment (in the mapping's order, the order they are stored in; a
+    restage's attachments are compared by name, so their order is not content), or refuse
+    the whole call. An empty mapping is no attachments, as ``None`` is: both store the same
+    call, so a restage with either is idempotent."""
     if attachments is None:
         return None
     if not isinstance(attachments, Mapping):

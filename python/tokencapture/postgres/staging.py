@@ -57,7 +57,11 @@ from tokencapture.protocols import (
     TokenCaptureConflictError,
     TokenCaptureRetiredError,
 )
-from tokencapture.staging_attachments import StagedAttachment, encode_attachments
+from tokencapture.staging_attachments import (
+    EncodedAttachment,
+    StagedAttachment,
+    encode_attachments,
+)
 from tokencapture.staging_errors import StagingKeyError, StagingKeyRetiredError
 from tokencapture.staging_rows import (
     ModelsChoice,
@@ -65,7 +69,6 @@ from tokencapture.staging_rows import (
     attachments_from_blob,
     checked_keys,
     checked_rollout_ids,
-    encode_stage,
     failure_reason,
     records_from_rows,
     snapshots_from_rows,
@@ -101,11 +104,19 @@ _RETIRED_ALL = "SELECT rollout_id FROM tokencapture.staging_rollouts WHERE retir
 _RETIRE = "SELECT * FROM tokencapture.retire_staging($1)"
 _DELETE = "SELECT * FROM tokencapture.delete_staging($1)"
 
-# What a refused or failed stage raises inside (reported as `StageResult(ok=False)`); anything
-# else is a bug and propagates. PostgresUnavailableError is an OSError, the durability and
-# schema refusals RuntimeErrors; asyncpg.PostgresError is any other answer of the server
-# (a key it cannot store, a full disk it reports as an error).
-_STAGE_FAILURES = (ValueError, TypeError, OSError, RuntimeError, KeyError, asyncpg.PostgresError)
+# A failed or refused stage answers `StageResult(ok=False)` for any Exception (a record or an
+# attachment that cannot be read included); only a BaseException that is not one (a
+# KeyboardInterrupt, a cancellation) propagates. PostgresUnavailableError is an OSError, the
+# durability and schema refusals RuntimeErrors; asyncpg.PostgresError is any other answer of
+# the server.
+
+# The largest key the server's btree indexes take for sure: an index entry holds at most 2704
+# bytes (BTMaxItemSize, 8 kB pages), 8 of them the entry's header and 4 the text's length. A
+# longer key is refused before it is sent (the server might take it compressed, or fail it).
+_MAX_KEY_BYTES = 2692
+# The most row and attachments bytes one stage sends: PostgreSQL holds at most 1 GiB in a
+# field or a protocol message (a larger one drops the connection), less room for the rest.
+_MAX_STAGE_BYTES = (1 << 30) - (1 << 20)
 
 _StageArgs = tuple[str, str, str, bytes, bytes | None]  # rollout, key, content digest, row, blob
 
@@ -188,6 +199,55 @@ def _unknown(key: str, retired_rollout: str | None) -> StagingKeyError:
     return StagingKeyError(f"staging key {_quoted(key)} is not staged")
 
 
+def _nbytes(buffers: list[Any]) -> int:
+    return sum(memoryview(buffer).nbytes for buffer in buffers)
+
+
+def _check_attachment_sizes(key: str | None, encoded: list[EncodedAttachment] | None) -> None:
+    """Refuse attachments PostgreSQL cannot take in one stage (before the blob is built)."""
+    if not encoded:
+        return
+    sizes = [(name, _nbytes(buffers)) for name, _, _, _, _, buffers in encoded]
+    total = sum(size for _, size in sizes)
+    if total > _MAX_STAGE_BYTES:
+        name, size = max(sizes, key=lambda item: item[1])
+        of_key = f" of staging key {_quoted(key)}" if key is not None else ""
+        raise ValueError(
+            f"the attachments{of_key} are {total} bytes, the largest {name!r} ({size} bytes): "
+            f"PostgreSQL takes at most {_MAX_STAGE_BYTES} bytes of row and attachments in one "
+            "stage"
+        )
+
+
+def _record_key(record: Any) -> str | None:
+    """The staging key `record` claims (None when it does not say): read before the native
+    path to send a stage it would refuse anyway through the checks of `_stage_args`."""
+    try:
+        rollout_id = getattr(record, "rollout_id", None)
+        call_id = getattr(record, "model_call_id", None)
+    except Exception:
+        return None
+    if type(rollout_id) is not str or type(call_id) is not str:
+        return None
+    return f"{rollout_id}/{call_id}"
+
+
+def _check_key(key: str) -> None:
+    """Refuse a key PostgreSQL cannot store or index."""
+    if "\0" in key:
+        raise ValueError(
+            f"staging key {_quoted(key)} holds NUL, which PostgreSQL text cannot store"
+        )
+    if len(key) <= _MAX_KEY_BYTES // 4:  # at most 4 bytes a character
+        return
+    size = len(key.encode("utf-8", "surrogatepass"))
+    if size > _MAX_KEY_BYTES:
+        raise ValueError(
+            f"staging key {_quoted(key[:64])}... is {size} bytes: PostgreSQL's btree index "
+            f"takes keys (rollout id, '/', call id) of at most {_MAX_KEY_BYTES} bytes"
+        )
+
+
 def _rollout_list(rollout_ids: Sequence[str]) -> list[str]:
     """A batch of rollout ids, checked as the file store checks them; duplicates dropped."""
     return list(dict.fromkeys(checked_rollout_ids(rollout_ids)))
@@ -222,8 +282,11 @@ class PostgresStagingStore:
     ``allow_unflushed_commits``, ``install_schema``, ``statement_cache_size``; see
     docs/postgres.md).
 
-    Keys: text cannot hold NUL, so a record whose rollout or call id holds one is refused
-    (``ok=False``) here, where the file store would store it.
+    Limits (``ok=False`` here, where the file store stores the call): text cannot hold NUL, so
+    a key holding one is refused; a key over 2,692 bytes (the btree index's limit) and a stage
+    of over 1 GiB - 1 MiB of row and attachments (PostgreSQL's field and message limit) are
+    refused before they are sent. A batch the server answers with an error rolled back: each
+    of its stages is sent again alone (`_alone`), so each is refused only for its own reason.
     """
 
     def __init__(
@@ -279,13 +342,19 @@ class PostgresStagingStore:
     # ---- StagingSink --------------------------------------------------------------------
 
     @staticmethod
-    def _stage_args(record: Any, attachments: Mapping[str, Any] | None) -> _StageArgs:
-        row = encode_stage(record, attachments)  # verified natively, the GIL released
-        if "\0" in row.key:
-            raise ValueError(
-                f"staging key {_quoted(row.key)} holds NUL, which PostgreSQL text cannot store"
-            )
+    def _stage_args(record: Any, encoded: list[EncodedAttachment] | None) -> _StageArgs:
+        """Verify and encode one stage (natively, the GIL released), or refuse it: a record
+        that does not verify, or what PostgreSQL cannot store (`_check_key`, the size limit)."""
+        _check_attachment_sizes(_record_key(record), encoded)  # before the blob is built
+        row = _core.staging_encode(record, encoded)
+        _check_key(row.key)
         blob = row.attachments if row.has_attachments else None
+        size = len(row.row) + (len(blob) if blob is not None else 0)
+        if size > _MAX_STAGE_BYTES:
+            raise ValueError(
+                f"staging key {_quoted(row.key)} is {size} bytes of row and attachments: "
+                f"PostgreSQL takes at most {_MAX_STAGE_BYTES} bytes in one stage"
+            )
         return row.rollout_id, row.key, row.content_digest, row.row, blob
 
     @property
@@ -353,39 +422,62 @@ class PostgresStagingStore:
         return self._native_stager()
 
     def _stage_native(
-        self, native: _core.PostgresStageGroup, record: Any, attachments: Mapping[str, Any] | None
+        self,
+        native: _core.PostgresStageGroup,
+        record: Any,
+        encoded: list[EncodedAttachment] | None,
     ) -> str | None:
         """One stage through the native group commit: its key, or None when the native client
         cannot serve this server (the store falls back to asyncpg; nothing was sent)."""
         try:
-            status, key = native.stage(record, encode_attachments(attachments))
+            status, key = native.stage(record, encoded)
         except _core.PostgresStageError as failure:
             if failure.args[0] == "unsupported":
                 self._native_off = failure.args[1]
                 self._native = None
                 native.close()
                 return None
-            raise _native_failure(failure) from None
-        if status not in (_STORED, _DUPLICATE):
-            args = self._stage_args(record, attachments)
-            if status == _CONFLICT:
-                status = self._client.run_sync(self._recheck_conflict(args))
-            _check_status(status, args)
+            error = _native_failure(failure)
+            if not isinstance(error, asyncpg.PostgresError):
+                raise error from None
+            # The server refused the batch: its transaction rolled back. Alone, this stage
+            # gets its own answer (`_alone`).
+            args = self._stage_args(record, encoded)
+            status = self._client.run_sync(self._alone(args))
+            key = args[1]
+        else:
+            if status in (_STORED, _DUPLICATE):
+                return key
+            args = self._stage_args(record, encoded)
+        if status == _CONFLICT:
+            status = self._client.run_sync(self._recheck_conflict(args))
+        _check_status(status, args)
         return key
 
     def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
         """Durably stage one call's token delta (and its attachments) before returning."""
-        models = StagingModels.of_record(record, self._models())
+        models = self._models()
         try:
-            if (
-                asyncio.events._get_running_loop() is None
-                and (native := self._native_path()) is not None
-            ):
-                key = self._stage_native(native, record, attachments)
-                if key is not None:
-                    return models.ok(key)
-            args = self._stage_args(record, attachments)
-            if self._batch_stages and self._client.distributed is False:
+            models = StagingModels.of_record(record, models)
+            key = self._stage(record, attachments)
+        except Exception as error:  # any failure is an answer (never a BaseException)
+            return models.failed(failure_reason(error))
+        return models.ok(key)
+
+    def _stage(self, record: Any, attachments: Mapping[str, Any] | None) -> str:
+        """`stage`'s work: the key staged, or the refusal raised."""
+        encoded = encode_attachments(attachments)
+        if (
+            asyncio.events._get_running_loop() is None
+            and self._fits(record, encoded)
+            and (native := self._native_path()) is not None
+        ):
+            key = self._stage_native(native, record, encoded)
+            if key is not None:
+                return key
+        args = self._stage_args(record, encoded)
+        if self._batch_stages and self._client.distributed is False:
+            try:
                 if asyncio.events._get_running_loop() is None:
                     # The hot path: group commit led by a calling thread (no loop-thread hop).
                     status = self._group.stage(args)
@@ -394,14 +486,29 @@ class PostgresStagingStore:
                     answer: concurrent.futures.Future[int] = concurrent.futures.Future()
                     self._client.call_in_thread(self._submit, args, answer)
                     status = answer.result()
-                if status == _CONFLICT:
-                    status = self._client.run_sync(self._recheck_conflict(args))
-                _check_status(status, args)
-            else:
-                self._client.run_sync(self._store(args))
-        except _STAGE_FAILURES as error:
-            return models.failed(failure_reason(error))
-        return models.ok(args[1])
+            except asyncpg.PostgresError:
+                # The server refused the batch: its transaction rolled back (`_alone`).
+                status = self._client.run_sync(self._alone(args))
+            if status == _CONFLICT:
+                status = self._client.run_sync(self._recheck_conflict(args))
+            _check_status(status, args)
+        else:
+            self._client.run_sync(self._store(args))
+        return args[1]
+
+    @staticmethod
+    def _fits(record: Any, encoded: list[EncodedAttachment] | None) -> bool:
+        """Whether nothing of `record` that can be seen before it is encoded breaks the
+        server's limits. A stage that does goes through `_stage_args`, which refuses it: it
+        never reaches (and fails) a native batch."""
+        key = _record_key(record)
+        try:
+            if key is not None:
+                _check_key(key)
+            _check_attachment_sizes(key, encoded)
+        except ValueError:
+            return False
+        return True
 
     def _batcher(self, loop: asyncio.AbstractEventLoop) -> CallBatcher:
         return self._client.batcher(loop, _STAGE_BATCH, self._stage_batch_size, self._stage_flushes)
@@ -431,10 +538,11 @@ class PostgresStagingStore:
         self, record: Any, *, attachments: Mapping[str, Any] | None = None
     ) -> Coroutine[Any, Any, Any]:
         """`stage` on the caller's event loop (the record is verified and encoded now)."""
-        models = StagingModels.of_record(record, self._models())
+        models = self._models()
         try:
-            args = self._stage_args(record, attachments)
-        except _STAGE_FAILURES as error:
+            models = StagingModels.of_record(record, models)
+            args = self._stage_args(record, encode_attachments(attachments))
+        except Exception as error:  # any failure is an answer (never a BaseException)
             failed = models.failed(failure_reason(error))
 
             async def refused() -> Any:
@@ -446,7 +554,7 @@ class PostgresStagingStore:
     async def _astage(self, args: _StageArgs, models: StagingModels) -> Any:
         try:
             await self._store(args)
-        except _STAGE_FAILURES as error:
+        except Exception as error:
             return models.failed(failure_reason(error))
         return models.ok(args[1])
 
@@ -454,12 +562,26 @@ class PostgresStagingStore:
         """Store one encoded stage (batched with others waiting, unless on Citus: there a
         stage alone is delegated to its rollout's worker); raises the refusal."""
         if self._batch_stages and self._client.distributed is False:
-            status = await self._batcher(asyncio.get_running_loop()).submit(args)
+            try:
+                status = await self._batcher(asyncio.get_running_loop()).submit(args)
+            except asyncpg.PostgresError:
+                # The server refused the batch: its transaction rolled back (`_alone`).
+                status = await self._alone(args)
         else:
             status = await self._client.fetch("val", _STAGE, *args)
         if status == _CONFLICT:
             status = await self._recheck_conflict(args)
         _check_status(status, args)
+
+    async def _alone(self, args: _StageArgs) -> int:
+        """The status of one stage of a batch the server refused with an error (not a lost
+        connection: that stays `PostgresUnavailableError`, its outcome unknown). The batch was
+        one transaction and rolled back, so none of its stages is stored: each caller sends its
+        own again, alone, in its own transaction, and gets its own answer (stored, or the
+        server's error for this stage only). So one stage the server cannot take fails no
+        other. Stages are idempotent, so this is safe whatever happened before."""
+        status: int = await self._client.fetch("val", _STAGE, *args)
+        return status
 
     async def _recheck_conflict(self, args: _StageArgs) -> int:
         """The status of a stage the server found a conflict (the stored content digest

@@ -36,9 +36,6 @@ from tokencapture.staging_rows import (
 
 __all__ = ["FileStagingStore"]
 
-# What a refused or failed stage raises inside; anything else is a bug and propagates.
-_STAGE_FAILURES = (ValueError, TypeError, OSError, RuntimeError, KeyError)
-
 
 class FileStagingStore:
     """Worker-owned staging in a local directory (one host; see docs/staging.md).
@@ -96,11 +93,12 @@ class FileStagingStore:
 
     def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
         """Durably stage one call's token delta (and its attachments) before returning."""
-        models = StagingModels.of_record(record, self._models())
+        models = self._models()
         try:
+            models = StagingModels.of_record(record, models)
             encoded = encode_attachments(attachments)
             key = self._native.stage(record, encoded)
-        except _STAGE_FAILURES as error:
+        except Exception as error:  # any failure is an answer (never a BaseException)
             return models.failed(failure_reason(error))
         return models.ok(key)
 

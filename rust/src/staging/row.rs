@@ -326,12 +326,23 @@ pub fn canonical_attachments(list: Vec<Attachment>) -> Vec<Attachment> {
     list.into_iter().map(Attachment::canonical).collect()
 }
 
+/// The attachments as a call's content, which has no order: each in its canonical form,
+/// sorted by name (a stable sort: attachments of one name, which only a broken mapping
+/// yields, keep their order).
+fn content_of(list: Vec<Attachment>) -> Vec<Attachment> {
+    let mut list = canonical_attachments(list);
+    list.sort_by(|a, b| a.name.cmp(&b.name));
+    list
+}
+
 /// Whether two stages of a key, as stored (row and attachments blob each), carry the same
-/// call: the same row bytes and the same attachments once each is in its canonical form, an
-/// empty attachments blob, an empty list (what an older build stored for `attachments={}`) and
-/// no attachments being one. What idempotency falls back to when the content digests differ:
-/// a restage of the same data with another bytes-like type, or against a row an older build
-/// encoded. A blob that does not decode is not the same content.
+/// call: the same row bytes and the same attachments by name, each in its canonical form (the
+/// attachments are a mapping: the order a blob lists them in, the mapping's order, is not
+/// content), an empty attachments blob, an empty list (what an older build stored for
+/// `attachments={}`) and no attachments being one. What idempotency falls back to when the
+/// content digests differ: a restage of the same data with another bytes-like type or with
+/// its attachments in another order, or against a row an older build encoded. A blob that
+/// does not decode is not the same content. The stored bytes are never changed.
 pub fn same_content(row_a: &[u8], att_a: &[u8], row_b: &[u8], att_b: &[u8]) -> bool {
     if row_a != row_b {
         return false;
@@ -340,7 +351,7 @@ pub fn same_content(row_a: &[u8], att_a: &[u8], row_b: &[u8], att_b: &[u8]) -> b
         return true;
     }
     match (decode_attachments(att_a), decode_attachments(att_b)) {
-        (Ok(a), Ok(b)) => canonical_attachments(a) == canonical_attachments(b),
+        (Ok(a), Ok(b)) => content_of(a) == content_of(b),
         _ => false,
     }
 }
@@ -1090,5 +1101,43 @@ mod tests {
         assert!(same_content(&row, &old_empty, &row, &[]));
         assert!(!same_content(&row, &old_empty, &row, &bytes));
         assert!(!same_content(&row, &old_empty[..19], &row, &[]));
+    }
+
+    fn named(name: &str, data: &[u8]) -> Attachment {
+        Attachment {
+            name: name.into(),
+            buffers: vec![data.to_vec()],
+            ..plain(AttachmentKind::Bytes, "", "", None)
+        }
+    }
+
+    #[test]
+    fn same_content_whatever_the_order_of_the_attachments() {
+        let row = b"row".to_vec();
+        let (p, m) = (named("pixels", b"P"), named("mask", b"M"));
+        let first = encode_attachments(&[p.clone(), m.clone()]);
+        let second = encode_attachments(&[m.clone(), p.clone()]);
+        assert_ne!(first, second);
+        assert!(same_content(&row, &first, &row, &second));
+        // With a bytes-like type changed as well.
+        let bytearray = Attachment {
+            kind: AttachmentKind::Buffer,
+            format: "B".into(),
+            shape: Some(vec![1]),
+            ..m.clone()
+        };
+        let third = encode_attachments(&[bytearray, p.clone()]);
+        assert!(same_content(&row, &first, &row, &third));
+        // Other data under a name, a missing or an extra attachment: not the same.
+        let other = encode_attachments(&[named("mask", b"P"), named("pixels", b"M")]);
+        assert!(!same_content(&row, &first, &row, &other));
+        assert!(!same_content(
+            &row,
+            &first,
+            &row,
+            &encode_attachments(std::slice::from_ref(&p))
+        ));
+        let extra = encode_attachments(&[m, p, named("z", b"")]);
+        assert!(!same_content(&row, &first, &row, &extra));
     }
 }
