@@ -126,3 +126,42 @@ def test_a_staging_writer_starts_a_new_segment_at_the_file_size_limit(tmp_path: 
     store = FileStagingStore(root)
     keys = store.keys("r")
     assert len(keys) == 120 and len(store.fetch(keys)) == 120 and store.damage() == []
+
+
+def test_a_freeze_with_one_block_left_takes_it_for_its_state(tiny_tmpfs: Path) -> None:
+    """The fence's block is taken after the freeze's own state is written. Taken before, on a
+    disk with one free block and a log with nothing reserved past its end (as NeMo Gym writes
+    one), it took the block the state needed: the freeze failed, every time."""
+    import os
+
+    root = tiny_tmpfs / "store"
+    store = TokenCaptureStore(root)
+    open_rollout(store, "r")
+    log = store.path_for("r")
+    os.truncate(log, log.stat().st_size)  # no blocks reserved past the end
+    filler = fill(tiny_tmpfs)
+    with open(filler, "r+b") as out:  # exactly one block free again
+        out.truncate(filler.stat().st_size - 4096)
+    snapshot = TokenCaptureStore(root).freeze_now("r")
+    assert len(snapshot.entries) == 3 and not snapshot.incomplete
+    filler.unlink()
+    assert_files_sane(root)
+
+
+def test_a_conflicting_put_on_a_full_disk_still_marks_the_rollout(tiny_tmpfs: Path) -> None:
+    """A put of a stored call id with other bytes marks the rollout incomplete (SPEC). On a
+    full disk that mark failed: the caller saw an OSError, not the conflict, and the rollout
+    stayed whole to its trainer. The mark now takes the log's reserved blocks, as
+    `mark_incomplete` does."""
+    root = tiny_tmpfs / "store"
+    store = TokenCaptureStore(root)
+    store.append(make_entry("r", 1))
+    filler = fill(tiny_tmpfs)
+    with pytest.raises(Exception) as refused:
+        store.append(make_entry("r", 1, generation_log_probs=[-0.1, -0.2]))
+    assert type(refused.value).__name__ == "TokenCaptureConflictError"
+    assert TokenCaptureStore(root).is_incomplete("r")
+    filler.unlink()
+    store.append(make_entry("r", 2))  # reserves again and goes on
+    assert TokenCaptureStore(root).freeze_now("r").incomplete
+    assert_files_sane(root)

@@ -1366,7 +1366,15 @@ impl Store {
                         failing = vec![index];
                         cached.state.incomplete = true;
                         cached.state.version += 1;
-                        self.persist(cached, paths, true)?;
+                        if let Err(err) = self.persist(cached, paths, true) {
+                            if !is_full(&err) {
+                                return Err(err);
+                            }
+                            // A full disk: the log's reserved blocks are the mark's room (as
+                            // for `mark_incomplete`); the next put reserves again.
+                            give_back_reserved(cached);
+                            self.persist(cached, paths, true)?;
+                        }
                         results[index] = Some(Err(Error::Conflict {
                             rollout_id: rollout_id.to_owned(),
                             call_id: item.call_id.clone(),
@@ -1701,13 +1709,10 @@ impl Store {
                 let _ = log.file.set_len(cached.state.indexed_size);
             }
             cached.reserved_to = 0;
-            if !cached.state.frozen && !cached.cannot_reserve {
-                // One block kept for the fence (see `FENCE_RESERVE`); only space if it fails.
-                reserve_exactly(&log.file, cached.state.indexed_size, FENCE_RESERVE);
-            }
         }
+        let first = !cached.state.frozen;
         let mut changed = cached.state.indexed_size != cached.disk_indexed_size;
-        if !cached.state.frozen {
+        if first {
             cached.state.frozen = true;
             cached.state.snapshot_id = uuid::Uuid::new_v4().simple().to_string();
             cached.state.version += 1;
@@ -1715,6 +1720,12 @@ impl Store {
         }
         if changed {
             self.persist(cached, paths, true)?;
+        }
+        if let (true, false, Some(log)) = (first, cached.cannot_reserve, &cached.log) {
+            // One block kept for the fence (see `FENCE_RESERVE`), taken once the freeze's own
+            // state is written (before, on a nearly full disk it took the block that state
+            // needed, and the freeze could never succeed); only space if it fails.
+            reserve_exactly(&log.file, cached.state.indexed_size, FENCE_RESERVE);
         }
         let dangling = has_dangling_intent(&paths.intents, &cached.state)?;
         Ok(Settled {
