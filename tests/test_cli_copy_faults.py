@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 from tests.conftest import make_entry
 
-from tokencapture import TokenCaptureStore
+from tokencapture import TokenCaptureStore, transfer
 from tokencapture.cli import main
-from tokencapture.postgres import transfer
 
 
 def source_store(root: Path) -> TokenCaptureStore:
@@ -121,3 +120,49 @@ def test_a_rollout_the_target_already_holds_is_never_touched(
     code, report = copy(capsys, source, tmp_path / "target")
     assert code == 1 and report["exists_in_target"] == ["b"]
     assert files_of(tmp_path / "target", "b") == before
+
+
+def test_a_partial_copy_a_writer_has_used_since_is_never_overwritten(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a crash mid-copy, a writer of the target put into the rollout and was told its
+    entry is stored. The next copy redid the import and deleted that entry; now it refuses,
+    and `ls` and `verify` say a copy was cut short there (they read it as a whole rollout)."""
+    source = tmp_path / "source"
+    source_store(source)
+    target = tmp_path / "target"
+    target.mkdir()
+    log = files_of(source, "b")["b.tokens.jsonl"]
+    (target / "b.tokens.importing").touch()
+    (target / "b.tokens.jsonl").write_bytes(log[: len(log) // 3])
+    code = main(["ls", str(target), "--json"])
+    (row,) = json.loads(capsys.readouterr().out)
+    assert code == 0 and row["status"] == "partial-copy" and "cut short" in row["problem"]
+    assert main(["verify", str(target)]) == 1
+    assert "cut short" in capsys.readouterr().out
+    TokenCaptureStore(target).append(make_entry("b", call="acked"))
+    code, report = copy(capsys, source, target)
+    assert code == 1 and [c["rollout_id"] for c in report["copied"]] == ["a", "c"]
+    ((failed),) = report["failed_in_target"]
+    assert failed["rollout_id"] == "b" and "changed since" in failed["problem"]
+    ids = [e.model_call_id for e in TokenCaptureStore(target).read_entries("b")]
+    assert "acked" in ids
+
+
+def test_a_copy_between_directories_needs_no_postgresql_driver(tmp_path: Path) -> None:
+    """The directory side of `copy` lived in `tokencapture.postgres.transfer`: without the
+    `postgres` extra a copy between two directories failed asking for asyncpg."""
+    import subprocess
+    import sys
+
+    source_store(tmp_path / "source")
+    code = (
+        "import sys; sys.modules['asyncpg'] = None\n"
+        "from tokencapture.cli import main\n"
+        f"sys.exit(main(['copy', {str(tmp_path / 'source')!r}, {str(tmp_path / 'target')!r}]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "copied 3 rollout(s)" in done.stdout

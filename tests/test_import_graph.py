@@ -73,6 +73,7 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "tokencapture.operations",
             "tokencapture.staging_attachments",
             "tokencapture.staging_rows",
+            "tokencapture.capture_settings",
         ),
     ),
     (
@@ -83,6 +84,7 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "tokencapture.ledger",
             "tokencapture.lineage",
             "tokencapture.staging.store",
+            "tokencapture.transfer",
         ),
     ),
     (3, "backend:postgres", ("tokencapture.postgres", "tokencapture.postgres.*")),
@@ -115,9 +117,11 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
 # Declared imports between sibling backends: (importer, imported).
 CROSS_BACKEND: frozenset[tuple[str, str]] = frozenset(
     {
-        # `tokencapture export` copies PostgreSQL rollouts into a file store: a bridge between
-        # the two backends by purpose.
+        # `tokencapture copy` moves rollouts between PostgreSQL and a file store: a bridge
+        # between the two backends by purpose (the image and the directory side are the file
+        # backend's, `tokencapture.transfer`).
         ("tokencapture.postgres.transfer", "tokencapture.store"),
+        ("tokencapture.postgres.transfer", "tokencapture.transfer"),
     }
 )
 

@@ -217,6 +217,24 @@ def test_copy_out_of_a_read_only_mount(tmp_path: Path) -> None:
             remount(mount, "rw")
 
 
+def test_copy_out_of_a_read_only_mount_of_a_rollout_without_its_lock_file(
+    tmp_path: Path,
+) -> None:
+    """`ls` and `verify` read such a rollout unlocked (nothing writes through a read-only
+    mount); `copy` tried to create the lock file and listed it unreadable."""
+    with small_tmpfs(tmp_path / "mnt") as mount:
+        tokens, _ = build(mount, lock_removed=True)
+        remount(mount, "ro")
+        try:
+            code, report = cli("copy", str(tokens), str(tmp_path / "copy"))
+        finally:
+            remount(mount, "rw")
+    assert code == 0, report
+    assert "nolock" in [c["rollout_id"] for c in report["copied"]]
+    copied = TokenCaptureStore(tmp_path / "copy").read_entries("nolock")
+    assert [e.model_call_id for e in copied] == ["call-1"]
+
+
 def as_nobody(function: str, *args: str) -> Any:
     """`function(*args)` of this module, run as `nobody`; its JSON result."""
     code = (

@@ -22,6 +22,12 @@ from tokencapture.lineage import FileLineageStore, stamp_continuation
 from tokencapture.records import TokenEntry, compute_digest, stamp_lineage
 from tokencapture.rollout_files import complete_lines
 from tokencapture.store import TokenCaptureStore, validate_rollout_id
+from tokencapture.transfer import (
+    IMPORTING_SUFFIX,
+    export_from_directory,
+    import_into_directory,
+    rollouts_in_directory,
+)
 
 if TYPE_CHECKING:
     from tokencapture.postgres import PostgresTokenCaptureStore
@@ -162,6 +168,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             # evidence of damage, and says so.
             state, problem = {}, str(exc)
             status = "unreadable" if isinstance(exc, OSError) else "corrupt"
+        if _copy_cut_short(root, rollout_id):
+            status, problem = "partial-copy", _COPY_CUT_SHORT
         log = store.path_for(rollout_id)
         rows.append(
             {
@@ -177,6 +185,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     _emit(args, rows, _render_ls)
     return 0
+
+
+_COPY_CUT_SHORT = "a copy into this directory was cut short here: run the copy again"
+
+
+def _copy_cut_short(root: Path, rollout_id: str) -> bool:
+    """Whether an import of `copy` left its marker beside the rollout's files (a crash cut it
+    short: the files may be a partial copy, which the next copy redoes)."""
+    return (root / f"{rollout_id}{IMPORTING_SUFFIX}").exists()
 
 
 def _render_ls(rows: list[dict[str, Any]]) -> str:
@@ -345,6 +362,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     problems: dict[str, list[str]] = {}
     for index, rollout_id in enumerate(rollouts, 1):
         found = _verify_rollout(store, rollout_id)
+        if isinstance(store, TokenCaptureStore) and _copy_cut_short(store.root, rollout_id):
+            found = [_COPY_CUT_SHORT, *found]
         if found:
             problems[rollout_id] = found
         if show_progress:
@@ -477,30 +496,30 @@ class _Backend:
             self.files = TokenCaptureStore(path)
 
     def rollouts(self) -> list[str]:
-        from tokencapture.postgres import transfer
-
         if self.pg is not None:
+            from tokencapture.postgres import transfer
+
             return self.pg._client.run_sync(transfer.rollouts_in_postgres(self.pg._client))
         assert self.files is not None
-        return transfer.rollouts_in_directory(self.files.root)
+        return rollouts_in_directory(self.files.root)
 
     def export(self, rollout_id: str) -> Any:
-        from tokencapture.postgres import transfer
-
         if self.pg is not None:
+            from tokencapture.postgres import transfer
+
             client = self.pg._client
             return client.run_sync(transfer.export_from_postgres(client, rollout_id))
         assert self.files is not None
-        return transfer.export_from_directory(self.files, rollout_id)
+        return export_from_directory(self.files, rollout_id)
 
     def create(self, image: Any) -> bool:
-        from tokencapture.postgres import transfer
-
         if self.pg is not None:
+            from tokencapture.postgres import transfer
+
             client = self.pg._client
             return client.run_sync(transfer.import_into_postgres(client, image))
         assert self.files is not None
-        return transfer.import_into_directory(self.files, image)
+        return import_into_directory(self.files, image)
 
     def close(self) -> None:
         if self.pg is not None:
@@ -530,7 +549,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
                 continue
             try:
                 created = target.create(image)
-            except OSError as exc:  # a full disk, say: the import left nothing; say which
+            except (OSError, ValueError) as exc:  # a full disk; a used partial copy: say which
                 failed.append({"rollout_id": rollout_id, "problem": str(exc)})
                 continue
             if created:
