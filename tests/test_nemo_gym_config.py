@@ -7,6 +7,7 @@ enabled block with no directory or a `~/` directory turned capture off (or on) s
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +137,77 @@ def test_an_enabled_block_builds_our_store_and_a_missing_config_none(
     with pytest.raises(ValueError, match="absolute"):
         make_token_store({"token_id_capture": {"enabled": True, "dir": "~/capture"}})
     assert not (tmp_path / "home").exists()
+
+
+nemo_config = import_nemo("config")
+
+# Each endpoint config and what building it gives (the protocol checks need Python 3.12's
+# `__protocol_attrs__` in NeMo Gym's own code, which runs on 3.13: where it can run, its answer
+# is compared too).
+ENDPOINTS = {
+    "our store as the sink": (
+        ("sink", "tokencapture:TokenCaptureStore", {"root": "{root}"}),
+        ("built", "TokenCaptureStore"),
+    ),
+    "our resolver": (
+        ("lineage_store", "tokencapture:FileLineageStore", {"root": "{root}"}),
+        ("built", "FileLineageStore"),
+    ),
+    "no colon": (("sink", "tokencapture.TokenCaptureStore", {}), ("refused", "ValueError")),
+    "no such module": (("sink", "no_such_module_here:Sink", {}), ("refused", "ValueError")),
+    "no such class": (
+        ("lineage_store", "tokencapture:NoSuchResolver", {}),
+        ("refused", "ValueError"),
+    ),
+    "wrong arguments": (
+        ("sink", "tokencapture:TokenCaptureStore", {"nope": 1}),
+        ("refused", "ValueError"),
+    ),
+    "not a sink": (("sink", "collections:OrderedDict", {}), ("refused", "ValueError")),
+    "not a resolver": (
+        ("lineage_store", "tokencapture:TokenCaptureStore", {"root": "{root}"}),
+        ("refused", "ValueError"),
+    ),
+}
+
+
+def built(config_class: Any, block: dict[str, Any], method: str) -> tuple[str, str | None]:
+    try:
+        endpoint = getattr(config_class.model_validate({"token_id_capture": block}), method)()
+    except ValueError as exc:
+        return ("refused", type(exc).__name__)
+    return ("built", None if endpoint is None else type(endpoint).__name__)
+
+
+@pytest.mark.parametrize("name", list(ENDPOINTS))
+def test_endpoints_are_built_and_checked_as_nemo_gym_builds_them(name: str, tmp_path: Path) -> None:
+    """`build_sink` and `build_lineage_store` (NeMo Gym's server processes call them) load
+    ``module:Class``, construct it with its kwargs and check it against the protocol."""
+    from tokencapture import TokenIdCaptureConfig
+
+    (kind, target, kwargs), expected = ENDPOINTS[name]
+    kwargs = {k: str(tmp_path) if v == "{root}" else v for k, v in kwargs.items()}
+    block = {
+        "enabled": True,
+        kind: target,
+        f"{kind}_kwargs": kwargs,
+        "allow_unresolved_continuations": True,
+        "dir": str(tmp_path),
+    }
+    method = "build_sink" if kind == "sink" else "build_lineage_store"
+    assert built(TokenIdCaptureConfig, block, method) == expected
+    if sys.version_info >= (3, 12):
+        assert built(nemo_config.TokenIdCaptureConfig, block, method) == expected
+    disabled = {**block, "enabled": False}
+    assert built(TokenIdCaptureConfig, disabled, method) == ("built", None)
+
+
+def test_the_control_token_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokencapture.config import TokenIdCaptureSettings
+
+    settings = TokenIdCaptureSettings(control_auth_token_env="TC_TEST_CONTROL")
+    monkeypatch.delenv("TC_TEST_CONTROL", raising=False)
+    with pytest.raises(ValueError, match="TC_TEST_CONTROL"):
+        settings.resolve_control_auth_token()
+    monkeypatch.setenv("TC_TEST_CONTROL", "secret")
+    assert settings.resolve_control_auth_token() == "secret"

@@ -37,7 +37,7 @@ except ImportError as _error:
         name="tokencapture._core",
     ) from _error
 
-from tokencapture.config import TokenIdCaptureConfig
+from tokencapture.capture_settings import TokenIdCaptureConfig
 from tokencapture.fingerprint import (
     FINGERPRINT_VERSION,
     assistant_fingerprint,
@@ -101,7 +101,8 @@ from tokencapture.store import (
 
 # A library prints nothing its application did not ask for: without this, Python's last-resort
 # handler wrote every logged failure to stderr (a CLI error came out twice, a full disk gave a
-# line a put). Applications configure logging as they like; the gateway and the CLI do.
+# line a put). Applications configure logging as they like; the gateway does, and the CLI
+# reports its own errors.
 _logging.getLogger("tokencapture").addHandler(_logging.NullHandler())
 
 # The installed distribution's version, which maturin takes from Cargo.toml (its one source).

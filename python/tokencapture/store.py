@@ -29,6 +29,7 @@ import orjson
 
 from tokencapture import _core
 from tokencapture import columnar as _columnar
+from tokencapture.capture_settings import TokenIdCaptureConfig
 from tokencapture.descriptors import check_max_open_files, descriptor_stats
 from tokencapture.entries import as_token_entry, marker_line
 from tokencapture.entries import canonical_line as canonical_line
@@ -445,8 +446,16 @@ class TokenCaptureStore(RolloutFiles):
 
 
 def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
-    """Build the training-token file store from a NeMo Gym global config: see
-    `tokencapture.config.make_token_store` (here too, where NeMo Gym's store module has it)."""
-    from tokencapture.config import make_token_store as from_config  # config imports this module
+    """Build the training-token file store from a NeMo Gym global config (None: an empty one).
 
-    return from_config(global_config_dict)
+    The `token_id_capture` block is validated as NeMo Gym validates it
+    (`tokencapture.capture_settings.TokenIdCaptureConfig`). Returns None when capture is
+    disabled, when a custom sink owns the records, or when no directory resolves.
+    """
+    config = TokenIdCaptureConfig.model_validate(
+        {} if global_config_dict is None else global_config_dict
+    )
+    if not config.enabled or config.token_id_capture.sink is not None:
+        return None
+    directory = config.resolved_dir()
+    return TokenCaptureStore(directory) if directory is not None else None
