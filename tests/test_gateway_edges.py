@@ -58,6 +58,7 @@ class Odd:
 
     def __init__(self) -> None:
         self.hits: list[tuple[str, str]] = []
+        self.raw: list[tuple[bytes, bytes]] = []  # (raw_path, query_string) as they arrived
         self.headers: list[dict[str, str]] = []
         self.app = Starlette(
             routes=[
@@ -73,6 +74,7 @@ class Odd:
 
     def _seen(self, request: Request) -> None:
         self.hits.append((request.method, request.scope["path"]))
+        self.raw.append((request.scope.get("raw_path", b""), request.scope["query_string"]))
         self.headers.append(dict(request.headers))
 
     async def other(self, request: Request) -> Response:
@@ -219,6 +221,10 @@ async def test_a_passthrough_path_reaches_the_engine_as_the_client_spelled_it(
     """Every other path goes under /v1/ as it is (a `%` stays a `%`, a `?` stays in the path)."""
     assert (await odd.client.get("/v1/a%25b%3Fc/d")).status_code == 200
     assert odd.odd.hits == [("GET", "/v1/a%b?c/d")]
+    # An encoded slash stays encoded and a bare query flag stays bare (they were decoded to
+    # `/` and re-encoded as `flag=`).
+    assert (await odd.client.get("/v1/files/a%2Fb?flag&x=1+2")).status_code == 200
+    assert odd.odd.raw[-1] == (b"/v1/files/a%2Fb", b"flag&x=1+2")
 
 
 # 2. Encodings -------------------------------------------------------------------------------
@@ -527,3 +533,27 @@ async def test_the_timeout_is_the_engines_silence_not_the_calls_length(tmp_path:
     store = TokenCaptureStore(tmp_path)
     assert not store.freeze_now("long").incomplete and store.read_entries("long")
     assert store.freeze_now("silent").incomplete
+
+
+async def test_a_stream_line_over_the_limit_fails_whole_or_in_parts() -> None:
+    """The line limit holds for a line that one read brings whole, not only for the part of
+    one still waiting for its end."""
+    from tokencapture.gateway.app import _Lines
+    from tokencapture.gateway.capture import CaptureError
+
+    class Reads:
+        def __init__(self, *reads: bytes) -> None:
+            self.reads = list(reads)
+
+        async def readany(self) -> bytes:
+            return self.reads.pop(0) if self.reads else b""
+
+    fits = _Lines(Reads(b"data: 1\ndata: 2", b"\n"), limit=16)  # type: ignore[arg-type]
+    assert await fits.read() == [b"data: 1\n"]
+    assert await fits.read() == [b"data: 2\n"]
+    assert await fits.read() is None
+    for reads in ((b"x" * 20 + b"\n",), (b"x" * 10, b"x" * 10 + b"\n"), (b"x" * 20,)):
+        lines = _Lines(Reads(*reads), limit=16)  # type: ignore[arg-type]
+        with pytest.raises(CaptureError, match="limit of 16 bytes"):
+            while await lines.read() is not None:
+                pass

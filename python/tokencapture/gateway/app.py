@@ -499,15 +499,23 @@ class Gateway:
             return error_response(
                 400, f"invalid path {path!r}: a '.' or '..' segment is not passed through"
             )
-        return await self._passthrough(request, path)
+        return await self._passthrough(request, path, as_sent=True)
 
-    def _passthrough_url(self, path: str) -> URL:
-        """The upstream URL of a passthrough's decoded `path`, every character but the
-        path's own delimiters percent-encoded (a `%` too: what the engine decodes is what the
-        client sent), dot segments not normalised (they are refused before)."""
+    def _passthrough_url(self, request: Request, path: str, *, as_sent: bool) -> URL:
+        """The upstream URL of a passthrough of `path` (decoded). `as_sent`: the path and
+        query exactly as the client spelled them (its `%2F` stays `%2F`, a bare `flag` stays
+        bare), when the server gives them (`raw_path`, ASCII). Otherwise `path` with every
+        character but the path's own delimiters percent-encoded (a `%` too) and the query as
+        parsed. Dot segments are refused before either, so none is normalised away."""
         base = self._base_url
+        raw = request.scope.get("raw_path") if as_sent else None
+        query: bytes = request.scope.get("query_string", b"")
+        if isinstance(raw, bytes) and raw.isascii() and query.isascii():
+            spelled = raw.decode() + ("?" + query.decode() if query else "")
+            return URL(self._base + spelled, encoded=True)
         quoted = urllib.parse.quote(path, safe="/!$&'()*+,;=:@~")
-        return base.with_path(base.raw_path.rstrip("/") + quoted, encoded=True)
+        url = base.with_path(base.raw_path.rstrip("/") + quoted, encoded=True)
+        return url.with_query(list(request.query_params.multi_items()))
 
     def _passthrough_headers(self, request: Request) -> list[tuple[str, str]]:
         """The client's end-to-end headers for the engine (not the hop-by-hop ones, nor those
@@ -523,7 +531,10 @@ class Gateway:
         ]
         if "content-type" not in request.headers and "content-type" not in own:
             headers.append(("content-type", "application/json"))
-        headers.extend(self.config.extra_headers.items())
+        extra = list(self.config.extra_headers.items())
+        if self._engine_auth:  # the engine's key is the one Authorization sent
+            extra = [(k, v) for k, v in extra if k.lower() != "authorization"]
+        headers.extend(extra)
         headers.extend(self._engine_auth)
         if self._upstream_auth:
             authorization = request.headers.get("authorization")
@@ -548,7 +559,7 @@ class Gateway:
             headers.append((name, value))
         return headers
 
-    async def _passthrough(self, request: Request, path: str) -> Response:
+    async def _passthrough(self, request: Request, path: str, *, as_sent: bool = False) -> Response:
         started = time.perf_counter()
         try:
             body = await self._read_body(request) if request.method == "POST" else None
@@ -557,10 +568,9 @@ class Gateway:
         try:
             answer = await self.request_upstream(
                 request.method,
-                self._passthrough_url(path),
+                self._passthrough_url(request, path, as_sent=as_sent),
                 data=body,
                 headers=self._passthrough_headers(request),
-                params=list(request.query_params.multi_items()),
             )
         except TimeoutError:
             self.metrics.observe("passthrough", time.perf_counter() - started, failed=True)
@@ -1463,6 +1473,10 @@ class _Lines:
                 partial.clear()
             else:
                 lines.append(data[start : end + 1])
+            if len(lines[-1]) > self.limit:  # one read may hold a whole line past it
+                raise CaptureError(
+                    f"a stream line is over the gateway's limit of {self.limit} bytes"
+                )
             start = end + 1
         if start < len(data):
             partial += data[start:]
