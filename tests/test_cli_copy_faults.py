@@ -51,6 +51,19 @@ def same_rollout(source: Path, target: Path, rollout_id: str) -> bool:
     )
 
 
+def cut_short(tmp_path: Path) -> tuple[Path, Path]:
+    """A source store, and a target where a copy of rollout `b` was cut short by a crash: its
+    marker, and a third of its log."""
+    source = tmp_path / "source"
+    source_store(source)
+    target = tmp_path / "target"
+    target.mkdir()
+    log = files_of(source, "b")["b.tokens.jsonl"]
+    (target / "b.tokens.importing").touch()
+    (target / "b.tokens.jsonl").write_bytes(log[: len(log) // 3])
+    return source, target
+
+
 def copy(capsys: pytest.CaptureFixture[str], source: Path, target: Path) -> tuple[int, Any]:
     code = main(["copy", str(source), str(target), "--json"])
     return code, json.loads(capsys.readouterr().out)
@@ -93,13 +106,7 @@ def test_a_copy_a_crash_cut_short_is_redone_by_the_next(
 ) -> None:
     """A crash between the first file and the last leaves the marker beside a partial copy:
     the next copy removes the partial files and writes the rollout whole."""
-    source = tmp_path / "source"
-    source_store(source)
-    target = tmp_path / "target"
-    target.mkdir()
-    log = files_of(source, "b")["b.tokens.jsonl"]
-    (target / "b.tokens.importing").touch()
-    (target / "b.tokens.jsonl").write_bytes(log[: len(log) // 3])
+    source, target = cut_short(tmp_path)
     code, report = copy(capsys, source, target)
     assert code == 0 and [c["rollout_id"] for c in report["copied"]] == ["a", "b", "c"]
     assert same_rollout(source, target, "b")
@@ -128,13 +135,7 @@ def test_a_partial_copy_a_writer_has_used_since_is_never_overwritten(
     """After a crash mid-copy, a writer of the target put into the rollout and was told its
     entry is stored. The next copy redid the import and deleted that entry; now it refuses,
     and `ls` and `verify` say a copy was cut short there (they read it as a whole rollout)."""
-    source = tmp_path / "source"
-    source_store(source)
-    target = tmp_path / "target"
-    target.mkdir()
-    log = files_of(source, "b")["b.tokens.jsonl"]
-    (target / "b.tokens.importing").touch()
-    (target / "b.tokens.jsonl").write_bytes(log[: len(log) // 3])
+    source, target = cut_short(tmp_path)
     code = main(["ls", str(target), "--json"])
     (row,) = json.loads(capsys.readouterr().out)
     assert code == 0 and row["status"] == "partial-copy" and "cut short" in row["problem"]

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from tests.conftest import make_entry
 from tests.staging_backends import chain, make_record
+from tests.test_reliability_faults import mounted_tmpfs
 
 from tokencapture import TokenCaptureStore
 from tokencapture.cli import main
@@ -161,23 +162,8 @@ def check_writes_failed(failed: dict[str, Any], reason: str) -> None:
     assert failed["files unchanged"]
 
 
-@contextlib.contextmanager
-def small_tmpfs(where: Path) -> Iterator[Path]:
-    if not sys.platform.startswith("linux") or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs Linux and root")
-    where.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
+def small_tmpfs(where: Path) -> contextlib.AbstractContextManager[Path]:
+    return mounted_tmpfs(where, "8m")
 
 
 def remount(where: Path, mode: str) -> None:

@@ -18,12 +18,14 @@ The last test fills a real 1 MiB tmpfs (root only) and does the same without any
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -458,17 +460,15 @@ def test_intent_and_marker_writes_fail_cleanly_and_work_after(
 # A real full disk ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Any:
-    """A 1 MiB tmpfs (root and a working `mount` only; skipped with the reason otherwise)."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("tmpfs full-disk test needs Linux")
-    if os.geteuid() != 0:
-        pytest.skip("tmpfs full-disk test needs root to mount a small tmpfs")
-    mount_point = tmp_path / "tiny"
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `mount_point` (made here) for the block; skipped with the
+    reason where it cannot be (not Linux, not root, no working `mount`)."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs Linux and root")
     mount_point.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
         capture_output=True,
         text=True,
         check=False,
@@ -479,6 +479,13 @@ def tiny_tmpfs(tmp_path: Path) -> Any:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (root and a working `mount` only; skipped with the reason otherwise)."""
+    with mounted_tmpfs(tmp_path / "tiny", "1m") as mount_point:
+        yield mount_point
 
 
 def fill(directory: Path, name: str = "filler.bin") -> Path:
