@@ -5,13 +5,12 @@ Before, the token store's `inspect` (so `tokencapture ls/show/verify`) opened th
 appending, and every staging read opened `store.lock` for writing: on a read-only mount or as
 another user, `ls` called every rollout unreadable, `verify` failed an undamaged store, and no
 staging read worked at all. The checks run twice: on a tmpfs remounted read-only (as root),
-and as `nobody` (through `setpriv`) over a root-owned 0755/0644 store.
+and as the test servers' unprivileged account over a root-owned 0755/0644 store.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -23,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests import fake_upstream
 from tests.conftest import make_entry
+from tests.fake_upstream import server_runner
+from tests.read_only_child import cli, copy_tokens, read_everything, try_writes
 from tests.staging_backends import chain, make_record
 from tests.test_reliability_faults import mounted_tmpfs
 
 from tokencapture import TokenCaptureStore
-from tokencapture.cli import main
 from tokencapture.staging import FileStagingStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,94 +56,6 @@ def build(root: Path, *, lock_removed: bool = False) -> tuple[Path, Path]:
     raw = {"raw": b"\x01\x02\x03"}
     assert stage.stage(make_record("solo", extras={"k": 1}), attachments=raw).ok
     return tokens, staging
-
-
-def cli(*args: str) -> tuple[int, Any]:
-    """`tokencapture ARGS --json` in this process: its exit code and its parsed output."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([*args, "--json"])
-    return code, json.loads(out.getvalue()) if out.getvalue() else err.getvalue()
-
-
-def read_everything(tokens: Path, staging: Path, copy_to: Path) -> dict[str, Any]:
-    """Everything a reader can learn from both stores, through the API and the CLI."""
-    seen: dict[str, Any] = {}
-    store = TokenCaptureStore(tokens)
-    rollouts = sorted({p.name.split(".tokens.")[0] for p in tokens.glob("*.tokens.*")})
-    for rollout_id in rollouts:
-        seen[f"entries {rollout_id}"] = [e.model_call_id for e in store.read_entries(rollout_id)]
-        seen[f"inspect {rollout_id}"] = store.inspect(rollout_id)
-        seen[f"incomplete {rollout_id}"] = store.is_incomplete(rollout_id)
-    code, rows = cli("ls", str(tokens))
-    for row in rows if code == 0 else []:
-        row.pop("age_seconds")
-    seen["ls"] = (code, rows)
-    seen["show open"] = cli("show", str(tokens), "open")
-    seen["verify"] = cli("verify", str(tokens))
-    stage = FileStagingStore(staging)
-    keys = stage.keys()
-    seen["keys"] = keys
-    seen["keys a/b"] = stage.keys("a/b")
-    seen["fetch"] = [s.model_call_id for s in stage.fetch(keys)]
-    seen["fetch_records"] = [r.digest for r in stage.fetch_records(keys)]
-    solo = next(key for key in keys if key.startswith("solo"))
-    seen["attachments"] = {
-        name: bytes(a).hex() for name, a in stage.fetch_attachments(solo).items()
-    }
-    seen["damage"] = stage.damage()
-    seen["retired"] = stage.retired()
-    seen["ls --staging"] = cli("ls", str(staging), "--staging")
-    seen["show --staging"] = cli("show", str(staging), "a/b", "--staging")
-    seen["verify --staging"] = cli("verify", str(staging), "--staging")
-    code, copied = cli("copy", str(staging), str(copy_to / "staging"), "--staging")
-    seen["copy --staging"] = (code, copied)
-    if code == 0:
-        back = FileStagingStore(copy_to / "staging")
-        seen["copied staging keys"] = back.keys()
-    return seen
-
-
-def copy_tokens(tokens: Path, copy_to: Path) -> dict[str, Any]:
-    """`tokencapture copy` out of the token store, and what the copy holds."""
-    code, copied = cli("copy", str(tokens), str(copy_to / "tokens"))
-    seen: dict[str, Any] = {"copy": code}
-    if code == 0:
-        target = TokenCaptureStore(copy_to / "tokens")
-        seen["copied"] = {
-            r: [e.model_call_id for e in target.read_entries(r)] for r in ("open", "frozen")
-        }
-    else:
-        seen["problem"] = copied
-    return seen
-
-
-def try_writes(tokens: Path, staging: Path) -> dict[str, Any]:
-    """Every kind of write, each expected to fail: its error (type, errno, message)."""
-    before = sorted(str(p) for p in (*tokens.iterdir(), *staging.iterdir()))
-    store = TokenCaptureStore(tokens)
-    failed: dict[str, Any] = {}
-    writes = {
-        "put open": lambda: store.append(make_entry("open", 99)),
-        "put new": lambda: store.append(make_entry("new", 1)),
-        "freeze": lambda: store.freeze_now("open"),
-        "retire": lambda: store.retire_now(["frozen"]),
-        "mark": lambda: store._mark_incomplete("open", "call-77"),
-    }
-    for name, write in writes.items():
-        try:
-            write()
-        except OSError as exc:
-            failed[name] = [type(exc).__name__, exc.errno, str(exc)]
-        else:
-            failed[name] = "succeeded"
-    stage = FileStagingStore(staging)
-    result = stage.stage(make_record("a/b", "c9"))
-    failed["stage"] = [result.ok, result.error]
-    failed["files unchanged"] = before == sorted(
-        str(p) for p in (*tokens.iterdir(), *staging.iterdir())
-    )
-    return failed
 
 
 def expected_reads(tokens: Path, staging: Path, scratch: Path) -> dict[str, Any]:
@@ -221,34 +134,19 @@ def test_copy_out_of_a_read_only_mount_of_a_rollout_without_its_lock_file(
     assert [e.model_call_id for e in copied] == ["call-1"]
 
 
-def as_nobody(function: str, *args: str) -> Any:
-    """`function(*args)` of this module, run as `nobody`; its JSON result."""
-    code = (
-        "import json, sys\n"
-        "from pathlib import Path\n"
-        "import tests.test_read_only_stores as t\n"
-        f"print(json.dumps(t.{function}(*map(Path, sys.argv[1:]))))\n"
-    )
+def as_reader(function: str, *args: str) -> Any:
+    """`function(*args)` of `tests.read_only_child`, run as the test servers' unprivileged
+    account (its interpreter and a readable copy of the sources when the checkout is not
+    readable to it: CI's clone sits in a 0700 directory); its JSON result."""
+    runner, prefix = server_runner()
     done = subprocess.run(
-        [
-            "setpriv",
-            "--reuid=nobody",
-            "--regid=nogroup",
-            "--clear-groups",
-            sys.executable,
-            "-c",
-            code,
-            *args,
-        ],
-        cwd=REPO,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-            "PYTHONDONTWRITEBYTECODE": "1",
-        },
+        [*prefix, "tests.read_only_child", function, *args],
+        cwd="/",
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
         capture_output=True,
         text=True,
         check=False,
+        **runner.popen(),
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
@@ -256,11 +154,13 @@ def as_nobody(function: str, *args: str) -> Any:
 
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
-    """A directory `nobody` can reach (pytest's own is private to root)."""
+    """A directory the servers' unprivileged account can reach (pytest's own is private to
+    root), when the tests run as root; skipped otherwise, and failed where root has no such
+    account (in CI there is one)."""
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         pytest.skip("running as another user needs Linux and root")
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv is not installed")
+    runner, _ = server_runner()
+    assert runner.drops_root, f"no unprivileged account to read as: {fake_upstream.RUNNER_REASON}"
     where = Path(tempfile.mkdtemp(prefix="tc-readonly-"))
     where.chmod(0o755)
     try:
@@ -279,27 +179,20 @@ def test_reads_work_for_a_user_who_may_only_read(shared_tmp: Path) -> None:
     assert expected["verify"][0] == 0 and expected["ls"][0] == 0
     out = shared_tmp / "out"
     out.mkdir()
-    os.chown(out, 65534, 65534)
+    runner, _ = server_runner()
+    os.chown(out, runner.uid, runner.gid)
     # Through JSON, as the child's answer comes (tuples become lists).
-    assert as_nobody("read_everything", str(tokens), str(staging), str(out)) == json.loads(
+    assert as_reader("read_everything", str(tokens), str(staging), str(out)) == json.loads(
         json.dumps(expected)
     )
-    check_writes_failed(as_nobody("try_writes", str(tokens), str(staging)), "Permission denied")
+    check_writes_failed(as_reader("try_writes", str(tokens), str(staging)), "Permission denied")
 
 
 def test_a_missing_lock_file_a_reader_cannot_create_is_a_clear_error(shared_tmp: Path) -> None:
     """Without write permission another user may be writing: reading without the lock could
     see a write its writer is about to undo, so the read fails, naming the lock file."""
     tokens, _ = build(shared_tmp / "store", lock_removed=True)
-    problem = as_nobody("read_nolock", str(tokens))
+    problem = as_reader("read_nolock", str(tokens))
     assert problem[0] == "PermissionError", problem
     assert "create missing lock file" in problem[1] and "nolock.tokens.lock" in problem[1]
     assert not (tokens / "nolock.tokens.lock").exists()
-
-
-def read_nolock(tokens: Path) -> Any:
-    try:
-        TokenCaptureStore(tokens).read_entries("nolock")
-    except OSError as exc:
-        return [type(exc).__name__, str(exc)]
-    return "read"
