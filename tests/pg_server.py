@@ -538,8 +538,19 @@ class CitusCluster:
 
     def drop_database(self, database: str) -> None:
         for node in reversed(self.nodes):
-            if node.running:
-                node.psql(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+            if not node.running:
+                continue
+            # FORCE ends the sessions it finds, but one may connect meanwhile (Citus's
+            # maintenance daemon, or a worker's connection the coordinator is closing; seen
+            # once in CI under load): "is being accessed by other users". A few more tries.
+            for attempt in range(5):
+                try:
+                    node.psql(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+                    break
+                except PgServerUnavailable as exc:
+                    if "is being accessed by other users" not in str(exc) or attempt == 4:
+                        raise
+                    time.sleep(0.2 * (attempt + 1))
 
     def node_of(self, database: str, table: str, value: str) -> PgServer:
         """The worker holding the shard of `table` that `value` of its distribution column
