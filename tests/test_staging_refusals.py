@@ -346,3 +346,42 @@ def test_a_long_key_among_concurrent_stages_fails_only_itself(
         thread.join()
     failed = {key for key, result in results.items() if not result.ok}
     assert failed == {f"{long_id}/c{n}" for n in range(20)}
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_large_stage_is_sent_alone_so_no_batch_passes_the_message_limit(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """A batch is one message, which PostgreSQL holds to 1 GiB: 256 stages of 5 MB each would
+    pass it and fail all 256 as "unavailable". A stage larger than its share of half that
+    limit goes alone; the others are batched as before. (The limit is scaled down here.)"""
+    monkeypatch.setattr(pg_staging, "_BATCHED_BYTES_PER_BATCH", 4096)
+    store = PostgresStagingStore(
+        request.getfixturevalue("dsn"), stage_batch_size=4, native_group_commit=native
+    )  # so a stage of more than 1,024 bytes goes alone
+    batched: list[str] = []
+    group_stage, native_stage = store._group.stage, store._stage_native
+
+    def spy_group(args: Any) -> Any:
+        batched.append(args[1])
+        return group_stage(args)
+
+    def spy_native(group: Any, record: Any, encoded: Any) -> Any:
+        batched.append(f"{record.rollout_id}/{record.model_call_id}")
+        return native_stage(group, record, encoded)
+
+    monkeypatch.setattr(store._group, "stage", spy_group)
+    monkeypatch.setattr(store, "_stage_native", spy_native)
+    try:
+        assert store.stage(make_record("warm")).ok  # the first stage learns the server's kind
+        batched.clear()
+        small = store.stage(make_record("small"), attachments={"a": b"x" * 100})
+        large = store.stage(make_record("large"), attachments={"a": b"y" * 4000})
+        assert small.ok and large.ok, (small.error, large.error)
+        assert batched == ["small/c1"]
+        (attachment,) = store.fetch_attachments("large/c1").values()
+        assert bytes(attachment) == b"y" * 4000
+        again = store.stage(make_record("large"), attachments={"a": b"y" * 4000})
+        assert again.ok and again.staging_key == "large/c1"  # alone, still idempotent
+    finally:
+        store.close()

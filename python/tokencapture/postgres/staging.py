@@ -117,6 +117,10 @@ _MAX_KEY_BYTES = 2692
 # The most row and attachments bytes one stage sends: PostgreSQL holds at most 1 GiB in a
 # field or a protocol message (a larger one drops the connection), less room for the rest.
 _MAX_STAGE_BYTES = (1 << 30) - (1 << 20)
+# A batch is one message and one transaction: a full batch of stages this large stays within
+# half of the server's limit, so a stage of more (its row and attachments) is sent alone (its
+# own round trip and commit; at that size the bytes, not the round trip, cost the time).
+_BATCHED_BYTES_PER_BATCH = _MAX_STAGE_BYTES // 2
 
 _StageArgs = tuple[str, str, str, bytes, bytes | None]  # rollout, key, content digest, row, blob
 
@@ -201,6 +205,10 @@ def _unknown(key: str, retired_rollout: str | None) -> StagingKeyError:
 
 def _nbytes(buffers: list[Any]) -> int:
     return sum(memoryview(buffer).nbytes for buffer in buffers)
+
+
+def _attachment_bytes(encoded: list[EncodedAttachment]) -> int:
+    return sum(_nbytes(buffers) for _, _, _, _, _, buffers in encoded)
 
 
 def _check_attachment_sizes(key: str | None, encoded: list[EncodedAttachment] | None) -> None:
@@ -314,6 +322,7 @@ class PostgresStagingStore:
         self._client = Client(dsn, **options)
         self._batch_stages = batch_stages
         self._stage_batch_size = stage_batch_size
+        self._alone_above = _BATCHED_BYTES_PER_BATCH // stage_batch_size
         # Batches in flight at once: measured best at 3 for asyncpg, 1 for the native client
         # (docs/postgres.md, "Staging throughput").
         self._stage_flushes = 3 if stage_flushes is None else stage_flushes
@@ -476,7 +485,7 @@ class PostgresStagingStore:
             if key is not None:
                 return key
         args = self._stage_args(record, encoded)
-        if self._batch_stages and self._client.distributed is False:
+        if self._batched(args):
             try:
                 if asyncio.events._get_running_loop() is None:
                     # The hot path: group commit led by a calling thread (no loop-thread hop).
@@ -496,11 +505,11 @@ class PostgresStagingStore:
             self._client.run_sync(self._store(args))
         return args[1]
 
-    @staticmethod
-    def _fits(record: Any, encoded: list[EncodedAttachment] | None) -> bool:
-        """Whether nothing of `record` that can be seen before it is encoded breaks the
-        server's limits. A stage that does goes through `_stage_args`, which refuses it: it
-        never reaches (and fails) a native batch."""
+    def _fits(self, record: Any, encoded: list[EncodedAttachment] | None) -> bool:
+        """Whether a stage may join a native batch: nothing of `record` that can be seen
+        before it is encoded breaks the server's limits (a stage that does goes through
+        `_stage_args`, which refuses it), and its attachments are not so large that it goes
+        alone (`_batched`). A row is only sized once encoded: a native batch's rows are not."""
         key = _record_key(record)
         try:
             if key is not None:
@@ -508,7 +517,16 @@ class PostgresStagingStore:
             _check_attachment_sizes(key, encoded)
         except ValueError:
             return False
-        return True
+        return not encoded or _attachment_bytes(encoded) <= self._alone_above
+
+    def _batched(self, args: _StageArgs) -> bool:
+        """Whether an encoded stage joins a batch: batching on, not on Citus (there a stage
+        alone is delegated to its rollout's worker), and small enough that a full batch of
+        such stages stays well within the server's limit of one message."""
+        size = len(args[3]) + (len(args[4]) if args[4] is not None else 0)
+        return (
+            self._batch_stages and self._client.distributed is False and size <= self._alone_above
+        )
 
     def _batcher(self, loop: asyncio.AbstractEventLoop) -> CallBatcher:
         return self._client.batcher(loop, _STAGE_BATCH, self._stage_batch_size, self._stage_flushes)
@@ -561,7 +579,7 @@ class PostgresStagingStore:
     async def _store(self, args: _StageArgs) -> None:
         """Store one encoded stage (batched with others waiting, unless on Citus: there a
         stage alone is delegated to its rollout's worker); raises the refusal."""
-        if self._batch_stages and self._client.distributed is False:
+        if self._batched(args):
             try:
                 status = await self._batcher(asyncio.get_running_loop()).submit(args)
             except asyncpg.PostgresError:
