@@ -197,11 +197,11 @@ def _copy_cut_short(root: Path, rollout_id: str) -> bool:
 
 
 def _render_ls(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'ROLLOUT':<32} {'STATUS':<10} {'ENTRIES':>7} {'BYTES':>12} {'VERSION':>7} AGE"]
+    lines = [f"{'ROLLOUT':<32} {'STATUS':<12} {'ENTRIES':>7} {'BYTES':>12} {'VERSION':>7} AGE"]
     for row in rows:
         age = "-" if row["age_seconds"] is None else _human_age(row["age_seconds"])
         lines.append(
-            f"{row['rollout_id']:<32} {row['status']:<10} {row['entries']:>7} "
+            f"{row['rollout_id']:<32} {row['status']:<12} {row['entries']:>7} "
             f"{row['bytes']:>12} {row['version']:>7} {age}"
         )
     lines.append(f"{len(rows)} rollout(s)")
