@@ -509,7 +509,8 @@ class PostgresStagingStore:
         """Whether a stage may join a native batch: nothing of `record` that can be seen
         before it is encoded breaks the server's limits (a stage that does goes through
         `_stage_args`, which refuses it), and its attachments are not so large that it goes
-        alone (`_batched`). A row is only sized once encoded: a native batch's rows are not."""
+        alone (`_batched`). Rows are only sized once encoded: the native group commit's
+        leader keeps each batch under its own byte limit (`MAX_BATCH_BYTES`)."""
         key = _record_key(record)
         try:
             if key is not None:

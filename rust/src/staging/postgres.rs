@@ -44,6 +44,10 @@ use tokio_postgres::{Client, Config, NoTls, SimpleQueryMessage};
 
 /// The batch call (sql/005_staging.sql): one status per row, in order.
 const STAGE_BATCH: &str = "SELECT tokencapture.stage_batch($1, $2, $3, $4, $5)";
+/// The most row and attachment bytes one batch call sends (more than one stage's worth): the
+/// call is one message, which the server holds to 1 GiB, and a message past it drops the
+/// connection and fails every stage of the batch. Half of that leaves room for the rest.
+const MAX_BATCH_BYTES: usize = 512 << 20;
 
 /// Where a server listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -586,6 +590,26 @@ impl Waiter {
     }
 }
 
+/// How many of the queued `rows` (in order) the next batch takes: at most `max_batch`, and
+/// no more than `max_bytes` of rows and attachments, but always the first (alone, a row over
+/// the limit gets its own answer).
+fn batch_len<'a>(
+    rows: impl Iterator<Item = &'a StageRow>,
+    max_batch: usize,
+    max_bytes: usize,
+) -> usize {
+    let mut bytes = 0usize;
+    let mut count = 0;
+    for row in rows.take(max_batch) {
+        bytes += row.row.len() + row.attachments.as_ref().map_or(0, Vec::len);
+        if count > 0 && bytes > max_bytes {
+            break;
+        }
+        count += 1;
+    }
+    count
+}
+
 struct Queued {
     waiter: Arc<Waiter>,
     row: StageRow,
@@ -697,7 +721,11 @@ impl StageGroup {
     fn lead(&self) {
         let (batch, connection) = {
             let mut state = self.state();
-            let count = state.queue.len().min(self.max_batch);
+            let count = batch_len(
+                state.queue.iter().map(|queued| &queued.row),
+                self.max_batch,
+                MAX_BATCH_BYTES,
+            );
             let batch: Vec<Queued> = state.queue.drain(..count).collect();
             (batch, state.idle.pop())
         };
@@ -857,6 +885,32 @@ impl StageGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn sized(row: usize, attachments: Option<usize>) -> StageRow {
+        StageRow {
+            rollout_id: "r".into(),
+            key: "r/c".into(),
+            content_digest: String::new(),
+            row: vec![0; row],
+            attachments: attachments.map(|n| vec![0; n]),
+        }
+    }
+
+    #[test]
+    fn a_batch_takes_rows_up_to_its_byte_limit_and_always_the_first() {
+        let rows = [
+            sized(40, None),
+            sized(30, Some(30)),
+            sized(10, None),
+            sized(5, None),
+        ];
+        assert_eq!(batch_len(rows.iter(), 256, 1000), 4);
+        assert_eq!(batch_len(rows.iter(), 2, 1000), 2);
+        assert_eq!(batch_len(rows.iter(), 256, 100), 2); // 40 + 60 fits, + 10 does not
+        assert_eq!(batch_len(rows.iter(), 256, 99), 1);
+        assert_eq!(batch_len(rows.iter(), 256, 1), 1); // the first alone, whatever its size
+        assert_eq!(batch_len([].iter(), 256, 1), 0);
+    }
 
     #[test]
     fn options_are_escaped() {
