@@ -225,6 +225,13 @@ async def test_a_passthrough_path_reaches_the_engine_as_the_client_spelled_it(
     # `/` and re-encoded as `flag=`).
     assert (await odd.client.get("/v1/files/a%2Fb?flag&x=1+2")).status_code == 200
     assert odd.odd.raw[-1] == (b"/v1/files/a%2Fb", b"flag&x=1+2")
+    # Mounted under a root path, the raw path begins with it: the engine gets what follows.
+    rooted = httpx.AsyncClient(
+        transport=httpx.ASGITransport(odd.app, root_path="/gw"), base_url="http://gateway"
+    )
+    async with rooted:
+        assert (await rooted.get("/gw/v1/files/a%2Fb?flag")).status_code == 200
+    assert odd.odd.raw[-1] == (b"/v1/files/a%2Fb", b"flag")
 
 
 # 2. Encodings -------------------------------------------------------------------------------

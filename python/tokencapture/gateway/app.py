@@ -511,8 +511,14 @@ class Gateway:
         raw = request.scope.get("raw_path") if as_sent else None
         query: bytes = request.scope.get("query_string", b"")
         if isinstance(raw, bytes) and raw.isascii() and query.isascii():
-            spelled = raw.decode() + ("?" + query.decode() if query else "")
-            return URL(self._base + spelled, encoded=True)
+            # Mounted under a root path (a Starlette Mount, a proxy that keeps its prefix),
+            # the raw path still begins with it: the engine's path is what follows.
+            root = request.scope.get("root_path", "").encode("latin-1", "replace")
+            if root and raw.startswith(root):
+                raw = raw[len(root) :]
+            if raw.startswith(b"/v1/"):
+                spelled = raw.decode() + ("?" + query.decode() if query else "")
+                return URL(self._base + spelled, encoded=True)
         quoted = urllib.parse.quote(path, safe="/!$&'()*+,;=:@~")
         url = base.with_path(base.raw_path.rstrip("/") + quoted, encoded=True)
         return url.with_query(list(request.query_params.multi_items()))
