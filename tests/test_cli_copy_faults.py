@@ -167,3 +167,16 @@ def test_a_copy_between_directories_needs_no_postgresql_driver(tmp_path: Path) -
     )
     assert done.returncode == 0, done.stderr
     assert "copied 3 rollout(s)" in done.stdout
+
+
+def test_a_marker_left_alone_is_listed_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The marker of a copy cut short before its first file (or whose files an operator
+    removed) is a rollout `ls` and `verify` name, not nothing."""
+    (tmp_path / "y.tokens.importing").touch()
+    code = main(["ls", str(tmp_path), "--json"])
+    (row,) = json.loads(capsys.readouterr().out)
+    assert code == 0 and (row["rollout_id"], row["status"]) == ("y", "partial-copy")
+    assert main(["verify", str(tmp_path)]) == 1
+    assert "cut short" in capsys.readouterr().out

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 # Every file name the store writes: `<rollout>.tokens.<suffix>`.
 _FILE_PATTERN = re.compile(
-    r"^(?P<rollout>[A-Za-z0-9._-]+)\.tokens\.(?P<suffix>jsonl|state\.json|intents|incomplete|lock)$"
+    r"^(?P<rollout>[A-Za-z0-9._-]+)\.tokens\.(?P<suffix>jsonl|state\.json|intents|incomplete|lock|importing)$"
 )
 _DURATION = re.compile(r"^(?P<value>\d+(?:\.\d+)?)(?P<unit>s|m|h|d)?$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -187,7 +187,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-_COPY_CUT_SHORT = "a copy into this directory was cut short here: run the copy again"
+_COPY_CUT_SHORT = (
+    "a copy into this directory was cut short here: run the copy again (it refuses a rollout "
+    "a writer has used since: delete that one here first)"
+)
 
 
 def _copy_cut_short(root: Path, rollout_id: str) -> bool:
