@@ -261,6 +261,21 @@ def test_refusals_from_deep_inside_name_the_attachment_and_its_type(staging: Sto
     assert staging.keys() == []
 
 
+def test_a_masked_array_is_refused_not_stored_without_its_mask(staging: Store) -> None:
+    """A numpy masked array exports its data's buffer alone: it was stored `ok=True` and came
+    back a plain array, its mask dropped without a word (NeMo Gym's rule: an attachment is
+    never silently dropped). A plain array and the mask as its own attachment still stage."""
+    masked = np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False])
+    result = staging.stage(make_record("r", "c1"), attachments={"scores": masked})
+    assert not result.ok
+    assert result.error.startswith("TypeError: attachment 'scores' is a numpy.ma.")
+    assert "mask" in result.error and staging.keys() == []
+    split = {"scores": masked.filled(0.0), "mask": np.ma.getmaskarray(masked)}
+    assert staging.stage(make_record("r", "c1"), attachments=split).ok
+    back = staging.fetch_attachments("r/c1")
+    assert back["mask"].to_numpy().tolist() == [False, True, False]
+
+
 # ---- PostgreSQL's limits are refused before anything is sent -----------------------------
 
 

@@ -139,6 +139,14 @@ def _encode_one(name: str, value: Any) -> EncodedAttachment:
 def _encode_value(name: str, value: Any) -> EncodedAttachment:
     if type(value) is bytes:
         return (name, _KIND_CODES["bytes"], "", "", None, [value])
+    if type(value).__module__.startswith("numpy.ma") and getattr(value, "mask", None) is not None:
+        # Its buffer is its data alone: staged, its mask would be dropped without a word.
+        raise _refuse(
+            name,
+            value,
+            "its buffer holds the data without the mask, which would be lost: stage "
+            "value.filled(...) or the data and numpy.ma.getmaskarray(value) as two attachments",
+        )
     try:
         view = memoryview(value)
     except TypeError:
