@@ -1047,19 +1047,26 @@ impl Store {
         RolloutLock::acquire(&paths.lock, LockMode::Exclusive)
     }
 
+    /// Whether a rollout whose lock file is absent has any other file (an operator removed
+    /// the lock file: it is made again by the lock that follows).
+    fn has_files(paths: &RolloutPaths) -> Result<bool> {
+        for path in paths.records().into_iter().chain([paths.state.as_path()]) {
+            if file_id(path)?.is_some() {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// Lock a rollout only if it has any file; `None` (and nothing created) otherwise.
     fn lock_existing(&self, paths: &RolloutPaths, mode: LockMode) -> Result<Option<RolloutLock>> {
         if let Some(lock) = RolloutLock::acquire_if_exists(&paths.lock, mode)? {
             return Ok(Some(lock));
         }
-        let any_file = paths.records().into_iter().chain([paths.state.as_path()]);
-        for path in any_file {
-            if file_id(path)?.is_some() {
-                // Files without a lock file (an operator removed it): recreate it.
-                return RolloutLock::acquire(&paths.lock, mode).map(Some);
-            }
+        if !Self::has_files(paths)? {
+            return Ok(None);
         }
-        Ok(None)
+        RolloutLock::acquire(&paths.lock, mode).map(Some)
     }
 
     /// What a reader holds while it reads a rollout: `None` when the rollout has no files
@@ -1069,14 +1076,10 @@ impl Store {
         if let Some(lock) = RolloutLock::acquire_if_exists(&paths.lock, LockMode::Shared)? {
             return Ok(Some(Some(lock)));
         }
-        let any_file = paths.records().into_iter().chain([paths.state.as_path()]);
-        for path in any_file {
-            if file_id(path)?.is_some() {
-                // Files without a lock file (an operator removed it): recreate it if we can.
-                return RolloutLock::acquire_to_read(&paths.lock).map(Some);
-            }
+        if !Self::has_files(paths)? {
+            return Ok(None);
         }
-        Ok(None)
+        RolloutLock::acquire_to_read(&paths.lock).map(Some)
     }
 
     /// Atomically write the cached state; with `sync_dir`, also make the rename durable.
