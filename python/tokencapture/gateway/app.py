@@ -1241,6 +1241,13 @@ class _Call:
             media_type="application/json",
         )
 
+    async def _uncapturable(self, exc: Exception) -> bytes:
+        """Mark a stream the gateway cannot capture; the error event that ends it."""
+        reason = _capture_failure(exc)
+        await self.fail(f"capture_failed: {reason}")
+        message = f"the upstream's stream cannot be captured: {reason}"
+        return _event(_stream_error(502, message, "upstream_error"))
+
     async def client_gone(self) -> bool:
         """Whether the client has disconnected, as of the loop's latest look at its socket."""
         await asyncio.sleep(0)  # one turn of the loop: a pending disconnect is read
@@ -1299,10 +1306,7 @@ class _Call:
                 # A chunk the gateway cannot read (not JSON, an error event, another shape
                 # than the engine's: a field of another type raises TypeError, say) fails the
                 # call as the engine's failure, with an error event, never a cut connection.
-                reason = _capture_failure(exc)
-                await self.fail(f"capture_failed: {reason}")
-                message = f"the upstream's stream cannot be captured: {reason}"
-                yield _event(_stream_error(502, message, "upstream_error"))
+                yield await self._uncapturable(exc)
                 return
             if not finished:
                 await self.fail("upstream_disconnected: stream ended without [DONE]")
@@ -1315,10 +1319,7 @@ class _Call:
             try:
                 generation = accumulator.generation()
             except Exception as exc:
-                reason = _capture_failure(exc)
-                await self.fail(f"capture_failed: {reason}")
-                message = f"the upstream's stream cannot be captured: {reason}"
-                yield _event(_stream_error(502, message, "upstream_error"))
+                yield await self._uncapturable(exc)
                 return
             if await self.client_gone():
                 # Gone before the final chunk: the call did not reach the client, so it is
