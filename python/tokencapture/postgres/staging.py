@@ -207,14 +207,11 @@ def _nbytes(buffers: list[Any]) -> int:
     return sum(memoryview(buffer).nbytes for buffer in buffers)
 
 
-def _attachment_bytes(encoded: list[EncodedAttachment]) -> int:
-    return sum(_nbytes(buffers) for _, _, _, _, _, buffers in encoded)
-
-
-def _check_attachment_sizes(key: str | None, encoded: list[EncodedAttachment] | None) -> None:
-    """Refuse attachments PostgreSQL cannot take in one stage (before the blob is built)."""
+def _check_attachment_sizes(key: str | None, encoded: list[EncodedAttachment] | None) -> int:
+    """The attachments' bytes; refused when PostgreSQL cannot take them in one stage (before
+    the blob is built)."""
     if not encoded:
-        return
+        return 0
     sizes = [(name, _nbytes(buffers)) for name, _, _, _, _, buffers in encoded]
     total = sum(size for _, size in sizes)
     if total > _MAX_STAGE_BYTES:
@@ -225,6 +222,7 @@ def _check_attachment_sizes(key: str | None, encoded: list[EncodedAttachment] | 
             f"PostgreSQL takes at most {_MAX_STAGE_BYTES} bytes of row and attachments in one "
             "stage"
         )
+    return total
 
 
 def _record_key(record: Any) -> str | None:
@@ -515,10 +513,9 @@ class PostgresStagingStore:
         try:
             if key is not None:
                 _check_key(key)
-            _check_attachment_sizes(key, encoded)
+            return _check_attachment_sizes(key, encoded) <= self._alone_above
         except ValueError:
             return False
-        return not encoded or _attachment_bytes(encoded) <= self._alone_above
 
     def _batched(self, args: _StageArgs) -> bool:
         """Whether an encoded stage joins a batch: batching on, not on Citus (there a stage
