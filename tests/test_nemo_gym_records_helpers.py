@@ -78,6 +78,13 @@ def test_encode_token_ids_is_nemo_gyms_framing(ids: list[int]) -> None:
     assert outcome(records.encode_token_ids, ids) == outcome(theirs.encode_token_ids, ids)
 
 
+@pytest.mark.parametrize("ids", [None, [], (), [7], [0, 2**64 - 1]])
+def test_compute_digest_is_nemo_gyms_none_included(ids: Any) -> None:
+    """NeMo Gym digests `None` as the empty sequence (a call with no generation); ours raised
+    `TypeError` there."""
+    assert records.compute_digest(ids) == theirs.compute_digest(ids)
+
+
 def test_an_id_past_u64_is_a_value_error() -> None:
     """NeMo Gym's own raises StopIteration here (it looks for a negative id that is not
     there); ours says what is wrong, as `compute_digest` does."""

@@ -273,8 +273,12 @@ def compute_digest(token_ids: Sequence[int] | Any) -> str:
     """Lowercase hex SHA-256 of a token-id sequence in the reference's framing.
 
     `token_ids` is a sequence of ints or a buffer of integers. A negative id or one above
-    2**64-1 raises `ValueError` (for a negative id, in NeMo Gym's words).
+    2**64-1 raises `ValueError` (for a negative id, in NeMo Gym's words). `None` digests as
+    the empty sequence, as in NeMo Gym (whose `compute_digest` treats every falsy argument as
+    empty); other non-sequences raise `TypeError`.
     """
+    if token_ids is None:
+        return _core.compute_digest(())
     try:
         return _core.compute_digest(token_ids)
     except ValueError as exc:
