@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tests.pg_server import PgServer
 from tests.postgres_fixture import dsn, execute, fetch, pg_dsn, pg_server  # noqa: F401
-from tests.staging_backends import chain, make_record
+from tests.staging_backends import Store, chain, make_record, staging_backend  # noqa: F401
 
 import tokencapture
 from tokencapture import FileStagingStore, StagingKeyError, StagingKeyRetiredError, _core
@@ -30,24 +30,6 @@ from tokencapture.protocols import TokenCaptureCorruptionError
 from tokencapture.staging.records import StageResult
 from tokencapture.staging_attachments import StagedAttachment
 from tokencapture.staging_rows import encode_stage
-
-Store = FileStagingStore | PostgresStagingStore
-
-
-@pytest.fixture(params=["file", "postgres", "postgres-native"])
-def staging(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    """Each backend in turn (the PostgreSQL one on a fresh database, its stages through
-    asyncpg and through the native group commit)."""
-    if request.param == "file":
-        yield FileStagingStore(tmp_path / "staging")
-        return
-    database = request.getfixturevalue("dsn")
-    store = PostgresStagingStore(database, native_group_commit=request.param == "postgres-native")
-    yield store
-    if request.param == "postgres-native" and store.native_fallback_reason is None:
-        # Whatever the test staged went through the native client.
-        assert store._native is None or store._native.stats()[1] > 0 or not store.keys()
-    store.close_sync()
 
 
 @pytest.fixture(params=["asyncpg", "native"])

@@ -9,32 +9,15 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from tests.postgres_fixture import dsn, execute, pg_dsn, pg_server  # noqa: F401
-from tests.staging_backends import make_record
+from tests.staging_backends import Store, make_record, staging_backend  # noqa: F401
 
 import tokencapture.postgres.staging as pg_staging
-from tokencapture import FileStagingStore
 from tokencapture.postgres import PostgresStagingStore
-
-Store = FileStagingStore | PostgresStagingStore
-
-
-@pytest.fixture(params=["file", "postgres", "postgres-native"])
-def staging(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    """Each backend in turn (PostgreSQL on a fresh database, through asyncpg and through the
-    native group commit)."""
-    if request.param == "file":
-        yield FileStagingStore(tmp_path / "staging")
-        return
-    database = request.getfixturevalue("dsn")
-    store = PostgresStagingStore(database, native_group_commit=request.param == "postgres-native")
-    yield store
-    store.close_sync()
 
 
 @pytest.fixture(params=["postgres", "postgres-native"])
