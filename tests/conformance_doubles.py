@@ -23,6 +23,7 @@ from tokencapture.protocols import (
     RolloutRemovalPayload,
     RolloutRetiredError,
     TokenCaptureFrozenError,
+    TokenCaptureRetiredError,
     TokenCaptureSnapshot,
 )
 from tokencapture.records import ParentResolutionStatus, TokenEntry
@@ -397,3 +398,175 @@ BROKEN_LEDGERS: dict[str, tuple[Callable[[LedgerBackend], MemoryLedger], str]] =
     "delete_keeps_fence": (LedgerDeleteKeepsFence, "ledger_reuse_after_delete"),
 }
 """Each ledger double, and the check that must fail on it."""
+
+
+# --- Doubles for the gaps a review found -----------------------------------------------------
+
+
+class ProcessLocalStore(StoreClient):
+    """Correct in one process, invisible to every other: its data lives where only this
+    process looks (a per-process directory standing in for process memory)."""
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(backend)
+        self.store = TokenCaptureStore(os.path.join(backend.root, f"pid-{os.getpid()}"))
+
+
+class AcceptsRebuiltEntries(StoreClient):
+    """Judges "same payload" by the token ids only: a re-put with other log-probs is taken
+    for a retry and acknowledged, the first payload kept and the rollout left complete."""
+
+    async def put(self, entry: TokenEntry) -> None:
+        for held in self.store.read_entries(entry.rollout_id):
+            if held.model_call_id == entry.model_call_id and (
+                list(held.prompt_token_ids),
+                list(held.generation_token_ids),
+            ) == (list(entry.prompt_token_ids), list(entry.generation_token_ids)):
+                return
+        await self.store.put(entry)
+
+
+class FreezeIgnoresRetire(StoreClient):
+    """Freezing a retired rollout answers an empty snapshot instead of the retired error."""
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        try:
+            return await self.store.freeze(rollout_id)
+        except TokenCaptureRetiredError:
+            return TokenCaptureSnapshot(rollout_id, (), False, "retired", 0)
+
+
+class MarkAfterRetireSwallowed(StoreClient):
+    """A failure mark into a retired rollout reports success (and stores nothing)."""
+
+    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+        try:
+            await self.store.mark_incomplete(rollout_id, model_call_id)
+        except TokenCaptureRetiredError:
+            return None
+
+
+class BareRuntimeErrorWhenFrozen(StoreClient):
+    """Refuses a write after freeze with a bare RuntimeError, as NeMo Gym 0.7.0's file store
+    does, not with TokenCaptureFrozenError."""
+
+    async def put(self, entry: TokenEntry) -> None:
+        try:
+            await self.store.put(entry)
+        except TokenCaptureFrozenError as exc:
+            raise RuntimeError(str(exc)) from None
+
+
+class KeywordOnlyDrop(StoreClient):
+    """Correct, with ``drop``'s snapshot arguments keyword-only (NeMo Gym 0.7.0's signature)."""
+
+    async def drop(  # type: ignore[override]
+        self, rollout_id: str, *, snapshot_id: str, version: int
+    ) -> bool:
+        return await self.store.drop(rollout_id, snapshot_id, version)
+
+
+class WithoutRemoval:
+    """Correct sink and source without the optional retire and delete (a transport written to
+    NeMo Gym 0.7.0's TokenSource, which has neither)."""
+
+    def __init__(self, backend: Backend) -> None:
+        client = StoreClient(backend)
+        self.put, self.begin_call = client.put, client.begin_call
+        self.mark_incomplete, self.freeze = client.mark_incomplete, client.freeze
+        self.drop, self.close = client.drop, client.close
+
+
+class ResolvesAcrossRollouts:
+    """A resolver that, finding nothing in the rollout asked, looks in every other rollout of
+    the directory and returns a parent from there."""
+
+    def __init__(self, root: str) -> None:
+        from tokencapture.lineage import FileLineageStore
+
+        self.root = root
+        self.inner = FileLineageStore(root)
+
+    async def resolve(
+        self, rollout_id: str, request_items: list[dict[str, Any]]
+    ) -> LineageResolution:
+        resolution = await self.inner.resolve(rollout_id, request_items)
+        if resolution.status is not ParentResolutionStatus.UNRESOLVED:
+            return resolution
+        rollouts = {name.removesuffix(".tokens.jsonl") for name in os.listdir(self.root)}
+        for other in sorted(rollouts - {rollout_id}):
+            if validate_rollout_id_or_none(other):
+                found = await self.inner.resolve(other, request_items)
+                if found.status is ParentResolutionStatus.RESOLVED:
+                    return found
+        return resolution
+
+    def is_process_shared(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def validate_rollout_id_or_none(name: str) -> bool:
+    try:
+        validate_rollout_id(name)
+    except ValueError:
+        return False
+    return True
+
+
+BROKEN.update(
+    {
+        "process_local": (ProcessLocalStore, "visible_across_processes"),
+        "accepts_rebuilt_entries": (AcceptsRebuiltEntries, "conflicting_reput_fails_closed"),
+        "freeze_ignores_retire": (FreezeIgnoresRetire, "retire_fences"),
+        "mark_after_retire_swallowed": (MarkAfterRetireSwallowed, "retire_fences"),
+    }
+)
+
+
+def double_client(name: str, root: str) -> Any:
+    """A `process_factory`: the double `name` of `BROKEN` (or "faithful") over `root`."""
+    make = StoreClient if name == "faithful" else BROKEN[name][0]
+    return make(backend_for(root))
+
+
+class KeepsOnlyLastRecord(MemoryLedger):
+    """Each record replaces the rollout's rows (a put-not-append bug): earlier calls vanish."""
+
+    async def record(self, commit: CaptureLedgerCommit) -> None:
+        await super().record(commit)
+        rows = self.backend.records[commit.rollout_id]
+        for call_id in [key for key in rows if key != commit.record.model_call_id]:
+            del rows[call_id]
+
+
+class LedgerResolvesAcrossRollouts(MemoryLedger):
+    """Resolves in any rollout when the one asked has no parent."""
+
+    async def resolve(
+        self, rollout_id: str, request_items: list[dict[str, Any]]
+    ) -> LineageResolution:
+        resolution = await super().resolve(rollout_id, request_items)
+        if resolution.status is ParentResolutionStatus.UNRESOLVED:
+            for other in list(self.backend.records):
+                found = await super().resolve(other, request_items)
+                if found.status is ParentResolutionStatus.RESOLVED:
+                    return found
+        return resolution
+
+
+class LedgerWithoutRemoval(MemoryLedger):
+    """A correct ledger without the optional retire and delete (NeMo Gym's in-memory store)."""
+
+    retire = None  # type: ignore[assignment]
+    delete = None  # type: ignore[assignment]
+
+
+BROKEN_LEDGERS.update(
+    {
+        "keeps_only_last_record": (KeepsOnlyLastRecord, "ledger_round_trip"),
+        "resolves_across_rollouts": (LedgerResolvesAcrossRollouts, "ledger_round_trip"),
+    }
+)

@@ -10,6 +10,7 @@ backend).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,6 +73,15 @@ class MemoryStagingStore:
                     raise KeyError(key)
                 rows.append(self._state["rows"][key])
         return [ours.StagedCallBaseSnapshot.model_validate(_base(row)) for row in rows]
+
+    def fetch_records(self, staging_keys: list[str]) -> list[Any]:
+        with self._lock:
+            rows = []
+            for key in staging_keys:
+                if key not in self._state["rows"]:
+                    raise KeyError(key)
+                rows.append(self._state["rows"][key])
+        return [ours.StagedCallRecord.model_validate(row) for row in rows]
 
     def fetch_attachments(self, staging_key: str) -> dict[str, bytes]:
         with self._lock:
@@ -171,6 +181,134 @@ class RestageFails(MemoryStagingStore):
         return super().stage(record, attachments=attachments)
 
 
+class CachesStagedRecords(MemoryStagingStore):
+    """A client-side "already staged" cache answers a restage of a record this client staged
+    before without asking the backend: after a retire, the dead key is acknowledged."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._seen: dict[str, Any] = {}
+
+    def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
+        key = f"{record.rollout_id}/{record.model_call_id}"
+        if self._seen.get(key) == record.model_dump():
+            return _models_of(record).StageResult(ok=True, staging_key=key)
+        result = super().stage(record, attachments=attachments)
+        if result.ok:
+            self._seen[key] = record.model_dump()
+        return result
+
+
+class KeepsAttachmentsOfRefusedCalls(MemoryStagingStore):
+    """Writes each attachment on its own before the record: when a later one cannot be
+    stored the call is refused, but the attachments before it stay under its key."""
+
+    def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
+        key = f"{record.rollout_id}/{record.model_call_id}"
+        for name, value in (attachments or {}).items():
+            try:
+                data = bytes(memoryview(value))
+            except TypeError:
+                break
+            with self._lock:
+                self._state["attachments"].setdefault(key, {})[name] = data
+        return super().stage(record, attachments=attachments)
+
+
+class DropsStoredAttachments(MemoryStagingStore):
+    """Refuses attachments it cannot store, but never keeps the ones it acknowledges."""
+
+    def _store(self, key: str, checked: Any, stored: dict[str, bytes]) -> None:
+        super()._store(key, checked, {})
+
+
+class AttachmentsWithoutReader(DropsStoredAttachments):
+    """Drops acknowledged attachments and has no ``fetch_attachments``: the suite cannot see
+    the loss, so the round trip must be reported unverified, not passed."""
+
+    fetch_attachments = None  # type: ignore[assignment]
+
+
+class DropsExtras(MemoryStagingStore):
+    """Hands back records without their extras (routed experts and all)."""
+
+    def fetch_records(self, staging_keys: list[str]) -> list[Any]:
+        return [
+            ours.StagedCallRecord.model_construct(**{**dict(record), "extras": None})
+            for record in super().fetch_records(staging_keys)
+        ]
+
+
+class _Busy(MemoryStagingStore):
+    """Shares one "connection": a stage while another is running is a bug (see subclasses)."""
+
+    _in_use = threading.Lock()
+
+    def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
+        if not _Busy._in_use.acquire(blocking=False):
+            return self._busy()
+        try:
+            time.sleep(0.002)  # holds the connection long enough for threads to collide
+            return super().stage(record, attachments=attachments)
+        finally:
+            _Busy._in_use.release()
+
+    def _busy(self) -> Any:
+        raise NotImplementedError
+
+
+class RaisesWhenConcurrent(_Busy):
+    """Not thread-safe: a concurrent stage raises."""
+
+    def _busy(self) -> Any:
+        raise RuntimeError("connection is busy with another command")
+
+
+class ReturnsNoneWhenConcurrent(_Busy):
+    """Not thread-safe: a concurrent stage returns None instead of a StageResult."""
+
+    def _busy(self) -> Any:
+        return None
+
+
+class CloseRaises(MemoryStagingStore):
+    """A correct store whose ``close`` fails."""
+
+    def close(self) -> None:
+        raise OSError("close failed: connection reset")
+
+
+class AsyncClose(MemoryStagingStore):
+    """A correct store with an ``async def close`` (it counts the closes it really ran)."""
+
+    closed = 0
+
+    async def close(self) -> None:
+        AsyncClose.closed += 1
+
+
+class ConflictRaisesAndCloseRaises(CloseRaises):
+    """Fails `stage_conflict_refused` (a conflicting restage is acknowledged), then its close
+    fails too: the report must stay the conflict, with the close error attached."""
+
+    def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
+        result = super().stage(record, attachments=attachments)
+        if not result.ok and "other content" in (result.error or ""):
+            return _models_of(record).StageResult(ok=True, staging_key=_key_of(record))
+        return result
+
+
+def _key_of(record: Any) -> str:
+    return f"{record.rollout_id}/{record.model_call_id}"
+
+
+class FactoryRaises:
+    """A factory that cannot reach its backend."""
+
+    def __init__(self, name: str) -> None:
+        raise ConnectionError("cannot reach the staging server")
+
+
 BROKEN: dict[type[MemoryStagingStore], str] = {
     VisibleOnClose: "stage_visible_before_return",
     FetchesSorted: "fetch_in_order",
@@ -179,4 +317,10 @@ BROKEN: dict[type[MemoryStagingStore], str] = {
     SkipsVerification: "invalid_record_refused",
     DropsUnstorableAttachments: "attachment_rule",
     RetireHidesOnly: "retire_fences",
+    CachesStagedRecords: "retire_fences",
+    KeepsAttachmentsOfRefusedCalls: "attachment_rule",
+    DropsStoredAttachments: "attachments_round_trip",
+    DropsExtras: "extras_round_trip",
+    RaisesWhenConcurrent: "concurrent_stages",
+    ReturnsNoneWhenConcurrent: "concurrent_stages",
 }

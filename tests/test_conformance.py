@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -15,11 +16,17 @@ from conformance_doubles import (
     BROKEN,
     BROKEN_LEDGERS,
     Backend,
+    BareRuntimeErrorWhenFrozen,
+    KeywordOnlyDrop,
     LedgerBackend,
+    LedgerWithoutRemoval,
     MemoryLedger,
+    ResolvesAcrossRollouts,
     ResolvesByFingerprintOnly,
     StoreClient,
+    WithoutRemoval,
     backend_for,
+    double_client,
 )
 from tokencapture.conformance import (
     CHECKS,
@@ -41,7 +48,13 @@ from tokencapture.store import TokenCaptureStore
 
 TESTS = Path(__file__).resolve().parent
 
-STORE_CHECKS = [name for name in CHECKS if not name.startswith(("lineage_", "ledger_"))]
+PROCESS_CHECKS = ["visible_across_processes"]
+# What a run without a process_factory passes (other suites import these lists).
+STORE_CHECKS = [
+    name
+    for name in CHECKS
+    if not name.startswith(("lineage_", "ledger_")) and name not in PROCESS_CHECKS
+]
 LINEAGE_CHECKS = [name for name in CHECKS if name.startswith("lineage_")]
 LEDGER_CHECKS = [name for name in CHECKS if name.startswith("ledger_")]
 
@@ -59,6 +72,7 @@ def test_check_names_are_stable() -> None:
         "delete_allows_reuse",
         "batch_validation",
         "dangling_intent_masks",
+        "visible_across_processes",
         "lineage_visible_to_existing_and_fresh",
         "lineage_rewritten_context_unresolved",
         "lineage_root_without_history",
@@ -75,9 +89,22 @@ def test_check_names_are_stable() -> None:
 
 async def test_rust_store_passes(tmp_path: Path) -> None:
     passed = await run_conformance(
+        lambda: TokenCaptureStore(tmp_path),
+        lambda: TokenCaptureStore(tmp_path),
+        process_factory=functools.partial(TokenCaptureStore, tmp_path),
+    )
+    assert passed == [name for name in CHECKS if not name.startswith(("lineage_", "ledger_"))]
+
+
+async def test_checks_without_a_process_factory_are_skipped_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    passed = await run_conformance(
         lambda: TokenCaptureStore(tmp_path), lambda: TokenCaptureStore(tmp_path)
     )
     assert passed == STORE_CHECKS
+    assert "no process_factory was given" in passed.skipped["visible_across_processes"]
+    assert "no lineage factory" in passed.skipped["lineage_root_without_history"]
 
 
 async def test_reference_store_passes(tmp_path: Path) -> None:
@@ -244,7 +271,11 @@ async def test_broken_double_fails_its_check(tmp_path: Path, name: str) -> None:
     make, expected = BROKEN[name]
     backend = Backend(str(tmp_path))
     with pytest.raises(ConformanceError) as info:
-        await run_conformance(lambda: make(backend), lambda: make(backend))
+        await run_conformance(
+            lambda: make(backend),
+            lambda: make(backend),
+            process_factory=functools.partial(double_client, name, str(tmp_path)),
+        )
     assert info.value.check == expected, str(info.value)
     assert isinstance(info.value, AssertionError)
     assert backend.made > 0
@@ -280,8 +311,12 @@ async def test_broken_ledger_fails_its_check(tmp_path: Path, name: str) -> None:
 
 async def test_faithful_double_passes_and_closes_every_client(tmp_path: Path) -> None:
     backend = Backend(str(tmp_path))
-    passed = await run_conformance(lambda: StoreClient(backend), lambda: StoreClient(backend))
-    assert passed == STORE_CHECKS
+    passed = await run_conformance(
+        lambda: StoreClient(backend),
+        lambda: StoreClient(backend),
+        process_factory=functools.partial(double_client, "faithful", str(tmp_path)),
+    )
+    assert passed == STORE_CHECKS + PROCESS_CHECKS
     assert backend.closed == backend.made > len(STORE_CHECKS)
 
 
@@ -294,6 +329,71 @@ async def test_resolver_matching_by_fingerprint_alone_fails(tmp_path: Path) -> N
             lambda: ResolvesByFingerprintOnly(FileLineageStore(tmp_path), backend),
         )
     assert info.value.check == "lineage_rewritten_context_unresolved", str(info.value)
+
+
+async def test_resolver_resolving_in_another_rollout_fails(tmp_path: Path) -> None:
+    with pytest.raises(ConformanceError) as info:
+        await run_conformance(
+            lambda: TokenCaptureStore(tmp_path),
+            lambda: TokenCaptureStore(tmp_path),
+            lambda: ResolvesAcrossRollouts(str(tmp_path)),
+        )
+    assert info.value.check == "lineage_rewritten_context_unresolved", str(info.value)
+    assert "asked in" in info.value.detail
+
+
+async def test_keyword_only_drop_passes(tmp_path: Path) -> None:
+    backend = Backend(str(tmp_path))
+    passed = await run_conformance(
+        lambda: KeywordOnlyDrop(backend), lambda: KeywordOnlyDrop(backend)
+    )
+    assert passed == STORE_CHECKS
+
+
+async def test_optional_retire_and_delete_are_skipped_when_absent(tmp_path: Path) -> None:
+    backend = Backend(str(tmp_path))
+    passed = await run_conformance(lambda: WithoutRemoval(backend), lambda: WithoutRemoval(backend))
+    removal = ["retire_fences", "delete_allows_reuse", "batch_validation"]
+    assert passed == [name for name in STORE_CHECKS if name not in removal]
+    for name in removal:
+        assert "optional" in passed.skipped[name]
+    ledger = LedgerBackend()
+    passed = await run_conformance(
+        lambda: TokenCaptureStore(tmp_path),
+        lambda: TokenCaptureStore(tmp_path),
+        ledger_factory=lambda: LedgerWithoutRemoval(ledger),
+    )
+    assert [name for name in passed if name.startswith("ledger_")] == [
+        "ledger_round_trip",
+        "ledger_replay_and_conflict",
+        "ledger_failure_rows",
+    ]
+    assert "no retire(rollout_ids)" in passed.skipped["ledger_fence_after_retire"]
+
+
+async def test_a_bare_runtime_error_after_freeze_is_named(tmp_path: Path) -> None:
+    backend = Backend(str(tmp_path))
+    with pytest.raises(ConformanceError) as info:
+        await run_check(
+            "write_after_freeze",
+            lambda: BareRuntimeErrorWhenFrozen(backend),
+            lambda: StoreClient(backend),
+        )
+    assert "raised RuntimeError: " in info.value.detail
+    assert "expected TokenCaptureFrozenError" in info.value.detail
+    assert "NeMo Gym 0.7.0" in info.value.detail
+
+
+def test_a_lambda_process_factory_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ConformanceError) as info:
+        run_conformance_sync(
+            lambda: TokenCaptureStore(tmp_path),
+            lambda: TokenCaptureStore(tmp_path),
+            process_factory=lambda: TokenCaptureStore(tmp_path),
+        )
+    assert info.value.check == "visible_across_processes"
+    assert "process_factory must be picklable" in info.value.detail
+    assert info.value.__cause__ is not None
 
 
 # --- Runner behaviour ------------------------------------------------------------------------
@@ -402,7 +502,9 @@ def test_run_conformance_sync(tmp_path: Path) -> None:
 
 # What a framework author writes: one line, one test case per check (a factory taking one
 # argument receives the test's tmp_path).
-test_pytest_entry_point = pytest_checks(TokenCaptureStore, lineage_factory=FileLineageStore)
+test_pytest_entry_point = pytest_checks(
+    TokenCaptureStore, lineage_factory=FileLineageStore, process_factory=TokenCaptureStore
+)
 
 
 def test_pytest_entry_point_fails_and_skips(tmp_path: Path) -> None:
@@ -415,6 +517,8 @@ def test_pytest_entry_point_fails_and_skips(tmp_path: Path) -> None:
     assert info.value.check == "put_then_freeze"
     with pytest.raises(pytest.skip.Exception):
         generated("ledger_round_trip", tmp_path)
+    with pytest.raises(pytest.skip.Exception, match="no process_factory"):
+        generated("visible_across_processes", tmp_path)
 
 
 def test_pytest_entry_point_refuses_factories_with_two_parameters(tmp_path: Path) -> None:
@@ -454,6 +558,8 @@ def test_cli_passes_on_our_store(tmp_path: Path) -> None:
         "tokencapture.lineage:FileLineageStore",
         "--ledger",
         "tokencapture.ledger:FileCaptureLedger",
+        "--process",
+        "tokencapture.store:TokenCaptureStore",
         "--dir",
         str(tmp_path),
     )
@@ -475,6 +581,8 @@ def test_cli_reports_failures_and_runs_every_check() -> None:
     failed = _lines(result.stdout, "FAIL")
     assert "put_then_freeze" in failed
     assert len(_lines(result.stdout, "PASS")) + len(failed) == len(STORE_CHECKS)
+    assert _lines(result.stdout, "SKIP")[0] == "visible_across_processes"
+    assert "no process_factory was given" in result.stdout
 
 
 @pytest.mark.parametrize(

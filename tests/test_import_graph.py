@@ -97,6 +97,7 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "tokencapture.cli",
             "tokencapture.config",
             "tokencapture.conformance",
+            "tokencapture.conformance_runner",
             "tokencapture.conformance_staging",
             # The staging package: its __init__ exports the file backend, and its submodules
             # re-export the lower modules above under their public paths.

@@ -834,3 +834,38 @@ def test_ints_in_float_fields_are_written_and_read_as_nemo_gym_does(
         assert type(got.created_at) is type(expected.created_at) is float
         assert [type(v) for v in got.generation_log_probs] == [float, float]
         assert expected.generation_log_probs == got.generation_log_probs
+
+
+def test_our_conformance_suite_over_nemo_gyms_own_store(tmp_path: Path) -> None:
+    """What `docs/compat-protocols.md` says our conformance suite makes of NeMo Gym 0.7.0's own
+    store: the retire/delete checks skipped (no `retire`), four failures, each naming what was
+    raised (a bare `RuntimeError` after freeze; `delete` taking a bare string), the rest pass."""
+    from tokencapture.conformance import CHECKS, ConformanceError, run_check
+
+    def factory() -> Any:
+        return nemo_store_module.TokenCaptureStore(str(tmp_path))
+
+    outcomes: dict[str, str] = {}
+    details: dict[str, str] = {}
+    store_checks = [name for name in CHECKS if not name.startswith(("lineage_", "ledger_"))]
+    for name in store_checks:
+        try:
+            passed = asyncio.run(run_check(name, factory, factory))
+        except ConformanceError as exc:
+            outcomes[name], details[name] = "fail", exc.detail
+        else:
+            outcomes[name] = "pass" if passed else "skip"
+    failed = sorted(name for name, outcome in outcomes.items() if outcome == "fail")
+    skipped = sorted(name for name, outcome in outcomes.items() if outcome == "skip")
+    assert failed == [
+        "batch_validation",
+        "conditional_drop",
+        "idempotent_reput",
+        "write_after_freeze",
+    ]
+    assert skipped == [
+        "delete_allows_reuse",
+        "retire_fences",
+        "visible_across_processes",  # no process factory given
+    ]
+    assert "bare RuntimeError" in details["write_after_freeze"]

@@ -5,6 +5,7 @@ pass on ignored, no prepared statements kept (PgBouncer 1.18 cannot track them).
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -65,6 +66,7 @@ def test_store_lineage_and_ledger_pass_conformance_through_pgbouncer(
             lambda: PostgresTokenCaptureStore(dsn, **BEHIND_PGBOUNCER),
             lambda: PostgresLineageStore(dsn, **BEHIND_PGBOUNCER),
             lambda: PostgresCaptureLedger(dsn, **BEHIND_PGBOUNCER),
+            process_factory=functools.partial(PostgresTokenCaptureStore, dsn, **BEHIND_PGBOUNCER),
         )
 
     assert asyncio.run(run()) == list(CHECKS)

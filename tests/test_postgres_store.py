@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from tests.conftest import make_entry
 from tests.pg_server import PgServer, PgServerUnavailable
 from tests.postgres_fixture import execute, fetch, pg_dsn, pg_server, store, unavailable
-from tests.test_conformance import STORE_CHECKS
+from tests.test_conformance import PROCESS_CHECKS, STORE_CHECKS
 
 from tokencapture.conformance import run_conformance
 from tokencapture.postgres import (
@@ -201,10 +202,12 @@ def test_store_conformance(pg_dsn: str) -> None:
 
     async def run() -> list[str]:
         return await run_conformance(
-            lambda: PostgresTokenCaptureStore(pg_dsn), lambda: PostgresTokenCaptureStore(pg_dsn)
+            lambda: PostgresTokenCaptureStore(pg_dsn),
+            lambda: PostgresTokenCaptureStore(pg_dsn),
+            process_factory=functools.partial(PostgresTokenCaptureStore, pg_dsn),
         )
 
-    assert asyncio.run(run()) == STORE_CHECKS
+    assert asyncio.run(run()) == STORE_CHECKS + PROCESS_CHECKS
 
 
 def test_schema_is_required_unless_installed(pg_dsn: str) -> None:

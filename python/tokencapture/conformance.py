@@ -17,12 +17,26 @@ Checks (`CHECKS`, in the order they run; each relies only on behaviour checked b
     ``put_then_freeze``, ``idempotent_reput``, ``conflicting_reput_fails_closed``,
     ``freeze_idempotent``, ``conditional_drop``, ``write_after_freeze``,
     ``mark_incomplete_durable``, ``retire_fences``, ``delete_allows_reuse``,
-    ``batch_validation``; with a sink that has ``begin_call``: ``dangling_intent_masks``; with a
-    lineage factory: ``lineage_visible_to_existing_and_fresh``,
+    ``batch_validation`` (the retire/delete checks are skipped, with the reason, when the source
+    lacks those optional methods); with a sink that has ``begin_call``:
+    ``dangling_intent_masks``; with a ``process_factory``: ``visible_across_processes`` (a put
+    made here is frozen by another process, which sees the same snapshot; its puts and marks are
+    seen here); with a lineage factory: ``lineage_visible_to_existing_and_fresh``,
     ``lineage_rewritten_context_unresolved``, ``lineage_root_without_history``; with a ledger
-    factory: ``ledger_round_trip``, ``ledger_replay_and_conflict``, ``ledger_failure_rows``,
+    factory (``retire``/``delete`` optional, as for the source): ``ledger_round_trip``,
+    ``ledger_replay_and_conflict``, ``ledger_failure_rows``,
     ``ledger_fence_after_retire``, ``ledger_reuse_after_delete``. A check whose capability is
-    absent is skipped: it is not reported as passed.
+    absent is skipped: it is not reported as passed. Lineage and ledger checks also require
+    that a call of one rollout never resolves a continuation asked in another.
+
+Processes
+    ``process_factory`` is called in a *spawned* process, so it must pickle: a module-level
+    class or function, or a ``functools.partial`` of one (``functools.partial(MyStore, url)``),
+    never a lambda or a local function (the check fails saying so). A script that runs the
+    suite needs the ``if __name__ == "__main__":`` guard, as the child imports its main module
+    again. Without a process factory, ``visible_across_processes`` is skipped with that reason:
+    in ``run_conformance``'s result (``.skipped``), as a pytest skip, and as a ``SKIP`` line of
+    the command line (``--process module:factory``).
 
 Staging
     The staging sink and source (NeMo Gym's worker-owned staging) have their own checks,
@@ -32,12 +46,16 @@ Staging
 
 Running it
     ``await run_conformance(sink_factory, source_factory, lineage_factory, ledger_factory)``
-    returns the names of the checks that passed and raises `ConformanceError` (an
+    returns the names of the checks that passed (a `ConformanceResults`: a ``list[str]`` whose
+    ``.skipped`` maps each skipped check to its reason) and raises `ConformanceError` (an
     ``AssertionError`` with ``.check`` and ``.detail``) at the first failure. An unexpected
     exception from the implementation is reported as a failure of the check that hit it, with
     the original exception chained. ``run_conformance_sync(...)`` does the same from sync code.
     Exceptions are recognised by class or by name, so an implementation that raises NeMo Gym's
-    own ``TokenCaptureFrozenError`` is judged the same as one raising tokencapture's.
+    own ``TokenCaptureFrozenError`` is judged the same as one raising tokencapture's; a bare
+    ``RuntimeError`` (what NeMo Gym 0.7.0's own file store raises on a write after freeze) is
+    not, and the failure names what was raised and what is expected. ``drop`` is called with
+    ``snapshot_id=`` and ``version=`` by keyword, which fits both signatures.
 
 In pytest, one line per implementation (each check becomes its own test case; the factories
 may take a directory argument, in which case each test passes its own ``tmp_path``)::
@@ -67,7 +85,8 @@ and call `run_check`, which returns False when the check does not apply::
 From a shell (exit status 0 when every applicable check passes, 1 otherwise)::
 
     python -m tokencapture.conformance tokencapture.store:TokenCaptureStore \\
-        --lineage tokencapture.lineage:FileLineageStore
+        --lineage tokencapture.lineage:FileLineageStore \\
+        --process tokencapture.store:TokenCaptureStore
 
 Each ``module:factory`` names a callable; ``--source`` defaults to the sink factory. A factory
 that takes one parameter receives a directory: ``--dir DIR``, or a fresh temporary directory.
@@ -94,6 +113,16 @@ from uuid import uuid4
 
 import orjson
 
+from tokencapture.conformance_runner import (
+    NO_PROCESS_FACTORY,
+    ConformanceResults,
+    SkipCheck,
+    bind_directory,
+    describe_error,
+    receive,
+    spawned,
+    with_close_errors,
+)
 from tokencapture.conformance_staging import (
     STAGING_CHECKS,
     StagingConformanceError,
@@ -133,6 +162,7 @@ __all__ = [
     "CHECKS",
     "STAGING_CHECKS",
     "ConformanceError",
+    "ConformanceResults",
     "StagingConformanceError",
     "main",
     "pytest_checks",
@@ -167,10 +197,6 @@ class ConformanceError(AssertionError):
         return f"conformance check {self.check!r} failed: {self.detail}"
 
 
-class _Skip(Exception):
-    """The check needs a capability that the implementation under test does not provide."""
-
-
 @dataclass(frozen=True)
 class _Outcome:
     check: str
@@ -200,6 +226,7 @@ class _Context:
         source_factory: SourceFactory,
         lineage_factory: LineageFactory | None,
         ledger_factory: LedgerFactory | None,
+        process_factory: Callable[[], Any] | None = None,
     ) -> None:
         self.check = check
         self._prefix = f"{rollout_id}-{check}-{uuid4().hex[:8]}"
@@ -207,6 +234,7 @@ class _Context:
         self._source_factory = source_factory
         self._lineage_factory = lineage_factory
         self._ledger_factory = ledger_factory
+        self.process_factory = process_factory
         self._clients: list[Any] = []
 
     def rollout(self, suffix: str = "") -> str:
@@ -216,13 +244,16 @@ class _Context:
     def fail(self, detail: str) -> NoReturn:
         raise ConformanceError(self.check, detail)
 
+    def error(self, detail: str) -> ConformanceError:
+        return ConformanceError(self.check, detail)
+
     def expect(self, condition: bool, detail: str) -> None:
         if not condition:
             self.fail(detail)
 
     async def _make(self, factory: Callable[[], Any] | None, role: str) -> Any:
         if factory is None:
-            raise _Skip(f"no {role} factory was given")
+            raise SkipCheck(f"no {role} factory was given")
         try:
             client = await _call_factory(factory)
         except Exception as exc:
@@ -297,8 +328,34 @@ def _is_error(exc: BaseException, cls: type[BaseException]) -> bool:
     return isinstance(exc, cls) or any(base.__name__ == cls.__name__ for base in type(exc).__mro__)
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+def _unexpected(exc: BaseException, cls: type[BaseException]) -> str:
+    """What was raised instead of `cls`, with the hint NeMo Gym 0.7.0's own store needs."""
+    text = f"raised {describe_error(exc)}, expected {cls.__name__}"
+    if type(exc) is RuntimeError and issubclass(cls, RuntimeError):
+        # NeMo Gym 0.7.0's TokenCaptureStore raises a bare RuntimeError here. Kept strict: a
+        # caller drops a fenced write silently but must treat a bare RuntimeError as a failure.
+        text += (
+            f" (a bare RuntimeError is not a {cls.__name__}, a RuntimeError subclass matched by "
+            "class or name: NeMo Gym 0.7.0's TokenCaptureStore raises the bare one)"
+        )
+    return text
+
+
+def _optional(ctx: _Context, client: Any, name: str) -> Callable[..., Awaitable[Any]]:
+    """`client.name`, or a skip: retire and delete are optional (install_token_source and
+    NeMo Gym's in-memory lineage store do without them)."""
+    method = getattr(client, name, None)
+    if not callable(method):
+        raise SkipCheck(
+            f"the {type(client).__name__} has no {name}(rollout_ids) (an optional method)"
+        )
+    bound: Callable[..., Awaitable[Any]] = method
+    return bound
+
+
+async def _drop(source: TokenSource, rollout_id: str, snapshot_id: str, version: int) -> Any:
+    # By keyword: NeMo Gym 0.7.0's protocol makes them keyword-only, ours takes either.
+    return await source.drop(rollout_id, snapshot_id=snapshot_id, version=version)
 
 
 def _canonical(entry: Any) -> bytes:
@@ -446,15 +503,20 @@ async def _put_refused(
     ctx: _Context, sink: TokenSink, entry: TokenEntry, cls: type[BaseException], when: str
 ) -> None:
     """`sink.put(entry)` must raise `cls` (by class or name)."""
+    await _refused(ctx, functools.partial(sink.put, entry), cls, f"{when}: put")
+
+
+async def _refused(
+    ctx: _Context, call: Callable[[], Awaitable[Any]], cls: type[BaseException], what: str
+) -> None:
+    """`call()` must raise `cls` (by class or name)."""
     try:
-        await sink.put(entry)
+        result = await call()
     except Exception as exc:
         if not _is_error(exc, cls):
-            raise ConformanceError(
-                ctx.check, f"{when}: put raised {_describe(exc)}, expected {cls.__name__}"
-            ) from exc
+            raise ConformanceError(ctx.check, f"{what} {_unexpected(exc, cls)}") from exc
         return
-    ctx.fail(f"{when}: put of {entry.model_call_id!r} succeeded, expected {cls.__name__}")
+    ctx.fail(f"{what} returned {result!r}, expected {cls.__name__}")
 
 
 # --- Sink and source checks ------------------------------------------------------------------
@@ -497,8 +559,8 @@ async def _idempotent_reput(ctx: _Context) -> None:
         if not _is_error(exc, TokenCaptureFrozenError):
             raise ConformanceError(
                 ctx.check,
-                f"an identical re-put after freeze raised {_describe(exc)}; expected a no-op or "
-                "TokenCaptureFrozenError",
+                f"an identical re-put after freeze {_unexpected(exc, TokenCaptureFrozenError)} "
+                "or a no-op",
             ) from exc
     again = await _freeze(ctx, rollout_id)
     _expect_same_snapshot(ctx, snapshot, again, "after an identical re-put following the freeze")
@@ -528,6 +590,26 @@ async def _conflicting_reput(ctx: _Context) -> None:
             stored == _canonical(original),
             "the conflicting put raised, but the stored entry is no longer the original payload",
         )
+    # "Same payload" is the whole serialized entry, not the tokens: the same token ids with
+    # other log-probs (and a later timestamp) are a rebuilt entry, so a conflict, not a retry.
+    subtle_id = ctx.rollout("same-tokens")
+    first = _entry(subtle_id, "call-1")
+    rebuilt = first.model_copy(
+        update={"generation_log_probs": [-0.5, -0.25, -2.0], "created_at": first.created_at + 1}
+    )
+    await (await ctx.sink()).put(first)
+    refused = False
+    try:
+        await (await ctx.sink()).put(rebuilt)
+    except Exception:
+        refused = True
+    snapshot = await _freeze(ctx, subtle_id)
+    ctx.expect(
+        refused or snapshot.incomplete,
+        "a re-put with the same token ids but other log-probs and created_at succeeded and the "
+        "snapshot is not incomplete: only a byte-identical entry is a retry (raise "
+        "TokenCaptureConflictError, or mask the rollout)",
+    )
 
 
 @_check("freeze_idempotent")
@@ -561,7 +643,7 @@ async def _conditional_drop(ctx: _Context) -> None:
         (uuid4().hex, snapshot.version, "another snapshot id"),
     ]
     for snapshot_id, version, what in stale:
-        dropped = await source.drop(rollout_id, snapshot_id, version)
+        dropped = await _drop(source, rollout_id, snapshot_id, version)
         ctx.expect(
             dropped is False,
             f"drop with {what} ({snapshot_id!r}, {version}) returned {dropped!r}, expected False "
@@ -570,7 +652,7 @@ async def _conditional_drop(ctx: _Context) -> None:
     kept = await _freeze(ctx, rollout_id)
     _expect_same_snapshot(ctx, snapshot, kept, "after refused drops")
     _expect_entries(ctx, kept, [entry], "after refused drops (the evidence must stay readable)")
-    dropped = await (await ctx.source()).drop(rollout_id, snapshot.snapshot_id, snapshot.version)
+    dropped = await _drop(await ctx.source(), rollout_id, snapshot.snapshot_id, snapshot.version)
     ctx.expect(
         dropped is True, f"drop of the exact frozen snapshot returned {dropped!r}, expected True"
     )
@@ -594,14 +676,14 @@ async def _write_after_freeze(ctx: _Context) -> None:
         if not _is_error(exc, TokenCaptureFrozenError):
             raise ConformanceError(
                 ctx.check,
-                f"a put after freeze raised {_describe(exc)}, expected TokenCaptureFrozenError",
+                f"a put after freeze {_unexpected(exc, TokenCaptureFrozenError)}",
             ) from exc
         again = await _freeze(ctx, rollout_id)
         _expect_same_snapshot(ctx, snapshot, again, "after a refused put following the freeze")
         return
     # A relaxed fence may let a racing write succeed, but then it must bump the version, so the
     # consumed snapshot can no longer be dropped and the late record stays as evidence.
-    dropped = await (await ctx.source()).drop(rollout_id, snapshot.snapshot_id, snapshot.version)
+    dropped = await _drop(await ctx.source(), rollout_id, snapshot.snapshot_id, snapshot.version)
     ctx.expect(
         dropped is False,
         "a put after freeze succeeded without changing the version: the stale snapshot was "
@@ -644,7 +726,7 @@ async def _mark_incomplete_durable(ctx: _Context) -> None:
         except Exception as exc:
             raise ConformanceError(
                 ctx.check,
-                f"mark_incomplete after freeze must succeed, but raised {_describe(exc)}",
+                f"mark_incomplete after freeze must succeed, but raised {describe_error(exc)}",
             ) from exc
         later = await _freeze(ctx, rollout_id)
         ctx.expect(later.incomplete, "a fresh source does not see a mark after freeze")
@@ -653,8 +735,8 @@ async def _mark_incomplete_durable(ctx: _Context) -> None:
             f"mark_incomplete after freeze left the version at {previous.version}: a stale "
             "retirement of the consumed snapshot would still succeed",
         )
-        dropped = await (await ctx.source()).drop(
-            rollout_id, previous.snapshot_id, previous.version
+        dropped = await _drop(
+            await ctx.source(), rollout_id, previous.snapshot_id, previous.version
         )
         ctx.expect(
             dropped is False,
@@ -672,10 +754,9 @@ async def _mark_incomplete_durable(ctx: _Context) -> None:
 @_check("retire_fences")
 async def _retire_fences(ctx: _Context) -> None:
     written, unused = ctx.rollout("a"), ctx.rollout("b")
+    retire = _optional(ctx, await ctx.source(), "retire")
     await (await ctx.sink()).put(_entry(written, "call-1"))
-    removed, absent = _expect_removal(
-        ctx, await (await ctx.source()).retire([written, unused]), "retire"
-    )
+    removed, absent = _expect_removal(ctx, await retire([written, unused]), "retire")
     ctx.expect(
         removed == [written] and absent == [unused],
         f"retire of a rollout with records and one without returned removed={removed}, "
@@ -691,8 +772,25 @@ async def _retire_fences(ctx: _Context) -> None:
                 TokenCaptureRetiredError,
                 f"after retiring {rollout_id!r}",
             )
+        # The retired records are gone: freezing must not serve them (nor an empty snapshot
+        # that would read as a rollout that made no calls), and a failure mark must not be
+        # acknowledged into a rollout nobody will read again.
+        await _refused(
+            ctx,
+            functools.partial(_freeze, ctx, rollout_id),
+            TokenCaptureRetiredError,
+            f"after retiring {rollout_id!r}, freeze",
+        )
+        await _refused(
+            ctx,
+            functools.partial(sink.mark_incomplete, rollout_id, "call-8"),
+            TokenCaptureRetiredError,
+            f"after retiring {rollout_id!r}, mark_incomplete",
+        )
     removed, absent = _expect_removal(
-        ctx, await (await ctx.source()).retire([written, unused]), "a second retire"
+        ctx,
+        await _optional(ctx, await ctx.source(), "retire")([written, unused]),
+        "a second retire",
     )
     ctx.expect(
         removed == [] and sorted(absent) == sorted([written, unused]),
@@ -707,18 +805,19 @@ async def _retire_fences(ctx: _Context) -> None:
 @_check("delete_allows_reuse")
 async def _delete_allows_reuse(ctx: _Context) -> None:
     rollout_id = ctx.rollout()
+    source = await ctx.source()
+    retire, delete = _optional(ctx, source, "retire"), _optional(ctx, source, "delete")
     sink = await ctx.sink()
     await sink.put(_entry(rollout_id, "call-1"))
     await sink.mark_incomplete(rollout_id, "call-x")
-    source = await ctx.source()
-    _expect_removal(ctx, await source.retire([rollout_id]), "retire")
-    removed, absent = _expect_removal(ctx, await source.delete([rollout_id]), "delete")
+    _expect_removal(ctx, await retire([rollout_id]), "retire")
+    removed, absent = _expect_removal(ctx, await delete([rollout_id]), "delete")
     ctx.expect(
         sorted(removed + absent) == [rollout_id],
         f"delete([{rollout_id!r}]) must report the id once, got removed={removed}, absent={absent}",
     )
     removed, absent = _expect_removal(
-        ctx, await (await ctx.source()).delete([rollout_id]), "a second delete"
+        ctx, await _optional(ctx, await ctx.source(), "delete")([rollout_id]), "a second delete"
     )
     ctx.expect(
         removed == [] and absent == [rollout_id],
@@ -736,7 +835,7 @@ async def _delete_allows_reuse(ctx: _Context) -> None:
             raise ConformanceError(
                 ctx.check,
                 f"put of {entry.model_call_id!r} into the deleted and reused rollout raised "
-                f"{_describe(exc)}",
+                f"{describe_error(exc)}",
             ) from exc
     snapshot = await _freeze(ctx, rollout_id)
     _expect_entries(ctx, snapshot, reused, "freezing the reused rollout")
@@ -752,12 +851,16 @@ async def _batch_validation(ctx: _Context) -> None:
     await (await ctx.sink()).put(first)
     source = await ctx.source()
     bad_batch = [rollout_id, f"../{rollout_id}"]
-    attempts: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
-        ("retire(<bare str>)", lambda: source.retire(rollout_id)),
-        ("delete(<bare str>)", lambda: source.delete(rollout_id)),
-        (f"retire({bad_batch!r})", lambda: source.retire(bad_batch)),
-        (f"delete({bad_batch!r})", lambda: source.delete(bad_batch)),
-    ]
+    methods = [name for name in ("retire", "delete") if callable(getattr(source, name, None))]
+    if not methods:
+        raise SkipCheck(
+            f"the {type(source).__name__} has neither retire nor delete (both optional)"
+        )
+    attempts: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
+    for name in methods:
+        method = getattr(source, name)
+        attempts.append((f"{name}(<bare str>)", functools.partial(method, rollout_id)))
+        attempts.append((f"{name}({bad_batch!r})", functools.partial(method, bad_batch)))
     for what, attempt in attempts:
         try:
             result = await attempt()
@@ -765,7 +868,7 @@ async def _batch_validation(ctx: _Context) -> None:
             continue
         except Exception as exc:
             raise ConformanceError(
-                ctx.check, f"{what} raised {_describe(exc)}, expected TypeError or ValueError"
+                ctx.check, f"{what} raised {describe_error(exc)}, expected TypeError or ValueError"
             ) from exc
         ctx.fail(f"{what} returned {result!r}, expected TypeError or ValueError")
     # Nothing changed for the valid id: it is neither fenced nor emptied.
@@ -775,7 +878,7 @@ async def _batch_validation(ctx: _Context) -> None:
     except Exception as exc:
         raise ConformanceError(
             ctx.check,
-            f"after refused batches, a put to {rollout_id!r} raised {_describe(exc)}: a batch "
+            f"after refused batches, a put to {rollout_id!r} raised {describe_error(exc)}: a batch "
             "holding an invalid id must change nothing",
         ) from exc
     _expect_entries(ctx, await _freeze(ctx, rollout_id), [first, second], "after refused batches")
@@ -786,7 +889,7 @@ async def _dangling_intent_masks(ctx: _Context) -> None:
     sink = await ctx.sink()
     begin_call = getattr(sink, "begin_call", None)
     if not callable(begin_call):
-        raise _Skip("the sink has no begin_call (an optional extension)")
+        raise SkipCheck("the sink has no begin_call (an optional extension)")
     finished, dangling = ctx.rollout("a"), ctx.rollout("b")
     for rollout_id in (finished, dangling):
         await begin_call(rollout_id, "call-1")
@@ -802,6 +905,74 @@ async def _dangling_intent_masks(ctx: _Context) -> None:
         snapshot.incomplete,
         "begin_call without a matching put did not make the frozen snapshot incomplete",
     )
+
+
+# --- Across processes ------------------------------------------------------------------------
+
+
+async def _other_process_job(
+    factory: Callable[[], Any], frozen: str, lines: list[bytes], marked: str
+) -> tuple[str, int, bool, list[bytes]]:
+    """In the child: freeze what the parent put, then put `lines` and mark `marked`."""
+    client = await _call_factory(factory)
+    try:
+        snapshot = await client.freeze(frozen)
+        seen = (
+            snapshot.snapshot_id,
+            snapshot.version,
+            snapshot.incomplete,
+            sorted(_canonical(entry) for entry in snapshot.entries),
+        )
+        for line in lines:
+            entry = TokenEntry.model_validate_json(line)
+            await client.put(entry)
+            if entry.rollout_id == marked:
+                await client.mark_incomplete(marked, "call-9")
+    finally:
+        result = client.close()
+        if inspect.isawaitable(result):
+            await result
+    return seen
+
+
+def _in_other_process(
+    factory: Callable[[], Any], job: tuple[str, list[bytes], str], conn: Any
+) -> None:
+    """The child side of `visible_across_processes` (runs in a spawned process)."""
+    conn.send(("ok", asyncio.run(_other_process_job(factory, *job))))
+
+
+@_check("visible_across_processes", needs="process")
+async def _visible_across_processes(ctx: _Context) -> None:
+    here, there, marked = ctx.rollout("here"), ctx.rollout("there"), ctx.rollout("marked")
+    mine = [_entry(here, "call-1"), _entry(here, "call-2", 1)]
+    sink = await ctx.sink()
+    for entry in mine:
+        await sink.put(entry)
+    theirs = [_entry(there, "call-1", 2), _entry(there, "call-2", 3), _entry(marked, "call-1")]
+    job = (here, [_canonical(entry) for entry in theirs], marked)
+    with spawned(ctx.process_factory, _in_other_process, job, ctx.error) as conn:
+        snapshot_id, version, incomplete, lines = receive(
+            conn, "freezing and putting in another process", ctx.error
+        )
+    ctx.expect(
+        lines == sorted(_canonical(entry) for entry in mine) and not incomplete,
+        f"another process froze {len(lines)} entries (incomplete={incomplete}) of the "
+        f"{len(mine)} put here: a put must be visible to every process before it returns",
+    )
+    # The freeze made there is the one every process sees: freezing here returns it.
+    again = await _freeze(ctx, here)
+    ctx.expect(
+        (again.snapshot_id, again.version) == (snapshot_id, version),
+        f"freezing here returned snapshot {again.snapshot_id!r} version {again.version}, but "
+        f"another process froze {snapshot_id!r} version {version}",
+    )
+    _expect_entries(
+        ctx, await _freeze(ctx, there), theirs[:2], "freezing entries put by another process"
+    )
+    snapshot = await _freeze(ctx, marked)
+    ctx.expect(snapshot.incomplete, "a mark_incomplete made by another process is not seen here")
+    _expect_entries(ctx, snapshot, theirs[2:], "freezing a rollout marked by another process")
 
 
 # --- Lineage checks --------------------------------------------------------------------------
@@ -971,6 +1142,20 @@ async def _lineage_rewritten(ctx: _Context) -> None:
         _status(resolution) == ParentResolutionStatus.UNRESOLVED.value,
         f"a continuation with a rewritten assistant turn resolved as {_status(resolution)!r}",
     )
+    # Lineage is per rollout: the unmodified continuation asked in another rollout (one that
+    # has entries of its own) has no parent there.
+    other = ctx.rollout("other")
+    other_root, _ = _stamped(other, "call-1", [_SYSTEM, {"role": "user", "content": "Hi."}], 1)
+    await (await ctx.sink()).put(other_root)
+    for when, client in (("the resolver", resolver), ("a fresh resolver", await ctx.lineage())):
+        resolution = await client.resolve(other, [*request, *root.output_items, follow_up])
+        ctx.expect(
+            _status(resolution) == ParentResolutionStatus.UNRESOLVED.value
+            and resolution.match is None,
+            f"{when}: the continuation of a call put only in {rollout_id!r}, asked in "
+            f"{other!r}, resolved as {_status(resolution)!r} to "
+            f"{getattr(resolution.match, 'model_call_id', None)!r}, expected 'unresolved'",
+        )
 
 
 @_check("lineage_root_without_history", needs="lineage")
@@ -1115,6 +1300,35 @@ async def _ledger_round_trip(ctx: _Context) -> None:
         f"{getattr(resolution.match, 'model_call_id', None)!r}, expected 'call-1' with its "
         "cumulative hash as digest, its chain hash, its cum_len as prev_len and its staging chain",
     )
+    # A second call of the rollout, from another client: rows accumulate, none replaces another.
+    second = _commit(rollout_id, "call-2", 1)
+    await (await ctx.ledger()).record(second)
+    fresh = await ctx.ledger()
+    manifest = await _manifest(ctx, fresh, rollout_id)
+    ctx.expect(
+        _records(manifest) == {"call-1": commit.record, "call-2": second.record},
+        f"after recording two calls the manifest's records are "
+        f"{sorted(_records(manifest))}, expected both, unchanged (a record must not replace "
+        "the rollout's earlier rows)",
+    )
+    for recorded in (commit, second):
+        resolution = await fresh.resolve(rollout_id, _continuation_of(recorded))
+        ctx.expect(
+            resolution.match is not None
+            and resolution.match.model_call_id == recorded.record.model_call_id,
+            f"after recording two calls, the continuation of "
+            f"{recorded.record.model_call_id!r} resolved as {_status(resolution)!r} to "
+            f"{getattr(resolution.match, 'model_call_id', None)!r}",
+        )
+    # Lineage is per rollout: the same continuation asked in another rollout has no parent.
+    other = ctx.rollout("other")
+    resolution = await fresh.resolve(other, _continuation_of(commit))
+    ctx.expect(
+        _status(resolution) == ParentResolutionStatus.UNRESOLVED.value and resolution.match is None,
+        f"the continuation of a call recorded only in {rollout_id!r}, asked in {other!r}, "
+        f"resolved as {_status(resolution)!r} to "
+        f"{getattr(resolution.match, 'model_call_id', None)!r}, expected 'unresolved'",
+    )
 
 
 @_check("ledger_replay_and_conflict", needs="ledger")
@@ -1128,7 +1342,8 @@ async def _ledger_replay_and_conflict(ctx: _Context) -> None:
         )
     except Exception as exc:
         raise ConformanceError(
-            ctx.check, f"replaying an identical commit raised {_describe(exc)}; it must be a no-op"
+            ctx.check,
+            f"replaying an identical commit raised {describe_error(exc)}; it must be a no-op",
         ) from exc
     manifest = await _manifest(ctx, await ctx.ledger(), rollout_id)
     ctx.expect(
@@ -1191,7 +1406,7 @@ async def _expect_retired_read(
         if not _is_error(exc, RolloutRetiredError):
             raise ConformanceError(
                 ctx.check,
-                f"{what} of a retired rollout raised {_describe(exc)}, expected "
+                f"{what} of a retired rollout raised {describe_error(exc)}, expected "
                 "RolloutRetiredError",
             ) from exc
         return
@@ -1201,10 +1416,9 @@ async def _expect_retired_read(
 @_check("ledger_fence_after_retire", needs="ledger")
 async def _ledger_fence(ctx: _Context) -> None:
     rollout_id, unused = ctx.rollout("a"), ctx.rollout("b")
+    retire = _optional(ctx, await ctx.ledger(), "retire")
     await (await ctx.ledger()).record(_commit(rollout_id, "call-1"))
-    removed, absent = _expect_removal(
-        ctx, await (await ctx.ledger()).retire([rollout_id, unused]), "retire"
-    )
+    removed, absent = _expect_removal(ctx, await retire([rollout_id, unused]), "retire")
     ctx.expect(
         removed == [rollout_id] and absent == [unused],
         f"retire returned removed={removed}, absent={absent}; expected removed={[rollout_id]}, "
@@ -1239,7 +1453,9 @@ async def _ledger_fence(ctx: _Context) -> None:
                 ctx, functools.partial(fresh.manifest, target), f"after a late {what}, manifest"
             )
     removed, absent = _expect_removal(
-        ctx, await (await ctx.ledger()).retire([rollout_id, unused]), "a second retire"
+        ctx,
+        await _optional(ctx, await ctx.ledger(), "retire")([rollout_id, unused]),
+        "a second retire",
     )
     ctx.expect(
         removed == [] and sorted(absent) == sorted([rollout_id, unused]),
@@ -1252,18 +1468,17 @@ async def _ledger_fence(ctx: _Context) -> None:
 async def _ledger_reuse(ctx: _Context) -> None:
     rollout_id = ctx.rollout()
     ledger = await ctx.ledger()
+    retire, delete = _optional(ctx, ledger, "retire"), _optional(ctx, ledger, "delete")
     await ledger.record(_commit(rollout_id, "call-1"))
     await ledger.record_failure(rollout_id, "call-2", UNCOMMITTED_CALL_REASON)
-    _expect_removal(ctx, await ledger.retire([rollout_id]), "retire")
-    removed, absent = _expect_removal(
-        ctx, await (await ctx.ledger()).delete([rollout_id]), "delete"
-    )
+    _expect_removal(ctx, await retire([rollout_id]), "retire")
+    removed, absent = _expect_removal(ctx, await delete([rollout_id]), "delete")
     ctx.expect(
         sorted(removed + absent) == [rollout_id],
         f"delete must report the id once, got removed={removed}, absent={absent}",
     )
     removed, absent = _expect_removal(
-        ctx, await (await ctx.ledger()).delete([rollout_id]), "a second delete"
+        ctx, await _optional(ctx, await ctx.ledger(), "delete")([rollout_id]), "a second delete"
     )
     ctx.expect(
         removed == [] and absent == [rollout_id],
@@ -1277,7 +1492,7 @@ async def _ledger_reuse(ctx: _Context) -> None:
         await fresh.record(reused)
     except Exception as exc:
         raise ConformanceError(
-            ctx.check, f"recording into the deleted and reused rollout raised {_describe(exc)}"
+            ctx.check, f"recording into the deleted and reused rollout raised {describe_error(exc)}"
         ) from exc
     manifest = await _manifest(ctx, await ctx.ledger(), rollout_id)
     ctx.expect(
@@ -1310,34 +1525,37 @@ async def _run_one(
     lineage_factory: LineageFactory | None,
     ledger_factory: LedgerFactory | None,
     rollout_id: str,
+    process_factory: Callable[[], Any] | None,
 ) -> _Outcome:
     if spec.needs == "lineage" and lineage_factory is None:
         return _Outcome(spec.name, "skip", "no lineage factory was given")
     if spec.needs == "ledger" and ledger_factory is None:
         return _Outcome(spec.name, "skip", "no ledger factory was given")
+    if spec.needs == "process" and process_factory is None:
+        return _Outcome(spec.name, "skip", NO_PROCESS_FACTORY)
     ctx = _Context(
-        spec.name, rollout_id, sink_factory, source_factory, lineage_factory, ledger_factory
+        spec.name,
+        rollout_id,
+        sink_factory,
+        source_factory,
+        lineage_factory,
+        ledger_factory,
+        process_factory,
     )
     error: ConformanceError | None = None
     skipped = ""
     try:
         await spec.func(ctx)
-    except _Skip as exc:
+    except SkipCheck as exc:
         skipped = str(exc)
     except ConformanceError as exc:
         error = exc
     except Exception as exc:
-        error = ConformanceError(spec.name, f"the implementation raised {_describe(exc)}")
+        error = ConformanceError(spec.name, f"the implementation raised {describe_error(exc)}")
         error.__cause__ = exc
     finally:
         close_errors = await ctx.close_all()
-    if close_errors:
-        detail = "; ".join(f"close() raised {_describe(exc)}" for exc in close_errors)
-        if error is None:
-            error = ConformanceError(spec.name, detail)
-            error.__cause__ = close_errors[0]
-        else:
-            error.add_note(f"while cleaning up, {detail}")
+    error = with_close_errors(error, close_errors, ctx.error)
     if error is not None:
         return _Outcome(spec.name, "fail", error.detail, error)
     if skipped:
@@ -1354,6 +1572,7 @@ async def _run(
     names: Sequence[str],
     stop_on_failure: bool,
     report: Callable[[_Outcome], None] | None = None,
+    process_factory: Callable[[], Any] | None = None,
 ) -> list[_Outcome]:
     _validate_base(rollout_id)
     unknown = [name for name in names if name not in _REGISTRY]
@@ -1368,6 +1587,7 @@ async def _run(
             lineage_factory,
             ledger_factory,
             rollout_id,
+            process_factory,
         )
         outcomes.append(outcome)
         if report is not None:
@@ -1384,12 +1604,16 @@ async def run_conformance(
     ledger_factory: LedgerFactory | None = None,
     *,
     rollout_id: str = "conformance",
-) -> list[str]:
+    process_factory: Callable[[], Any] | None = None,
+) -> ConformanceResults:
     """Run every applicable check; return the names of those that passed, in order.
 
     Raises `ConformanceError` at the first failure. Checks whose capability is absent (no
-    lineage or ledger factory, a sink without ``begin_call``) are skipped and not listed. Each
-    check uses its own rollout ids, ``f"{rollout_id}-{check}-{random}"`` plus a suffix.
+    lineage, ledger or process factory, a sink without ``begin_call``, a source without
+    ``retire``) are not listed; the result's ``.skipped`` maps each of them to the reason.
+    Each check uses its own rollout ids, ``f"{rollout_id}-{check}-{random}"`` plus a suffix.
+    ``process_factory`` (picklable; see the module's docs) enables
+    ``visible_across_processes``.
     """
     outcomes = await _run(
         sink_factory,
@@ -1399,8 +1623,12 @@ async def run_conformance(
         rollout_id,
         CHECKS,
         stop_on_failure=True,
+        process_factory=process_factory,
     )
-    return [outcome.check for outcome in outcomes if outcome.status == "pass"]
+    return ConformanceResults(
+        [outcome.check for outcome in outcomes if outcome.status == "pass"],
+        {outcome.check: outcome.detail for outcome in outcomes if outcome.status == "skip"},
+    )
 
 
 def run_conformance_sync(
@@ -1410,11 +1638,17 @@ def run_conformance_sync(
     ledger_factory: LedgerFactory | None = None,
     *,
     rollout_id: str = "conformance",
-) -> list[str]:
+    process_factory: Callable[[], Any] | None = None,
+) -> ConformanceResults:
     """`run_conformance` from synchronous code (it runs its own event loop)."""
     return asyncio.run(
         run_conformance(
-            sink_factory, source_factory, lineage_factory, ledger_factory, rollout_id=rollout_id
+            sink_factory,
+            source_factory,
+            lineage_factory,
+            ledger_factory,
+            rollout_id=rollout_id,
+            process_factory=process_factory,
         )
     )
 
@@ -1427,6 +1661,7 @@ async def run_check(
     ledger_factory: LedgerFactory | None = None,
     *,
     rollout_id: str = "conformance",
+    process_factory: Callable[[], Any] | None = None,
 ) -> bool:
     """Run one check by name: True if it passed, False if it does not apply (skipped).
 
@@ -1440,6 +1675,7 @@ async def run_check(
         rollout_id,
         [check],
         stop_on_failure=True,
+        process_factory=process_factory,
     )
     return outcome.status == "pass"
 
@@ -1447,28 +1683,7 @@ async def run_check(
 # --- Factories that take a directory, pytest and the command line ----------------------------
 
 
-def _bind_directory(factory: Callable[..., _T], directory: str) -> Callable[[], _T]:
-    """A zero-argument factory: `factory` itself, or `factory(directory)` if it needs one."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):
-        return factory
-    required = [
-        parameter
-        for parameter in signature.parameters.values()
-        if parameter.default is inspect.Parameter.empty
-        and parameter.kind
-        in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    if not required:
-        return factory
-    if len(required) == 1:
-        return functools.partial(factory, directory)
-    names = ", ".join(parameter.name for parameter in required)
-    raise TypeError(
-        f"factory {getattr(factory, '__qualname__', factory)!r} must take no argument or one "
-        f"directory, but requires ({names})"
-    )
+_bind_directory = bind_directory  # shared with the staging suite
 
 
 def pytest_checks(
@@ -1478,12 +1693,14 @@ def pytest_checks(
     ledger_factory: Callable[..., Any] | None = None,
     *,
     rollout_id: str = "conformance",
+    process_factory: Callable[..., Any] | None = None,
 ) -> Callable[[str, Path], None]:
     """A pytest test function parametrized over `CHECKS`; assign it to a ``test_*`` name.
 
     Each factory takes no argument or one directory (the test's ``tmp_path``, as a str, the same
     for every factory of one test case). ``source_factory`` defaults to ``sink_factory``. A check
-    that does not apply is reported as skipped.
+    that does not apply is reported as skipped, with the reason (``visible_across_processes``
+    without a ``process_factory``, for one).
     """
     import pytest
 
@@ -1501,10 +1718,13 @@ def pytest_checks(
                 rollout_id,
                 [check],
                 stop_on_failure=True,
+                process_factory=None
+                if process_factory is None
+                else _bind_directory(process_factory, directory),
             )
         )
         if outcomes[0].status == "skip":
-            pytest.skip(outcomes[0].detail)
+            pytest.skip(f"{check}: {outcomes[0].detail}")
 
     return test_conformance
 
@@ -1534,6 +1754,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lineage", help="module:factory of a lineage resolver")
     parser.add_argument("--ledger", help="module:factory of a capture ledger")
     parser.add_argument(
+        "--process",
+        help="module:factory of a sink and source to call in another process (usually the "
+        "sink's); without it visible_across_processes is skipped",
+    )
+    parser.add_argument(
         "--dir", help="directory passed to factories that take one (default: a temporary one)"
     )
     parser.add_argument("--rollout-id", default="conformance", help="prefix of the rollout ids")
@@ -1544,10 +1769,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "source": _load(args.source or args.sink),
             "lineage": _load(args.lineage) if args.lineage else None,
             "ledger": _load(args.ledger) if args.ledger else None,
+            "process": _load(args.process) if args.process else None,
         }
         _validate_base(args.rollout_id)
     except Exception as exc:
-        print(f"error: {_describe(exc)}", file=sys.stderr)
+        print(f"error: {describe_error(exc)}", file=sys.stderr)
         return 2
 
     # Implementations log what the checks provoke (a refused conflicting put, for one): label it.
@@ -1572,6 +1798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 CHECKS,
                 stop_on_failure=False,
                 report=report,
+                process_factory=factories["process"],
             )
         )
 
@@ -1583,7 +1810,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="tokencapture-conformance-") as directory:
                 outcomes = run(directory)
     except Exception as exc:
-        print(f"error: {_describe(exc)}", file=sys.stderr)
+        print(f"error: {describe_error(exc)}", file=sys.stderr)
         return 2
     counts = {status: sum(o.status == status for o in outcomes) for status in ("pass", "fail")}
     skipped = len(outcomes) - counts["pass"] - counts["fail"]

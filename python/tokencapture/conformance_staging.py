@@ -9,8 +9,12 @@ Factories
     (for the file store: ``functools.partial(FileStagingStore, root)``). ``source_factory``
     defaults to the sink factory. Clients with a ``close`` method are closed after each check.
     ``process_factory`` (optional) is a factory that can be pickled and called in another
-    process (a module-level class with ``functools.partial`` arguments, say); the checks that
-    cross processes run only with it.
+    process (a module-level class with ``functools.partial`` arguments, say; a lambda fails
+    with a message saying so); the checks that cross processes run only with it, and a script
+    running them needs the ``if __name__ == "__main__":`` guard (the spawned child imports its
+    main module again). Without it they are skipped with the reason. Clients are closed even
+    when a check fails (an ``async def close`` is awaited); a close error fails the check, or
+    is attached as a note to an earlier failure, which stays the one reported.
 
 Checks (`STAGING_CHECKS`, in order)
     ``stage_visible_before_return`` (a fresh client fetches what ``stage`` acknowledged, no
@@ -20,10 +24,16 @@ Checks (`STAGING_CHECKS`, in order)
     content: ``ok=False`` with a reason, the first content kept), ``invalid_record_refused`` (a
     record whose digest does not verify: ``ok=False``, nothing staged), ``attachment_rule``
     (attachments are stored in the same write or the call is refused; an attachment that cannot
-    be stored refuses the call, naming its type; never a silent drop), ``concurrent_stages``
-    (16 threads staging at once); with a sink that has ``retire``: ``retire_fences`` (after
-    ``retire`` returns, a stage of the rollout from an existing client is refused and its keys
-    are no longer fetchable); with a ``process_factory``: ``retire_fences_other_processes``
+    be stored refuses the call, naming its type, and leaves nothing behind: no record, no
+    attachment), ``attachments_round_trip`` (with a source that has ``fetch_attachments``, not
+    part of NeMo Gym's protocol: acknowledged attachments come back byte for byte; without one
+    it is skipped as unverified), ``extras_round_trip`` (with a source that has
+    ``fetch_records``: extras such as ``routed_experts`` come back digest-equal),
+    ``concurrent_stages`` (16 threads staging at once; an exception or a ``None`` from
+    ``stage`` is reported as such); with a sink that has ``retire``: ``retire_fences`` (after
+    ``retire`` returns, a stage of the rollout from an existing client is refused, a restage
+    of an already staged record included, and its keys are no longer fetchable); with a
+    ``process_factory``: ``retire_fences_other_processes``
     and ``acknowledged_survives_sigkill`` (a process that stages and is killed with SIGKILL
     right after ``stage`` returned: every acknowledged key is fetchable and verifies).
 
@@ -34,7 +44,8 @@ as ``records_module``; digests are computed with NeMo Gym's algorithms (natively
 record and its digest recomputed.
 
 Running it: ``run_staging_conformance(sink_factory, ...)`` returns the names of the checks that
-passed and raises `ConformanceError` at the first failure; ``run_staging_check(name, ...)``
+passed (a `ConformanceResults`, whose ``.skipped`` maps each skipped check to its reason) and
+raises `ConformanceError` at the first failure; ``run_staging_check(name, ...)``
 runs one (False: it does not apply); ``pytest_staging_checks(...)`` is a parametrized test
 function whose factories may take the test's directory, as `tokencapture.conformance` has.
 """
@@ -42,9 +53,7 @@ function whose factories may take the test's directory, as `tokencapture.conform
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
-import inspect
 import os
 import signal
 import threading
@@ -56,6 +65,17 @@ from typing import Any, NoReturn
 from uuid import uuid4
 
 from tokencapture import staging_records as _our_records
+from tokencapture.conformance_runner import (
+    NO_PROCESS_FACTORY,
+    ConformanceResults,
+    SkipCheck,
+    bind_directory,
+    close_sync,
+    describe_error,
+    receive,
+    spawned,
+    with_close_errors,
+)
 from tokencapture.staging_digest import (
     EXTRAS_DIGEST_VERSION,
     STAGING_DIGEST_VERSION,
@@ -68,6 +88,7 @@ from tokencapture.staging_digest import (
 
 __all__ = [
     "STAGING_CHECKS",
+    "ConformanceResults",
     "StagingConformanceError",
     "build_chain",
     "pytest_staging_checks",
@@ -111,10 +132,6 @@ class StagingConformanceError(AssertionError):
 
     def __str__(self) -> str:
         return f"staging conformance check {self.check!r} failed: {self.detail}"
-
-
-class _Skip(Exception):
-    """The check needs a capability the implementation does not have."""
 
 
 def default_records_module() -> ModuleType:
@@ -210,7 +227,11 @@ class _Context:
         try:
             client = factory()
         except Exception as exc:
-            self.fail(f"the {role} factory raised {type(exc).__name__}: {exc}")
+            raise StagingConformanceError(
+                self.check, f"the {role} factory raised {describe_error(exc)}"
+            ) from exc
+        if client is None:
+            self.fail(f"the {role} factory returned None")
         self._clients.append(client)
         return client
 
@@ -220,18 +241,11 @@ class _Context:
     def source(self) -> Any:
         return self._make(self.source_factory, "source")
 
-    def close_all(self) -> None:
-        seen: set[int] = set()
-        for client in reversed(self._clients):
-            if id(client) in seen:
-                continue
-            seen.add(id(client))
-            close = getattr(client, "close", None)
-            if callable(close):
-                result = close()
-                if inspect.isawaitable(result):
-                    raise TypeError("staging clients close synchronously")
-        self._clients.clear()
+    def close_all(self) -> list[BaseException]:
+        return close_sync(self._clients)
+
+    def error(self, detail: str) -> StagingConformanceError:
+        return StagingConformanceError(self.check, detail)
 
     def chain(self, rollout_id: str, calls: int = 3, **kwargs: Any) -> list[Any]:
         return build_chain(self.models, rollout_id, calls, **kwargs)
@@ -364,6 +378,14 @@ class _NotStorable:
     """An attachment no sink can store (no buffer, no Arrow export)."""
 
 
+def _stage_attachments(sink: Any, record: Any, attachments: Mapping[str, Any]) -> Any:
+    """`sink.stage` with attachments; None when it refuses the keyword with a TypeError."""
+    try:
+        return sink.stage(record, attachments=attachments)
+    except TypeError:
+        return None  # a sink without attachments support refuses loudly: allowed
+
+
 @_check("attachment_rule")
 def _attachments(ctx: _Context) -> None:
     import array
@@ -371,40 +393,82 @@ def _attachments(ctx: _Context) -> None:
     (record,) = ctx.chain(ctx.rollout("kept"), 1)
     payload = {"pixels": b"\x00\x01\xff" * 5, "grid": array.array("i", [1, -2, 3])}
     sink = ctx.sink()
-    try:
-        result = sink.stage(record, attachments=payload)
-    except TypeError:
-        result = None  # a sink without attachments support refuses loudly: allowed
-    source = ctx.source()
+    result = _stage_attachments(sink, record, payload)
     if result is None or not result.ok:
         # A sink without attachment support refused the whole call; the call is not held.
         ctx.stage_ok(ctx.sink(), record)
         return
-    fetch_attachments = getattr(source, "fetch_attachments", None)
-    if callable(fetch_attachments):
-        stored = fetch_attachments(result.staging_key)
-        for name, value in payload.items():
-            ctx.expect(name in stored, f"attachment {name!r} was dropped")
-            ctx.expect(
-                bytes(stored[name]) == bytes(value),
-                f"attachment {name!r} came back as other bytes",
-            )
+    # One storable and one unstorable attachment: the whole call is refused, naming the
+    # culprit, and nothing of it is held (not the record, not the storable attachment).
     (refused_record,) = ctx.chain(ctx.rollout("refused"), 1)
-    try:
-        bad = sink.stage(refused_record, attachments={"handle": _NotStorable()})
-    except TypeError:
-        bad = None
+    bad = _stage_attachments(
+        sink, refused_record, {"pixels": b"\x07" * 9, "handle": _NotStorable()}
+    )
     if bad is not None:
         error = ctx.refused(bad, "a call with an attachment that cannot be stored")
         ctx.expect(
             "_NotStorable" in error or "handle" in error,
             f"the refusal does not name the attachment or its type: {error!r}",
         )
-    # The refused call left nothing behind: staged again without attachments, it has none.
+    refused_key = _key(refused_record)
+    ctx.expect_unknown(ctx.source(), [refused_key], "the key of a refused call")
+    fetch_attachments = getattr(ctx.source(), "fetch_attachments", None)
+    if callable(fetch_attachments):
+        try:
+            held = fetch_attachments(refused_key)
+        except KeyError:
+            held = {}
+        ctx.expect(not held, f"a refused call's attachments were kept: {sorted(held)}")
+    # Staged again without attachments, the refused call has none.
     key = ctx.stage_ok(ctx.sink(), refused_record)
     if callable(fetch_attachments):
         left = fetch_attachments(key)
-        ctx.expect(not left, f"a refused call's attachments were kept: {sorted(left)}")
+        ctx.expect(not left, f"a refused call's attachments came back: {sorted(left)}")
+
+
+@_check("attachments_round_trip")
+def _attachments_round_trip(ctx: _Context) -> None:
+    import array
+
+    fetch_attachments = getattr(ctx.source(), "fetch_attachments", None)
+    if not callable(fetch_attachments):
+        # Not part of NeMo Gym's StagingSource: without a reader, "stored" cannot be checked.
+        raise SkipCheck(
+            "the source has no fetch_attachments(staging_key): that acknowledged attachments "
+            "were stored is unverified"
+        )
+    (record,) = ctx.chain(ctx.rollout(), 1)
+    payload = {"pixels": b"\x00\x01\xff" * 5, "grid": array.array("i", [1, -2, 3])}
+    result = _stage_attachments(ctx.sink(), record, payload)
+    if result is None or not result.ok:
+        raise SkipCheck("the sink refuses attachments")
+    stored = fetch_attachments(result.staging_key)
+    for name, value in payload.items():
+        ctx.expect(name in stored, f"attachment {name!r} was dropped")
+        ctx.expect(
+            bytes(stored[name]) == bytes(value), f"attachment {name!r} came back as other bytes"
+        )
+
+
+@_check("extras_round_trip")
+def _extras_round_trip(ctx: _Context) -> None:
+    fetch_records = getattr(ctx.source(), "fetch_records", None)
+    if not callable(fetch_records):
+        # NeMo Gym's StagingSource has fetch only; extras stay behind the key.
+        raise SkipCheck("the source has no fetch_records(staging_keys): extras are unverified")
+    extras = {"routed_experts": [[[3, 7], [1, 2]], [[0, 5], [4, 6]]], "engine": "conf ✓"}
+    (plain, with_extras) = ctx.chain(ctx.rollout(), 2, extras=extras)
+    keys = [ctx.stage_ok(ctx.sink(), record) for record in (plain, with_extras)]
+    fetched = fetch_records(keys)
+    ctx.expect(len(fetched) == 2, f"fetch_records returned {len(fetched)} records for 2 keys")
+    for got, record in zip(fetched, (plain, with_extras), strict=True):
+        ctx.expect_snapshot(got, record, f"fetch_records of {_key(record)}")
+        got_extras = getattr(got, "extras", None)
+        ctx.expect(
+            compute_extras_digest(got_extras) == record.extras_digest,
+            f"fetch_records of {_key(record)}: its extras {got_extras!r} do not match the "
+            f"staged extras_digest (staged {record.extras!r})",
+        )
 
 
 @_check("concurrent_stages")
@@ -412,27 +476,47 @@ def _concurrent(ctx: _Context) -> None:
     sink = ctx.sink()
     chains = [ctx.chain(ctx.rollout(str(t)), 4, variant=t) for t in range(16)]
     failures: list[str] = []
+    raised: list[BaseException] = []
     start = threading.Barrier(len(chains))
 
     keys: dict[str, str] = {}
 
     def run(records: list[Any]) -> None:
-        start.wait()
+        # Every outcome is collected for the main thread: nothing escapes to stderr.
+        with contextlib.suppress(threading.BrokenBarrierError):
+            start.wait()
         for record in records:
-            result = sink.stage(record)
-            if not result.ok or not result.staging_key:
+            try:
+                result = sink.stage(record)
+            except Exception as exc:
+                raised.append(exc)
+                failures.append(f"{_key(record)}: stage raised {describe_error(exc)}")
+                return
+            if result is None:
+                failures.append(f"{_key(record)}: stage returned None, expected a StageResult")
+                return
+            key = getattr(result, "staging_key", None)
+            if not getattr(result, "ok", False) or not key:
                 failures.append(f"{_key(record)}: {result!r}")
             else:
-                keys[_key(record)] = result.staging_key
+                keys[_key(record)] = key
 
     threads = [threading.Thread(target=run, args=(chain,)) for chain in chains]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    ctx.expect(not failures, f"concurrent stages failed: {failures[:3]}")
+    if failures:
+        error = ctx.error(
+            f"{len(failures)} of {len(chains)} threads staging at once failed: {failures[:3]}"
+        )
+        raise error from (raised[0] if raised else None)
     everything = [record for chain in chains for record in chain]
     snapshots = ctx.source().fetch([keys[_key(record)] for record in everything])
+    ctx.expect(
+        len(snapshots) == len(everything),
+        f"{len(snapshots)} snapshots for {len(everything)} keys",
+    )
     for snapshot, record in zip(snapshots, everything, strict=True):
         ctx.expect_snapshot(snapshot, record, f"concurrently staged {_key(record)}")
 
@@ -440,7 +524,7 @@ def _concurrent(ctx: _Context) -> None:
 def _retire(ctx: _Context, client: Any, rollout_id: str) -> None:
     retire = getattr(client, "retire", None)
     if not callable(retire):
-        raise _Skip("the sink has no retire(rollout_ids)")
+        raise SkipCheck("the sink has no retire(rollout_ids)")
     retire([rollout_id])
 
 
@@ -453,43 +537,36 @@ def _retire_fences(ctx: _Context) -> None:
     _retire(ctx, ctx.sink(), rollout)
     ctx.refused(worker.stage(second), "a stage of a retired rollout")
     ctx.refused(ctx.sink().stage(second), "a stage of a retired rollout (fresh client)")
+    # A record staged before the retire is no idempotent restage now: its key is gone, so
+    # acknowledging it (a client-side "already staged" cache, say) would hand out a dead key.
+    ctx.refused(worker.stage(first), "a restage of an already staged record after retire")
+    ctx.refused(
+        ctx.sink().stage(first), "a restage of an already staged record after retire (fresh client)"
+    )
     ctx.expect_unknown(ctx.source(), [key], "a key of a retired rollout")
 
 
-def _in_process(factory: _Factory, job: str, records: list[Any], conn: Any) -> None:
+def _in_process(factory: _Factory, job: tuple[str, list[Any]], conn: Any) -> None:
     """The child side of the cross-process checks (runs in a spawned process)."""
+    name, records = job
     client = factory()
-    if job == "retire":
+    if name == "retire":
         client.retire([records[0].rollout_id])
-        conn.send("retired")
-    elif job == "stage":
-        conn.send([bool(client.stage(record).ok) for record in records])
-    elif job == "stage_then_kill":
+        conn.send(("ok", "retired"))
+    elif name == "stage":
+        conn.send(("ok", [bool(client.stage(record).ok) for record in records]))
+    elif name == "stage_then_kill":
         for record in records:
             result = client.stage(record)
-            conn.send((result.staging_key, bool(result.ok)))  # sent only after stage returned
+            # Sent only after stage returned.
+            conn.send(("ok", (result.staging_key, bool(result.ok))))
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextlib.contextmanager
 def _child(ctx: _Context, job: str, records: list[Any]) -> Iterator[Any]:
-    import multiprocessing
-
-    if ctx.process_factory is None:
-        raise _Skip("no process_factory was given")
-    spawn = multiprocessing.get_context("spawn")
-    parent, child = spawn.Pipe(duplex=False)
-    process = spawn.Process(target=_in_process, args=(ctx.process_factory, job, records, child))
-    process.start()
-    child.close()
-    try:
-        yield parent
-    finally:
-        process.join(120)
-        if process.is_alive():
-            process.kill()
-            process.join()
-        parent.close()
+    with spawned(ctx.process_factory, _in_process, (job, records), ctx.error) as conn:
+        yield conn
 
 
 @_check("retire_fences_other_processes", needs="process")
@@ -499,16 +576,17 @@ def _retire_other_processes(ctx: _Context) -> None:
     worker = ctx.sink()
     ctx.stage_ok(worker, first)
     if not callable(getattr(worker, "retire", None)):
-        raise _Skip("the sink has no retire(rollout_ids)")
+        raise SkipCheck("the sink has no retire(rollout_ids)")
     with _child(ctx, "retire", [first]) as conn:
-        ctx.expect(conn.recv() == "retired", "the retiring process did not finish")
+        answer = receive(conn, "retiring in another process", ctx.error)
+        ctx.expect(answer == "retired", "the retiring process did not finish")
     ctx.refused(worker.stage(second), "a stage after another process retired the rollout")
     there = ctx.rollout("there")
     root, child_call = ctx.chain(there, 2)
     ctx.stage_ok(worker, root)
     _retire(ctx, worker, there)
     with _child(ctx, "stage", [child_call]) as conn:
-        ok = conn.recv()
+        ok = receive(conn, "staging in another process", ctx.error)
     ctx.expect(ok == [False], "another process staged into a rollout retired here")
 
 
@@ -518,7 +596,7 @@ def _survives_sigkill(ctx: _Context) -> None:
     acknowledged: list[str] = []
     with _child(ctx, "stage_then_kill", records) as conn, contextlib.suppress(EOFError):
         while True:
-            key, ok = conn.recv()
+            key, ok = receive(conn, "staging in the process then killed", ctx.error)
             if ok:
                 acknowledged.append(key)
         # EOF: the child is gone (killed right after its last stage returned).
@@ -531,6 +609,39 @@ def _survives_sigkill(ctx: _Context) -> None:
 STAGING_CHECKS: tuple[str, ...] = tuple(_REGISTRY)
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    check: str
+    status: str  # "pass", "skip" or "fail"
+    detail: str = ""
+    error: StagingConformanceError | None = None
+
+
+def _run_one(name: str, ctx: _Context) -> _Outcome:
+    func, needs = _REGISTRY[name]
+    if needs == "process" and ctx.process_factory is None:
+        return _Outcome(name, "skip", NO_PROCESS_FACTORY)
+    error: StagingConformanceError | None = None
+    skipped = ""
+    try:
+        func(ctx)
+    except SkipCheck as exc:
+        skipped = str(exc)
+    except StagingConformanceError as exc:
+        error = exc
+    except Exception as exc:
+        error = StagingConformanceError(name, f"the implementation raised {describe_error(exc)}")
+        error.__cause__ = exc
+    finally:
+        close_errors = ctx.close_all()
+    error = with_close_errors(error, close_errors, ctx.error)
+    if error is not None:
+        return _Outcome(name, "fail", error.detail, error)
+    if skipped:
+        return _Outcome(name, "skip", skipped)
+    return _Outcome(name, "pass")
+
+
 def _run(
     names: Sequence[str],
     sink_factory: _Factory,
@@ -538,17 +649,13 @@ def _run(
     process_factory: _Factory | None,
     records_module: ModuleType | None,
     rollout_id: str,
-) -> list[tuple[str, bool]]:
+) -> list[_Outcome]:
     unknown = [name for name in names if name not in _REGISTRY]
     if unknown:
         raise ValueError(f"unknown staging checks {unknown}; known: {list(STAGING_CHECKS)}")
     models = records_module or default_records_module()
-    outcomes = []
+    outcomes: list[_Outcome] = []
     for name in names:
-        func, needs = _REGISTRY[name]
-        if needs == "process" and process_factory is None:
-            outcomes.append((name, False))
-            continue
         ctx = _Context(
             name,
             f"{rollout_id}-{name}-{uuid4().hex[:8]}",
@@ -557,19 +664,10 @@ def _run(
             process_factory,
             models,
         )
-        try:
-            func(ctx)
-            outcomes.append((name, True))
-        except _Skip:
-            outcomes.append((name, False))
-        except StagingConformanceError:
-            raise
-        except Exception as exc:
-            raise StagingConformanceError(
-                name, f"the implementation raised {type(exc).__name__}: {exc}"
-            ) from exc
-        finally:
-            ctx.close_all()
+        outcome = _run_one(name, ctx)
+        if outcome.error is not None:
+            raise outcome.error
+        outcomes.append(outcome)
     return outcomes
 
 
@@ -580,12 +678,17 @@ def run_staging_conformance(
     process_factory: _Factory | None = None,
     records_module: ModuleType | None = None,
     rollout_id: str = "conformance",
-) -> list[str]:
-    """Run every applicable staging check; the names of those that passed, in order."""
+) -> ConformanceResults:
+    """Run every applicable staging check; the names of those that passed, in order, with
+    ``.skipped`` mapping each check that did not apply to the reason. Raises
+    `StagingConformanceError` at the first failure."""
     outcomes = _run(
         STAGING_CHECKS, sink_factory, source_factory, process_factory, records_module, rollout_id
     )
-    return [name for name, passed in outcomes if passed]
+    return ConformanceResults(
+        [o.check for o in outcomes if o.status == "pass"],
+        {o.check: o.detail for o in outcomes if o.status == "skip"},
+    )
 
 
 def run_staging_check(
@@ -598,24 +701,10 @@ def run_staging_check(
     rollout_id: str = "conformance",
 ) -> bool:
     """Run one staging check: True if it passed, False if it does not apply."""
-    ((_, passed),) = _run(
+    (outcome,) = _run(
         [check], sink_factory, source_factory, process_factory, records_module, rollout_id
     )
-    return passed
-
-
-def _bind(factory: Callable[..., Any], directory: str) -> _Factory:
-    try:
-        parameters = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
-        return factory
-    required = [
-        p
-        for p in parameters
-        if p.default is inspect.Parameter.empty
-        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    return functools.partial(factory, directory) if required else factory
+    return outcome.status == "pass"
 
 
 def pytest_staging_checks(
@@ -627,20 +716,21 @@ def pytest_staging_checks(
 ) -> Callable[[str, Path], None]:
     """A pytest test parametrized over `STAGING_CHECKS` (assign it to a ``test_*`` name).
     Factories taking one argument get the test's ``tmp_path`` (as a str); a check that does
-    not apply is skipped."""
+    not apply is skipped with the reason."""
     import pytest
 
     @pytest.mark.parametrize("check", STAGING_CHECKS)
     def test_staging_conformance(check: str, tmp_path: Path) -> None:
         directory = str(tmp_path)
-        passed = run_staging_check(
-            check,
-            _bind(sink_factory, directory),
-            None if source_factory is None else _bind(source_factory, directory),
-            process_factory=None if process_factory is None else _bind(process_factory, directory),
-            records_module=records_module,
+        (outcome,) = _run(
+            [check],
+            bind_directory(sink_factory, directory),
+            None if source_factory is None else bind_directory(source_factory, directory),
+            None if process_factory is None else bind_directory(process_factory, directory),
+            records_module,
+            "conformance",
         )
-        if not passed:
-            pytest.skip(f"{check} needs a capability this implementation does not provide")
+        if outcome.status == "skip":
+            pytest.skip(f"{check}: {outcome.detail}")
 
     return test_staging_conformance
