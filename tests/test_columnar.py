@@ -13,6 +13,7 @@ import importlib
 import json
 import random
 import shutil
+import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -408,6 +409,20 @@ def damaged_pair(tmp_path: Path, damage: str) -> tuple[TokenCaptureStore, TokenC
         tail["model_call_id"] = "after"
         del tail["a_note"]
         data += orjson.dumps(tail) + b"\n"
+    elif kind in ("int-floats", "huge-int-log-prob", "huge-int-created-at"):
+        # Float fields spelled as JSON integers, which no writer here produces: `-0` is the
+        # int 0 (+0.0 to freeze, as to NeMo Gym), `-3` a negative int, and an int past the
+        # largest float is refused by freeze ("int too large to convert to float"), never
+        # read as an infinity.
+        probs = tail["generation_log_probs"]
+        probs[0], probs[-1] = -7.125, -6.125
+        tail["created_at"] = 123.0625
+        line = orjson.dumps(tail)
+        huge = b"1" + b"0" * 400
+        log_prob = b"-" + huge if kind == "huge-int-log-prob" else b"-0"
+        created_at = huge if kind == "huge-int-created-at" else b"-0"
+        line = line.replace(b"-7.125", log_prob).replace(b"-6.125", b"-3")
+        data += line.replace(b"123.0625", created_at) + b"\n"
     elif kind == "duplicate-line":
         data += lines[1] + b"\n"
     elif kind == "token-beyond-int64":
@@ -441,7 +456,21 @@ DAMAGES = [
     "lone-surrogate",
     "nested-token-key",
     "duplicate-line",
+    "int-floats",
+    "huge-int-log-prob",
+    "huge-int-created-at",
 ]
+
+
+def float_bits(rows: list[dict[str, Any]]) -> list[tuple[bytes, list[bytes]]]:
+    """Each row's created_at and log-probs as their IEEE bytes (-0.0 is not 0.0 here)."""
+    return [
+        (
+            struct.pack("<d", row["created_at"]),
+            [struct.pack("<d", value) for value in row["generation_log_probs"]],
+        )
+        for row in rows
+    ]
 
 
 @pytest.mark.parametrize("damage", [*DAMAGES, *(f"{d}-large" for d in DAMAGES)])
@@ -454,15 +483,23 @@ def test_damaged_logs_give_the_same_refusals(tmp_path: Path, damage: str) -> Non
     if frozen[0] == "ok":
         assert snapshot[0] == "ok", snapshot
         assert_rows_equal(pa.table(snapshot[1]), frozen[1].entries)
+        assert float_bits(pa.table(snapshot[1]).to_pylist()) == float_bits(
+            [entry.model_dump() for entry in frozen[1].entries]
+        )
         assert snapshot[1].version == frozen[1].version
     else:
         assert frozen[0] == "TokenCaptureCorruptionError"
         assert frozen == snapshot
+    read_shared = outcome(lambda: pa.table(columns.read_columns("r", shared_prefixes=True)))
     if read_objects[0] == "ok":
         assert read_columns[0] == "ok", read_columns
         assert_rows_equal(read_columns[1], read_objects[1])
+        assert read_shared[0] == "ok", read_shared
+        objects_bits = float_bits([entry.model_dump() for entry in read_objects[1]])
+        assert float_bits(read_columns[1].to_pylist()) == objects_bits
+        assert float_bits(read_shared[1].to_pylist()) == objects_bits
     else:
-        assert read_objects == read_columns
+        assert read_objects == read_columns == read_shared
     # The same log and state are left behind (a freeze that failed after settling included).
     assert objects.path_for("r").read_bytes() == columns.path_for("r").read_bytes()
     # A rollout only put to has no state index, and a failed freeze writes none.

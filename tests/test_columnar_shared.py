@@ -166,3 +166,29 @@ def test_async_freeze_columns_passes_the_option(tmp_path: Path) -> None:
     table = asyncio.run(freeze())
     assert table.schema.field("prompt_token_ids").type == LIST_VIEW
     assert_same_columns(table, pa.table(store.freeze_columns_now("r")))
+
+
+def test_the_option_takes_the_same_flags_sync_and_async(tmp_path: Path) -> None:
+    """numpy's bool is a bool to every form of the call (the native ones took it, the async one
+    refused it as "must be a bool, not bool"); an int or a str is refused by every form."""
+    store = TokenCaptureStore(tmp_path)
+    for call in range(3):
+        store.append(make_entry("r", call))
+
+    async def freeze(flag: object) -> pa.Table:
+        return pa.table(await store.freeze_columns("r", shared_prefixes=flag))  # type: ignore[arg-type]
+
+    for flag in (np.True_, np.bool_(True)):
+        for table in (
+            asyncio.run(freeze(flag)),
+            pa.table(store.freeze_columns_now("r", shared_prefixes=flag)),  # type: ignore[arg-type]
+            pa.table(store.read_columns("r", shared_prefixes=flag)),  # type: ignore[arg-type]
+        ):
+            assert table.schema.field("prompt_token_ids").type == LIST_VIEW
+    for bad in (1, "yes"):
+        with pytest.raises(TypeError, match="shared_prefixes"):
+            store.freeze_columns("r", shared_prefixes=bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            store.freeze_columns_now("r", shared_prefixes=bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            store.read_columns("r", shared_prefixes=bad)  # type: ignore[arg-type]

@@ -90,10 +90,15 @@ def check_snapshot_id(snapshot_id: object) -> str:
 
 
 def check_flag(value: object, name: str) -> bool:
-    """A keyword flag: a real bool (a truthy string or number is a caller's mistake)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
-    return value
+    """A keyword flag: a real bool (a truthy string or number is a caller's mistake), or
+    numpy's bool, which the native calls take as one too."""
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
+        return bool(value)
+    where = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+    raise TypeError(f"{name} must be a bool, not {where}{kind.__qualname__}")
 
 
 def check_call_id(call_id: object) -> str:

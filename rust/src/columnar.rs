@@ -620,7 +620,7 @@ impl ColumnBuilder {
         let created_at = match fields.get("created_at") {
             None => 0.0,
             Some(Col::UInt(value)) => *value as f64,
-            Some(Col::Int(text)) => parse_float(text),
+            Some(Col::Int(text)) => int_as_float(text)?,
             Some(Col::Float(value, _)) => *value,
             Some(other) => {
                 return Err(format!(
@@ -764,9 +764,16 @@ impl ColumnBuilder {
             },
             "generation_log_probs" => match value {
                 Col::Ids(..) | Col::Probs(..) => true,
-                Col::Array(items) => items
-                    .iter()
-                    .all(|i| matches!(i, Col::UInt(_) | Col::Int(_) | Col::Float(..))),
+                Col::Array(items) => {
+                    for item in items.iter() {
+                        if let Col::Int(text) = item {
+                            int_as_float(text)?;
+                        }
+                    }
+                    items
+                        .iter()
+                        .all(|i| matches!(i, Col::UInt(_) | Col::Int(_) | Col::Float(..)))
+                }
                 _ => false,
             },
             _ => true,
@@ -832,7 +839,7 @@ impl ColumnBuilder {
                 .iter()
                 .map(|item| match item {
                     Col::UInt(value) => *value as f64,
-                    Col::Int(text) => parse_float(text),
+                    Col::Int(text) => int_as_float(text).unwrap_or(f64::NAN),
                     Col::Float(value, _) => *value,
                     _ => f64::NAN, // checked by `check_token_field`
                 })
@@ -845,11 +852,18 @@ impl ColumnBuilder {
     }
 }
 
-fn parse_float(text: &[u8]) -> f64 {
-    std::str::from_utf8(text)
+/// An integer's text (one that does not fit a u64: negative or huge) as the float Python makes
+/// of that int, as freeze does: `-0` is the int 0, so +0.0, and an int past the largest float
+/// is refused with Python's words rather than read as an infinity.
+fn int_as_float(text: &[u8]) -> Result<f64, String> {
+    let value: f64 = std::str::from_utf8(text)
         .ok()
         .and_then(|text| text.parse().ok())
-        .unwrap_or(f64::NAN)
+        .ok_or_else(|| "not an integer".to_string())?;
+    if value.is_infinite() {
+        return Err("int too large to convert to float".to_string());
+    }
+    Ok(if value == 0.0 { 0.0 } else { value })
 }
 
 /// An integer value that fits an int64.
