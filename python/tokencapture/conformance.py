@@ -116,6 +116,7 @@ import orjson
 from tokencapture.conformance_runner import (
     NO_PROCESS_FACTORY,
     ConformanceResults,
+    Outcome,
     SkipCheck,
     bind_directory,
     describe_error,
@@ -195,14 +196,6 @@ class ConformanceError(AssertionError):
 
     def __str__(self) -> str:
         return f"conformance check {self.check!r} failed: {self.detail}"
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    check: str
-    status: str  # "pass", "skip" or "fail"
-    detail: str = ""
-    error: ConformanceError | None = None
 
 
 # --- The per-check context -------------------------------------------------------------------
@@ -1526,13 +1519,13 @@ async def _run_one(
     ledger_factory: LedgerFactory | None,
     rollout_id: str,
     process_factory: Callable[[], Any] | None,
-) -> _Outcome:
+) -> Outcome:
     if spec.needs == "lineage" and lineage_factory is None:
-        return _Outcome(spec.name, "skip", "no lineage factory was given")
+        return Outcome(spec.name, "skip", "no lineage factory was given")
     if spec.needs == "ledger" and ledger_factory is None:
-        return _Outcome(spec.name, "skip", "no ledger factory was given")
+        return Outcome(spec.name, "skip", "no ledger factory was given")
     if spec.needs == "process" and process_factory is None:
-        return _Outcome(spec.name, "skip", NO_PROCESS_FACTORY)
+        return Outcome(spec.name, "skip", NO_PROCESS_FACTORY)
     ctx = _Context(
         spec.name,
         rollout_id,
@@ -1557,10 +1550,10 @@ async def _run_one(
         close_errors = await ctx.close_all()
     error = with_close_errors(error, close_errors, ctx.error)
     if error is not None:
-        return _Outcome(spec.name, "fail", error.detail, error)
+        return Outcome(spec.name, "fail", error.detail, error)
     if skipped:
-        return _Outcome(spec.name, "skip", skipped)
-    return _Outcome(spec.name, "pass")
+        return Outcome(spec.name, "skip", skipped)
+    return Outcome(spec.name, "pass")
 
 
 async def _run(
@@ -1571,14 +1564,14 @@ async def _run(
     rollout_id: str,
     names: Sequence[str],
     stop_on_failure: bool,
-    report: Callable[[_Outcome], None] | None = None,
+    report: Callable[[Outcome], None] | None = None,
     process_factory: Callable[[], Any] | None = None,
-) -> list[_Outcome]:
+) -> list[Outcome]:
     _validate_base(rollout_id)
     unknown = [name for name in names if name not in _REGISTRY]
     if unknown:
         raise ValueError(f"unknown conformance checks {unknown}; known: {list(CHECKS)}")
-    outcomes: list[_Outcome] = []
+    outcomes: list[Outcome] = []
     for name in names:
         outcome = await _run_one(
             _REGISTRY[name],
@@ -1779,11 +1772,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Implementations log what the checks provoke (a refused conflicting put, for one): label it.
     logging.basicConfig(level=logging.WARNING, format="log  %(levelname)s %(name)s: %(message)s")
 
-    def report(outcome: _Outcome) -> None:
+    def report(outcome: Outcome) -> None:
         line = f"{outcome.status.upper():4} {outcome.check}"
         print(f"{line}: {outcome.detail}" if outcome.detail else line, flush=True)
 
-    def run(directory: str) -> list[_Outcome]:
+    def run(directory: str) -> list[Outcome]:
         factories = {
             role: None if factory is None else _bind_directory(factory, directory)
             for role, factory in specs.items()

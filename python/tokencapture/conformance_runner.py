@@ -11,11 +11,13 @@ import functools
 import inspect
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 __all__ = [
     "NO_PROCESS_FACTORY",
     "ConformanceResults",
+    "Outcome",
     "SkipCheck",
     "bind_directory",
     "close_sync",
@@ -30,6 +32,17 @@ _T = TypeVar("_T")
 
 class SkipCheck(Exception):
     """The check needs a capability the implementation does not have."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One check's outcome: "pass", "skip" (`detail` says why) or "fail" (`error`, the
+    suite's own `AssertionError`, to raise)."""
+
+    check: str
+    status: str
+    detail: str = ""
+    error: AssertionError | None = None
 
 
 class ConformanceResults(list[str]):

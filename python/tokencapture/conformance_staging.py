@@ -68,6 +68,7 @@ from tokencapture import staging_records as _our_records
 from tokencapture.conformance_runner import (
     NO_PROCESS_FACTORY,
     ConformanceResults,
+    Outcome,
     SkipCheck,
     bind_directory,
     close_sync,
@@ -609,18 +610,10 @@ def _survives_sigkill(ctx: _Context) -> None:
 STAGING_CHECKS: tuple[str, ...] = tuple(_REGISTRY)
 
 
-@dataclass(frozen=True)
-class _Outcome:
-    check: str
-    status: str  # "pass", "skip" or "fail"
-    detail: str = ""
-    error: StagingConformanceError | None = None
-
-
-def _run_one(name: str, ctx: _Context) -> _Outcome:
+def _run_one(name: str, ctx: _Context) -> Outcome:
     func, needs = _REGISTRY[name]
     if needs == "process" and ctx.process_factory is None:
-        return _Outcome(name, "skip", NO_PROCESS_FACTORY)
+        return Outcome(name, "skip", NO_PROCESS_FACTORY)
     error: StagingConformanceError | None = None
     skipped = ""
     try:
@@ -636,10 +629,10 @@ def _run_one(name: str, ctx: _Context) -> _Outcome:
         close_errors = ctx.close_all()
     error = with_close_errors(error, close_errors, ctx.error)
     if error is not None:
-        return _Outcome(name, "fail", error.detail, error)
+        return Outcome(name, "fail", error.detail, error)
     if skipped:
-        return _Outcome(name, "skip", skipped)
-    return _Outcome(name, "pass")
+        return Outcome(name, "skip", skipped)
+    return Outcome(name, "pass")
 
 
 def _run(
@@ -649,12 +642,12 @@ def _run(
     process_factory: _Factory | None,
     records_module: ModuleType | None,
     rollout_id: str,
-) -> list[_Outcome]:
+) -> list[Outcome]:
     unknown = [name for name in names if name not in _REGISTRY]
     if unknown:
         raise ValueError(f"unknown staging checks {unknown}; known: {list(STAGING_CHECKS)}")
     models = records_module or default_records_module()
-    outcomes: list[_Outcome] = []
+    outcomes: list[Outcome] = []
     for name in names:
         ctx = _Context(
             name,
