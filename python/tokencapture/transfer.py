@@ -16,6 +16,7 @@ import errno
 import fcntl
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -44,6 +45,10 @@ _FILE = re.compile(
 )
 
 
+# The lifecycle fields of an image, as a state index and an exported row both name them.
+_STATE_FIELDS = ("frozen", "retired", "incomplete", "snapshot_id", "version")
+
+
 @dataclass
 class RolloutImage:
     rollout_id: str
@@ -56,6 +61,12 @@ class RolloutImage:
     entries: list[tuple[str, str, bytes]] = field(default_factory=list)
     intents: list[bytes] = field(default_factory=list)  # call ids in UTF-8
     markers: list[bytes] = field(default_factory=list)
+
+    @classmethod
+    def with_state(cls, rollout_id: str, state: Mapping[str, Any], **lists: Any) -> RolloutImage:
+        """An image whose lifecycle fields are `state`'s (a state index, or a database row:
+        anything indexed by those names)."""
+        return cls(rollout_id, **{name: state[name] for name in _STATE_FIELDS}, **lists)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -114,14 +125,7 @@ def export_from_directory(store: TokenCaptureStore, rollout_id: str) -> RolloutI
         state = store.inspect(rollout_id)  # verifies every indexed line's digest
         if state is None:
             return None
-        image = RolloutImage(
-            rollout_id,
-            frozen=state["frozen"],
-            retired=state["retired"],
-            incomplete=state["incomplete"],
-            snapshot_id=state["snapshot_id"],
-            version=state["version"],
-        )
+        image = RolloutImage.with_state(rollout_id, state)
         digests: dict[str, str] = state["entry_digests"]
         seen: set[str] = set()
         for line in complete_lines(store.path_for(rollout_id)):

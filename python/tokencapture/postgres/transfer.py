@@ -40,13 +40,9 @@ async def export_from_postgres(client: Client, rollout_id: str) -> RolloutImage 
     row = await client.fetch("row", "SELECT * FROM tokencapture.export_rollout($1)", rollout_id)
     if row["status"] != 0:
         return None
-    return RolloutImage(
+    return RolloutImage.with_state(
         rollout_id,
-        frozen=row["frozen"],
-        retired=row["retired"],
-        incomplete=row["incomplete"],
-        snapshot_id=row["snapshot_id"],
-        version=row["version"],
+        row,
         entries=[
             (call_id.decode(), digest, line)
             for call_id, digest, line in zip(
