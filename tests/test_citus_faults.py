@@ -18,7 +18,13 @@ from tests.citus_fixture import citus_cluster, citus_db, citus_dsn
 from tests.conftest import make_entry
 from tests.pg_server import CitusCluster, PgServer
 
-from tokencapture.postgres import PostgresTokenCaptureStore, PostgresUnavailableError
+from tokencapture.cli import main
+from tokencapture.postgres import (
+    PostgresStagingStore,
+    PostgresTokenCaptureStore,
+    PostgresUnavailableError,
+    install_schema_sync,
+)
 
 __all__ = ["citus_cluster", "citus_db", "citus_dsn"]
 
@@ -351,6 +357,54 @@ def test_a_retire_spanning_a_dead_worker_changes_nothing_anywhere(
         if not dead.running:
             dead.start()
         store.close_sync()
+
+
+def test_a_new_install_schema_client_writes_to_the_live_worker_while_another_is_down(
+    citus_cluster: CitusCluster,
+    citus_db: tuple[str, str],
+    citus_dsn: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A schema already installed is found with reads alone: no DDL, which Citus propagates to
+    every worker and which failed with one down, so a client with `install_schema=True` (the
+    demo's, the documented one) could write nowhere. And the CLI says the dead worker in one
+    line, as every command says an unavailable server."""
+    from tests.staging_backends import make_record
+
+    name = citus_db[0]
+    live, dead = citus_cluster.workers
+    kept = _ids_on(citus_cluster, name, live, "is-", 1)[0]
+    lost = _ids_on(citus_cluster, name, dead, "isd-", 1)[0]
+    dead.kill()
+    try:
+        store = PostgresTokenCaptureStore(
+            citus_dsn, install_schema=True, connect_timeout=2, statement_timeout=10
+        )
+        staging = PostgresStagingStore(
+            citus_dsn, install_schema=True, connect_timeout=2, statement_timeout=10
+        )
+        try:
+            store.append(make_entry(kept, call=1))
+            assert [e.model_call_id for e in store.read_entries(kept)] == ["call-1"]
+            with pytest.raises(PostgresUnavailableError, match="unavailable"):
+                store.append(make_entry(lost, call=1))
+            assert staging.stage(make_record(kept, "c0")).ok
+        finally:
+            store.close_sync()
+            staging.close()
+        assert install_schema_sync(citus_dsn) == []  # nothing to do: nothing sent to workers
+
+        for args in (["ls", citus_dsn], ["verify", citus_dsn], ["ls", citus_dsn, "--staging"]):
+            assert main(args) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1, err  # the server's two lines, joined
+            assert err.startswith(
+                f"tokencapture: error: PostgreSQL at 127.0.0.1:{citus_cluster.coordinator.port}/"
+                f"{name} is unavailable: "
+            ), err
+            assert "Is the server running" in err and f":{dead.port}" in err, err
+    finally:
+        dead.start()
 
 
 def test_a_terminated_worker_backend_is_a_clear_error_or_a_safe_retry(

@@ -6,6 +6,7 @@ all or nothing; the workers' synchronous_commit is checked; the token store's sw
 from __future__ import annotations
 
 import functools
+import secrets
 import threading
 from typing import Any
 
@@ -23,6 +24,7 @@ from tokencapture.postgres import (
     PostgresTokenCaptureStore,
     install_schema_sync,
 )
+from tokencapture.postgres import staging as pg_staging
 
 __all__ = ["citus_cluster", "citus_db", "citus_dsn"]
 
@@ -280,5 +282,89 @@ def test_the_native_group_commit_leaves_a_citus_cluster_to_the_delegated_path(
         assert store.native_fallback_reason is not None
         assert "Citus" in store.native_fallback_reason
         assert store.keys() == sorted(f"{rollout_id}/c1" for rollout_id in ids)
+    finally:
+        store.close()
+
+
+def test_a_stage_over_the_citus_size_limit_is_refused_before_it_is_sent(citus_dsn: str) -> None:
+    """On Citus the call reaches the worker as hex literals in a statement, and the worker's
+    parser cannot hold a literal of 256 MiB of bytes: such a stage passed the single-server
+    check (1 GiB - 1 MiB) and failed late on the worker ("invalid memory alloc request size").
+    The Citus limit keeps 256 KiB below that; a stage over it is refused before it is sent,
+    naming the limit (one real stage just over it: zero bytes, whose pages are never
+    touched when it is refused)."""
+    limit = pg_staging.stage_byte_limit(True)
+    assert limit == pg_staging.stage_byte_limit(False) // 4 == 268_173_312
+    assert pg_staging.stage_byte_limit(None) == pg_staging.stage_byte_limit(False)
+    store = PostgresStagingStore(citus_dsn)
+    try:
+        assert store.stage(make_record("small", "c0")).ok  # the store knows it is on Citus
+        result = store.stage(make_record("big", "c0"), attachments={"a": bytes(limit + 1)})
+        assert not result.ok
+        assert result.error.startswith("ValueError: "), result.error
+        assert f"at most {limit} bytes" in result.error and "Citus" in result.error
+        assert "Unavailable" not in result.error and "alloc" not in result.error
+        assert store.keys("big") == []
+    finally:
+        store.close()
+
+
+def test_the_first_stage_of_a_citus_store_is_held_to_the_citus_limit(
+    citus_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store's first stage, sent before it knows it is on Citus (the single-server limit
+    passed it), is refused once the connection says so, before the stage is sent (sync and
+    async; the limits lowered: 4 MiB, so 1 MiB on Citus)."""
+    import asyncio
+
+    monkeypatch.setattr(pg_staging, "_MAX_STAGE_BYTES", 4 << 20)
+    limit = pg_staging.stage_byte_limit(True)
+    assert limit == 1 << 20
+    attachments = {"a": secrets.token_bytes(2 << 20)}
+    store = PostgresStagingStore(citus_dsn)
+    try:
+        result = store.stage(make_record("first", "c0"), attachments=attachments)
+        assert not result.ok and result.error.startswith("ValueError: "), result.error
+        assert f"at most {limit} bytes" in result.error and "Citus" in result.error
+        assert store.keys("first") == []
+        assert store.stage(make_record("first", "c1"), attachments={"a": b"x" * 1000}).ok
+    finally:
+        store.close()
+
+    async def first_async() -> Any:
+        other = PostgresStagingStore(citus_dsn)
+        try:
+            return await other.astage(make_record("firsta", "c0"), attachments=attachments)
+        finally:
+            await other.aclose()
+
+    result = asyncio.run(first_async())
+    assert not result.ok and f"at most {limit} bytes" in result.error, result.error
+
+
+def test_a_key_plus_rollout_id_over_the_citus_index_limit_is_refused_by_the_server(
+    citus_dsn: str,
+) -> None:
+    """On Citus the primary key is (staging_key, rollout_id): both share one btree entry of at
+    most 2,704 bytes, so a key the client takes (at most 2,692 bytes) may be refused there:
+    at most 2,691 bytes of key plus rollout id for a rollout id of at most 126 bytes; for a
+    longer one 2,685 always fit and over 2,688 never do (alignment; docs/citus.md).
+    Incompressible keys (the server compresses an index entry when it can)."""
+    store = PostgresStagingStore(citus_dsn)
+    try:
+        for rollout_id, fits, too_long in (
+            ("k", 2691, 2692),
+            (secrets.token_urlsafe(200)[:200], 2685, 2689),
+        ):
+            calls = []
+            for total in (fits, too_long):
+                call = secrets.token_urlsafe(3000)[: total - 2 * len(rollout_id) - 1]
+                assert len(f"{rollout_id}/{call}") + len(rollout_id) == total
+                calls.append(call)
+            assert store.stage(make_record(rollout_id, calls[0])).ok
+            refused = store.stage(make_record(rollout_id, calls[1]))
+            assert not refused.ok
+            assert "index row size" in refused.error and "2704" in refused.error, refused.error
+            assert store.keys(rollout_id) == [f"{rollout_id}/{calls[0]}"]
     finally:
         store.close()

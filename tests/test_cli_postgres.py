@@ -283,3 +283,65 @@ def test_copy_goes_on_past_a_rollout_it_cannot_read_and_says_so(
     assert unreadable["rollout_id"] == "b2" and "byte offset 0" in unreadable["problem"]
     target = TokenCaptureStore(tmp_path / "target")
     assert [len(target.read_entries(r)) for r in ("a", "b", "c")] == [1, 1, 1]
+
+
+def test_an_unavailable_server_is_said_alike_by_every_command_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing listens at the DSN's port: every command says `PostgreSQL at HOST:PORT/DB is
+    unavailable: ...` in one line, exit 2 (`ls`, `verify` and `copy` printed the driver's
+    own exception, the others this)."""
+    from tests.pg_server import _free_port
+
+    port = _free_port()
+    dsn = f"postgresql://postgres@127.0.0.1:{port}/nowhere"
+    for args in (
+        ["ls", dsn],
+        ["verify", dsn],
+        ["show", dsn, "r1"],
+        ["copy", dsn, str(tmp_path / "copy")],
+        ["sweep", dsn, "--older-than", "1d"],
+        ["retire", dsn, "r1"],
+        ["ls", dsn, "--staging"],
+        ["verify", dsn, "--staging"],
+        ["db", "init", dsn],
+    ):
+        assert main(args) == 2, args
+        captured = capsys.readouterr()
+        assert captured.out == "", args
+        assert captured.err.startswith(
+            f"tokencapture: error: PostgreSQL at 127.0.0.1:{port}/nowhere is unavailable: "
+        ), (args, captured.err)
+        assert captured.err.count("\n") == 1, (args, captured.err)
+
+
+def test_a_server_message_of_several_lines_is_one_line_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Citus coordinator relays a dead worker as "... failed with the following error:
+    Connection refused\\n\\tIs the server running on that host ..."; said in one line
+    (tests/test_citus_faults.py has the real one)."""
+    import asyncpg
+
+    import tokencapture.cli as cli
+    from tokencapture.postgres import PostgresUnavailableError
+
+    message = (
+        "connection to the remote node postgres@127.0.0.1:5433 failed with the following "
+        "error: Connection refused\n\tIs the server running on that host and accepting "
+        "TCP/IP connections?"
+    )
+    dsn = "postgresql://postgres@127.0.0.1:5432/capture"
+    for error in (
+        PostgresUnavailableError(f"PostgreSQL at 127.0.0.1:5432/capture is unavailable: {message}"),
+        asyncpg.PostgresError.new({"S": "ERROR", "C": "XX000", "M": message}),
+    ):
+
+        def fail(_: str, error: BaseException = error) -> Any:
+            raise error
+
+        monkeypatch.setattr(cli, "_ls_postgres", fail)
+        assert main(["ls", dsn]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert "Connection refused Is the server running on that host" in err, err

@@ -62,13 +62,27 @@ def _pg_store(dsn: str) -> PostgresTokenCaptureStore:
 
 
 def _pg_query(store: PostgresTokenCaptureStore, sql: str, *args: Any) -> list[Any]:
-    """Rows of an operator query (not a store operation) on the store's connections."""
+    """Rows of an operator query (not a store operation) on the store's connections, with the
+    store's errors (an unavailable server is `PostgresUnavailableError`, said as every
+    command says it)."""
+    client = store._client
+    return list(client.run_sync(client.fetch("rows", sql, *args)))
 
-    async def run() -> list[Any]:
-        pool = await store._client.pool()
-        return list(await pool.fetch(sql, *args))
 
-    return store._client.run_sync(run())
+def _one_line(text: str) -> str:
+    """An error message on one line: a server's message may span several (a Citus worker
+    down: "connection to the remote node ... failed", then "Is the server running on that
+    host ..." on a line of its own), and the CLI says every error in one."""
+    return re.sub(r"[ \t]*[\r\n]+\s*", " ", text).strip()
+
+
+def _unavailable_as_one(dsn: str, exc: BaseException) -> BaseException:
+    """The driver's failure of a command that connects by itself (`db init`): no answer from
+    the server is said as the stores say it (`PostgreSQL at HOST:PORT/DB is unavailable:
+    ...`); anything else stays as it is."""
+    from tokencapture.postgres._client import _where, is_unavailable, unavailable_error
+
+    return unavailable_error(_where(dsn), exc) if is_unavailable(exc) else exc
 
 
 def _existing_dir(text: str) -> Path:
@@ -460,9 +474,14 @@ def cmd_db_init(args: argparse.Namespace) -> int:
 
     try:
         applied = install_schema_sync(args.dsn, citus=True if args.citus else None)
+        distribution = describe_distribution_sync(args.dsn)
     except PostgresCitusError as exc:
         raise CliError(str(exc)) from exc
-    distribution = describe_distribution_sync(args.dsn)
+    except Exception as exc:
+        said = _unavailable_as_one(args.dsn, exc)
+        if said is exc:
+            raise
+        raise said from exc
     payload: dict[str, Any] = {"applied": applied, "schema_version": SCHEMA_VERSION}
     if distribution["citus"]:  # a Citus coordinator: how the schema is distributed
         payload["citus"] = distribution
@@ -1204,14 +1223,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, OSError, ValueError, TypeError, LookupError, RuntimeError) as exc:
         # Exit 2: the command could not do its job. Exit 1 is kept for a command that ran and
         # found problems (verify, copy), so a script can tell "damaged" from "not checked".
-        print(f"tokencapture: error: {exc}", file=sys.stderr)
+        print(f"tokencapture: error: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except Exception as exc:
         # The PostgreSQL driver's refusals (a role or database that does not exist, a bad
         # password) are its own exception types: one line too, named, never a traceback.
         if type(exc).__module__.split(".")[0] != "asyncpg":
             raise
-        print(f"tokencapture: error: PostgreSQL: {type(exc).__name__}: {exc}", file=sys.stderr)
+        said = _one_line(f"{type(exc).__name__}: {exc}")
+        print(f"tokencapture: error: PostgreSQL: {said}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("tokencapture: interrupted", file=sys.stderr)

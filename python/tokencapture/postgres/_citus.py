@@ -42,6 +42,7 @@ __all__ = [
     "describe",
     "describe_sync",
     "distribute",
+    "fully_distributed",
     "has_citus",
     "is_distributed",
 ]
@@ -113,9 +114,14 @@ def citus_companion(name: str) -> str | None:
     return item.read_text(encoding="utf-8") if item.is_file() else None
 
 
-async def distribute(connection: Any) -> list[str]:
-    """Distribute what the catalog shows is not yet distributed; what it did (one line each)."""
-    done: list[str] = []
+# One step of `distribute`: (statement, its arguments, what it does).
+_Step = tuple[str, tuple[str, ...], str]
+
+
+async def _undistributed_tables(connection: Any) -> list[_Step]:
+    """The tables `distribute` would distribute, read from the catalog only, in order;
+    `PostgresCitusError` for a table of the schema in neither list."""
+    steps: list[_Step] = []
     distributed = {
         row["name"]: row["method"]
         for row in await connection.fetch(
@@ -140,21 +146,30 @@ async def distribute(connection: Any) -> list[str]:
         )
     for table in REFERENCE_TABLES:
         if table in tables and table not in distributed:
-            await connection.execute(
-                "SELECT create_reference_table($1::regclass)", f"tokencapture.{table}"
+            steps.append(
+                (
+                    "SELECT create_reference_table($1::regclass)",
+                    (f"tokencapture.{table}",),
+                    f"reference table tokencapture.{table}",
+                )
             )
-            done.append(f"reference table tokencapture.{table}")
     for table, column in DISTRIBUTED_TABLES:
         if table in tables and table not in distributed:
             anchor = COLOCATION_TABLE if f"tokencapture.{table}" != COLOCATION_TABLE else "none"
-            await connection.execute(
-                "SELECT create_distributed_table($1::regclass, $2, colocate_with => $3)",
-                f"tokencapture.{table}",
-                column,
-                anchor,
+            steps.append(
+                (
+                    "SELECT create_distributed_table($1::regclass, $2, colocate_with => $3)",
+                    (f"tokencapture.{table}", column, anchor),
+                    f"distributed tokencapture.{table} by {column}",
+                )
             )
-            done.append(f"distributed tokencapture.{table} by {column}")
-    # Functions: what pg_dist_object records (distributed at all, and by which argument).
+    return steps
+
+
+async def _undistributed_functions(connection: Any) -> list[_Step]:
+    """The functions `distribute` would propagate or delegate, read from the catalog only
+    (what pg_dist_object records: distributed at all, and by which argument)."""
+    steps: list[_Step] = []
     functions = await connection.fetch(
         "SELECT p.oid::regprocedure::text AS signature, p.proname AS name, "
         "d.objid IS NOT NULL AS propagated, d.distribution_argument_index AS arg "
@@ -167,18 +182,46 @@ async def distribute(connection: Any) -> list[str]:
         argument = delegated.get(function["name"])
         if argument is None:
             if not function["propagated"]:
-                await connection.execute(
-                    "SELECT create_distributed_function($1::regprocedure)", function["signature"]
+                steps.append(
+                    (
+                        "SELECT create_distributed_function($1::regprocedure)",
+                        (function["signature"],),
+                        f"propagated {function['signature']}",
+                    )
                 )
-                done.append(f"propagated {function['signature']}")
         elif function["arg"] is None:
-            await connection.execute(
-                "SELECT create_distributed_function($1::regprocedure, $2, colocate_with => $3)",
-                function["signature"],
-                argument,
-                COLOCATION_TABLE,
+            steps.append(
+                (
+                    "SELECT create_distributed_function($1::regprocedure, $2, colocate_with => $3)",
+                    (function["signature"], argument, COLOCATION_TABLE),
+                    f"delegated {function['signature']} by {argument}",
+                )
             )
-            done.append(f"delegated {function['signature']} by {argument}")
+    return steps
+
+
+async def fully_distributed(connection: Any) -> bool:
+    """Whether the schema is distributed and `distribute` has nothing left to do (catalog
+    reads only: no DDL, which Citus would propagate to every worker)."""
+    if not await is_distributed(connection):
+        return False
+    try:
+        return not await _undistributed_tables(connection) and not (
+            await _undistributed_functions(connection)
+        )
+    except PostgresCitusError:
+        return False  # the installer says so
+
+
+async def distribute(connection: Any) -> list[str]:
+    """Distribute what the catalog shows is not yet distributed; what it did (one line each).
+    The functions are read once the tables are distributed (distributing a table may
+    propagate what it depends on)."""
+    done: list[str] = []
+    for steps in (_undistributed_tables, _undistributed_functions):
+        for statement, arguments, what in await steps(connection):
+            await connection.execute(statement, *arguments)
+            done.append(what)
     return done
 
 

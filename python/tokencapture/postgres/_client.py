@@ -35,6 +35,8 @@ __all__ = [
     "PostgresDurabilityError",
     "PostgresSchemaError",
     "PostgresUnavailableError",
+    "is_unavailable",
+    "unavailable_error",
 ]
 
 _T = TypeVar("_T")
@@ -66,8 +68,9 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     # ("connection to the remote node ... failed", 08006), or restarted (its cached connection
     # fails once)
     asyncpg.PostgresConnectionError,
-    # class 57: shutdown, starting up, canceled; also a worker's backend terminated under a
-    # delegated call (57P01, relayed by the coordinator)
+    # class 57: shutdown, starting up, canceled (57014: the statement_timeout, never retried:
+    # see `_retried`); also a worker's backend terminated under a delegated call (57P01,
+    # relayed by the coordinator)
     asyncpg.exceptions.OperatorInterventionError,
     asyncpg.exceptions.InsufficientResourcesError,  # class 53: too many connections
     asyncpg.exceptions.InternalClientError,  # a protocol state broken by a cut connection
@@ -91,6 +94,26 @@ _RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.DeadlockDetectedError,
     asyncpg.exceptions.SerializationError,
 )
+
+
+def _retried(exc: BaseException) -> bool:
+    """Whether an idempotent call that failed with `exc` (one of `_UNAVAILABLE`) runs once more:
+    after a lost connection, yes; not after a timeout, the client's (the call may still be
+    running) or the server's (57014, `statement_timeout` or a cancel request: the call took
+    its whole time already, and a retry would double the bound `statement_timeout` sets)."""
+    return not isinstance(exc, asyncio.TimeoutError | asyncpg.exceptions.QueryCanceledError)
+
+
+def unavailable_error(where: str, exc: BaseException) -> PostgresUnavailableError:
+    """`exc` (one of `_UNAVAILABLE`) said as every PostgreSQL class and the CLI say it."""
+    return PostgresUnavailableError(
+        f"PostgreSQL at {where} is unavailable: {type(exc).__name__}: {exc}" + _hint(exc)
+    )
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether `exc`, raised by the driver, means no answer from the server (`_UNAVAILABLE`)."""
+    return isinstance(exc, _UNAVAILABLE)
 
 
 def _where(dsn: str) -> str:
@@ -496,7 +519,7 @@ class Client:
     ) -> _T:
         """`work(connection)` on a pooled connection (a transaction of several statements,
         say), with `fetch`'s retry and errors: `work` runs again after a failed connection
-        or a lost deadlock only when `idempotent`."""
+        or a lost deadlock only when `idempotent` (never after a timeout: `_retried`)."""
         attempts = 2 if idempotent else 1
         for attempt in range(attempts):
             try:
@@ -523,12 +546,9 @@ class Client:
             except (PostgresDurabilityError, PostgresSchemaError):
                 raise
             except _UNAVAILABLE as exc:
-                if attempt + 1 < attempts and not isinstance(exc, asyncio.TimeoutError):
+                if attempt + 1 < attempts and _retried(exc):
                     continue
-                raise PostgresUnavailableError(
-                    f"PostgreSQL at {self.where} is unavailable: {type(exc).__name__}: {exc}"
-                    + _hint(exc)
-                ) from exc
+                raise unavailable_error(self.where, exc) from exc
         raise AssertionError("unreachable")
 
     def _loop_thread(self) -> _LoopThread:

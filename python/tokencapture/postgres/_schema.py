@@ -19,6 +19,7 @@ from tokencapture.postgres._citus import (
     PostgresCitusError,
     citus_companion,
     distribute,
+    fully_distributed,
     has_citus,
     is_distributed,
 )
@@ -66,6 +67,20 @@ async def schema_version(connection: Any) -> int:
     return int(value or 0)
 
 
+async def _installed_as_asked(connection: Any, *, citus: bool | None, upto: int | None) -> bool:
+    """Whether `install_schema` has nothing to do (reads only): the schema is at the version
+    wanted (or newer), and distributed, with nothing left for `distribute` to do, if `citus`
+    asks for it (None: when the database has the Citus extension)."""
+    wanted = SCHEMA_VERSION if upto is None else min(upto, SCHEMA_VERSION)
+    if await schema_version(connection) < wanted:
+        return False
+    if citus is False:
+        return True
+    if not await has_citus(connection):
+        return citus is None  # --citus without the extension: the installer says so
+    return await fully_distributed(connection)
+
+
 async def install_schema(
     connection: Any, *, citus: bool | None = None, upto: int | None = None
 ) -> list[str]:
@@ -73,7 +88,16 @@ async def install_schema(
 
     `citus`: None distributes the schema when the database has the Citus extension; True
     requires it (`PostgresCitusError` otherwise); False never distributes. `upto` stops at that
-    version (tests of upgrades)."""
+    version (tests of upgrades).
+
+    A schema already installed as asked (at the version wanted, distributed when it is to be)
+    is found with reads alone, before any lock or DDL: the installer's DDL (even a `CREATE
+    SCHEMA IF NOT EXISTS`) is propagated by Citus to every worker, so it fails while any one
+    worker is down, and a client constructed with `install_schema=True` could then write
+    nowhere. Anything else (to install, upgrade or distribute) takes the installer's lock and
+    reads again under it."""
+    if await _installed_as_asked(connection, citus=citus, upto=upto):
+        return []
     applied: list[str] = []
     async with connection.transaction():
         await connection.execute("SELECT pg_advisory_xact_lock($1)", _INSTALL_LOCK)

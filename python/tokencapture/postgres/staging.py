@@ -36,6 +36,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped, unused-ignore]
@@ -207,22 +208,59 @@ def _nbytes(buffers: list[Any]) -> int:
     return sum(memoryview(buffer).nbytes for buffer in buffers)
 
 
-def _check_attachment_sizes(key: str | None, encoded: list[EncodedAttachment] | None) -> int:
-    """The attachments' bytes; refused when PostgreSQL cannot take them in one stage (before
-    the blob is built)."""
+def stage_byte_limit(distributed: bool | None) -> int:
+    """The most row and attachments bytes one stage may send (`distributed`: whether the
+    schema is distributed with Citus; None while not known yet).
+
+    On Citus a stage is delegated to its rollout's worker, and the coordinator sends the call
+    there as the text of a statement, its arguments as literals: the row and the attachments
+    as hex, two characters a byte. The worker's parser grows its buffer for one literal in
+    powers of two, and one of 1 GiB is over PostgreSQL's allocation limit, so a literal must
+    stay under 512 MiB of text: 256 MiB of bytes. The limit there is a quarter of the plain
+    one, 268,173,312 bytes (256 MiB - 256 KiB), so each of the two and the statement fit.
+    A stage over it failed late, on the worker ("invalid memory alloc request size
+    1073741824"; measured: 255.7 MiB of attachments stored, 256.1 MiB and 511 MiB failed)."""
+    return _MAX_STAGE_BYTES // 4 if distributed else _MAX_STAGE_BYTES
+
+
+def _over_the_limit(distributed: bool | None) -> str:
+    """Who refuses more than `stage_byte_limit(distributed)` bytes, for the refusal."""
+    limit = stage_byte_limit(distributed)
+    if distributed:
+        return (
+            f"on a Citus cluster PostgreSQL takes at most {limit} bytes of row and attachments "
+            "in one stage (the call reaches the worker as hex text in a statement)"
+        )
+    return f"PostgreSQL takes at most {limit} bytes of row and attachments in one stage"
+
+
+def _check_attachment_sizes(
+    key: str | None, encoded: list[EncodedAttachment] | None, distributed: bool | None = None
+) -> int:
+    """The attachments' bytes; refused when PostgreSQL (on Citus when `distributed`) cannot
+    take them in one stage (before the blob is built)."""
     if not encoded:
         return 0
     sizes = [(name, _nbytes(buffers)) for name, _, _, _, _, buffers in encoded]
     total = sum(size for _, size in sizes)
-    if total > _MAX_STAGE_BYTES:
+    if total > stage_byte_limit(distributed):
         name, size = max(sizes, key=lambda item: item[1])
         of_key = f" of staging key {_quoted(key)}" if key is not None else ""
         raise ValueError(
             f"the attachments{of_key} are {total} bytes, the largest {name!r} ({size} bytes): "
-            f"PostgreSQL takes at most {_MAX_STAGE_BYTES} bytes of row and attachments in one "
-            "stage"
+            + _over_the_limit(distributed)
         )
     return total
+
+
+def _check_stage_size(args: _StageArgs, distributed: bool | None) -> None:
+    """Refuse an encoded stage of more row and attachments bytes than one stage may send."""
+    size = len(args[3]) + (len(args[4]) if args[4] is not None else 0)
+    if size > stage_byte_limit(distributed):
+        raise ValueError(
+            f"staging key {_quoted(args[1])} is {size} bytes of row and attachments: "
+            + _over_the_limit(distributed)
+        )
 
 
 def _record_key(record: Any) -> str | None:
@@ -290,8 +328,9 @@ class PostgresStagingStore:
 
     Limits (``ok=False`` here, where the file store stores the call): text cannot hold NUL, so
     a key holding one is refused; a key over 2,692 bytes (the btree index's limit) and a stage
-    of over 1 GiB - 1 MiB of row and attachments (PostgreSQL's field and message limit) are
-    refused before they are sent. A batch the server answers with an error rolled back: each
+    of over 1 GiB - 1 MiB of row and attachments (PostgreSQL's field and message limit; on a
+    Citus cluster a quarter of that, 256 MiB - 256 KiB: `stage_byte_limit`) are refused
+    before they are sent. A batch the server answers with an error rolled back: each
     of its stages is sent again alone (`_alone`), so each is refused only for its own reason.
     """
 
@@ -348,21 +387,20 @@ class PostgresStagingStore:
 
     # ---- StagingSink --------------------------------------------------------------------
 
-    @staticmethod
-    def _stage_args(record: Any, encoded: list[EncodedAttachment] | None) -> _StageArgs:
+    def _stage_args(self, record: Any, encoded: list[EncodedAttachment] | None) -> _StageArgs:
         """Verify and encode one stage (natively, the GIL released), or refuse it: a record
-        that does not verify, or what PostgreSQL cannot store (`_check_key`, the size limit)."""
-        _check_attachment_sizes(_record_key(record), encoded)  # before the blob is built
+        that does not verify, or what PostgreSQL cannot store (`_check_key`, the size limit,
+        `stage_byte_limit`: a quarter on Citus; while the store does not know yet whether it is on
+        Citus, `_store` checks again before it sends)."""
+        distributed = self._client.distributed
+        # Before the blob is built.
+        _check_attachment_sizes(_record_key(record), encoded, distributed)
         row = _core.staging_encode(record, encoded)
         _check_key(row.key)
         blob = row.attachments if row.has_attachments else None
-        size = len(row.row) + (len(blob) if blob is not None else 0)
-        if size > _MAX_STAGE_BYTES:
-            raise ValueError(
-                f"staging key {_quoted(row.key)} is {size} bytes of row and attachments: "
-                f"PostgreSQL takes at most {_MAX_STAGE_BYTES} bytes in one stage"
-            )
-        return row.rollout_id, row.key, row.content_digest, row.row, blob
+        args = row.rollout_id, row.key, row.content_digest, row.row, blob
+        _check_stage_size(args, distributed)
+        return args
 
     @property
     def native_group_commit(self) -> bool:
@@ -584,10 +622,19 @@ class PostgresStagingStore:
                 # The server refused the batch: its transaction rolled back (`_alone`).
                 status = await self._alone(args)
         else:
-            status = await self._client.fetch("val", _STAGE, *args)
+            status = await self._client.on_connection(partial(self._alone_on, args))
         if status == _CONFLICT:
             status = await self._recheck_conflict(args)
         _check_status(status, args)
+
+    async def _alone_on(self, args: _StageArgs, connection: Any) -> int:
+        """One stage sent alone on `connection`; refused first (`ValueError`, nothing sent)
+        when it is too large for a Citus cluster, which the client knows once it has a
+        connection (`stage_byte_limit`)."""
+        if self._client.distributed:
+            _check_stage_size(args, True)
+        status: int = await connection.fetchval(_STAGE, *args)
+        return status
 
     async def _alone(self, args: _StageArgs) -> int:
         """The status of one stage of a batch the server refused with an error (not a lost

@@ -30,8 +30,9 @@ __all__ = [
 
 
 async def rollouts_in_postgres(client: Client) -> list[str]:
-    pool = await client.pool()
-    rows = await pool.fetch("SELECT rollout_id FROM tokencapture.rollouts ORDER BY rollout_id")
+    rows = await client.fetch(
+        "rows", "SELECT rollout_id FROM tokencapture.rollouts ORDER BY rollout_id"
+    )
     return [row["rollout_id"] for row in rows]
 
 
