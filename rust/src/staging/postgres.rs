@@ -160,11 +160,15 @@ impl PgStageError {
     }
 
     /// Whether the same call may simply run again: a connection that failed before or while
-    /// sending (not a timeout, whose call may still be running), or a deadlock or
-    /// serialization failure (nothing committed). The asyncpg client retries those once.
+    /// sending (not a timeout: the client's, whose call may still be running, nor the
+    /// server's `statement_timeout` cancel, 57014, after which a retry would double the bound
+    /// it sets), or a deadlock or serialization failure (nothing committed). The asyncpg
+    /// client retries the same ones once.
     fn retryable(&self) -> bool {
         match self {
-            PgStageError::Unavailable { kind, .. } => kind != "TimeoutError",
+            PgStageError::Unavailable { kind, .. } => {
+                kind != "TimeoutError" && kind != "QueryCanceledError"
+            }
             PgStageError::Server { sqlstate, .. } => {
                 sqlstate == SqlState::T_R_DEADLOCK_DETECTED.code()
                     || sqlstate == SqlState::T_R_SERIALIZATION_FAILURE.code()
@@ -922,6 +926,21 @@ mod tests {
             startup_options(&settings),
             "-c statement_timeout=30000 -c search_path=a\\ b\\\\c"
         );
+    }
+
+    #[test]
+    fn timeouts_are_not_retried_lost_connections_are() {
+        let unavailable = |kind: &str| PgStageError::Unavailable {
+            place: "here".into(),
+            kind: kind.into(),
+            message: String::new(),
+        };
+        assert!(unavailable("PostgresConnectionError").retryable());
+        assert!(unavailable("AdminShutdownError").retryable());
+        // The client's timeout and the server's statement_timeout cancel (57014) took the
+        // whole bound already: a retry would double it.
+        assert!(!unavailable("TimeoutError").retryable());
+        assert!(!unavailable(unavailable_kind("57014").unwrap()).retryable());
     }
 
     #[test]
