@@ -157,8 +157,13 @@ class FakeUpstream:
         max_tokens: int = 64,
         bridge: Any = None,
         on_request: Callable[[dict[str, Any]], None] | None = None,
+        max_model_len: int | None = 2048,
     ) -> None:
         self.drift = drift
+        # The context length its model card says (vLLM's `max_model_len`; None: a card
+        # without it, as another engine's), and how often `GET /v1/models` was asked.
+        self.max_model_len = max_model_len
+        self.models_calls = 0
         # Called with each request's body as it arrives (a test looks at the store then).
         self.on_request = on_request
         self.bridge = bridge
@@ -189,18 +194,11 @@ class FakeUpstream:
         return Response(b"", 200)
 
     async def models(self, request: Request) -> Response:
-        body = {
-            "object": "list",
-            "data": [
-                {
-                    "id": MODEL,
-                    "object": "model",
-                    "owned_by": "vllm",
-                    "root": MODEL,
-                    "max_model_len": 2048,
-                }
-            ],
-        }
+        self.models_calls += 1
+        card: dict[str, Any] = {"id": MODEL, "object": "model", "owned_by": "vllm", "root": MODEL}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        body = {"object": "list", "data": [card]}
         return Response(orjson.dumps(body), media_type="application/json")
 
     # The "model" ------------------------------------------------------------------------
@@ -291,7 +289,7 @@ class FakeUpstream:
         finish = "tool_calls" if call else "stop"
         if len(ids) > limit:
             ids, finish, call = ids[:limit], "length", None
-            text = decode(ids)
+            text = self.bridge.tokenizer.decode(ids) if self.bridge is not None else decode(ids)
         logprobs = self._logprobs(ids)
         want_ids = body.get("return_token_ids") is True
         want_lp = body.get("logprobs") is True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from tests.engine.tiny_model import ADDED, SPECIAL
-from tests.fake_upstream import FakeUpstream, ThreadServer
+from tests.fake_upstream import MODEL, FakeUpstream, ThreadServer
 
 from tokencapture import ParentResolutionStatus, TokenCaptureStore
 from tokencapture.gateway import DIVERGED_REASON, GatewayConfig, create_app, open_backend
@@ -59,10 +60,21 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Loop:
     """A gateway (tito on or off) over the tokenizer-mode fake, and an agent loop through it."""
 
-    def __init__(self, root: Path, tokenizer_dir: Path, *, tito: bool) -> None:
+    def __init__(
+        self,
+        root: Path,
+        tokenizer_dir: Path,
+        *,
+        tito: bool,
+        upstream: tuple[FakeUpstream, ThreadServer] | None = None,
+        **fake: Any,
+    ) -> None:
         bridge = Bridge.from_tokenizer_dir(tokenizer_dir, "qwen3")
-        self.fake = FakeUpstream(bridge=bridge)
-        self.upstream = ThreadServer(self.fake.app)
+        if upstream is None:
+            self.fake = FakeUpstream(bridge=bridge, **fake)
+            self.upstream = ThreadServer(self.fake.app)
+        else:  # another gateway over the same engine (and store): a restart
+            self.fake, self.upstream = upstream
         self.app = create_app(
             open_backend(store_dir=root),
             GatewayConfig(self.upstream.url, tito=bridge if tito else None),
@@ -71,6 +83,7 @@ class Loop:
             transport=httpx.ASGITransport(self.app), base_url="http://gateway"
         )
         self.store = TokenCaptureStore(root)
+        self.owns_upstream = upstream is None
 
     async def agent(self, rollout: str, turns: int) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = [
@@ -80,7 +93,7 @@ class Loop:
         for turn in range(turns):
             answer = await self.client.post(
                 f"/rollouts/{rollout}/v1/chat/completions",
-                json={"model": "fake", "messages": messages, "tools": TOOLS},
+                json={"model": MODEL, "messages": messages, "tools": TOOLS},
                 headers={"x-model-call-id": f"{rollout}-{turn}"},
             )
             assert answer.status_code == 200, answer.text
@@ -92,10 +105,24 @@ class Loop:
                 messages.append({"role": "user", "content": f"and again ({turn})"})
         return messages
 
+    async def call(
+        self, rollout: str, messages: list[dict[str, Any]], call_id: str, **extra: Any
+    ) -> tuple[dict[str, Any], Any]:
+        """One chat call with `extra` parameters: its answer, and its entry."""
+        answer = await self.client.post(
+            f"/rollouts/{rollout}/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, **extra},
+            headers={"x-model-call-id": call_id},
+        )
+        assert answer.status_code == 200, answer.text
+        [entry] = [e for e in self.store.read_entries(rollout) if e.model_call_id == call_id]
+        return answer.json(), entry
+
     async def close(self) -> None:
         await self.client.aclose()
         await self.app.state.gateway.close()
-        self.upstream.stop()
+        if self.owns_upstream:
+            self.upstream.stop()
 
 
 @pytest.fixture
@@ -185,7 +212,7 @@ async def test_tito_falls_back_to_chat_and_records_why(loops: tuple[Loop, Loop])
         {"role": "user", "content": "y"},
     ]
     answer = await tito.client.post(
-        "/rollouts/fb/v1/chat/completions", json={"model": "fake", "messages": messages}
+        "/rollouts/fb/v1/chat/completions", json={"model": MODEL, "messages": messages}
     )
     assert answer.status_code == 200
     entry = tito.store.read_entries("fb")[-1]
@@ -211,7 +238,7 @@ async def test_tito_carries_the_completion_parameters_and_falls_back_for_chat_on
     }
     answer = await tito.client.post(
         "/rollouts/p/v1/chat/completions",
-        json={"model": "fake", "messages": messages, "tools": TOOLS, **extra},
+        json={"model": MODEL, "messages": messages, "tools": TOOLS, **extra},
         headers={"x-model-call-id": "bridged"},
     )
     assert answer.status_code == 200, answer.text
@@ -228,7 +255,7 @@ async def test_tito_carries_the_completion_parameters_and_falls_back_for_chat_on
 
     forced = await tito.client.post(
         "/rollouts/p/v1/chat/completions",
-        json={"model": "fake", "messages": messages, "tools": TOOLS, "tool_choice": "required"},
+        json={"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": "required"},
         headers={"x-model-call-id": "forced"},
     )
     assert forced.status_code == 200, forced.text
@@ -248,7 +275,7 @@ async def test_a_retry_of_a_tito_call_is_answered_from_the_store(
     _, tito = loops
     messages = await tito.agent("rt", 2)
     url = "/rollouts/rt/v1/chat/completions"
-    body = {"model": "fake", "messages": messages, "tools": TOOLS, "return_token_ids": True}
+    body = {"model": MODEL, "messages": messages, "tools": TOOLS, "return_token_ids": True}
     headers = {"x-model-call-id": "rt-2"}
     first = (await tito.client.post(url, json=body, headers=headers)).json()
     entry = tito.store.read_entries("rt")[-1]
@@ -262,3 +289,292 @@ async def test_a_retry_of_a_tito_call_is_answered_from_the_store(
     for key in ("content", "tool_calls"):
         assert (choice["message"].get(key) or None) == (was["message"].get(key) or None), key
     assert len(tito.store.read_entries("rt")) == 3
+
+
+def _fallback(entry: Any) -> str | None:
+    reason: str | None = (entry.model_extra or {}).get(FALLBACK_FIELD)
+    return reason
+
+
+def _bridged(entry: Any) -> bool:
+    return bool(entry.prefix_requested and _fallback(entry) is None)
+
+
+async def _continued(loop: Loop, rollout: str, **root: Any) -> list[dict[str, Any]]:
+    """A root call (with `root`'s parameters) and a new user turn: a conversation to continue."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a tool user."},
+        {"role": "user", "content": "look up a number"},
+    ]
+    answer, _ = await loop.call(rollout, messages, f"{rollout}-root", **root)
+    message = answer["choices"][0]["message"]
+    return [*messages, message, {"role": "user", "content": "and again"}]
+
+
+@pytest.fixture
+async def tito(tmp_path: Path, tokenizer_dir: Path) -> AsyncIterator[Loop]:
+    loop = Loop(tmp_path / "tito", tokenizer_dir, tito=True)
+    yield loop
+    await loop.close()
+
+
+async def test_a_continuation_without_a_limit_may_use_the_rest_of_the_context(
+    tito: Loop,
+) -> None:
+    """vLLM's completions endpoint limits a request without `max_tokens` to 16 tokens, its
+    chat endpoint to the rest of the context: a bridged continuation without a limit is sent
+    with `max_tokens` = the engine's `max_model_len` (its `GET /v1/models`, asked once) less
+    the prompt; a limit the client gave is sent as given (`max_completion_tokens` first)."""
+    messages = await _continued(tito, "m")
+    _, entry = await tito.call("m", messages, "m-1")
+    assert _bridged(entry)
+    sent = tito.fake.requests[-1]
+    assert "prompt" in sent
+    assert sent["max_tokens"] == 2048 - len(sent["prompt"]) == 2048 - len(entry.prompt_token_ids)
+    for index, (limits, expected) in enumerate(
+        [
+            ({"max_tokens": 7}, 7),
+            ({"max_completion_tokens": 9, "max_tokens": 7}, 9),
+            ({"max_completion_tokens": None, "max_tokens": 5}, 5),
+        ]
+    ):
+        _, entry = await tito.call("m", messages, f"m-limit-{index}", **limits)
+        assert _bridged(entry), entry
+        assert tito.fake.requests[-1]["max_tokens"] == expected
+    _, entry = await tito.call("m", messages, "m-again")
+    assert _bridged(entry)
+    assert tito.fake.models_calls == 1  # the context length is kept
+
+
+async def test_a_continuation_without_a_limit_goes_to_chat_when_the_default_is_unknown(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """An engine whose model card has no `max_model_len` (another engine), or a model whose
+    `generation_config.json` sets the chat endpoint's default (`max_new_tokens`): a call
+    without a limit goes to chat, recorded; with one it is bridged."""
+    other = Loop(tmp_path / "other", tokenizer_dir, tito=True, max_model_len=None)
+    try:
+        messages = await _continued(other, "u")
+        _, entry = await other.call("u", messages, "u-1")
+        assert _fallback(entry) == "max_tokens_unknown"
+        assert not entry.prefix_requested
+        assert "messages" in other.fake.requests[-1]
+        _, entry = await other.call("u", messages, "u-2", max_tokens=8)
+        assert _bridged(entry)
+    finally:
+        await other.close()
+    configured = tmp_path / "configured"
+    shutil.copytree(tokenizer_dir, configured)
+    (configured / "generation_config.json").write_text(json.dumps({"max_new_tokens": 100}))
+    capped = Loop(tmp_path / "capped", configured, tito=True)
+    try:
+        messages = await _continued(capped, "g")
+        _, entry = await capped.call("g", messages, "g-1")
+        assert _fallback(entry) == (
+            "max_tokens_unknown: the model's generation_config sets max_new_tokens"
+        )
+        _, entry = await capped.call("g", messages, "g-2", max_completion_tokens=8)
+        assert _bridged(entry)
+    finally:
+        await capped.close()
+
+
+async def test_stop_strings_and_top_logprobs_go_to_chat(tito: Loop) -> None:
+    """Stop strings are matched on the chat endpoint's text (what it answers is cut there),
+    and the completion names a token's alternatives by their text only: a call with either
+    goes to chat, recorded. Empty ones, and `stop_token_ids` (exact on tokens), are bridged."""
+    messages = await _continued(tito, "s")
+    for index, (extra, reason) in enumerate(
+        [
+            ({"stop": ["e"]}, "parameter_not_bridged: stop"),
+            ({"stop": "e"}, "parameter_not_bridged: stop"),
+            ({"logprobs": True, "top_logprobs": 2}, "parameter_not_bridged: top_logprobs"),
+            ({"stop": []}, None),
+            ({"stop": None, "stop_token_ids": [9]}, None),
+            ({"logprobs": True, "top_logprobs": 0}, None),
+        ]
+    ):
+        _, entry = await tito.call("s", messages, f"s-{index}", max_tokens=8, **extra)
+        assert _fallback(entry) == reason, extra
+        assert entry.prefix_requested is (reason is None)
+
+
+async def test_a_bridged_answers_logprobs_are_in_the_chat_endpoints_shape(tito: Loop) -> None:
+    """Each log-prob item has the engine's token string, its UTF-8 `bytes` (null for a token
+    the engine names `token_id:N`, as this fake does: vLLM's chat gives the decoded token's)
+    and no alternatives; the answer's id is `chatcmpl-` + the completion's own, and the
+    entry's."""
+    messages = await _continued(tito, "lp")
+    answer, entry = await tito.call("lp", messages, "lp-1", logprobs=True)
+    assert _bridged(entry)
+    items = answer["choices"][0]["logprobs"]["content"]
+    assert [item["logprob"] for item in items] == entry.generation_log_probs
+    assert [item["token"] for item in items] == [
+        f"token_id:{t}" for t in entry.generation_token_ids
+    ]
+    assert all(item["bytes"] is None and item["top_logprobs"] == [] for item in items)
+    assert list(items[0]) == ["token", "logprob", "bytes", "top_logprobs"]
+    assert answer["id"] == entry.response_id
+    assert answer["id"].startswith("chatcmpl-")
+    assert not answer["id"].startswith("chatcmpl-cmpl-")
+
+
+def test_logprob_items_carry_the_engines_token_text_and_its_bytes(tokenizer_dir: Path) -> None:
+    from tokencapture.gateway.tito import _logprobs_content
+
+    bridge = Bridge.from_tokenizer_dir(tokenizer_dir, "qwen3")
+    data = {"choices": [{"logprobs": {"tokens": ["é", " a", "token_id:7"]}}]}
+    items = _logprobs_content(data, [5, 6, 7], [-0.5, -1.0, -2.0], bridge)
+    assert items == [
+        {"token": "é", "logprob": -0.5, "bytes": [195, 169], "top_logprobs": []},
+        {"token": " a", "logprob": -1.0, "bytes": [32, 97], "top_logprobs": []},
+        {"token": "token_id:7", "logprob": -2.0, "bytes": None, "top_logprobs": []},
+    ]
+
+
+# Parameters a bridged continuation honours as vLLM's chat endpoint does.
+BRIDGED: list[dict[str, Any]] = [
+    {"response_format": {"type": "json_object"}},
+    {"structured_outputs": {"regex": "[a-z]{3}"}},
+    {"tools": TOOLS, "tool_choice": "auto"},
+    {"tools": TOOLS, "parallel_tool_calls": False},
+    {"max_completion_tokens": 3},
+    {"n": 1},
+    {"logprobs": True, "top_logprobs": 0},
+    {"seed": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1},
+    {"presence_penalty": 0.1, "frequency_penalty": 0.1, "repetition_penalty": 1.1},
+    {"logit_bias": {"5": 1.0}, "bad_words": ["x"], "allowed_token_ids": [5, 6, 7]},
+    {"min_tokens": 1, "ignore_eos": False, "include_stop_str_in_output": False},
+    {"user": "u", "priority": 0, "return_token_ids": True, "stream": False},
+    {"echo": False, "add_generation_prompt": True, "continue_final_message": False},
+    {"skip_special_tokens": True, "spaces_between_special_tokens": True},
+    {"use_beam_search": False, "include_reasoning": True, "add_special_tokens": False},
+    {"chat_template_kwargs": {}, "prompt_logprobs": None, "truncate_prompt_tokens": None},
+]
+# Parameters it cannot honour: the call goes to chat with `parameter_not_bridged: NAME`.
+NOT_BRIDGED: list[dict[str, Any]] = [
+    {"prompt_logprobs": 1},
+    {"use_beam_search": True},
+    {"truncate_prompt_tokens": 5},
+    {"reasoning_effort": "low"},
+    {"tools": TOOLS, "tool_choice": "none"},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}},
+    {"chat_template_kwargs": {"enable_thinking": False}},
+    {"chat_template": "{{ messages }}"},
+    {"echo": True},
+    {"add_generation_prompt": False},
+    {"continue_final_message": True},
+    {"skip_special_tokens": False},
+    {"include_reasoning": False},
+    {"echo": None},
+    {"return_tokens_as_token_ids": True},
+    {"logprob_token_ids": [5]},
+    {"documents": [{"title": "t", "text": "x"}]},
+    {"vllm_xargs": {"k": 1}},
+    {"stream_options": {"include_usage": True}},
+    {"some_future_parameter": 1},
+]
+
+
+async def test_only_the_parameters_the_bridge_honours_are_bridged(tito: Loop) -> None:
+    """An allowlist: a parameter the bridge does not know sends the call to chat, recorded
+    (`parameter_not_bridged: NAME`), rather than being dropped."""
+    messages = await _continued(tito, "a", tools=TOOLS)
+    for index, extra in enumerate(BRIDGED):
+        body = {"tools": TOOLS, "max_tokens": 8, **extra}
+        _, entry = await tito.call("a", messages, f"a-ok-{index}", **body)
+        assert _bridged(entry), (extra, _fallback(entry))
+        sent = tito.fake.requests[-1]
+        assert "prompt" in sent
+        for key in ("response_format", "structured_outputs", "seed", "logit_bias", "bad_words"):
+            if key in extra:
+                assert sent[key] == extra[key]
+    for index, extra in enumerate(NOT_BRIDGED):
+        body = {"tools": TOOLS, "max_tokens": 8, **extra}
+        answer = await tito.client.post(
+            "/rollouts/a/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, **body},
+            headers={"x-model-call-id": f"a-no-{index}"},
+        )
+        assert answer.status_code == 200, answer.text
+        [entry] = [e for e in tito.store.read_entries("a") if e.model_call_id == f"a-no-{index}"]
+        [name] = [key for key in extra if key != "tools" or "tool_choice" not in extra]
+        assert _fallback(entry) == f"parameter_not_bridged: {name}", extra
+        assert not entry.prefix_requested
+        assert "messages" in tito.fake.requests[-1]
+
+
+def test_a_false_parallel_tool_calls_keeps_the_first_parsed_call(tokenizer_dir: Path) -> None:
+    """As vLLM's chat endpoint answers `parallel_tool_calls: false` (`maybe_filter_parallel_
+    tool_calls`): the first tool call only."""
+    bridge = Bridge.from_tokenizer_dir(tokenizer_dir, "qwen3")
+    specs = [t["function"] for t in TOOLS]
+    prompt = bridge.renderer.render_ids(
+        [{"role": "user", "content": "x"}], tools=specs, add_generation_prompt=True
+    )
+    text = "".join(
+        f'<tool_call>\n{{"name": "lookup", "arguments": {{"k": {k}}}}}\n</tool_call>'
+        for k in (1, 2)
+    )
+    ids = bridge.tokenizer.encode(text + "<|im_end|>")
+    both = bridge.message(ids, prompt, specs)
+    first = bridge.message(ids, prompt, specs, parallel_tool_calls=False)
+    assert [json.loads(c["function"]["arguments"]) for c in both["tool_calls"]] == [
+        {"k": 1},
+        {"k": 2},
+    ]
+    assert [json.loads(c["function"]["arguments"]) for c in first["tool_calls"]] == [{"k": 1}]
+
+
+async def test_a_changed_tool_list_or_template_argument_goes_to_chat(
+    tito: Loop, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """The bridge renders the new messages only: the tools (and the template's arguments)
+    stay those of the parent's prompt. A continuation whose tools differ from its parent's
+    goes to chat (`tools_changed`), which renders the new list; one whose parent was rendered
+    with template arguments it lacks, too (`render_parameters_changed`). The parent's digest
+    is in its entry, so a restarted gateway decides alike; an entry without one (stored
+    without --tito) is never extended (`parent_render_unknown`)."""
+    more = [
+        *TOOLS,
+        {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
+    ]
+    messages = await _continued(tito, "t", tools=TOOLS, max_tokens=8)
+    _, parent = await tito.call("t", messages, "t-more", tools=more, max_tokens=8)
+    assert _fallback(parent) == "tools_changed"
+    assert "search" in tito.fake.bridge.tokenizer.decode(parent.prompt_token_ids)
+    _, entry = await tito.call("t", messages, "t-none", max_tokens=8)
+    assert _fallback(entry) == "tools_changed"
+    _, entry = await tito.call("t", messages, "t-same", tools=TOOLS, max_tokens=8)
+    assert _bridged(entry)
+    # The continuation of the call that went to chat with the new list extends its prompt.
+    grown = [*messages, parent.output_items[0], {"role": "user", "content": "more"}]
+    _, entry = await tito.call("t", grown, "t-more-2", tools=more, max_tokens=8)
+    assert _bridged(entry) and entry.parent_call_id == "t-more"
+
+    kwargs = {"enable_thinking": False}
+    messages = await _continued(tito, "k", chat_template_kwargs=kwargs, max_tokens=8)
+    _, entry = await tito.call("k", messages, "k-1", max_tokens=8)
+    assert _fallback(entry) == "render_parameters_changed"
+
+    # A restarted gateway over the same store and engine.
+    restarted = Loop(
+        tmp_path / "tito", tokenizer_dir, tito=True, upstream=(tito.fake, tito.upstream)
+    )
+    try:
+        messages = await _continued(tito, "r", tools=TOOLS, max_tokens=8)
+        _, entry = await restarted.call("r", messages, "r-1", tools=TOOLS, max_tokens=8)
+        assert _bridged(entry) and entry.parent_call_id == "r-root"
+        _, entry = await restarted.call("r", messages, "r-2", tools=more, max_tokens=8)
+        assert _fallback(entry) == "tools_changed"
+    finally:
+        await restarted.close()
+
+    plain = Loop(tmp_path / "tito", tokenizer_dir, tito=False, upstream=(tito.fake, tito.upstream))
+    try:
+        messages = await _continued(plain, "p", tools=TOOLS, max_tokens=8)
+    finally:
+        await plain.close()
+    _, entry = await tito.call("p", messages, "p-1", tools=TOOLS, max_tokens=8)
+    assert _fallback(entry) == "parent_render_unknown"  # its parent resolved, no digest
+    assert not entry.prefix_requested

@@ -391,6 +391,121 @@ async def test_agent_loop_drift_without_tito_and_none_with_it(
         await tito.close()
 
 
+async def _tito_continuation(
+    gateway: Through, rollout: str, user: str, **root: Any
+) -> list[dict[str, Any]]:
+    """A root call through `gateway` and a new user turn: the conversation to continue."""
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": user}]
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0.0, **root}
+    answer = (await gateway.post("chat/completions", rollout, body, f"{rollout}-0")).json()
+    message = answer["choices"][0]["message"]
+    reply = {k: v for k, v in message.items() if v is not None and k != "tool_calls"}
+    return [*messages, reply, {"role": "user", "content": "Go on."}]
+
+
+TIME_TOOL = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def _entry(gateway: Through, rollout: str, call: str) -> Any:
+    [entry] = [e for e in gateway.store.read_entries(rollout) if e.model_call_id == call]
+    return entry
+
+
+async def test_tito_continuation_without_max_tokens_runs_to_the_chat_endpoints_limit(
+    vllm_engine: VllmEngine, tmp_path: Path
+) -> None:
+    """vLLM's completions endpoint stops a request without `max_tokens` at 16 tokens; its
+    chat endpoint runs to the end of the context (`max_model_len` less the prompt). A bridged
+    continuation without a limit runs as the chat endpoint would: the random model, greedy,
+    to the end of the context (a long prompt keeps that short); the limit is the one the
+    plain chat endpoint applies to a prompt of that length."""
+    tito = Through(vllm_engine, tmp_path / "tito", tito=True)
+    tokenizer = tito.app.state.gateway.config.tito.tokenizer
+    # A user turn of ~1,750 tokens: the rest of the 2,048-token context is a few hundred.
+    words = 1750 * 100 // len(tokenizer.encode("word " * 100))
+    try:
+        messages = await _tito_continuation(tito, "nomax", "word " * words)
+        body = {"messages": messages, "temperature": 0.0}
+        answer = (await tito.post("chat/completions", "nomax", body, "nomax-1")).json()
+        entry = _entry(tito, "nomax", "nomax-1")
+        assert entry.prefix_requested and entry.prefix_supplied
+        usage, finish = answer["usage"], answer["choices"][0]["finish_reason"]
+        assert usage["completion_tokens"] == len(entry.generation_token_ids) > 16
+        # The chat endpoint, asked without a limit, ends at the end of the context alike.
+        direct = _direct(
+            vllm_engine,
+            "chat/completions",
+            {"messages": messages[:2], "temperature": 0.0},
+        )
+        for ended, counts in (
+            (finish, usage),
+            (direct["choices"][0]["finish_reason"], direct["usage"]),
+        ):
+            if ended == "length":
+                assert counts["prompt_tokens"] + counts["completion_tokens"] == 2048
+        assert finish == "length"  # the random model does not stop on its own here
+    finally:
+        await tito.close()
+
+
+async def test_tito_sends_to_chat_what_a_completion_cannot_answer_alike(
+    vllm_engine: VllmEngine, tmp_path: Path
+) -> None:
+    """Against the engine: stop strings, `top_logprobs`, a parameter the bridge does not know
+    and a changed tool list go to the chat endpoint (recorded in `tito_fallback_reason`) and
+    are answered as it answers them; a bridged answer's log-prob items carry the engine's
+    token strings and their bytes, and its id is `chatcmpl-` + the completion's."""
+    tito = Through(vllm_engine, tmp_path / "tito", tito=True)
+    bridge = tito.app.state.gateway.config.tito
+    try:
+        messages = await _tito_continuation(tito, "fb", "Tell me a story", tools=TOOLS)
+        base = {"messages": messages, "max_tokens": 12, "temperature": 0.0, "tools": TOOLS}
+        cases: list[tuple[dict[str, Any], str | None]] = [
+            ({"stop": ["e"]}, "parameter_not_bridged: stop"),
+            ({"logprobs": True, "top_logprobs": 2}, "parameter_not_bridged: top_logprobs"),
+            ({"prompt_logprobs": 1}, "parameter_not_bridged: prompt_logprobs"),
+            ({"tools": [*TOOLS, TIME_TOOL]}, "tools_changed"),
+            ({"logprobs": True}, None),
+        ]
+        for index, (extra, reason) in enumerate(cases):
+            call = f"fb-{index + 1}"
+            answer = (await tito.post("chat/completions", "fb", {**base, **extra}, call)).json()
+            entry = _entry(tito, "fb", call)
+            assert (entry.model_extra or {}).get("tito_fallback_reason") == reason, extra
+            assert entry.prefix_requested is (reason is None)
+            choice = answer["choices"][0]
+            if "stop" in extra:
+                assert "e" not in (choice["message"]["content"] or "")
+            if extra.get("top_logprobs"):
+                assert all(len(item["top_logprobs"]) == 2 for item in choice["logprobs"]["content"])
+            if "tools" in extra:
+                assert "get_time" in bridge.tokenizer.decode(entry.prompt_token_ids)
+            if reason is None:
+                assert answer["id"] == entry.response_id
+                assert not answer["id"].startswith("chatcmpl-cmpl-")
+                direct = _direct(
+                    vllm_engine,
+                    "completions",
+                    {
+                        "prompt": entry.prompt_token_ids,
+                        "max_tokens": 12,
+                        "temperature": 0.0,
+                        "logprobs": 0,
+                        "skip_special_tokens": False,
+                        "stop_token_ids": bridge.stop_token_ids(),
+                    },
+                )
+                tokens = direct["choices"][0]["logprobs"]["tokens"]
+                items = choice["logprobs"]["content"]
+                assert [item["token"] for item in items] == tokens
+                assert [item["bytes"] for item in items] == [list(t.encode()) for t in tokens]
+    finally:
+        await tito.close()
+
+
 VLLM_SESSIONS, VLLM_KILLS = 16, 6
 
 

@@ -255,7 +255,7 @@ class Gateway:
         self._urls: dict[str, URL] = {
             path: URL(self._base + path) for path in ("/v1/chat/completions", "/v1/completions")
         }
-        self._recent: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+        self._recent: OrderedDict[tuple[str, str], tuple[int, int, str | None]] = OrderedDict()
         # The calls with a client's own id in flight, by (rollout, call id): a second call with
         # the same id waits for the first's outcome (`_one_at_a_time`). An entry lives as long
         # as its call: removed when the call's answer is sent, fails, or is cancelled.
@@ -343,15 +343,15 @@ class Gateway:
         if self.config.tito is None:
             return
         recent = self._recent
-        recent[(entry.rollout_id, entry.model_call_id)] = (
-            len(entry.prompt_token_ids),
-            entry.continuation_context_len,
-        )
+        recent[(entry.rollout_id, entry.model_call_id)] = self.config.tito.shape(entry)
         if len(recent) > _RECENT_SHAPES:
             recent.popitem(last=False)
 
-    def recent_shape(self, rollout_id: str, model_call_id: str) -> tuple[int, int] | None:
-        """(prompt length, request context length) of an entry this gateway stored, if kept."""
+    def recent_shape(
+        self, rollout_id: str, model_call_id: str
+    ) -> tuple[int, int, str | None] | None:
+        """(prompt length, request context length, render digest) of an entry this gateway
+        stored, if kept (`tokencapture.gateway.tito.Bridge.shape`)."""
         return self._recent.get((rollout_id, model_call_id))
 
     # Request plumbing ----------------------------------------------------------------------

@@ -11,8 +11,10 @@ exact prompt + generation tokens, plus only the new turn rendered by the chat fo
 as a token-id `prompt` to the engine's `/v1/completions`. The completion's tokens are parsed
 back into an assistant message (`parse_response`), answered in the chat format, and captured
 with `prefix_requested` set (and `prefix_supplied` when the engine's reported prompt proves it).
-A call without a resolved parent, a stream, or a turn the bridge refuses goes to the chat
-endpoint as usual, and its entry records why (`tito_fallback_reason`).
+A call without a resolved parent, a stream, a parameter the completion cannot honour as the
+chat endpoint would (an allowlist), tools or template arguments other than its parent's, no
+limit the gateway can know, or a turn the bridge refuses goes to the chat endpoint as usual,
+and its entry records why (`tito_fallback_reason`).
 
 The tokenizer is read offline from a directory (`tokenizer.json`, and `tokenizer_config.json`
 for the EOS token) with the `tokenizers` library; no download, no `transformers`.
@@ -20,13 +22,16 @@ for the EOS token) with the `tokenizers` library; no download, no `transformers`
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+import aiohttp
 import orjson
 
 try:
@@ -50,8 +55,11 @@ from tokencapture.records import ParentResolutionStatus
 if TYPE_CHECKING:
     from starlette.responses import Response
 
+    from tokencapture.records import TokenEntry
+
 __all__ = [
     "FALLBACK_FIELD",
+    "RENDER_FIELD",
     "Bridge",
     "TokenizerAdapter",
     "run_tito",
@@ -59,10 +67,16 @@ __all__ = [
 
 # The extra field of an entry that went to the chat endpoint although --tito was on.
 FALLBACK_FIELD: Final[str] = "tito_fallback_reason"
+# The extra field of every chat entry a --tito gateway stores: the digest of what its prompt
+# was rendered with besides the messages (`render_digest`). A continuation is bridged only
+# when its own digest equals its parent's: the bridge renders the new messages alone, so a
+# tool list (or template argument) that changed would never reach the model's prompt.
+RENDER_FIELD: Final[str] = "tito_render_digest"
 
 # Parameters carried from a chat request to the completion that replaces it: vLLM's
-# completions endpoint takes each with the chat endpoint's meaning (sampling, penalties, stop
-# strings, logit bias, structured outputs over the generated text).
+# completions endpoint takes each with the chat endpoint's meaning (sampling, penalties, logit
+# bias, structured outputs over the generated text). `stop` is here for an empty one only: a
+# call with stop strings goes to chat (`_unbridged_parameter`).
 _SAMPLING: Final[tuple[str, ...]] = (
     "model",
     "temperature",
@@ -90,30 +104,149 @@ _SAMPLING: Final[tuple[str, ...]] = (
     "user",
     "priority",
 )
+_FORWARDED: Final[frozenset[str]] = frozenset(_SAMPLING)
 
-# Chat parameters a token-in completion cannot honour: the call goes to the chat endpoint
-# instead (`tito_fallback_reason` names the parameter). A forced tool choice is a grammar the
-# chat endpoint builds from the tools; the template's arguments and a continued or echoed
-# final message change what is rendered, which the bridge does not render.
-_CHAT_ONLY: Final[tuple[str, ...]] = (
+# Parameters `run_tito` honours itself: the conversation and its tools (rendered by the
+# bridge; `tool_choice` "auto" only), the limits (`max_tokens`...), `parallel_tool_calls`
+# (a false one keeps the first parsed call, as vLLM's chat endpoint does), the answer's form
+# (`logprobs`, `top_logprobs` 0, `return_token_ids`, `n` 1, `stream` false), `stop_token_ids`
+# (added to the format's own) and `stop` when empty.
+_HANDLED: Final[frozenset[str]] = frozenset(
+    {
+        "messages",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "stream",
+        "logprobs",
+        "top_logprobs",
+        "return_token_ids",
+        "stop_token_ids",
+        "stop",
+    }
+)
+
+# Parameters that change nothing at vLLM's default value (given so, they are bridged) and
+# would change what is rendered, generated or answered at any other (then the call goes to
+# chat). None is no default here: vLLM refuses it for these fields, and chat says so.
+_AT_DEFAULT: Final[dict[str, object]] = {
+    "echo": False,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "add_special_tokens": False,
+    "use_beam_search": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "include_reasoning": True,
+}
+# Template parameters that change nothing when empty.
+_EMPTY_OK: Final[frozenset[str]] = frozenset({"chat_template", "chat_template_kwargs"})
+
+# What vLLM's chat endpoint renders into the prompt besides the messages and the tools (or
+# uses to render it): each of them, unless at its default, is in an entry's `RENDER_FIELD`.
+_RENDERED: Final[tuple[str, ...]] = (
     "chat_template",
     "chat_template_kwargs",
+    "documents",
+    "reasoning_effort",
+    "add_generation_prompt",
     "continue_final_message",
-    "echo",
+    "add_special_tokens",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
 )
 
 
-def _chat_only_parameter(body: Mapping[str, Any]) -> str | None:
-    """The first parameter of `body` that makes a token-in completion answer differently."""
-    choice = body.get("tool_choice")
-    if choice is not None and choice != "auto":
-        return "tool_choice"
-    if body.get("add_generation_prompt", True) is not True:
-        return "add_generation_prompt"
-    for key in _CHAT_ONLY:
-        if body.get(key):
+def _unbridged_parameter(body: Mapping[str, Any]) -> str | None:
+    """The first parameter of `body` a token-in completion cannot honour as the chat endpoint
+    would, or None. An allowlist: a parameter the bridge does not know sends the call to chat
+    (`prompt_logprobs`, `use_beam_search: true`, `truncate_prompt_tokens`, `reasoning_effort`,
+    engine extensions...). A null value is vLLM's default for every field not in
+    `_AT_DEFAULT`, so it is no parameter."""
+    for key, value in body.items():
+        if key == "tool_choice":
+            if value is not None and value != "auto":
+                return key  # a forced tool call is a grammar chat builds from the tools
+        elif key == "stop":
+            if value:
+                return key  # matched on chat's detokenized text, not on the tokens
+        elif key == "top_logprobs":
+            if value is not None and value != 0:
+                return key  # the completion names alternatives by text only
+        elif key in _AT_DEFAULT:
+            default = _AT_DEFAULT[key]
+            if type(value) is not type(default) or value != default:
+                return key
+        elif key in _EMPTY_OK:
+            if value:
+                return key
+        elif value is None or key in _HANDLED or key in _FORWARDED:
+            continue
+        else:
             return key
     return None
+
+
+def _digest(value: object, *, sort_keys: bool = False) -> str:
+    data = orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else 0)
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def render_digest(body: Mapping[str, Any]) -> str:
+    """What a chat request's prompt is rendered with besides its messages, as
+    `TOOLS.OTHERS`: the digest of its `tools` as sent (their order and keys' order too: a
+    template writes them out as JSON; none and an empty list alike), and of the other
+    parameters rendered into the prompt (`_RENDERED`, and a `tool_choice` of "none", which
+    may leave the tools out) at other than their defaults."""
+    tools = body.get("tools") or None
+    others: dict[str, Any] = {}
+    for key in _RENDERED:
+        value = body.get(key)
+        if value is None or (key in _EMPTY_OK and not value):
+            continue
+        default = _AT_DEFAULT.get(key)
+        if default is not None and type(value) is type(default) and value == default:
+            continue
+        others[key] = value
+    if tools is not None and body.get("tool_choice") == "none":
+        others["tool_choice"] = "none"
+    return f"{_digest(tools)}.{_digest(others, sort_keys=True)}"
+
+
+def _render_changed(parent: str | None, digest: str) -> str | None:
+    """Why a continuation rendered as `digest` cannot extend a parent rendered as `parent`."""
+    if parent is None:
+        return "parent_render_unknown"
+    if parent == digest:
+        return None
+    if parent.partition(".")[0] != digest.partition(".")[0]:
+        return "tools_changed"
+    return "render_parameters_changed"
+
+
+def _card_length(models: object, model: object) -> tuple[bool, int | None]:
+    """(whether `model` has a card, its context length) in a `GET /v1/models` answer: vLLM's
+    cards carry `max_model_len`; an adapter's card names its base model as `parent`. No
+    model named: the first card, as vLLM serves it."""
+    cards = models.get("data") if isinstance(models, Mapping) else None
+    if not isinstance(cards, list):
+        return False, None
+    by_id = {c.get("id"): c for c in cards if isinstance(c, Mapping)}
+    card = (cards[0] if cards else None) if model is None else by_id.get(model)
+    if not isinstance(card, Mapping):
+        return False, None
+    for _ in range(2):  # the card, then its base model's
+        length = card.get("max_model_len")
+        if type(length) is int and length > 0:
+            return True, length
+        base = by_id.get(card.get("parent"))
+        if not isinstance(base, Mapping):
+            break
+        card = base
+    return True, None
 
 
 class TokenizerAdapter:
@@ -161,6 +294,15 @@ class TokenizerAdapter:
         return [self._tokenizer.token_to_id(token) for token in tokens]
 
 
+def _max_new_tokens(root: Path) -> int | None:
+    """The `max_new_tokens` of the model's `generation_config.json` beside its tokenizer."""
+    config = root / "generation_config.json"
+    if not config.exists():
+        return None
+    value = json.loads(config.read_text()).get("max_new_tokens")
+    return value if type(value) is int else None
+
+
 def _tool_specs(tools: object) -> list[dict[str, Any]] | None:
     """OpenAI `tools` ({"type": "function", "function": {...}}) as renderers' `ToolSpec`s."""
     if not isinstance(tools, list) or not tools:
@@ -183,9 +325,17 @@ def _tool_specs(tools: object) -> list[dict[str, Any]] | None:
 class Bridge:
     """A chat format (`renderers`) over the engine's tokenizer, for `--tito`."""
 
-    def __init__(self, renderer: Any, tokenizer: Any) -> None:
+    def __init__(
+        self, renderer: Any, tokenizer: Any, *, default_max_new_tokens: int | None = None
+    ) -> None:
         self.renderer = renderer
         self.tokenizer = tokenizer
+        # The model's `generation_config.json` `max_new_tokens`, which vLLM (with its default
+        # `--generation-config auto`) makes the chat endpoint's default limit: then a call
+        # without a limit goes to chat (`_max_tokens`).
+        self.default_max_new_tokens = default_max_new_tokens
+        # The engine's context length by (upstream, model), from its `GET /v1/models`.
+        self._context_lengths: dict[tuple[str, str | None], int | None] = {}
 
     @classmethod
     def from_tokenizer_dir(
@@ -206,7 +356,11 @@ class Bridge:
         if config is None:
             raise ValueError("--renderer auto needs a tokenizer name renderers knows; name one")
         config = type(config)(thinking_retention=thinking_retention)
-        return cls(renderers.create_renderer(tokenizer, config), tokenizer)
+        return cls(
+            renderers.create_renderer(tokenizer, config),
+            tokenizer,
+            default_max_new_tokens=_max_new_tokens(Path(path)),
+        )
 
     def bridge(
         self,
@@ -229,10 +383,51 @@ class Bridge:
     def stop_token_ids(self) -> list[int]:
         return list(self.renderer.get_stop_token_ids())
 
+    def shape(self, entry: TokenEntry) -> tuple[int, int, str | None]:
+        """What a continuation of `entry` needs of it: its prompt's length, its request's
+        number of messages, and what its prompt was rendered with (`RENDER_FIELD`; None for
+        an entry stored without it)."""
+        digest = (entry.model_extra or {}).get(RENDER_FIELD)
+        return (
+            len(entry.prompt_token_ids),
+            entry.continuation_context_len,
+            sys.intern(digest) if isinstance(digest, str) else None,
+        )
+
+    async def context_length(self, call: Any, model: object) -> int | None:
+        """The engine's context length for `model` (vLLM's `max_model_len`, read once from
+        its `GET /v1/models`), or None when the engine does not say (another engine)."""
+        gateway = call.gateway
+        key = (str(gateway.config.upstream), model if isinstance(model, str) else None)
+        if key in self._context_lengths:
+            return self._context_lengths[key]
+        try:
+            answer = await gateway.request_upstream(
+                "GET", gateway.url("/v1/models"), headers=gateway._upstream_headers(call.request)
+            )
+            try:
+                if answer.status != 200:
+                    return None
+                models = orjson.loads(await answer.read())
+            finally:
+                answer.release()
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+            return None  # not kept: asked again next time
+        listed, length = _card_length(models, key[1])
+        if listed:  # an adapter loaded later is listed later: only a listed model is kept
+            self._context_lengths[key] = length
+        return length
+
     def message(
-        self, token_ids: list[int], prompt_ids: list[int], tools: list[dict[str, Any]] | None
+        self,
+        token_ids: list[int],
+        prompt_ids: list[int],
+        tools: list[dict[str, Any]] | None,
+        *,
+        parallel_tool_calls: bool = True,
     ) -> dict[str, Any]:
-        """The assistant message the completion's tokens say (tool calls with fresh ids)."""
+        """The assistant message the completion's tokens say (tool calls with fresh ids; only
+        the first without `parallel_tool_calls`, as vLLM's chat endpoint answers)."""
         parsed = self.renderer.parse_response(token_ids, tools=tools, prompt_ids=prompt_ids)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
         calls = []
@@ -250,22 +445,27 @@ class Bridge:
                 }
             )
         if calls:
-            message["tool_calls"] = calls
+            message["tool_calls"] = calls if parallel_tool_calls else calls[:1]
         if parsed.reasoning_content:
             message["reasoning_content"] = parsed.reasoning_content
         return message
 
 
-async def _parent_shape(call: Any, parent_call_id: str) -> tuple[int, int] | None:
-    """(prompt length, request context length) of the parent entry, or None if unknown."""
+async def _parent_shape(call: Any, parent_call_id: str) -> tuple[int, int, str | None] | None:
+    """(prompt length, request context length, render digest) of the parent entry, or None
+    if it is not found. Kept in memory for the entries this gateway stored; after a restart
+    read from the store (the digest with the entry)."""
     gateway = call.gateway
-    known: tuple[int, int] | None = gateway.recent_shape(call.rollout_id, parent_call_id)
+    known: tuple[int, int, str | None] | None = gateway.recent_shape(
+        call.rollout_id, parent_call_id
+    )
     if known is not None:
         return known
+    bridge: Bridge = gateway.config.tito
     entries, _ = await gateway.backend.entries(call.rollout_id)
     for entry in entries:
         if entry.model_call_id == parent_call_id and not entry.prompt_is_delta:
-            return len(entry.prompt_token_ids), entry.continuation_context_len
+            return bridge.shape(entry)
     return None
 
 
@@ -279,7 +479,10 @@ async def _bridged_prompt(
     shape = await _parent_shape(call, parent.model_call_id)
     if shape is None:
         return None, "parent_entry_not_found"
-    prompt_len, context_len = shape
+    prompt_len, context_len, rendered = shape
+    changed = _render_changed(rendered, call.extra[RENDER_FIELD])
+    if changed is not None:
+        return None, changed
     cumulative = list(parent.cumulative_token_ids)
     messages = call.messages
     if context_len >= len(messages) or messages[context_len].get("role") != "assistant":
@@ -298,42 +501,113 @@ async def _bridged_prompt(
     return bridged, ""
 
 
+async def _max_tokens(
+    call: Any, body: Mapping[str, Any], prompt_len: int
+) -> tuple[object | None, str]:
+    """The completion's `max_tokens` (the chat endpoint's own limit for this call), or None
+    and why it is not known.
+
+    vLLM's chat endpoint limits a call without one to the rest of the context
+    (`max_model_len` less the prompt; `get_max_tokens` in vLLM's `serve/utils/api_utils.py`),
+    its completions endpoint to 16 tokens. The engine's server-side caps (an
+    `--override-generation-config` `max_new_tokens`, the platform's) apply to both alike; a
+    model's own `generation_config.json` `max_new_tokens` (the default under `--generation-
+    config auto`) applies only to a request without a limit, so with it the call goes to chat.
+    """
+    given = body.get("max_completion_tokens")
+    if given is None:
+        given = body.get("max_tokens")
+    if given is not None:
+        return given, ""
+    bridge: Bridge = call.gateway.config.tito
+    if bridge.default_max_new_tokens is not None:
+        return None, "max_tokens_unknown: the model's generation_config sets max_new_tokens"
+    length = await bridge.context_length(call, body.get("model"))
+    if length is None:
+        return None, "max_tokens_unknown"
+    # A prompt that fills the context: the engine refuses it as chat would (at least 1 here).
+    return max(1, length - prompt_len), ""
+
+
 async def _chat(call: Any, upstream_body: dict[str, Any]) -> Response:
     response: Response = await call.run(upstream_body)
     return response
+
+
+async def _fallback(call: Any, upstream_body: dict[str, Any], reason: str) -> Response:
+    call.extra[FALLBACK_FIELD] = reason
+    return await _chat(call, upstream_body)
+
+
+def _logprobs_content(
+    data: Mapping[str, Any], generated: list[int], logprobs: list[float], bridge: Bridge
+) -> list[dict[str, Any]]:
+    """A chat answer's `logprobs.content` from the completion's: the engine's own token
+    strings (vLLM's chat and completions endpoints name a token alike) with their UTF-8
+    `bytes`, as vLLM's chat answers them, and no alternatives (`top_logprobs` 0). A token the
+    engine names `token_id:N` (its `--return-tokens-as-token-ids`) has `bytes: null`, where
+    vLLM's chat gives the decoded token's."""
+    choices = data.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    completion = choice.get("logprobs") if isinstance(choice, Mapping) else None
+    tokens = completion.get("tokens") if isinstance(completion, Mapping) else None
+    if not (
+        isinstance(tokens, list)
+        and len(tokens) == len(generated)
+        and all(isinstance(t, str) for t in tokens)
+    ):
+        tokens = [bridge.tokenizer.decode([t]) for t in generated]
+    return [
+        {
+            "token": text,
+            "logprob": lp,
+            "bytes": None
+            if text == f"token_id:{token_id}"
+            else list(text.encode("utf-8", errors="replace")),
+            "top_logprobs": [],
+        }
+        for text, token_id, lp in zip(tokens, generated, logprobs, strict=True)
+    ]
+
+
+def _chat_id(completion_id: str | None) -> str:
+    """The chat id of a completion's answer: vLLM names one request `cmpl-X` on its
+    completions endpoint and `chatcmpl-X` on its chat endpoint."""
+    if not completion_id:
+        return f"chatcmpl-{uuid.uuid4().hex}"
+    return f"chatcmpl-{completion_id.removeprefix('cmpl-')}"
 
 
 async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
     """Answer a chat call token-in-token-out when its parent resolved, else through chat."""
     from starlette.responses import Response
 
+    # Every chat entry of a --tito gateway says what its prompt was rendered with, for its
+    # continuations to compare theirs with (`_render_changed`).
+    call.extra[RENDER_FIELD] = render_digest(upstream_body)
     call.start_resolution()
     resolution = await call.resolved()
     assert resolution is not None
     if resolution.status is ParentResolutionStatus.ROOT:
         return await _chat(call, upstream_body)
     if call.requested.stream:
-        call.extra[FALLBACK_FIELD] = "stream_not_bridged"
-        return await _chat(call, upstream_body)
-    unbridged = _chat_only_parameter(upstream_body)
+        return await _fallback(call, upstream_body, "stream_not_bridged")
+    unbridged = _unbridged_parameter(upstream_body)
     if unbridged is not None:
-        call.extra[FALLBACK_FIELD] = f"parameter_not_bridged: {unbridged}"
-        return await _chat(call, upstream_body)
+        return await _fallback(call, upstream_body, f"parameter_not_bridged: {unbridged}")
     try:
         tools = _tool_specs(upstream_body.get("tools"))
     except ValueError as exc:
-        call.extra[FALLBACK_FIELD] = f"tools_not_bridged: {exc}"
-        return await _chat(call, upstream_body)
+        return await _fallback(call, upstream_body, f"tools_not_bridged: {exc}")
     prompt, reason = await _bridged_prompt(call, resolution, tools)
     if prompt is None:
-        call.extra[FALLBACK_FIELD] = reason
-        return await _chat(call, upstream_body)
+        return await _fallback(call, upstream_body, reason)
+    max_tokens, reason = await _max_tokens(call, upstream_body, len(prompt))
+    if max_tokens is None:
+        return await _fallback(call, upstream_body, reason)
     bridge: Bridge = call.gateway.config.tito
     body: dict[str, Any] = {key: upstream_body[key] for key in _SAMPLING if key in upstream_body}
-    max_tokens = upstream_body.get("max_completion_tokens") or upstream_body.get("max_tokens")
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
-    top = upstream_body.get("top_logprobs")
+    body["max_tokens"] = max_tokens
     stop_ids = bridge.stop_token_ids()
     asked_stop_ids = upstream_body.get("stop_token_ids")
     if isinstance(asked_stop_ids, list):
@@ -341,7 +615,7 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
     body.update(
         prompt=prompt,
         return_token_ids=True,
-        logprobs=top if isinstance(top, int) and not isinstance(top, bool) else 0,
+        logprobs=0,
         skip_special_tokens=False,
         stop_token_ids=stop_ids,
     )
@@ -354,7 +628,12 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
     try:
         data = orjson.loads(content)
         completion = generation_from_completion(data)
-        message = bridge.message(completion.generation_token_ids, prompt, tools)
+        message = bridge.message(
+            completion.generation_token_ids,
+            prompt,
+            tools,
+            parallel_tool_calls=upstream_body.get("parallel_tool_calls") is not False,
+        )
     except Exception as exc:  # another shape than the engine's (TypeError...): its failure
         await call.fail(f"capture_failed: {exc}")
         raise HttpError(
@@ -362,7 +641,7 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
         ) from None
     finish = "tool_calls" if message.get("tool_calls") else completion.finish_reason
     # The id the client receives is the id the entry keeps (a trace's response id finds it).
-    response_id = f"chatcmpl-{completion.response_id or uuid.uuid4().hex}"
+    response_id = _chat_id(completion.response_id)
     generation = Generation(
         completion.prompt_token_ids,
         completion.generation_token_ids,
@@ -375,12 +654,10 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
     await call.store_if_client_waits(generation)
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
     if call.requested.logprobs:
-        tokens = [bridge.tokenizer.decode([t]) for t in completion.generation_token_ids]
         choice["logprobs"] = {
-            "content": [
-                {"token": text, "logprob": lp, "top_logprobs": []}
-                for text, lp in zip(tokens, completion.generation_log_probs, strict=True)
-            ]
+            "content": _logprobs_content(
+                data, completion.generation_token_ids, completion.generation_log_probs, bridge
+            )
         }
     if call.requested.token_ids:
         choice["token_ids"] = completion.generation_token_ids
