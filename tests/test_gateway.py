@@ -706,6 +706,8 @@ async def test_client_gone_before_the_store_is_marked_not_stored(tmp_path: Path)
         "model_call_id": "left",
     }
     assert store.freeze_now("before-store").incomplete
+    stats = app.state.gateway.metrics.snapshot()["chat_completions"]
+    assert (stats["count"], stats["failures"]) == (1, 1)  # the client left: a failure
 
 
 class _GoneBeforeTheAnswer(OSError):
@@ -1052,6 +1054,23 @@ async def test_metrics_count_gateway_calls(gw: Harness) -> None:
     stats = gw.app.state.gateway.metrics.snapshot()
     assert stats["chat_completions"]["count"] == 2
     assert stats["chat_completions"]["failures"] == 1
+
+
+async def test_metrics_count_a_stream_by_how_it_ended(gw: Harness) -> None:
+    """A stream counts once its sending is over: a whole one as a success, one the engine
+    broke (its client gets an error event, its rollout is marked) as a failure. Both were
+    counted as successes when their headers went out."""
+    metrics = gw.app.state.gateway.metrics
+    whole = await gw.chat("r1", [_user("x")], stream=True, call="whole")
+    assert "[DONE]" in whole.text
+    stats = metrics.snapshot()["chat_completions"]
+    assert (stats["count"], stats["failures"]) == (1, 0)
+    broken = await gw.chat(
+        "r2", [_user("long text here")], stream=True, fake_break_after=3, call="broken"
+    )
+    assert "[DONE]" not in broken.text
+    stats = metrics.snapshot()["chat_completions"]
+    assert (stats["count"], stats["failures"]) == (2, 1)
 
 
 async def test_concurrent_sessions(gw: Harness) -> None:

@@ -586,18 +586,43 @@ class Gateway:
             return error_response(
                 502, f"upstream unreachable: {type(exc).__name__}", "upstream_error"
             )
-        self.metrics.observe("passthrough", time.perf_counter() - started)
+        relayed_whole = False
 
         async def relay() -> AsyncGenerator[bytes, None]:
+            nonlocal relayed_whole
             try:
                 async for chunk in answer.content.iter_any():
                     yield chunk
+                relayed_whole = True
             finally:
                 answer.release()
 
-        relayed = _Relayed(relay(), answer, answer.status)
+        relayed = _Relayed(
+            relay(),
+            answer,
+            answer.status,
+            succeeded=lambda: relayed_whole and answer.status < 400,
+        )
         relayed.raw_headers.extend(self._answer_headers(answer))
+        self._observe_when_sent("passthrough", started, relayed)
         return relayed
+
+    def _observe_when_sent(self, operation: str, started: float, response: Response) -> None:
+        """Count a call whose response is ready: now, by its status; a relayed one once its
+        sending is over (its duration then covers the whole stream, and it failed unless the
+        relay says it was answered whole: a stream the engine broke, one that ended in an
+        error event, or one whose client left is a failure, as a non-streamed call's is)."""
+        if isinstance(response, _Relayed) and response.succeeded is not None:
+            succeeded = response.succeeded
+
+            def observe() -> None:
+                failed = not succeeded()
+                self.metrics.observe(operation, time.perf_counter() - started, failed=failed)
+
+            response.finally_.append(observe)
+            return
+        failed = response.status_code >= 400
+        self.metrics.observe(operation, time.perf_counter() - started, failed=failed)
 
     def captured(self, kind: str) -> Callable[[Request, str | None], Awaitable[Response]]:
         """The handler of a captured route: `handle(request, rollout_id)`, the rollout id from
@@ -626,9 +651,7 @@ class Gateway:
             except BaseException:
                 self.metrics.observe(operation, time.perf_counter() - started, failed=True)
                 raise
-            self.metrics.observe(
-                operation, time.perf_counter() - started, failed=response.status_code >= 400
-            )
+            self._observe_when_sent(operation, started, response)
             return response
 
         return handle
@@ -989,6 +1012,10 @@ class _Call:
         # The client's body, kept for a call with the client's own id: its entry is put
         # unless another attempt stored one first, whose answer is then given (a replay).
         self.body: dict[str, Any] | None = None
+        # A stream's outcome: set once its last event ([DONE], after the stored entry's
+        # final chunk) was taken by the sending, so not for a stream that ended in an error
+        # event or lost its client.
+        self.answered = False
 
     # Lineage -------------------------------------------------------------------------------
 
@@ -1215,6 +1242,7 @@ class _Call:
                 headers={**self.headers, **_SSE_HEADERS},
                 media_type="text/event-stream",
                 abandoned=lambda: self.fail_later("client_disconnected"),
+                succeeded=lambda: self.answered,
             )
         content = await self.read(answer)
         try:
@@ -1341,6 +1369,7 @@ class _Call:
             for event in held:
                 yield event
             yield _event(_DONE)
+            self.answered = True  # the sending asked for more after [DONE]: it was sent
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away mid-stream (the response task is cancelled): the call did
             # not reach it. Mark it from a task of its own; this one is being torn down.
@@ -1381,11 +1410,14 @@ class _Relayed(Response):
         headers: Mapping[str, str] | None = None,
         media_type: str | None = None,
         abandoned: Callable[[], None] | None = None,
+        succeeded: Callable[[], bool] | None = None,
     ) -> None:
         # Not Response.__init__: the inner response is sent as it is; what a handler reads
         # of a response (its status) is copied.
         self.inner = StreamingResponse(self, status, headers=headers, media_type=media_type)
         self.relay = relay
+        # Whether the call was answered, once the sending is over (the handler's metric).
+        self.succeeded = succeeded
         self.started = False
         self.answer = answer
         self.abandoned = abandoned
