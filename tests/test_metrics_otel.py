@@ -6,6 +6,7 @@ raise what), never read back from the code under test.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -16,12 +17,13 @@ from typing import Any
 
 import pytest
 from tests.conftest import make_entry
-from tests.test_ledger import make_commit
+from tests.test_ledger import assistant, make_commit, user
 
 from tokencapture import metrics
 from tokencapture.ledger import FileCaptureLedger
 from tokencapture.lineage import FileLineageStore, InMemoryLineageStore
 from tokencapture.protocols import TokenCaptureConflictError, TokenCaptureFrozenError
+from tokencapture.records import ParentResolutionStatus
 from tokencapture.reference import TokenCaptureStore as ReferenceStore
 from tokencapture.store import TokenCaptureStore
 
@@ -496,3 +498,361 @@ def test_writes_refused_when_called_count_as_failures(tmp_path: Path) -> None:
     stats = store.stats()
     assert (stats["begin_call"]["count"], stats["begin_call"]["failures"]) == (2, 2)
     assert (stats["mark_incomplete"]["count"], stats["mark_incomplete"]["failures"]) == (2, 2)
+
+
+async def test_a_resolve_the_capture_ledger_answers_counts_once(
+    tmp_path: Path, reader: InMemoryMetricReader
+) -> None:
+    """A `FileLineageStore` resolve that its capture ledger answers (`resolve_now` of the
+    ledger, inside the resolve) is one call: one `lineage` resolve, no `ledger` one."""
+    lineage = FileLineageStore(tmp_path)
+    await lineage.record(make_commit("c1", "r1"))
+    items = [user("question"), assistant("answer of c1"), user("next")]
+    assert (await lineage.resolve("r1", items)).status is ParentResolutionStatus.RESOLVED
+    assert lineage.resolve_now("r1", items).status is ParentResolutionStatus.RESOLVED
+    _, counts = read(reader)["tokencapture.operations"]
+    _, histograms = read(reader)["tokencapture.operation.duration"]
+    expected = {key("ledger", "file", "record"): 1, key("lineage", "file", "resolve"): 2}
+    assert counts == expected
+    assert {attributes: point.count for attributes, point in histograms.items()} == expected
+
+
+BAD = "bad/id"
+
+
+def unreachable_postgres(_: Path) -> Any:
+    """A PostgreSQL store no call here reaches: nothing listens on its port."""
+    from tokencapture.postgres import PostgresTokenCaptureStore
+
+    return PostgresTokenCaptureStore("postgresql://tc@127.0.0.1:1/none", connect_timeout=1)
+RESOLVE_ITEMS = [{"role": "user", "content": "question"}]
+
+# (store kind, backend, operation, the store's class, the call): every call is refused when
+# it is called (an invalid rollout id, `ValueError`), awaited or not; sync and async twins.
+REFUSED: list[tuple[str, str, str, Any, Any]] = [
+    ("token_capture", "file", "put", TokenCaptureStore, lambda s: s.append(make_entry(BAD))),
+    ("token_capture", "file", "put", TokenCaptureStore, lambda s: s.put(make_entry(BAD))),
+    (
+        "token_capture",
+        "file",
+        "put",
+        TokenCaptureStore,
+        lambda s: s.put_unless_stored(make_entry(BAD)),
+    ),
+    ("token_capture", "file", "begin_call", TokenCaptureStore, lambda s: s._begin_call(BAD, "c")),
+    ("token_capture", "file", "begin_call", TokenCaptureStore, lambda s: s.begin_call(BAD, "c")),
+    (
+        "token_capture",
+        "file",
+        "begin_call",
+        TokenCaptureStore,
+        lambda s: s.begin_call_unless_stored(BAD, "c"),
+    ),
+    (
+        "token_capture",
+        "file",
+        "mark_incomplete",
+        TokenCaptureStore,
+        lambda s: s._mark_incomplete(BAD),
+    ),
+    (
+        "token_capture",
+        "file",
+        "mark_incomplete",
+        TokenCaptureStore,
+        lambda s: s.mark_incomplete(BAD),
+    ),
+    (
+        "token_capture",
+        "file",
+        "mark_incomplete",
+        TokenCaptureStore,
+        lambda s: s.mark_incomplete_if_open(BAD),
+    ),
+    ("token_capture", "file", "freeze", TokenCaptureStore, lambda s: s.freeze_now(BAD)),
+    ("token_capture", "file", "freeze", TokenCaptureStore, lambda s: s.freeze(BAD)),
+    (
+        "token_capture",
+        "file",
+        "freeze_columns",
+        TokenCaptureStore,
+        lambda s: s.freeze_columns_now(BAD),
+    ),
+    ("token_capture", "file", "freeze_columns", TokenCaptureStore, lambda s: s.freeze_columns(BAD)),
+    ("token_capture", "file", "drop", TokenCaptureStore, lambda s: s._drop(BAD, "s", 1)),
+    ("token_capture", "file", "drop", TokenCaptureStore, lambda s: s.drop(BAD, "s", 1)),
+    ("token_capture", "file", "retire", TokenCaptureStore, lambda s: s.retire_now([BAD])),
+    ("token_capture", "file", "retire", TokenCaptureStore, lambda s: s.retire([BAD])),
+    ("token_capture", "file", "delete", TokenCaptureStore, lambda s: s.delete_now([BAD])),
+    ("token_capture", "file", "delete", TokenCaptureStore, lambda s: s.delete([BAD])),
+    (
+        "token_capture",
+        "file",
+        "sweep_retired",
+        TokenCaptureStore,
+        lambda s: s.sweep_retired(float("nan")),
+    ),
+    ("token_capture", "reference", "put", ReferenceStore, lambda s: s.append(make_entry(BAD))),
+    ("token_capture", "reference", "put", ReferenceStore, lambda s: s.put(make_entry(BAD))),
+    (
+        "token_capture",
+        "reference",
+        "begin_call",
+        ReferenceStore,
+        lambda s: s._begin_call(BAD, "c"),
+    ),
+    (
+        "token_capture",
+        "reference",
+        "begin_call",
+        ReferenceStore,
+        lambda s: s.begin_call(BAD, "c"),
+    ),
+    (
+        "token_capture",
+        "reference",
+        "mark_incomplete",
+        ReferenceStore,
+        lambda s: s._mark_incomplete(BAD),
+    ),
+    (
+        "token_capture",
+        "reference",
+        "mark_incomplete",
+        ReferenceStore,
+        lambda s: s.mark_incomplete(BAD),
+    ),
+    ("token_capture", "reference", "freeze", ReferenceStore, lambda s: s.freeze_now(BAD)),
+    ("token_capture", "reference", "freeze", ReferenceStore, lambda s: s.freeze(BAD)),
+    ("token_capture", "reference", "drop", ReferenceStore, lambda s: s._drop(BAD, "s", 1)),
+    ("token_capture", "reference", "drop", ReferenceStore, lambda s: s.drop(BAD, "s", 1)),
+    ("token_capture", "reference", "retire", ReferenceStore, lambda s: s.retire_now([BAD])),
+    ("token_capture", "reference", "retire", ReferenceStore, lambda s: s.retire([BAD])),
+    ("token_capture", "reference", "delete", ReferenceStore, lambda s: s.delete_now([BAD])),
+    ("token_capture", "reference", "delete", ReferenceStore, lambda s: s.delete([BAD])),
+    ("ledger", "file", "record", FileCaptureLedger, lambda s: s.record_now(make_commit("c", BAD))),
+    ("ledger", "file", "record", FileCaptureLedger, lambda s: s.record(make_commit("c", BAD))),
+    (
+        "ledger",
+        "file",
+        "record_failure",
+        FileCaptureLedger,
+        lambda s: s.record_failure_now(BAD, "c", "lost"),
+    ),
+    (
+        "ledger",
+        "file",
+        "record_failure",
+        FileCaptureLedger,
+        lambda s: s.record_failure(BAD, "c", "lost"),
+    ),
+    ("ledger", "file", "manifest", FileCaptureLedger, lambda s: s.manifest_now(BAD)),
+    ("ledger", "file", "manifest", FileCaptureLedger, lambda s: s.manifest(BAD)),
+    ("ledger", "file", "has_rows", FileCaptureLedger, lambda s: s.has_rows_now(BAD)),
+    ("ledger", "file", "has_rows", FileCaptureLedger, lambda s: s.has_rows(BAD)),
+    (
+        "ledger",
+        "file",
+        "resolve",
+        FileCaptureLedger,
+        lambda s: s.resolve_now(BAD, RESOLVE_ITEMS),
+    ),
+    ("ledger", "file", "resolve", FileCaptureLedger, lambda s: s.resolve(BAD, RESOLVE_ITEMS)),
+    ("ledger", "file", "retire", FileCaptureLedger, lambda s: s.retire_now([BAD])),
+    ("ledger", "file", "retire", FileCaptureLedger, lambda s: s.retire([BAD])),
+    ("ledger", "file", "delete", FileCaptureLedger, lambda s: s.delete_now([BAD])),
+    ("ledger", "file", "delete", FileCaptureLedger, lambda s: s.delete([BAD])),
+    ("lineage", "file", "resolve", FileLineageStore, lambda s: s.resolve_now(BAD, RESOLVE_ITEMS)),
+    ("lineage", "file", "resolve", FileLineageStore, lambda s: s.resolve(BAD, RESOLVE_ITEMS)),
+    # The capture-ledger surface of a `FileLineageStore` is its ledger's (counted as that).
+    ("ledger", "file", "manifest", FileLineageStore, lambda s: s.manifest(BAD)),
+    ("ledger", "file", "retire", FileLineageStore, lambda s: s.retire([BAD])),
+    ("lineage", "memory", "put", InMemoryLineageStore, lambda s: s.put_now(make_entry(BAD))),
+    ("lineage", "memory", "put", InMemoryLineageStore, lambda s: s.put(make_entry(BAD))),
+    (
+        "lineage",
+        "memory",
+        "resolve",
+        InMemoryLineageStore,
+        lambda s: s.resolve_now(BAD, RESOLVE_ITEMS),
+    ),
+    (
+        "lineage",
+        "memory",
+        "resolve",
+        InMemoryLineageStore,
+        lambda s: s.resolve(BAD, RESOLVE_ITEMS),
+    ),
+    ("lineage", "memory", "retire", InMemoryLineageStore, lambda s: s.retire_now([BAD])),
+    ("lineage", "memory", "retire", InMemoryLineageStore, lambda s: s.retire([BAD])),
+    ("lineage", "memory", "delete", InMemoryLineageStore, lambda s: s.delete_now([BAD])),
+    ("lineage", "memory", "delete", InMemoryLineageStore, lambda s: s.delete([BAD])),
+    # PostgreSQL: refused before any round trip (the server is never asked).
+    *(
+        ("token_capture", "postgres", operation, unreachable_postgres, call)
+        for operation, call in [
+            ("put", lambda s: s.put(make_entry(BAD))),
+            ("begin_call", lambda s: s.begin_call(BAD, "c")),
+            ("mark_incomplete", lambda s: s.mark_incomplete(BAD)),
+            ("freeze", lambda s: s.freeze(BAD)),
+            ("freeze", lambda s: s.freeze_now(BAD)),
+            ("freeze_columns", lambda s: s.freeze_columns(BAD)),
+            ("freeze_columns", lambda s: s.freeze_columns_now(BAD)),
+            ("drop", lambda s: s.drop(BAD, "s", 1)),
+            ("retire", lambda s: s.retire([BAD])),
+            ("retire", lambda s: s.retire_now([BAD])),
+            ("delete", lambda s: s.delete([BAD])),
+            ("delete", lambda s: s.delete_now([BAD])),
+        ]
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("store", "backend", "operation", "make", "call"),
+    REFUSED,
+    ids=[
+        f"{kind}-{backend}-{operation}-{index}"
+        for index, (kind, backend, operation, *_) in enumerate(REFUSED)
+    ],
+)
+def test_a_call_refused_when_called_counts_once_as_invalid_input(
+    tmp_path: Path,
+    reader: InMemoryMetricReader,
+    store: str,
+    backend: str,
+    operation: str,
+    make: Any,
+    call: Any,
+) -> None:
+    """Every variant, sync or async, of every store: a call its checks refuse when it is called
+    (before anything ran) is one failed call of its operation, outcome `invalid_input`."""
+    target = make() if make is InMemoryLineageStore else make(tmp_path)
+    with pytest.raises(ValueError):
+        call(target)  # raises when called: no coroutine is left to await
+    expected = {key(store, backend, operation, "invalid_input", "ValueError"): 1}
+    found = read(reader)
+    assert found["tokencapture.operations"][1] == expected
+    histograms = found["tokencapture.operation.duration"][1]
+    assert {attributes: point.count for attributes, point in histograms.items()} == expected
+    if isinstance(target, TokenCaptureStore) or backend == "postgres":
+        stats = target.stats()[operation]
+        assert (stats["count"], stats["failures"]) == (1, 1)
+
+
+def test_a_drop_of_a_version_no_store_holds_counts_as_a_drop(
+    tmp_path: Path, reader: InMemoryMetricReader
+) -> None:
+    """`drop` with a version no stored one can equal answers False without asking the store;
+    still one `drop` call (as the reference store counts it)."""
+    store = TokenCaptureStore(tmp_path)
+    assert not store._drop("r", "s", -1)
+    assert not store._drop("r", "s", 2**64)
+    _, counts = read(reader)["tokencapture.operations"]
+    assert counts == {key("token_capture", "file", "drop"): 2}
+    assert store.stats()["drop"]["count"] == 2
+
+
+def test_a_pinned_counter_never_decreases_when_a_store_is_collected() -> None:
+    """Stores pinned to one provider count into one total per (store kind, backend): a store
+    closed and collected keeps its calls in it (a monotonic counter that went down would be a
+    reset to Prometheus)."""
+    pinned_reader = InMemoryMetricReader()
+    pinned = MeterProvider(metric_readers=[pinned_reader])
+    try:
+        first = metrics.Metrics("postgres", meter_provider=pinned)
+        for _ in range(5):
+            first.observe("put", 0.001)
+        assert read(pinned_reader)["tokencapture.operations"][1] == {
+            key("token_capture", "postgres", "put"): 5
+        }
+        second = metrics.Metrics("postgres", meter_provider=pinned)
+        del first
+        gc.collect()
+        second.observe("put", 0.001)
+        found = read(pinned_reader)
+    finally:
+        pinned.shutdown()
+    expected = {key("token_capture", "postgres", "put"): 6}
+    assert found["tokencapture.operations"][1] == expected
+    histograms = found["tokencapture.operation.duration"][1]
+    assert {attributes: point.count for attributes, point in histograms.items()} == expected
+
+
+def test_the_default_counter_never_decreases_across_providers(tmp_path: Path) -> None:
+    """`use_meter_provider` away from a provider and back: that provider's counts go on from
+    where they were, as its histogram's do."""
+    first_reader, second_reader = InMemoryMetricReader(), InMemoryMetricReader()
+    first = MeterProvider(metric_readers=[first_reader])
+    second = MeterProvider(metric_readers=[second_reader])
+    store = TokenCaptureStore(tmp_path)
+    try:
+        metrics.use_meter_provider(first)
+        store.append(make_entry("r", call=1))
+        store.append(make_entry("r", call=2))
+        metrics.use_meter_provider(second)
+        store.append(make_entry("r", call=3))
+        assert read(first_reader)["tokencapture.operations"][1] == {
+            key("token_capture", "file", "put"): 2
+        }
+        metrics.use_meter_provider(first)
+        store.append(make_entry("r", call=4))
+        found, found_second = read(first_reader), read(second_reader)
+    finally:
+        metrics.use_meter_provider(None)
+        first.shutdown()
+        second.shutdown()
+    expected = {key("token_capture", "file", "put"): 3}
+    assert found["tokencapture.operations"][1] == expected
+    histograms = found["tokencapture.operation.duration"][1]
+    assert {attributes: point.count for attributes, point in histograms.items()} == expected
+    assert found_second["tokencapture.operations"][1] == {key("token_capture", "file", "put"): 1}
+
+
+def test_calls_before_the_global_provider_is_set_are_in_neither_instrument(
+    tmp_path: Path,
+) -> None:
+    """Measurements made before the application sets the global provider are dropped by the
+    API's proxies: the counter does not count those calls either, so its count and the
+    histogram's agree (puts before, puts after, a store made after)."""
+    script = textwrap.dedent(
+        f"""
+        from opentelemetry import metrics
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from tokencapture import TokenCaptureStore
+        from tokencapture.lineage import InMemoryLineageStore
+        from tests.conftest import make_entry
+
+        store = TokenCaptureStore({str(tmp_path / "a")!r})
+        memory = InMemoryLineageStore()
+        for call in range(3):
+            store.append(make_entry("r", call=call))
+            memory.put_now(make_entry("r", call=call))
+        reader = InMemoryMetricReader()
+        metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+        for call in range(3, 5):
+            store.append(make_entry("r", call=call))
+        TokenCaptureStore({str(tmp_path / "b")!r}).append(make_entry("r", call=1))
+        memory.put_now(make_entry("r", call=9))
+        found = {{}}
+        for resource in reader.get_metrics_data().resource_metrics:
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    for point in metric.data.data_points:
+                        kind = point.attributes["tokencapture.store"]
+                        where = (kind, point.attributes["tokencapture.operation"])
+                        found[metric.name, where] = getattr(point, "value", None) or point.count
+        print(sorted(found.items()))
+        """
+    )
+    assert run_script(script) == str(
+        sorted(
+            {
+                ("tokencapture.operation.duration", ("lineage", "put")): 1,
+                ("tokencapture.operation.duration", ("token_capture", "put")): 3,
+                ("tokencapture.operations", ("lineage", "put")): 1,
+                ("tokencapture.operations", ("token_capture", "put")): 3,
+            }.items()
+        )
+    )

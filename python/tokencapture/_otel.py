@@ -4,7 +4,10 @@
 `opentelemetry.metrics` import succeeds, so a process without the package imports nothing of
 OpenTelemetry and records nothing. Every store operation is one measurement of the duration
 histogram and one increment of an in-process tally that the observable operation counter
-reports at collection, both with the same attributes.
+reports at collection, both with the same attributes. The tallies are kept per (meter
+provider, store kind, backend) for the life of the process, so the counter never decreases,
+and a call counts only when its measurement reaches a real histogram, so the counter's count
+and the histogram's agree.
 
 Recording is on the path of every put, so the attribute dicts are built once per
 (operation, outcome) and reused; a call allocates nothing here beyond what the SDK's
@@ -104,30 +107,75 @@ class _Tally:
         self.count = 0
 
 
-class _Instruments:
-    """One meter provider's instruments, and the recorders that record into them.
+class _Kind:
+    """One (meter provider, store kind, backend)'s call counts, kept for the life of the process.
 
-    The counter is observable: it reports the recorders' tallies when the provider collects,
-    so a call pays for one synchronous measurement (the histogram's) and an integer increment.
+    Every recorder of that store kind and backend bound to that provider counts here, so the
+    totals the observable counter reports never decrease: not when a store is collected, not
+    when the default recorders move to another provider and back (a monotonic counter that
+    went down would read as a reset to Prometheus).
     """
 
-    __slots__ = ("counter", "histogram", "recorders")
+    __slots__ = ("__weakref__", "base", "failures", "histogram", "instruments", "lock", "successes")
+
+    def __init__(self, instruments: _Instruments, store: str, backend: str) -> None:
+        self.base = {ATTR_STORE: store, ATTR_BACKEND: backend}
+        self.instruments = instruments
+        self.histogram = instruments.histogram  # None until the global provider is set
+        self.lock = threading.Lock()
+        renew_after_fork(self, "lock")
+        self.successes: dict[str, _Tally] = {}
+        self.failures: dict[tuple[str, type[BaseException] | None], _Tally] = {}
+
+    def tallies(self) -> list[_Tally]:
+        with self.lock:
+            return [*self.successes.values(), *self.failures.values()]
+
+    def new_tally(
+        self, operation: str, failed: bool, error_type: type[BaseException] | None
+    ) -> _Tally:
+        attributes = {**self.base, ATTR_OPERATION: operation, ATTR_OUTCOME: "success"}
+        if failed:
+            attributes[ATTR_OUTCOME] = "error" if error_type is None else outcome_of(error_type)
+            attributes[ATTR_ERROR_TYPE] = _error_type_name(error_type)
+        return _Tally(attributes)
+
+    def live_histogram(self) -> Any:
+        """The histogram, once measurements reach a real one (None: they would be dropped)."""
+        histogram = self.histogram = self.instruments.live_histogram()
+        return histogram
+
+
+class _Instruments:
+    """One meter provider's instruments, and the call counts of every (store kind, backend).
+
+    The counter is observable: it reports the tallies when the provider collects, so a call
+    pays for one synchronous measurement (the histogram's) and an integer increment. A call
+    counts only when its measurement reaches a real histogram: instruments of the global
+    provider made before the application set it are the API's proxies, which drop what they
+    are given until then, and the counter (whose callback the provider calls only once set)
+    must not report those calls either, or its count and the histogram's would differ.
+    """
+
+    __slots__ = ("_proxy", "counter", "histogram", "kinds")
 
     def __init__(self, provider: otel_metrics.MeterProvider | None) -> None:
         meter = otel_metrics.get_meter(METER_NAME, _package_version(), meter_provider=provider)
-        self.recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
+        self.kinds: dict[tuple[str, str], _Kind] = {}
         description = "Duration of tokencapture store operations, as the caller experienced it."
         try:
-            self.histogram = meter.create_histogram(
+            histogram = meter.create_histogram(
                 DURATION_NAME,
                 unit="s",
                 description=description,
                 explicit_bucket_boundaries_advisory=BUCKET_BOUNDS_SECONDS,
             )
         except TypeError:  # opentelemetry-api < 1.23 has no bucket advice
-            self.histogram = meter.create_histogram(
-                DURATION_NAME, unit="s", description=description
-            )
+            histogram = meter.create_histogram(DURATION_NAME, unit="s", description=description)
+        # A proxy (the global provider not set yet) holds its real instrument, None until set;
+        # anything else is real.
+        self._proxy = histogram
+        self.histogram: Any = getattr(histogram, "_real_instrument", histogram)
         self.counter = meter.create_observable_counter(
             COUNTER_NAME,
             callbacks=[self._observe],
@@ -135,28 +183,38 @@ class _Instruments:
             description="Completed tokencapture store operations, failed ones included.",
         )
 
+    def live_histogram(self) -> Any:
+        """The histogram measurements reach (the real one behind a proxy), None while none."""
+        histogram = self.histogram
+        if histogram is None:
+            histogram = self.histogram = getattr(self._proxy, "_real_instrument", None)
+        return histogram
+
+    def kind(self, store: str, backend: str) -> _Kind:
+        key = (store, backend)
+        with _lock:
+            found = self.kinds.get(key)
+            if found is None:
+                found = self.kinds[key] = _Kind(self, store, backend)
+            return found
+
     def _observe(self, options: otel_metrics.CallbackOptions) -> list[otel_metrics.Observation]:
         del options
-        totals: dict[tuple[tuple[str, str], ...], list[Any]] = {}
         with _lock:
-            recorders = list(self.recorders)
-        for recorder in recorders:
-            for tally in recorder.tallies():
-                key = tuple(sorted(tally.attributes.items()))
-                found = totals.get(key)
-                if found is None:
-                    totals[key] = [tally.attributes, tally.count]
-                else:
-                    found[1] += tally.count
+            kinds = list(self.kinds.values())
         return [
-            otel_metrics.Observation(count, attributes) for attributes, count in totals.values()
+            otel_metrics.Observation(tally.count, tally.attributes)
+            for kind in kinds
+            for tally in kind.tallies()
         ]
 
 
 _lock = threading.Lock()
 renew_after_fork(sys.modules[__name__], "_lock")
 _default_provider: otel_metrics.MeterProvider | None = None  # None: the global provider
-_instruments: dict[int, tuple[object, _Instruments]] = {}  # id(provider or None) -> instruments
+# id(provider or None) -> (provider, its instruments); kept for the life of the process, so
+# is every count (see `_Kind`).
+_instruments: dict[int, tuple[object, _Instruments]] = {}
 _following_default: weakref.WeakSet[Recorder] = weakref.WeakSet()
 
 
@@ -175,47 +233,33 @@ def _instruments_for(provider: otel_metrics.MeterProvider | None) -> _Instrument
 
 
 class Recorder:
-    """Records one store's (store kind, backend) operations into the OpenTelemetry instruments."""
+    """Records one store's (store kind, backend) operations into the OpenTelemetry instruments
+    of its provider, and counts them in that provider's tallies of the kind (see `_Kind`)."""
 
-    __slots__ = ("__weakref__", "_base", "_failures", "_lock", "_successes", "histogram")
+    __slots__ = ("__weakref__", "_backend", "_kind", "_store")
 
     def __init__(
         self, store: str, backend: str, provider: otel_metrics.MeterProvider | None
     ) -> None:
-        self._base = {ATTR_STORE: store, ATTR_BACKEND: backend}
-        self._lock = threading.Lock()
-        renew_after_fork(self, "_lock")
-        self._successes: dict[str, _Tally] = {}
-        self._failures: dict[tuple[str, type[BaseException] | None], _Tally] = {}
+        self._store = store
+        self._backend = backend
         if provider is None:
             with _lock:
                 _following_default.add(self)
                 provider = _default_provider
-        self._bind(_instruments_for(provider))
+        self._kind = _instruments_for(provider).kind(store, backend)
 
     def _bind(self, instruments: _Instruments) -> None:
-        """Record into `instruments` from now on; the counts start again from zero there."""
-        with _lock:
-            for each in _instruments.values():
-                each[1].recorders.discard(self)
-            instruments.recorders.add(self)
-        with self._lock:
-            self._successes = {}
-            self._failures = {}
-            self.histogram = instruments.histogram
+        """Record into `instruments` from now on, counting on from that provider's totals."""
+        self._kind = instruments.kind(self._store, self._backend)
+
+    @property
+    def _lock(self) -> threading.Lock:
+        """The lock a call takes (its kind's)."""
+        return self._kind.lock
 
     def tallies(self) -> list[_Tally]:
-        with self._lock:
-            return [*self._successes.values(), *self._failures.values()]
-
-    def _new_tally(
-        self, operation: str, failed: bool, error_type: type[BaseException] | None
-    ) -> _Tally:
-        attributes = {**self._base, ATTR_OPERATION: operation, ATTR_OUTCOME: "success"}
-        if failed:
-            attributes[ATTR_OUTCOME] = "error" if error_type is None else outcome_of(error_type)
-            attributes[ATTR_ERROR_TYPE] = _error_type_name(error_type)
-        return _Tally(attributes)
+        return self._kind.tallies()
 
     def record(
         self,
@@ -225,20 +269,23 @@ class Recorder:
         error_type: type[BaseException] | None,
     ) -> None:
         """One call of `operation` took `seconds` (`failed`: it raised `error_type`)."""
+        kind = self._kind
+        histogram = kind.histogram
+        if histogram is None:
+            histogram = kind.live_histogram()
+            if histogram is None:  # the global provider is not set: nothing would see it
+                return
         if not failed:
-            tally = self._successes.get(operation)
+            tally = kind.successes.get(operation)
             if tally is None:
-                tally = self._successes.setdefault(
-                    operation, self._new_tally(operation, False, None)
-                )
+                tally = kind.successes.setdefault(operation, kind.new_tally(operation, False, None))
         else:
             key = (operation, error_type)
-            tally = self._failures.get(key)
+            tally = kind.failures.get(key)
             if tally is None:
-                tally = self._failures.setdefault(key, self._new_tally(operation, True, error_type))
-        with self._lock:
+                tally = kind.failures.setdefault(key, kind.new_tally(operation, True, error_type))
+        with kind.lock:
             tally.count += 1
-            histogram = self.histogram
         histogram.record(seconds, tally.attributes)
 
 

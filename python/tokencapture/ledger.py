@@ -119,6 +119,13 @@ _NO_MATCH: Final[LineageResolution] = LineageResolution(
         "retire_now": "retire",
         "delete_now": "delete",
     },
+    refusals={
+        "manifest": "manifest",
+        "has_rows": "has_rows",
+        "resolve": "resolve",
+        "retire": "retire",
+        "delete": "delete",
+    },
 )
 class FileCaptureLedger:
     """A `CaptureLedger` over one directory, shared by every process that opens it (and by

@@ -56,7 +56,7 @@ from tokencapture.ledger_rows import (
     match_of,
     retired_error,
 )
-from tokencapture.metrics import instrumented
+from tokencapture.metrics import instrumented, untimed
 from tokencapture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload
 from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokencapture.resolution import DEFAULT_CACHED_ROLLOUTS as DEFAULT_CACHED_ROLLOUTS
@@ -236,7 +236,9 @@ class FileLineageStore:
     def _from_ledger(
         self, rollout_id: str, items: list[Any], resolution: LineageResolution
     ) -> LineageResolution:
-        found = self._capture_ledger().resolve_now(rollout_id, items)
+        ledger = self._capture_ledger()
+        with untimed(ledger):  # part of this resolve, counted once as this store's
+            found = ledger.resolve_now(rollout_id, items)
         return found if found.status is ParentResolutionStatus.RESOLVED else resolution
 
     def record_now(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> bool:

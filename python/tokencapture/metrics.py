@@ -25,7 +25,7 @@ import time
 import weakref
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,6 +42,7 @@ __all__ = [
     "instrumented",
     "otel_enabled",
     "snapshot",
+    "untimed",
     "use_meter_provider",
 ]
 
@@ -243,7 +244,13 @@ def use_meter_provider(meter_provider: Any) -> None:
 _C = TypeVar("_C", bound=type)
 
 
-def instrumented(store: str, backend: str, operations: Mapping[str, str]) -> Callable[[_C], _C]:
+def instrumented(
+    store: str,
+    backend: str,
+    operations: Mapping[str, str],
+    *,
+    refusals: Mapping[str, str] | None = None,
+) -> Callable[[_C], _C]:
     """Class decorator: time the methods named in `operations` (method -> operation name).
 
     Each call is recorded into the OpenTelemetry instruments with `store` and `backend` as
@@ -251,8 +258,11 @@ def instrumented(store: str, backend: str, operations: Mapping[str, str]) -> Cal
     result is ready. A timed method that calls another timed method of the same object in the
     same context (an async twin awaiting its sync twin, or `asyncio.to_thread` of it) counts
     once, as the outer call; an async twin that hands its sync twin to an executor without
-    copying the context must not be named as well. Without OpenTelemetry the class is returned
-    as is.
+    copying the context must not be named as well, nor one that hands it to
+    `asyncio.to_thread` (its sync twin times the work). Name those in `refusals` instead
+    (method -> operation name): what such a method raises when called (its argument checks,
+    before anything ran) counts as one failed call of the operation, and the awaitable it
+    returns is left to the twin it runs. Without OpenTelemetry the class is returned as is.
     """
 
     def decorate(cls: _C) -> _C:
@@ -260,14 +270,38 @@ def instrumented(store: str, backend: str, operations: Mapping[str, str]) -> Cal
         if otel is None:
             return cls
         recorder = otel.recorder(store, backend)
-        for method, operation in operations.items():
-            function = cls.__dict__.get(method)
-            if not callable(function):
-                raise AttributeError(f"{cls.__name__}.{method} is not a method to instrument")
-            setattr(cls, method, _timed_method(function, recorder, operation))
+        for names, wrap in ((operations, _timed_method), (refusals or {}, _refusing_method)):
+            for method, operation in names.items():
+                function = cls.__dict__.get(method)
+                if not callable(function):
+                    raise AttributeError(f"{cls.__name__}.{method} is not a method to instrument")
+                setattr(cls, method, wrap(function, recorder, operation))
         return cls
 
     return decorate
+
+
+def untimed(obj: object) -> _Untimed:
+    """A context manager: within it, the timed methods of `obj` (see `instrumented`) do not
+    count. For a store that delegates part of its own operation to another one (a
+    `FileLineageStore`'s resolve answered by its capture ledger's `resolve_now`): that is the
+    caller's one call, counted by the caller."""
+    return _Untimed(id(obj))
+
+
+class _Untimed:
+    __slots__ = ("_id", "_token")
+
+    _token: Token[int | None]
+
+    def __init__(self, obj_id: int) -> None:
+        self._id = obj_id
+
+    def __enter__(self) -> None:
+        self._token = _timing.set(self._id)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _timing.reset(self._token)
 
 
 # The `id` of the object whose timed method is running in this context (its nested timed calls
@@ -354,3 +388,23 @@ def _timed_method(function: Callable[..., Any], recorder: Recorder, operation: s
 
         return timed_coroutine
     return timed
+
+
+def _refusing_method(function: Callable[..., Any], recorder: Recorder, operation: str) -> Any:
+    """`function` (which checks its arguments and returns an awaitable), counting what it
+    raises when called as a failed `operation`; the awaitable is not timed here."""
+    record = recorder.record
+    clock = time.perf_counter
+
+    @functools.wraps(function)
+    def refusing(self: object, *args: Any, **kwargs: Any) -> Any:
+        if _timing.get() == id(self):
+            return function(self, *args, **kwargs)
+        started = clock()
+        try:
+            return function(self, *args, **kwargs)
+        except BaseException as exc:
+            record(operation, clock() - started, True, type(exc))
+            raise
+
+    return refusing

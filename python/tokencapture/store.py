@@ -303,7 +303,8 @@ class TokenCaptureStore(RolloutFiles):
 
     def freeze(self, rollout_id: str) -> Coroutine[Any, Any, TokenCaptureSnapshot]:
         """Freeze the rollout off the event loop (the id is checked when this is called)."""
-        validate_rollout_id(rollout_id)
+        with self._refusals("freeze", rollout_id):
+            validate_rollout_id(rollout_id)
         return off_loop(self.freeze_now, rollout_id)
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
@@ -341,8 +342,9 @@ class TokenCaptureStore(RolloutFiles):
     ) -> Coroutine[Any, Any, _columnar.ColumnarSnapshot]:
         """`freeze`, with the entries as Arrow columns (validates `rollout_id` when called);
         `shared_prefixes` as for `freeze_columns_now`."""
-        validate_rollout_id(rollout_id)
-        check_flag(shared_prefixes, "shared_prefixes")
+        with self._refusals("freeze_columns", rollout_id):
+            validate_rollout_id(rollout_id)
+            check_flag(shared_prefixes, "shared_prefixes")
         return off_loop(self.freeze_columns_now, rollout_id, shared_prefixes=shared_prefixes)
 
     def read_columns(
@@ -359,9 +361,10 @@ class TokenCaptureStore(RolloutFiles):
 
     def _drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Synchronous `drop` (the reference's name)."""
-        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**64:
-            return False  # no stored version can equal it
         with self._operation("drop", rollout_id):
+            bad = isinstance(version, bool) or not isinstance(version, int)
+            if bad or not 0 <= version < 2**64:
+                return False  # no stored version can equal it
             return self._native.drop_snapshot(rollout_id, snapshot_id, version)
 
     def drop(self, rollout_id: str, snapshot_id: str, version: int) -> Coroutine[Any, Any, bool]:
@@ -369,15 +372,15 @@ class TokenCaptureStore(RolloutFiles):
 
         The rollout id and the snapshot id's type are checked when this is called.
         """
-        validate_rollout_id(rollout_id)
-        check_snapshot_id(snapshot_id)
+        with self._refusals("drop", rollout_id):
+            validate_rollout_id(rollout_id)
+            check_snapshot_id(snapshot_id)
         return off_loop(self._drop, rollout_id, snapshot_id, version)
 
     def retire_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `retire`: fence every rollout durably, then remove their records."""
-        ids = validate_rollout_ids(rollout_ids)
-        with self._operation("retire", ids):
-            removed, absent = self._native.retire(ids)
+        with self._operation("retire", rollout_ids):
+            removed, absent = self._native.retire(validate_rollout_ids(rollout_ids))
         return {"removed": removed, "absent": absent}
 
     def retire(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
@@ -385,14 +388,14 @@ class TokenCaptureStore(RolloutFiles):
 
         The batch is validated when this is called (a bare string is a `TypeError`).
         """
-        ids = validate_rollout_ids(rollout_ids)
+        with self._refusals("retire", rollout_ids):
+            ids = validate_rollout_ids(rollout_ids)
         return off_loop(self.retire_now, ids)
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Synchronous `delete`: remove records, fences and lock files."""
-        ids = validate_rollout_ids(rollout_ids)
-        with self._operation("delete", ids):
-            removed, absent = self._native.delete(ids)
+        with self._operation("delete", rollout_ids):
+            removed, absent = self._native.delete(validate_rollout_ids(rollout_ids))
         return {"removed": removed, "absent": absent}
 
     def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
@@ -403,7 +406,8 @@ class TokenCaptureStore(RolloutFiles):
         bare string), instead of building a coroutine that never runs: use
         `delete_now([rollout_id])`.
         """
-        ids = validate_rollout_ids(rollout_ids)
+        with self._refusals("delete", rollout_ids):
+            ids = validate_rollout_ids(rollout_ids)
         return off_loop(self.delete_now, ids)
 
     def sweep_retired(self, older_than_seconds: float) -> int:
@@ -422,8 +426,8 @@ class TokenCaptureStore(RolloutFiles):
         and reused meanwhile is never touched; rollouts that are not retired never are.
         `older_than_seconds` must be a real number (`TypeError`), not NaN (`ValueError`).
         """
-        cutoff = wall_time() - check_age(older_than_seconds)
         with self._operation("sweep_retired", None):
+            cutoff = wall_time() - check_age(older_than_seconds)
             return self._native.sweep_retired(cutoff, dry_run)
 
     def inspect(self, rollout_id: str) -> dict[str, Any] | None:

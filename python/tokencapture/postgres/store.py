@@ -318,7 +318,9 @@ class PostgresTokenCaptureStore:
 
     def freeze(self, rollout_id: str) -> Coroutine[Any, Any, TokenCaptureSnapshot]:
         """Freeze one rollout (the first freeze mints the snapshot id) and return its snapshot."""
-        return self._freeze(validate_rollout_id(rollout_id))
+        with self._refusals("freeze", rollout_id):
+            rollout = validate_rollout_id(rollout_id)
+        return self._freeze(rollout)
 
     async def _freeze_rows(self, rollout_id: str) -> tuple[Any, list[Any]]:
         """Freeze: the outcome (status, incomplete, snapshot id, version) and the line rows;
@@ -407,9 +409,10 @@ class PostgresTokenCaptureStore:
         """`freeze`, with the entries as Arrow columns instead of `TokenEntry` objects (the same
         round trip, fence, digest checks, incomplete rule, snapshot id and version).
         `shared_prefixes` as for the file store's (`prompt_token_ids` a list view)."""
-        return self._freeze_columns(
-            validate_rollout_id(rollout_id), check_flag(shared_prefixes, "shared_prefixes")
-        )
+        with self._refusals("freeze_columns", rollout_id):
+            rollout = validate_rollout_id(rollout_id)
+            shared = check_flag(shared_prefixes, "shared_prefixes")
+        return self._freeze_columns(rollout, shared)
 
     async def _freeze_columns(
         self, rollout_id: str, shared_prefixes: bool
@@ -427,7 +430,6 @@ class PostgresTokenCaptureStore:
         self, rollout_id: str, *, shared_prefixes: bool = False
     ) -> _columnar.ColumnarSnapshot:
         """Synchronous `freeze_columns`."""
-        validate_rollout_id(rollout_id)
         return self._client.run_sync(
             self.freeze_columns(rollout_id, shared_prefixes=shared_prefixes)
         )
@@ -462,39 +464,45 @@ class PostgresTokenCaptureStore:
 
         The rollout id and the snapshot id's type are checked when this is called.
         """
-        validate_rollout_id(rollout_id)
-        check_snapshot_id(snapshot_id)
+        with self._refusals("drop", rollout_id):
+            validate_rollout_id(rollout_id)
+            check_snapshot_id(snapshot_id)
         return self._drop_async(rollout_id, snapshot_id, version)
 
     async def _drop_async(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
-        if (
-            isinstance(version, bool)
-            or not isinstance(version, int)
-            or not 0 <= version < 2**63  # a bigint; the file store's u64 never exceeds it
-            or "\0" in snapshot_id  # minted ids are uuid hex; text cannot hold NUL
-        ):
-            return False  # no stored version or snapshot id can equal it
         with self._operation("drop", rollout_id):
+            if (
+                isinstance(version, bool)
+                or not isinstance(version, int)
+                or not 0 <= version < 2**63  # a bigint; the file store's u64 never exceeds it
+                or "\0" in snapshot_id  # minted ids are uuid hex; text cannot hold NUL
+            ):
+                return False  # no stored version or snapshot id can equal it (still a drop)
             return bool(await self._client.fetch("val", _DROP, rollout_id, snapshot_id, version))
 
     def _drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Synchronous `drop` (the reference's name)."""
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**64:
-            return False  # no stored version can equal it (checked first, as files do)
+            with self._operation("drop", rollout_id):  # counted, as the file store counts it
+                return False  # no stored version can equal it (checked first, as files do)
         return self._client.run_sync(self.drop(rollout_id, snapshot_id, version))
 
     def retire(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
         """Fence every rollout and remove its records, whatever its state, in one transaction."""
-        return self._batch("retire", _RETIRE, validate_rollout_ids(rollout_ids))
+        with self._refusals("retire", rollout_ids):
+            ids = validate_rollout_ids(rollout_ids)
+        return self._batch("retire", _RETIRE, ids)
 
     def delete(self, rollout_ids: Sequence[str]) -> Coroutine[Any, Any, RolloutRemovalPayload]:
         """Remove records and fences in one transaction, so a reused id starts empty."""
-        return self._batch("delete", _DELETE, validate_rollout_ids(rollout_ids))
+        with self._refusals("delete", rollout_ids):
+            ids = validate_rollout_ids(rollout_ids)
+        return self._batch("delete", _DELETE, ids)
 
     async def _batch(self, name: str, sql: str, ids: list[str]) -> RolloutRemovalPayload:
-        if not ids:
-            return {"removed": [], "absent": []}
-        with self._operation(name, ids):
+        with self._operation(name, ids):  # an empty batch too, as the file store counts it
+            if not ids:
+                return {"removed": [], "absent": []}
             row = await self._client.fetch("row", sql, ids)
         return {"removed": list(row["removed"]), "absent": list(row["absent"])}
 
@@ -516,7 +524,8 @@ class PostgresTokenCaptureStore:
         runs on Citus too), checked again and deleted in one transaction, so a rollout deleted
         and reused meanwhile is never touched. The argument is
         checked as the file store checks it (`TypeError` / `ValueError`)."""
-        age = check_age(older_than_seconds)
+        with self._refusals("sweep_retired", None):
+            age = check_age(older_than_seconds)
         return self._client.run_sync(self._sweep(age, dry_run))
 
     async def _sweep(self, age: float, dry_run: bool) -> list[str]:

@@ -530,6 +530,15 @@ class _Lock:
         "retire_now": "retire",
         "delete_now": "delete",
     },
+    refusals={
+        "put": "put",
+        "begin_call": "begin_call",
+        "mark_incomplete": "mark_incomplete",
+        "freeze": "freeze",
+        "drop": "drop",
+        "retire": "retire",
+        "delete": "delete",
+    },
 )
 class TokenCaptureStore(RolloutFiles):
     """Durable, rollout-keyed JSONL sink and source for `TokenEntry` records (pure Python).
