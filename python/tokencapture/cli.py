@@ -76,15 +76,6 @@ def _one_line(text: str) -> str:
     return re.sub(r"[ \t]*[\r\n]+\s*", " ", text).strip()
 
 
-def _unavailable_as_one(dsn: str, exc: BaseException) -> BaseException:
-    """The driver's failure of a command that connects by itself (`db init`): no answer from
-    the server is said as the stores say it (`PostgreSQL at HOST:PORT/DB is unavailable:
-    ...`); anything else stays as it is."""
-    from tokencapture.postgres._client import _where, is_unavailable, unavailable_error
-
-    return unavailable_error(_where(dsn), exc) if is_unavailable(exc) else exc
-
-
 def _existing_dir(text: str) -> Path:
     path = Path(text)
     if not path.is_dir():
@@ -477,11 +468,6 @@ def cmd_db_init(args: argparse.Namespace) -> int:
         distribution = describe_distribution_sync(args.dsn)
     except PostgresCitusError as exc:
         raise CliError(str(exc)) from exc
-    except Exception as exc:
-        said = _unavailable_as_one(args.dsn, exc)
-        if said is exc:
-            raise
-        raise said from exc
     payload: dict[str, Any] = {"applied": applied, "schema_version": SCHEMA_VERSION}
     if distribution["citus"]:  # a Citus coordinator: how the schema is distributed
         payload["citus"] = distribution

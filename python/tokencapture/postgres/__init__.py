@@ -18,13 +18,14 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
     ) from exc
 
 from tokencapture.postgres._citus import PostgresCitusError
-from tokencapture.postgres._citus import describe_sync as describe_distribution_sync
 from tokencapture.postgres._client import (
     PostgresDurabilityError,
     PostgresSchemaError,
     PostgresUnavailableError,
+    describe_distribution_sync,
+    install_schema_sync,
 )
-from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, install_schema_sync
+from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema
 from tokencapture.postgres.ledger import PostgresCaptureLedger
 from tokencapture.postgres.lineage import PostgresLineageStore
 from tokencapture.postgres.staging import PostgresStagingStore

@@ -26,11 +26,8 @@ plain bodies.
 
 from __future__ import annotations
 
-import asyncio
 from importlib import resources
 from typing import Any
-
-import asyncpg  # type: ignore[import-untyped, unused-ignore]
 
 __all__ = [
     "COLOCATION_TABLE",
@@ -40,7 +37,6 @@ __all__ = [
     "PostgresCitusError",
     "citus_companion",
     "describe",
-    "describe_sync",
     "distribute",
     "fully_distributed",
     "has_citus",
@@ -251,16 +247,3 @@ async def describe(connection: Any) -> dict[str, Any]:
         )
     }
     return {"citus": True, "tables": tables, "delegated": delegated}
-
-
-def describe_sync(dsn: str, *, timeout: float = 30.0) -> dict[str, Any]:
-    """`describe` from synchronous code, on its own connection."""
-
-    async def run() -> dict[str, Any]:
-        connection = await asyncpg.connect(dsn, timeout=timeout)
-        try:
-            return await describe(connection)
-        finally:
-            await connection.close()
-
-    return asyncio.run(run())

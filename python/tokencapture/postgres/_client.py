@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import threading
 import time
 import weakref
@@ -25,7 +26,7 @@ from urllib.parse import urlsplit
 import asyncpg  # type: ignore[import-untyped, unused-ignore]
 
 from tokencapture.forking import ProcessOwner, leak, renew_after_fork
-from tokencapture.postgres._citus import is_distributed
+from tokencapture.postgres._citus import describe, is_distributed
 from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, schema_version
 
 __all__ = [
@@ -35,7 +36,9 @@ __all__ = [
     "PostgresDurabilityError",
     "PostgresSchemaError",
     "PostgresUnavailableError",
-    "is_unavailable",
+    "describe_distribution_sync",
+    "install_schema_sync",
+    "on_own_connection",
     "unavailable_error",
 ]
 
@@ -111,9 +114,34 @@ def unavailable_error(where: str, exc: BaseException) -> PostgresUnavailableErro
     )
 
 
-def is_unavailable(exc: BaseException) -> bool:
-    """Whether `exc`, raised by the driver, means no answer from the server (`_UNAVAILABLE`)."""
-    return isinstance(exc, _UNAVAILABLE)
+def install_schema_sync(
+    dsn: str, *, timeout: float = 30.0, citus: bool | None = None, upto: int | None = None
+) -> list[str]:
+    """`install_schema` from synchronous code, on its own connection (an unreachable server is
+    `PostgresUnavailableError`)."""
+    work = functools.partial(install_schema, citus=citus, upto=upto)
+    return asyncio.run(on_own_connection(dsn, timeout, work))
+
+
+def describe_distribution_sync(dsn: str, *, timeout: float = 30.0) -> dict[str, Any]:
+    """How the schema is distributed (`tokencapture.postgres._citus.describe`), from
+    synchronous code, on its own connection (an unreachable server is
+    `PostgresUnavailableError`)."""
+    return asyncio.run(on_own_connection(dsn, timeout, describe))
+
+
+async def on_own_connection(dsn: str, timeout: float, work: Callable[[Any], Awaitable[_T]]) -> _T:
+    """`work(connection)` on a connection of its own (the schema's installer, the CLI's
+    `db init`), no answer from the server said as the stores say it
+    (`PostgresUnavailableError`)."""
+    try:
+        connection = await asyncpg.connect(dsn, timeout=timeout)
+        try:
+            return await work(connection)
+        finally:
+            await connection.close()
+    except _UNAVAILABLE as exc:
+        raise unavailable_error(_where(dsn), exc) from exc
 
 
 def _where(dsn: str) -> str:

@@ -8,12 +8,9 @@ Citus bodies and the schema is distributed (tokencapture/postgres/_citus.py).
 
 from __future__ import annotations
 
-import asyncio
 import re
 from importlib import resources
 from typing import Any
-
-import asyncpg  # type: ignore[import-untyped, unused-ignore]
 
 from tokencapture.postgres._citus import (
     PostgresCitusError,
@@ -27,7 +24,6 @@ from tokencapture.postgres._citus import (
 __all__ = [
     "SCHEMA_VERSION",
     "install_schema",
-    "install_schema_sync",
     "migrations",
     "schema_version",
 ]
@@ -142,18 +138,3 @@ async def install_schema(
         if distributed:
             await distribute(connection)  # a schema installed before Citus was
     return applied
-
-
-def install_schema_sync(
-    dsn: str, *, timeout: float = 30.0, citus: bool | None = None, upto: int | None = None
-) -> list[str]:
-    """`install_schema` from synchronous code, on its own connection."""
-
-    async def run() -> list[str]:
-        connection = await asyncpg.connect(dsn, timeout=timeout)
-        try:
-            return await install_schema(connection, citus=citus, upto=upto)
-        finally:
-            await connection.close()
-
-    return asyncio.run(run())
