@@ -225,3 +225,82 @@ def test_on_disk_example_is_what_the_store_writes(tmp_path: Path) -> None:
     # What the page says about the state, computed independently of the store.
     assert documented["indexed_size"] == len(line.encode()) + 1
     assert documented["entry_digests"]["call-1"] == hashlib.sha256(line.encode()).hexdigest()
+
+
+def name_table(page: Path, header: str) -> list[tuple[str, str]]:
+    """The rows (reference names, where they live) of the table under `header`."""
+    lines = page.read_text().splitlines()
+    start = lines.index(header)
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        reference, here = line.split("|")[1:3]
+        rows.append((reference.strip(), here.strip()))
+    return rows
+
+
+NAME_TABLE = "| reference name (`nemo_gym.token_id_capture.…`) | here |"
+
+
+def test_readme_and_index_list_the_same_names() -> None:
+    def unlinked(cell: str) -> str:
+        return re.sub(r"\[(`[^`]+`)\]\([^)]+\)", r"\1", cell)
+
+    readme = name_table(README, NAME_TABLE)
+    index = name_table(DOCS / "index.md", NAME_TABLE)
+    assert readme == [(reference, unlinked(here)) for reference, here in index]
+
+
+@pytest.mark.parametrize("page", [README, DOCS / "index.md"], ids=lambda p: p.name)
+def test_every_name_of_the_name_table_is_importable_from_tokencapture(page: Path) -> None:
+    """The pages say `tokencapture` re-exports the public names of each module in the table:
+    every name in either column, and the constants, errors and `install_*` functions the
+    first column names in words, are attributes of the top-level package."""
+    import tokencapture
+
+    expected: set[str] = set()
+    for reference, here in name_table(page, NAME_TABLE):
+        spans = re.findall(r"`([^`]+)`", here)
+        module = resolve(spans[0])
+        if not isinstance(module, type(tokencapture)):
+            module = importlib.import_module(spans[0].rsplit(".", 1)[0])
+        public = list(getattr(module, "__all__", []))
+        for span in re.findall(r"`([^`]+)`", reference) + spans[1:]:
+            name = span.rsplit(".", 1)[-1]
+            if span == f"tokencapture.{span.split('.')[-1]}" or span == "conformance":
+                continue  # a module named whole (its names are its own page's)
+            if name.endswith("(s)"):
+                expected |= {name[:-3], name[:-3] + "s"}
+            elif "*" in name:
+                matched = [n for n in public if re.fullmatch(name.replace("*", r"\w+"), n)]
+                assert matched, (span, module.__name__)
+                expected |= set(matched)
+            else:
+                expected.add(name)
+        if "the constants" in reference:
+            expected |= {n for n in public if n.isupper() and not n.startswith("_")}
+        if "the errors" in reference:
+            expected |= {n for n in public if n.endswith("Error")}
+    assert len(expected) > 40
+    missing = sorted(name for name in expected if not hasattr(tokencapture, name))
+    assert missing == []
+    assert sorted(name for name in expected if name not in tokencapture.__all__) == []
+
+
+def test_staging_example_builds_and_stages_a_chain(tmp_path: Path) -> None:
+    """The staging page's example of building records to stage runs as shown."""
+    page = (DOCS / "staging.md").read_text()
+    (script,) = [block for block in code_blocks(page, "python") if "build_chain(" in block]
+    assert '"/tmp/staging-example"' in script
+    script = script.replace('"/tmp/staging-example"', repr(str(tmp_path / "staging")))
+    (tmp_path / "example.py").write_text(script + "\n")
+    done = subprocess.run(
+        [sys.executable, "-W", "error", str(tmp_path / "example.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "['rollout-7/call-0', 'rollout-7/call-1', 'rollout-7/call-2'] 24\n"

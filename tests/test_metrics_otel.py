@@ -525,6 +525,8 @@ def unreachable_postgres(_: Path) -> Any:
     from tokencapture.postgres import PostgresTokenCaptureStore
 
     return PostgresTokenCaptureStore("postgresql://tc@127.0.0.1:1/none", connect_timeout=1)
+
+
 RESOLVE_ITEMS = [{"role": "user", "content": "question"}]
 
 # (store kind, backend, operation, the store's class, the call): every call is refused when

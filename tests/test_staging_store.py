@@ -109,3 +109,44 @@ def test_kept_descriptors_count_in_the_process_budget(tmp_path: Path) -> None:
     assert budget()["held"] == before + 1  # only the capped store's segment is left
     with pytest.raises(ValueError):
         FileStagingStore(tmp_path / "c", max_open_files=-1)
+
+
+def test_close_releases_descriptors_and_refuses_later_calls(tmp_path: Path) -> None:
+    """`close` (as `PostgresStagingStore`'s): what the instance keeps open is closed, it is
+    idempotent, and every later call says the store is closed; the data stays for others."""
+    import asyncio
+    import gc
+
+    from tokencapture.conformance_staging import build_chain
+    from tokencapture.descriptors import budget
+
+    records = build_chain(nemo_records, "r", 2)
+    gc.collect()
+    before = budget()["held"]
+    store = FileStagingStore(tmp_path)
+    key = store.stage(records[0]).staging_key
+    assert budget()["held"] == before + 2  # the segment being written and the store lock
+    assert not store.closed
+    store.close()
+    assert store.closed
+    assert budget()["held"] == before
+    store.close()  # idempotent
+    asyncio.run(store.aclose())
+    assert store.root == tmp_path and repr(store) == f"FileStagingStore({str(tmp_path)!r})"
+    result = store.stage(records[1])
+    assert not result.ok and result.error == "RuntimeError: the store is closed"
+    for call in (
+        lambda: store.fetch([key]),
+        lambda: store.fetch_records([key]),
+        lambda: store.fetch_attachments(key),
+        lambda: store.keys(),
+        lambda: store.retired(),
+        lambda: store.retire(["r"]),
+        lambda: store.delete(["r"]),
+        lambda: store.damage(),
+        lambda: store.stats(),
+        lambda: store.commit_stats(),
+    ):
+        with pytest.raises(RuntimeError, match=r"^the store is closed$"):
+            call()
+    assert FileStagingStore(tmp_path).keys() == [key]

@@ -37,7 +37,7 @@ except ImportError as _error:
         name="tokencapture._core",
     ) from _error
 
-from tokencapture.capture_settings import TokenIdCaptureConfig
+from tokencapture.capture_settings import TokenIdCaptureConfig, TokenIdCaptureSettings
 from tokencapture.fingerprint import (
     FINGERPRINT_VERSION,
     assistant_fingerprint,
@@ -77,6 +77,9 @@ from tokencapture.protocols import (
     installed_token_source,
 )
 from tokencapture.records import (
+    DIGEST_VERSION,
+    LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
+    LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
     TOKEN_ENTRY_MIN_SCHEMA_VERSION,
     TOKEN_ENTRY_RECORD_SCHEMA_VERSION,
     TOKEN_FIELDS,
@@ -86,12 +89,21 @@ from tokencapture.records import (
     TokenEntry,
     compute_digest,
     cumulative_tokens,
+    encode_token_ids,
     extract_token_fields,
+    response_to_output_items,
     stamp_lineage,
+    strip_token_fields,
 )
 from tokencapture.staging.store import FileStagingStore
 from tokencapture.staging_errors import StagingKeyError, StagingKeyRetiredError
-from tokencapture.staging_records import CallRecord, CaptureLedgerCommit
+from tokencapture.staging_records import (
+    CallRecord,
+    CaptureLedgerCommit,
+    ManifestFailure,
+    RolloutManifest,
+    RolloutRemoval,
+)
 from tokencapture.store import (
     TokenCaptureStore,
     make_token_store,
@@ -113,7 +125,10 @@ except _PackageNotFoundError:
     __version__ = "0+unknown"
 
 __all__ = [
+    "DIGEST_VERSION",
     "FINGERPRINT_VERSION",
+    "LEDGER_ROW_MISSING_CHAIN_HASH_REASON",
+    "LEDGER_ROW_MISSING_RESPONSE_ID_REASON",
     "TOKEN_ENTRY_MIN_SCHEMA_VERSION",
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
     "TOKEN_FIELDS",
@@ -131,7 +146,10 @@ __all__ = [
     "LineageMatch",
     "LineageResolution",
     "LineageResolver",
+    "ManifestFailure",
     "ParentResolutionStatus",
+    "RolloutManifest",
+    "RolloutRemoval",
     "RolloutRemovalPayload",
     "RolloutRetiredError",
     "StagingKeyError",
@@ -144,6 +162,7 @@ __all__ = [
     "TokenCaptureStore",
     "TokenEntry",
     "TokenIdCaptureConfig",
+    "TokenIdCaptureSettings",
     "TokenSink",
     "TokenSource",
     "assistant_fingerprint",
@@ -152,6 +171,7 @@ __all__ = [
     "conversation_digest",
     "cumulative_tokens",
     "encode_delta",
+    "encode_token_ids",
     "extract_token_fields",
     "install_lineage_store",
     "install_token_sink",
@@ -160,8 +180,10 @@ __all__ = [
     "installed_token_sink",
     "installed_token_source",
     "make_token_store",
+    "response_to_output_items",
     "stamp_continuation",
     "stamp_lineage",
+    "strip_token_fields",
     "validate_rollout_id",
     "validate_rollout_ids",
 ]

@@ -1089,8 +1089,12 @@ def _parser() -> argparse.ArgumentParser:
         "put, resolve, freeze, drop and retire a few rollouts in a temporary directory",
     )
     demo.add_argument("--dsn", default=None, help="run against this postgresql:// database instead")
-    demo.add_argument("--rollouts", type=int, default=4)
-    demo.add_argument("--calls", type=int, default=3)
+    demo.add_argument(
+        "--rollouts", type=int, default=4, metavar="N", help="rollouts to run (default 4)"
+    )
+    demo.add_argument(
+        "--calls", type=int, default=3, metavar="N", help="model calls per rollout (default 3)"
+    )
     command(
         "ls", cmd_ls, "list rollouts with status, entries, bytes, version and age"
     ).add_argument("dir")
@@ -1103,7 +1107,12 @@ def _parser() -> argparse.ArgumentParser:
         "verify", cmd_verify, "re-check every line, payload digest, token digest and delta chain"
     )
     verify.add_argument("dir")
-    verify.add_argument("--progress", action="store_true", help="always show the progress bar")
+    verify.add_argument(
+        "--progress",
+        action="store_true",
+        help="always show the progress bar on stderr (by default only on a terminal, without "
+        "--json, for more than 20 rollouts)",
+    )
     for name, handler, help in (
         ("retire", cmd_retire, "remove records and keep fences"),
         ("delete", cmd_delete, "remove records, fences and locks"),
@@ -1160,7 +1169,7 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--store", metavar="DIR", help="a token capture store directory")
     where.add_argument("--dsn", metavar="DSN", help="a postgresql:// database")
     gateway.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
     gateway.add_argument(
         "--token",
         default=None,
@@ -1177,7 +1186,9 @@ def _parser() -> argparse.ArgumentParser:
         "--tito", action="store_true", help="token-in-token-out continuations (renderers)"
     )
     gateway.add_argument("--tokenizer", metavar="DIR", help="--tito: the engine's tokenizer dir")
-    gateway.add_argument("--renderer", default="qwen3", help="--tito: the renderers chat format")
+    gateway.add_argument(
+        "--renderer", default="qwen3", help="--tito: the renderers chat format (default qwen3)"
+    )
     gateway.add_argument(
         "--timeout",
         type=float,
@@ -1185,7 +1196,14 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds the engine may stay silent: a non-streamed answer must come within it, a "
         "stream's chunks each restart it (default 600)",
     )
-    gateway.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    gateway.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        metavar="N",
+        help="largest request body accepted, in bytes; a larger one is answered 413 "
+        "(default 16777216, 16 MiB)",
+    )
     gateway.add_argument(
         "--workers",
         type=int,

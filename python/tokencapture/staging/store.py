@@ -66,6 +66,12 @@ class FileStagingStore:
     ``models`` picks the wire models fetches build (see `StagingModels.resolve`): by default
     NeMo Gym's when NeMo Gym's staging records are imported in the process, ours otherwise. A
     stage answers with the ``StageResult`` of its record's models.
+
+    ``close()`` (idempotent; ``aclose()`` from a coroutine, as `PostgresStagingStore` has both)
+    closes the store lock the instance keeps and releases its native store, and with it the
+    segment it writes. Every later call raises ``RuntimeError("the store is closed")``, the
+    words of a closed PostgreSQL store (a ``stage`` answers ``ok=False`` with them). What was
+    staged stays on disk for any other instance.
     """
 
     def __init__(
@@ -77,14 +83,42 @@ class FileStagingStore:
     ) -> None:
         self._models_choice = models
         StagingModels.resolve(models)  # refuse a bad choice now
-        self._native = _core.StagingFileStore(Path(root), check_max_open_files(max_open_files))
+        native = _core.StagingFileStore(Path(root), check_max_open_files(max_open_files))
+        self._open: _core.StagingFileStore | None = native
+        self._root = native.root
 
     def __repr__(self) -> str:
         return f"FileStagingStore({str(self.root)!r})"
 
     @property
     def root(self) -> Path:
-        return self._native.root
+        return self._root
+
+    @property
+    def _native(self) -> _core.StagingFileStore:
+        native = self._open
+        if native is None:
+            raise RuntimeError("the store is closed")
+        return native
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called."""
+        return self._open is None
+
+    def close(self) -> None:
+        """Close the store lock this instance keeps and release its native store, whose
+        segment descriptor closes once no call in flight still uses it (idempotent). Every
+        later call raises ``RuntimeError``; a ``stage`` answers ``ok=False``."""
+        native, self._open = self._open, None
+        if native is not None:
+            native.release_cached_fds()
+
+    close_sync = close
+
+    async def aclose(self) -> None:
+        """`close` from a coroutine (it does not block: nothing waits on a server)."""
+        self.close()
 
     def _models(self) -> StagingModels:
         return StagingModels.resolve(self._models_choice)
