@@ -578,3 +578,63 @@ async def test_a_changed_tool_list_or_template_argument_goes_to_chat(
     _, entry = await tito.call("p", messages, "p-1", tools=TOOLS, max_tokens=8)
     assert _fallback(entry) == "parent_render_unknown"  # its parent resolved, no digest
     assert not entry.prefix_requested
+
+
+class _ModelsAnswer:
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status = status
+        self.body = body
+
+    async def read(self) -> bytes:
+        return self.body
+
+    def release(self) -> None:
+        pass
+
+
+class _ModelsEngine:
+    """The part of a gateway `Bridge.context_length` uses, over an engine answering its
+    `GET /v1/models` with `answers` in turn (then the last again); counts the requests."""
+
+    def __init__(self, *answers: tuple[int, bytes]) -> None:
+        self.answers = list(answers)
+        self.asked = 0
+        self.config = type("Config", (), {"upstream": "http://engine:8000"})()
+
+    async def request_upstream(self, method: str, url: str, **_: Any) -> _ModelsAnswer:
+        assert (method, url) == ("GET", "/v1/models")
+        self.asked += 1
+        status, body = self.answers[min(self.asked, len(self.answers)) - 1]
+        return _ModelsAnswer(status, body)
+
+    def url(self, path: str) -> str:
+        return path
+
+    def _upstream_headers(self, request: object) -> dict[str, str]:
+        return {}
+
+
+@pytest.mark.parametrize(
+    ("answer", "kept"),
+    [
+        ((404, b"Not Found"), True),  # an engine without the route: never says
+        ((200, b"<html>"), True),  # a models route that is not vLLM's
+        ((503, b"busy"), False),  # may say later: asked again, but not on every call
+    ],
+)
+async def test_a_models_answer_that_says_nothing_is_not_asked_on_every_call(
+    answer: tuple[int, bytes], kept: bool
+) -> None:
+    """A call without a limit asks the engine's `GET /v1/models` for its context length; an
+    answer that says nothing was asked again on every such call (one more request to the
+    engine, waited for, before each fallback to chat)."""
+    engine = _ModelsEngine(answer)
+    call = type("Call", (), {"gateway": engine, "request": None})()
+    bridge = Bridge(renderer=None, tokenizer=None)
+    for _ in range(5):
+        assert await bridge.context_length(call, MODEL) is None
+    assert engine.asked == 1
+    if not kept:
+        bridge._unknown_until.clear()  # the time to ask again has come
+        assert await bridge.context_length(call, MODEL) is None
+        assert engine.asked == 2

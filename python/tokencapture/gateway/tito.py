@@ -227,6 +227,12 @@ def _render_changed(parent: str | None, digest: str) -> str | None:
     return "render_parameters_changed"
 
 
+# Statuses of an engine without a models route (not vLLM): its context length is never known.
+_NO_MODELS_ROUTE: Final[frozenset[int]] = frozenset({404, 405, 501})
+# How long a models answer that said nothing (an error, a model not listed yet) stands.
+_ASK_AGAIN_SECONDS: Final[float] = 30.0
+
+
 def _card_length(models: object, model: object) -> tuple[bool, int | None]:
     """(whether `model` has a card, its context length) in a `GET /v1/models` answer: vLLM's
     cards carry `max_model_len`; an adapter's card names its base model as `parent`. No
@@ -334,8 +340,10 @@ class Bridge:
         # `--generation-config auto`) makes the chat endpoint's default limit: then a call
         # without a limit goes to chat (`_max_tokens`).
         self.default_max_new_tokens = default_max_new_tokens
-        # The engine's context length by (upstream, model), from its `GET /v1/models`.
+        # The engine's context length by (upstream, model), from its `GET /v1/models`; and
+        # until when an answer that said nothing is not asked again.
         self._context_lengths: dict[tuple[str, str | None], int | None] = {}
+        self._unknown_until: dict[tuple[str, str | None], float] = {}
 
     @classmethod
     def from_tokenizer_dir(
@@ -401,22 +409,39 @@ class Bridge:
         key = (str(gateway.config.upstream), model if isinstance(model, str) else None)
         if key in self._context_lengths:
             return self._context_lengths[key]
+        if self._unknown_until.get(key, 0.0) > time.monotonic():
+            return None  # asked a moment ago, in vain: not asked on every call
         try:
             answer = await gateway.request_upstream(
                 "GET", gateway.url("/v1/models"), headers=gateway._upstream_headers(call.request)
             )
             try:
+                if answer.status in _NO_MODELS_ROUTE:
+                    self._context_lengths[key] = None  # another engine: it will not say
+                    return None
                 if answer.status != 200:
+                    self._ask_later(key)
                     return None
                 models = orjson.loads(await answer.read())
             finally:
                 answer.release()
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
-            return None  # not kept: asked again next time
+        except orjson.JSONDecodeError:
+            self._context_lengths[key] = None  # a models route that is not vLLM's
+            return None
+        except (aiohttp.ClientError, TimeoutError):
+            self._ask_later(key)
+            return None
         listed, length = _card_length(models, key[1])
-        if listed:  # an adapter loaded later is listed later: only a listed model is kept
-            self._context_lengths[key] = length
+        if not listed:  # an adapter loaded later is listed later: only a listed model is kept
+            self._ask_later(key)
+            return None
+        self._context_lengths[key] = length
         return length
+
+    def _ask_later(self, key: tuple[str, str | None]) -> None:
+        """No context length for `key` yet (the engine failed to answer, or does not list the
+        model): asked again after `_ASK_AGAIN_SECONDS`, not on every call before."""
+        self._unknown_until[key] = time.monotonic() + _ASK_AGAIN_SECONDS
 
     def message(
         self,
