@@ -21,7 +21,7 @@ __all__ = ["dsn", "pg_dsn", "pg_server"]  # the fixtures, imported for pytest
 
 
 def test_a_call_blocked_past_the_statement_timeout_fails_within_one_timeout(dsn: str) -> None:
-    timeout = 1.0
+    timeout = 1.5
     store = PostgresTokenCaptureStore(dsn, statement_timeout=timeout)
     store.append(make_entry("locked", call=1))
     calls: list[tuple[str, Callable[[], Any]]] = [
@@ -53,8 +53,9 @@ def test_a_call_blocked_past_the_statement_timeout_fails_within_one_timeout(dsn:
         took = asyncio.run(run())
         for name, seconds, error in took:
             assert "QueryCanceledError" in error or "TimeoutError" in error, error
-            # One timeout, not two (generous slack for a loaded machine, still under 2x).
-            assert timeout * 0.9 < seconds < timeout * 1.6, (name, seconds, error)
+            # One timeout, not two: a retry takes two whole timeouts (3 s), so anything under
+            # 1.9x is one, with room for a loaded machine.
+            assert timeout * 0.9 < seconds < timeout * 1.9, (name, seconds, error)
         # The lock released, the rollout takes the call.
         store.append(make_entry("locked", call=2))
         assert [e.model_call_id for e in store.freeze_now("locked").entries] == [
