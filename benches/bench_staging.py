@@ -467,7 +467,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
         # The postgres column owns the server its variants share: closed even when unnamed.
         for name in [*names, *(["postgres"] if args.postgres_variant else [])]:
-            close = getattr(BACKENDS[name], "close", None)
+            factory = BACKENDS[name]
+            # A column object owns what its stores share; a store class (a bare factory, whose
+            # `close` is an instance's) owns nothing.
+            close = None if isinstance(factory, type) else getattr(factory, "close", None)
             if close is not None:
                 close()
 
