@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from tests.pg_server import PgServer
 from tests.postgres_fixture import dsn, execute, fetch, pg_dsn, pg_server  # noqa: F401
-from tests.staging_backends import Store, chain, make_record, staging_backend  # noqa: F401
+from tests.staging_backends import chain, make_record
+from tests.staging_fixture import Store, staging_backend  # noqa: F401
 
 import tokencapture
 from tokencapture import FileStagingStore, StagingKeyError, StagingKeyRetiredError, _core

@@ -202,3 +202,15 @@ def test_a_missing_lock_file_a_reader_cannot_create_is_a_clear_error(shared_tmp:
     assert problem[0] == "PermissionError", problem
     assert "create missing lock file" in problem[1] and "nolock.tokens.lock" in problem[1]
     assert not (tokens / "nolock.tokens.lock").exists()
+
+
+def test_the_childs_code_imports_without_pytest() -> None:
+    """`tests/read_only_child.py` runs as the servers' account, whose interpreter may have no
+    pytest (CI's does not): it and what it imports must not need it (a fixture moved into
+    `tests/staging_backends.py` once made both tests above fail there)."""
+    root = Path(__file__).resolve().parents[1]
+    blocked = "import sys; sys.modules['pytest'] = None; import tests.read_only_child"
+    # From the checkout's root, so `tests` imports; tokencapture as this interpreter has it.
+    subprocess.run(
+        [sys.executable, "-c", blocked], cwd=root, check=True, capture_output=True, timeout=60
+    )

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 from tests.postgres_fixture import dsn, execute, pg_dsn, pg_server  # noqa: F401
-from tests.staging_backends import Store, make_record, staging_backend  # noqa: F401
+from tests.staging_backends import make_record
+from tests.staging_fixture import Store, staging_backend  # noqa: F401
 
 import tokencapture.postgres.staging as pg_staging
 from tokencapture.postgres import PostgresStagingStore
