@@ -178,9 +178,8 @@ def test_benchmarks_page_includes_the_methods_of_benches_readme() -> None:
     assert methods.index("## Profiling a cell") < methods.index("[end:methods]")
 
 
-def test_getting_started_script_runs(tmp_path: Path) -> None:
-    page = (DOCS / "getting-started.md").read_text()
-    (script,) = [block for block in code_blocks(page, "python") if "asyncio.run(" in block]
+def run_example(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """A page's Python example run as a script with warnings as errors (it must exit 0)."""
     (tmp_path / "example.py").write_text(script + "\n")
     done = subprocess.run(
         [sys.executable, "-W", "error", str(tmp_path / "example.py")],
@@ -190,6 +189,13 @@ def test_getting_started_script_runs(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_getting_started_script_runs(tmp_path: Path) -> None:
+    page = (DOCS / "getting-started.md").read_text()
+    (script,) = [block for block in code_blocks(page, "python") if "asyncio.run(" in block]
+    done = run_example(script, tmp_path)
     assert done.stderr == ""
     # Three calls put, then a freeze: three entries, every begun call has its entry.
     assert done.stdout.startswith("3 entries, version ")
@@ -294,13 +300,5 @@ def test_staging_example_builds_and_stages_a_chain(tmp_path: Path) -> None:
     (script,) = [block for block in code_blocks(page, "python") if "build_chain(" in block]
     assert '"/tmp/staging-example"' in script
     script = script.replace('"/tmp/staging-example"', repr(str(tmp_path / "staging")))
-    (tmp_path / "example.py").write_text(script + "\n")
-    done = subprocess.run(
-        [sys.executable, "-W", "error", str(tmp_path / "example.py")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_example(script, tmp_path)
     assert done.stdout == "['rollout-7/call-0', 'rollout-7/call-1', 'rollout-7/call-2'] 24\n"

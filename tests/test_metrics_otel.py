@@ -71,6 +71,23 @@ def python_path() -> str:
     return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
+# The end of a child script: what its `reader` collected, by (instrument, (store kind,
+# operation)), printed sorted (a counter's value, a histogram's count).
+PRINT_BY_STORE_AND_OPERATION = textwrap.dedent(
+    """
+    found = {}
+    for resource in reader.get_metrics_data().resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    kind = point.attributes["tokencapture.store"]
+                    where = (kind, point.attributes["tokencapture.operation"])
+                    found[metric.name, where] = getattr(point, "value", None) or point.count
+    print(sorted(found.items()))
+    """
+)
+
+
 def run_script(script: str, **env: str) -> str:
     """Run `script` in a child Python importing this checkout; its stripped stdout (it must
     exit 0)."""
@@ -409,8 +426,9 @@ def test_nothing_is_imported_or_reported_without_opentelemetry(tmp_path: Path) -
 
 def test_the_global_meter_provider_is_the_default(tmp_path: Path) -> None:
     """Stores made before the application sets the global provider report into it too."""
-    script = textwrap.dedent(
-        f"""
+    script = (
+        textwrap.dedent(
+            f"""
         from opentelemetry import metrics
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -425,16 +443,9 @@ def test_the_global_meter_provider_is_the_default(tmp_path: Path) -> None:
         store.append(make_entry("r", call=1))
         store.append(make_entry("r", call=2))
         memory.put_now(make_entry("r", call=1))
-        found = {{}}
-        for resource in reader.get_metrics_data().resource_metrics:
-            for scope in resource.scope_metrics:
-                for metric in scope.metrics:
-                    for point in metric.data.data_points:
-                        kind = point.attributes["tokencapture.store"]
-                        where = (kind, point.attributes["tokencapture.operation"])
-                        found[metric.name, where] = getattr(point, "value", None) or point.count
-        print(sorted(found.items()))
         """
+        )
+        + PRINT_BY_STORE_AND_OPERATION
     )
     assert run_script(script) == str(
         sorted(
@@ -817,8 +828,9 @@ def test_calls_before_the_global_provider_is_set_are_in_neither_instrument(
     """Measurements made before the application sets the global provider are dropped by the
     API's proxies: the counter does not count those calls either, so its count and the
     histogram's agree (puts before, puts after, a store made after)."""
-    script = textwrap.dedent(
-        f"""
+    script = (
+        textwrap.dedent(
+            f"""
         from opentelemetry import metrics
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -837,16 +849,9 @@ def test_calls_before_the_global_provider_is_set_are_in_neither_instrument(
             store.append(make_entry("r", call=call))
         TokenCaptureStore({str(tmp_path / "b")!r}).append(make_entry("r", call=1))
         memory.put_now(make_entry("r", call=9))
-        found = {{}}
-        for resource in reader.get_metrics_data().resource_metrics:
-            for scope in resource.scope_metrics:
-                for metric in scope.metrics:
-                    for point in metric.data.data_points:
-                        kind = point.attributes["tokencapture.store"]
-                        where = (kind, point.attributes["tokencapture.operation"])
-                        found[metric.name, where] = getattr(point, "value", None) or point.count
-        print(sorted(found.items()))
         """
+        )
+        + PRINT_BY_STORE_AND_OPERATION
     )
     assert run_script(script) == str(
         sorted(

@@ -559,18 +559,26 @@ async def _idempotent_reput(ctx: _Context) -> None:
     _expect_same_snapshot(ctx, snapshot, again, "after an identical re-put following the freeze")
 
 
+async def _put_then_put_again(
+    ctx: _Context, first: TokenEntry, again: TokenEntry
+) -> tuple[bool, TokenCaptureSnapshot]:
+    """Put `first`, then `again` (the same call id) from another client: whether the second
+    put raised, and the rollout's freeze afterwards."""
+    await (await ctx.sink()).put(first)
+    raised = False
+    try:
+        await (await ctx.sink()).put(again)
+    except Exception:
+        raised = True
+    return raised, await _freeze(ctx, first.rollout_id)
+
+
 @_check("conflicting_reput_fails_closed")
 async def _conflicting_reput(ctx: _Context) -> None:
     rollout_id = ctx.rollout()
     original = _entry(rollout_id, "call-1")
     conflicting = _entry(rollout_id, "call-1", 1)
-    await (await ctx.sink()).put(original)
-    raised = False
-    try:
-        await (await ctx.sink()).put(conflicting)
-    except Exception:
-        raised = True
-    snapshot = await _freeze(ctx, rollout_id)
+    raised, snapshot = await _put_then_put_again(ctx, original, conflicting)
     stored = _by_call(snapshot).get("call-1")
     if not raised:
         ctx.expect(
@@ -590,13 +598,7 @@ async def _conflicting_reput(ctx: _Context) -> None:
     rebuilt = first.model_copy(
         update={"generation_log_probs": [-0.5, -0.25, -2.0], "created_at": first.created_at + 1}
     )
-    await (await ctx.sink()).put(first)
-    refused = False
-    try:
-        await (await ctx.sink()).put(rebuilt)
-    except Exception:
-        refused = True
-    snapshot = await _freeze(ctx, subtle_id)
+    refused, snapshot = await _put_then_put_again(ctx, first, rebuilt)
     ctx.expect(
         refused or snapshot.incomplete,
         "a re-put with the same token ids but other log-probs and created_at succeeded and the "
