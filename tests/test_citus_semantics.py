@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 from tests.citus_fixture import citus_cluster, citus_db, citus_dsn
 from tests.conftest import make_entry
@@ -111,3 +112,60 @@ def test_the_gateways_reads_and_conditional_mark_on_the_cluster(citus_dsn: str) 
         assert store._client.distributed is True
     finally:
         store.close_sync()
+
+
+def test_a_put_over_the_citus_size_limit_is_refused_before_it_is_sent(citus_dsn: str) -> None:
+    """On Citus a put reaches its worker as hex literals in a statement, and the worker's
+    parser cannot hold a literal of 256 MiB of bytes: a put of a 257 MiB line failed there
+    late ("invalid memory alloc request size"), after ~20 s. Once the store knows it is on
+    Citus, a line over the Citus limit is refused when put is called, naming it (one real
+    entry just over it)."""
+    from tokencapture.postgres._client import argument_byte_limit
+
+    limit = argument_byte_limit(True)
+    assert limit == 268_173_312
+    store = PostgresTokenCaptureStore(citus_dsn)
+    try:
+        store.append(make_entry("small"))  # the store knows it is on Citus
+        big = make_entry("big", blob="x" * (limit + 1))
+        with pytest.raises(
+            ValueError, match=f"on a Citus cluster PostgreSQL takes at most {limit}"
+        ):
+            store.put(big)
+        del big
+        assert store.freeze_now("big").entries == ()
+        assert len(store.freeze_now("small").entries) == 1
+    finally:
+        store.close_sync()
+
+
+def test_the_first_put_of_a_citus_store_is_held_to_the_citus_limit(
+    citus_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store's first put, called before it knows it is on Citus (the single-server limit
+    passed it), is refused once its connection says so, before it is sent (sync and async;
+    the limits lowered: 4 MiB, so 1 MiB on Citus)."""
+    import tokencapture.postgres.store as pg_store
+
+    monkeypatch.setattr(pg_store, "_MAX_LINE_BYTES", 4 << 20)
+    blob = "x" * (2 << 20)
+    store = PostgresTokenCaptureStore(citus_dsn)
+    try:
+        with pytest.raises(
+            ValueError, match=f"on a Citus cluster PostgreSQL takes at most {1 << 20}"
+        ):
+            store.append(make_entry("first", blob=blob))
+        store.append(make_entry("first", call=2))
+        assert [e.model_call_id for e in store.freeze_now("first").entries] == ["call-2"]
+    finally:
+        store.close_sync()
+
+    async def first_async() -> None:
+        other = PostgresTokenCaptureStore(citus_dsn)
+        try:
+            await other.put(make_entry("firsta", blob=blob))
+        finally:
+            await other.close()
+
+    with pytest.raises(ValueError, match=f"on a Citus cluster PostgreSQL takes at most {1 << 20}"):
+        asyncio.run(first_async())

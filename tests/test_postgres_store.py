@@ -1179,3 +1179,62 @@ def test_a_client_keeps_one_batcher_per_loop_and_batched_statement() -> None:
     finally:
         loop.close()
         other_loop.close()
+
+
+# --- Lines the server cannot take in one put ------------------------------------------------
+
+
+def test_a_line_over_the_limit_is_refused_when_put_is_called(
+    store: PostgresTokenCaptureStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL holds at most 1 GiB in a field or a message (a larger one drops the
+    connection): a put of a longer line is refused when called, naming the limit, and nothing
+    is stored (the limit lowered to 4 KiB here)."""
+    import tokencapture.postgres.store as pg_store
+
+    assert pg_store._MAX_LINE_BYTES == (1 << 30) - (1 << 20)
+    monkeypatch.setattr(pg_store, "_MAX_LINE_BYTES", 4096)
+    big = make_entry(call="big", blob="x" * 5000)
+    with pytest.raises(ValueError, match=r"is \d+ bytes as a line: PostgreSQL takes at most 4096"):
+        store.put(big)  # when called: no coroutine to await
+    store.append(make_entry(call="small"))
+    assert [entry.model_call_id for entry in store.freeze_now("r1").entries] == ["small"]
+    stats = store.stats()
+    assert stats["put"]["count"] == 2 and stats["put"]["failures"] == 1
+
+
+def test_a_line_too_large_to_batch_is_put_alone(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Puts waiting together share one message: a line so large that a full batch of such
+    lines could pass the server's message limit goes alone (its own call and commit), and
+    small lines still share batches (the thresholds lowered here)."""
+    import tokencapture.postgres.store as pg_store
+    from tokencapture.postgres import _client
+
+    monkeypatch.setattr(pg_store, "_BATCHED_LINE_BYTES_PER_BATCH", 8 * 2048)
+    batched: list[bytes] = []
+    submit = _client.CallBatcher.submit
+
+    def spy(self: _client.CallBatcher, args: Any) -> Any:
+        batched.append(args[1])
+        return submit(self, args)
+
+    monkeypatch.setattr(_client.CallBatcher, "submit", spy)
+
+    async def run() -> list[str]:
+        pg = PostgresTokenCaptureStore(pg_dsn, install_schema=True, put_batch_size=8)
+        try:
+            await pg.put(make_entry(call="warm"))  # the client learns it is not on Citus
+            await asyncio.gather(
+                *(pg.put(make_entry(call=f"s{i}")) for i in range(6)),
+                *(pg.put(make_entry(call=f"L{i}", blob="x" * 3000)) for i in range(6)),
+            )
+            snapshot = await pg.freeze("r1")
+            return sorted(entry.model_call_id for entry in snapshot.entries)
+        finally:
+            await pg.close()
+
+    stored = asyncio.run(run())
+    assert stored == sorted(["warm", *(f"s{i}" for i in range(6)), *(f"L{i}" for i in range(6))])
+    assert sorted(batched) == sorted(f"s{i}".encode() for i in range(6))

@@ -30,12 +30,14 @@ from tokencapture.postgres._citus import describe, is_distributed
 from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, schema_version
 
 __all__ = [
+    "MAX_ARGUMENT_BYTES",
     "CallBatcher",
     "Client",
     "GroupCommit",
     "PostgresDurabilityError",
     "PostgresSchemaError",
     "PostgresUnavailableError",
+    "argument_byte_limit",
     "describe_distribution_sync",
     "install_schema_sync",
     "on_own_connection",
@@ -43,6 +45,26 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+# The most bytes one large argument (a token line, a staged row and its attachments) may
+# carry: PostgreSQL holds at most 1 GiB in a field or a protocol message (a larger one drops
+# the connection), less room for the rest of the statement.
+MAX_ARGUMENT_BYTES = (1 << 30) - (1 << 20)
+
+
+def argument_byte_limit(distributed: bool | None, plain: int = MAX_ARGUMENT_BYTES) -> int:
+    """The most bytes of large arguments one call may send (`distributed`: whether the schema
+    is distributed with Citus; None while not known yet).
+
+    On Citus a call alone is delegated to its rollout's worker, and the coordinator sends it
+    there as the text of a statement, its arguments as literals: `bytea` as hex, two
+    characters a byte. The worker's parser grows its buffer for one literal in powers of two,
+    and one of 1 GiB is over PostgreSQL's allocation limit, so a literal must stay under 512
+    MiB of text: 256 MiB of bytes. The limit there is a quarter of the plain one, 268,173,312
+    bytes (256 MiB - 256 KiB), so each of two arguments and the statement fit. Over it a call
+    failed late, on the worker ("invalid memory alloc request size 1073741824"; measured with
+    stages, 255.7 MiB stored, 256.1 MiB failed, and with a put of 257 MiB)."""
+    return plain // 4 if distributed else plain
 
 
 class PostgresUnavailableError(ConnectionError):

@@ -45,12 +45,14 @@ from tokencapture import _core
 from tokencapture._core import staging_same_content
 from tokencapture.forking import renew_after_fork
 from tokencapture.postgres._client import (
+    MAX_ARGUMENT_BYTES,
     CallBatcher,
     Client,
     GroupCommit,
     PostgresDurabilityError,
     PostgresUnavailableError,
     _copy_error,
+    argument_byte_limit,
 )
 from tokencapture.postgres._native import native_group
 from tokencapture.protocols import (
@@ -115,9 +117,8 @@ _DELETE = "SELECT * FROM tokencapture.delete_staging($1)"
 # bytes (BTMaxItemSize, 8 kB pages), 8 of them the entry's header and 4 the text's length. A
 # longer key is refused before it is sent (the server might take it compressed, or fail it).
 _MAX_KEY_BYTES = 2692
-# The most row and attachments bytes one stage sends: PostgreSQL holds at most 1 GiB in a
-# field or a protocol message (a larger one drops the connection), less room for the rest.
-_MAX_STAGE_BYTES = (1 << 30) - (1 << 20)
+# The most row and attachments bytes one stage sends (`argument_byte_limit`).
+_MAX_STAGE_BYTES = MAX_ARGUMENT_BYTES
 # A batch is one message and one transaction: a full batch of stages this large stays within
 # half of the server's limit, so a stage of more (its row and attachments) is sent alone (its
 # own round trip and commit; at that size the bytes, not the round trip, cost the time).
@@ -210,17 +211,9 @@ def _nbytes(buffers: list[Any]) -> int:
 
 def stage_byte_limit(distributed: bool | None) -> int:
     """The most row and attachments bytes one stage may send (`distributed`: whether the
-    schema is distributed with Citus; None while not known yet).
-
-    On Citus a stage is delegated to its rollout's worker, and the coordinator sends the call
-    there as the text of a statement, its arguments as literals: the row and the attachments
-    as hex, two characters a byte. The worker's parser grows its buffer for one literal in
-    powers of two, and one of 1 GiB is over PostgreSQL's allocation limit, so a literal must
-    stay under 512 MiB of text: 256 MiB of bytes. The limit there is a quarter of the plain
-    one, 268,173,312 bytes (256 MiB - 256 KiB), so each of the two and the statement fit.
-    A stage over it failed late, on the worker ("invalid memory alloc request size
-    1073741824"; measured: 255.7 MiB of attachments stored, 256.1 MiB and 511 MiB failed)."""
-    return _MAX_STAGE_BYTES // 4 if distributed else _MAX_STAGE_BYTES
+    schema is distributed with Citus; None while not known yet): a quarter of the plain limit
+    on Citus (`argument_byte_limit`)."""
+    return argument_byte_limit(distributed, _MAX_STAGE_BYTES)
 
 
 def _over_the_limit(distributed: bool | None) -> str:

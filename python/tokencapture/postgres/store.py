@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Coroutine, Sequence
+from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -21,7 +22,7 @@ from tokencapture import columnar as _columnar
 from tokencapture.entries import as_token_entry, canonical_line, marker_line
 from tokencapture.metrics import Metrics
 from tokencapture.operations import Operation, Refusals, log_failure
-from tokencapture.postgres._client import Client
+from tokencapture.postgres._client import MAX_ARGUMENT_BYTES, Client, argument_byte_limit
 from tokencapture.postgres._decode import decode_columns, decode_entries
 from tokencapture.protocols import (
     RolloutRemovalPayload,
@@ -100,6 +101,29 @@ _DELETE = "SELECT * FROM tokencapture.delete($1)"
 
 _PutArgs = tuple[str, bytes, str, bytes]  # rollout id, call id (UTF-8), digest, line
 
+# The most bytes of one entry's line a put sends (`argument_byte_limit`: a quarter on Citus).
+_MAX_LINE_BYTES = MAX_ARGUMENT_BYTES
+# A batch of puts is one message: a full batch of lines this large stays within half of the
+# server's limit, so a line of more is sent alone (its own round trip and commit).
+_BATCHED_LINE_BYTES_PER_BATCH = _MAX_LINE_BYTES // 2
+
+
+def _check_line_size(args: _PutArgs, distributed: bool | None) -> None:
+    """Refuse a line the server cannot take in one put (`ValueError`, nothing sent), rather
+    than a connection dropped mid-message (over 1 GiB) or a late failure on a Citus worker."""
+    limit = argument_byte_limit(distributed, _MAX_LINE_BYTES)
+    if len(args[3]) > limit:
+        where = (
+            "on a Citus cluster PostgreSQL takes at most"
+            if distributed
+            else "PostgreSQL takes at most"
+        )
+        raise ValueError(
+            f"the entry of call {args[1].decode('utf-8')!r} of rollout {args[0]!r} is "
+            f"{len(args[3])} bytes as a line: {where} {limit} bytes in one put"
+            + (" (the call reaches the worker as hex text in a statement)" if distributed else "")
+        )
+
 
 def _log_of(rows: Sequence[Any]) -> tuple[list[bytes], list[str]]:
     """The lines (in commit order, as fetched: never joined into one buffer) and the stored
@@ -161,9 +185,12 @@ class PostgresTokenCaptureStore:
         return rollout_id, call_id, _core.payload_digest(line), line
 
     def _checked_put_args(self, entry: object, started: float) -> _PutArgs:
-        """`_put_args`, a refusal counted and logged as a failed put."""
+        """`_put_args` and the size limit (a quarter on Citus once the client knows it is
+        there: `_put_alone` checks again), a refusal counted and logged as a failed put."""
         try:
-            return self._put_args(entry)
+            args = self._put_args(entry)
+            _check_line_size(args, self._client.distributed)
+            return args
         except BaseException as exc:
             self._put_failed(entry, exc, started)
             raise
@@ -178,13 +205,17 @@ class PostgresTokenCaptureStore:
             # On Citus a put alone is delegated to the worker that owns its rollout; a batch
             # would run on the coordinator and tie every put in it to every worker it spans.
             # (`distributed` is None until the first connection checked the schema: alone.)
-            if self._batch_puts and self._client.distributed is False:
+            if (
+                self._batch_puts
+                and self._client.distributed is False
+                and len(args[3]) <= _BATCHED_LINE_BYTES_PER_BATCH // self._put_batch_size
+            ):
                 batcher = self._client.batcher(
                     asyncio.get_running_loop(), _PUT_BATCH, self._put_batch_size, None
                 )
                 status = await batcher.submit(args)
             else:
-                status = await self._client.fetch("val", _PUT, *args)
+                status = await self._client.on_connection(partial(self._put_alone, args))
             self._put_status(status, args)
         except BaseException as exc:
             self._put_failed(entry, exc, started)
@@ -204,6 +235,7 @@ class PostgresTokenCaptureStore:
 
     async def _put_unless_stored(self, args: _PutArgs, entry: object, started: float) -> bool:
         async def put_or_roll_back(connection: Any) -> int:
+            _check_line_size(args, self._client.distributed)
             async with connection.transaction():
                 status: int = await connection.fetchval(_PUT, *args)
                 if status == _CONFLICT:
@@ -222,6 +254,14 @@ class PostgresTokenCaptureStore:
             raise
         self._metrics.observe("put", perf_counter() - started)
         return False
+
+    async def _put_alone(self, args: _PutArgs, connection: Any) -> int:
+        """One put sent alone on `connection`; refused first (`ValueError`, nothing sent) when
+        its line is too large for a Citus cluster, which the client knows once it has a
+        connection (a store's first put is checked against the plain limit when called)."""
+        _check_line_size(args, self._client.distributed)
+        status: int = await connection.fetchval(_PUT, *args)
+        return status
 
     def append(self, entry: TokenEntry) -> None:
         """Synchronous `put`."""
