@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -184,19 +184,35 @@ class PostgresColumn:
             self.base = self.server.dsn
 
     def close_stores(self) -> None:
-        """Close the stores this column opened."""
-        for store in self.opened:
-            store.close()
-        self.opened.clear()
+        """Close the stores this column opened (every one, even after one fails to)."""
+        opened, self.opened = self.opened, []
+        close_all(store.close for store in opened)
 
     def close(self) -> None:
-        """Close this column's stores (and its variants', before the server they share)."""
-        for variant in self.variants:
-            variant.close()
-        self.close_stores()
-        if self.server is not None:
-            self.server.cleanup()
-            self.server = None
+        """Close this column's stores (and its variants', before the server they share) and
+        stop its server: stopped even when a close fails, whose error is raised after."""
+        close_all([*(variant.close for variant in self.variants), self.close_stores, self._stop])
+
+    def _stop(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.cleanup()
+
+
+def close_all(closers: Iterable[Callable[[], object]]) -> None:
+    """Call every closer, even after one raised (a close that fails must not leave the
+    servers after it running); then raise the first error, the others noted on it."""
+    first: BaseException | None = None
+    for close in closers:
+        try:
+            close()
+        except BaseException as error:  # an interrupt too: stop the rest first
+            if first is None:
+                first = error
+            else:
+                first.add_note(f"while cleaning up, also: {type(error).__name__}: {error}")
+    if first is not None:
+        raise first
 
 
 def _postgres() -> PostgresColumn | None:
@@ -466,13 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         # The postgres column owns the server its variants share: closed even when unnamed.
-        for name in [*names, *(["postgres"] if args.postgres_variant else [])]:
-            factory = BACKENDS[name]
-            # A column object owns what its stores share; a store class (a bare factory, whose
-            # `close` is an instance's) owns nothing.
-            close = None if isinstance(factory, type) else getattr(factory, "close", None)
-            if close is not None:
-                close()
+        # Every column is closed (its servers stopped) even when one before it fails to close.
+        factories = [
+            BACKENDS[n] for n in [*names, *(["postgres"] if args.postgres_variant else [])]
+        ]
+        # A column object owns what its stores share; a store class (a bare factory, whose
+        # `close` is an instance's) owns nothing.
+        closers = [None if isinstance(f, type) else getattr(f, "close", None) for f in factories]
+        close_all(close for close in closers if close is not None)
 
     import tokencapture
 

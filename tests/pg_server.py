@@ -6,7 +6,9 @@ and the unix socket directory live in one temporary directory (made traversable 
 account); the server also listens on a free loopback port. `fsync` and `synchronous_commit`
 are on, as in production, and `shared_buffers` is PostgreSQL's default of 128 MB (the
 benchmark's W2 rollouts hold ~40 MB of lines: at 32 MB a freeze read them back through the
-OS page cache, 8 kB at a time). `kill()` is a SIGKILL of the postmaster and of its children,
+OS page cache, 8 kB at a time). Dynamic shared memory (parallel queries' segments) is
+`dynamic_shared_memory_type=mmap`: files in the data directory, not `/dev/shm` segments a
+SIGKILL would leak. `kill()` is a SIGKILL of the postmaster and of its children,
 listed while the postmaster is stopped (backends call `setsid`, so a process-group kill would
 miss them, and a surviving child keeps the shared memory block that makes the restart fail).
 """
@@ -245,6 +247,11 @@ class PgServer:
                     "shared_buffers=128MB",
                     "-c",
                     "max_prepared_transactions=0",
+                    # Dynamic shared memory as files in the data directory (pg_dynshmem/),
+                    # removed with it, rather than /dev/shm/PostgreSQL.* segments, which a
+                    # SIGKILLed server (`kill`) leaves behind for good (~0.65 MB each).
+                    "-c",
+                    "dynamic_shared_memory_type=mmap",
                     *(
                         argument
                         for name, value in self.settings.items()

@@ -529,9 +529,34 @@ class _Backend:
         assert self.files is not None
         return import_into_directory(self.files, image)
 
+    def reach(self) -> None:
+        """Contact the database, if this side is one (a directory: nothing): an unreachable
+        server raises `PostgresUnavailableError` here, before anything is copied."""
+        if self.pg is not None:
+            client = self.pg._client
+            client.run_sync(client.fetch("val", "SELECT 1"))
+
     def close(self) -> None:
         if self.pg is not None:
             self.pg.close_sync()
+
+
+def _unavailable(exc: BaseException) -> bool:
+    """Whether `exc` is a PostgreSQL server that did not answer (`PostgresUnavailableError`;
+    only raised once `tokencapture.postgres` is imported, which a copy between two
+    directories never does)."""
+    client = sys.modules.get("tokencapture.postgres._client")
+    return client is not None and isinstance(exc, client.PostgresUnavailableError)
+
+
+def _lost_server(lost: list[str], copied: int) -> int | None:
+    """The exit code of a copy a server went away in the middle of (`lost`: what the first
+    such failure said): 2, said on stderr too, if nothing was copied; None (the usual code)
+    if some was."""
+    if not lost or copied:
+        return None
+    print(f"tokencapture: error: {_one_line(lost[0])} (nothing was copied)", file=sys.stderr)
+    return EXIT_ERROR
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
@@ -544,13 +569,21 @@ def cmd_copy(args: argparse.Namespace) -> int:
     missing: list[str] = []
     unreadable: list[dict[str, str]] = []
     failed: list[dict[str, str]] = []
+    lost: list[str] = []  # a server that went away mid-copy: what it said
     try:
+        # Each database side is reached before anything is copied: a server that does not
+        # answer is the one-line error every command gives it (exit 2), not a failure listed
+        # under every rollout.
+        source.reach()
+        target.reach()
         names = args.rollouts or source.rollouts()
         for rollout_id in names:
             try:
                 image = source.export(validate_rollout_id(rollout_id))
             except (OSError, ValueError) as exc:  # one damaged rollout must not stop the rest
                 unreadable.append({"rollout_id": rollout_id, "problem": str(exc)})
+                if _unavailable(exc):
+                    lost.append(str(exc))
                 continue
             if image is None:
                 missing.append(rollout_id)
@@ -559,6 +592,8 @@ def cmd_copy(args: argparse.Namespace) -> int:
                 created = target.create(image)
             except (OSError, ValueError) as exc:  # a full disk; a used partial copy: say which
                 failed.append({"rollout_id": rollout_id, "problem": str(exc)})
+                if _unavailable(exc):
+                    lost.append(str(exc))
                 continue
             if created:
                 copied.append(image.summary())
@@ -596,7 +631,8 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
     _emit(args, payload, render)
     clean = not skipped and not missing and not unreadable and not failed
-    return 0 if clean else EXIT_PROBLEMS
+    code = _lost_server(lost, len(copied))
+    return code if code is not None else 0 if clean else EXIT_PROBLEMS
 
 
 # Staging stores (`--staging`): a FileStagingStore directory or a PostgresStagingStore DSN ----
@@ -872,7 +908,12 @@ def _staging_copy(args: argparse.Namespace) -> int:
     refused: list[str] = []
     mismatched: list[str] = []
     not_copied: set[tuple[str, str]] = set()  # (rollout, call): its children are not either
+    lost: list[str] = []  # a server that went away mid-copy: what it said
     try:
+        # A database target is reached before anything is copied (a source is, listing its
+        # keys): one that does not answer is the one-line error of every command, exit 2.
+        if _is_dsn(args.target):
+            target.retired()
         # Frames the source acknowledged that no longer read back: not copied, and said so.
         damage = getattr(source, "damage", None)
         damaged = [list(entry) for entry in damage()] if callable(damage) else []
@@ -889,6 +930,8 @@ def _staging_copy(args: argparse.Namespace) -> int:
                 result = target.stage(record, attachments=restaged or None)
                 if not result.ok:
                     refused.append(f"{key}: {result.error}")
+                    if result.error.startswith("PostgresUnavailableError: "):  # failure_reason
+                        lost.append(result.error.split(": ", 1)[1])
                     not_copied.add((rollout_id, record.model_call_id))
                     continue
                 # Verified: the target gives back the same record and attachments.
@@ -929,6 +972,9 @@ def _staging_copy(args: argparse.Namespace) -> int:
         return "\n".join(lines)
 
     _emit(args, payload, render)
+    code = _lost_server(lost, sum(copied.values()))
+    if code is not None:
+        return code
     return 0 if not refused and not mismatched and not missing and not damaged else EXIT_PROBLEMS
 
 

@@ -15,7 +15,7 @@ import asyncio
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokencapture import _core
 from tokencapture.descriptors import check_max_open_files, descriptor_stats
@@ -26,6 +26,7 @@ from tokencapture.staging_attachments import (
     decode_attachments,
     encode_attachments,
 )
+from tokencapture.staging_records import StagedCallRecord, StageResult
 from tokencapture.staging_rows import (
     ModelsChoice,
     StagingModels,
@@ -125,16 +126,21 @@ class FileStagingStore:
 
     # ---- StagingSink --------------------------------------------------------------------
 
-    def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
-        """Durably stage one call's token delta (and its attachments) before returning."""
+    def stage(
+        self, record: StagedCallRecord, *, attachments: Mapping[str, Any] | None = None
+    ) -> StageResult:
+        """Durably stage one call's token delta (and its attachments) before returning.
+
+        A NeMo Gym ``StagedCallRecord`` is taken too, and answered with NeMo Gym's
+        ``StageResult`` (the same fields): a store answers in the models of the record."""
         models = self._models()
         try:
             models = StagingModels.of_record(record, models)
             encoded = encode_attachments(attachments)
             key = self._native.stage(record, encoded)
         except Exception as error:  # any failure is an answer (never a BaseException)
-            return models.failed(failure_reason(error))
-        return models.ok(key)
+            return cast(StageResult, models.failed(failure_reason(error)))
+        return cast(StageResult, models.ok(key))
 
     # ---- StagingSource ------------------------------------------------------------------
 
