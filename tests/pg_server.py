@@ -355,10 +355,13 @@ class PgServer:
             return ""
 
     def cleanup(self) -> None:
-        """Stop the server and remove the temporary directory."""
+        """Stop the server and remove the temporary directory (and the System V shared
+        memory block a killed server left: a restart would have removed it, a directory
+        removed leaves it for good)."""
         if self.running:
             self.stop(timeout=10)
         if self._owns_base:
+            _remove_orphaned_shared_memory(self.data / "postmaster.pid")
             shutil.rmtree(self.base, ignore_errors=True)
 
 
@@ -450,6 +453,25 @@ class PgBouncer:
                 self.process.kill()
                 self.process.wait()
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _remove_orphaned_shared_memory(pid_file: Path) -> None:
+    """Remove the System V shared memory block `pid_file` names (its seventh line: key and
+    id) when no process is attached to it: what a SIGKILLed postmaster leaves behind (a clean
+    shutdown removes the file and the block)."""
+    try:
+        key_and_id = pid_file.read_text().splitlines()[6].split()
+        shmid = int(key_and_id[1])
+    except (OSError, IndexError, ValueError):
+        return
+    try:
+        with open("/proc/sysvipc/shm") as table:
+            rows = [line.split() for line in table.readlines()[1:]]
+    except OSError:
+        return
+    # Columns: key shmid perms size cpid lpid nattch ...
+    if any(row[1] == str(shmid) and row[6] == "0" for row in rows):
+        subprocess.run(["ipcrm", "-m", str(shmid)], check=False, capture_output=True)
 
 
 def _state(pid: int) -> str | None:

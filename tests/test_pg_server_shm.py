@@ -38,3 +38,25 @@ def test_dynamic_shared_memory_lives_in_the_data_directory(own_server: PgServer)
     # A SIGKILL leaves the files there, in the temporary directory `cleanup` removes.
     own_server.kill()
     assert list(dynshmem.iterdir())
+
+
+def _shared_memory_ids() -> set[str]:
+    with open("/proc/sysvipc/shm") as table:
+        return {line.split()[1] for line in table.readlines()[1:]}
+
+
+def test_cleanup_after_a_kill_removes_the_system_v_block() -> None:
+    """A SIGKILLed postmaster leaves its System V shared memory block (a restart removes it);
+    `cleanup` removes it with the data directory, rather than one more leak per killed test
+    server."""
+    server = PgServer()
+    try:
+        server.start()
+        key_and_id = (server.data / "postmaster.pid").read_text().splitlines()[6].split()
+        block = key_and_id[1]
+        assert block in _shared_memory_ids()
+        server.kill()
+        assert block in _shared_memory_ids()  # the kill leaves it
+    finally:
+        server.cleanup()
+    assert block not in _shared_memory_ids()
