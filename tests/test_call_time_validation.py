@@ -23,6 +23,7 @@ import pytest
 from tests.conftest import make_entry
 from tests.postgres_fixture import pg_dsn, pg_server  # noqa: F401 - fixtures
 
+from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
 from tokencapture.ledger import FileCaptureLedger
 from tokencapture.lineage import FileLineageStore, InMemoryLineageStore
 from tokencapture.postgres import (
@@ -295,3 +296,251 @@ async def test_nemo_style_synchronous_delete_fails_loudly(
     assert len(store.read_entries("r1")) == 1
     assert store.delete_now(["r1"]) == {"removed": ["r1"], "absent": []}
     assert store.read_entries("r1") == []
+
+
+# ---- request content -------------------------------------------------------------------------
+#
+# A resolve's first step, whatever the resolver holds, is the request's assistant fingerprint
+# (as NeMo Gym 0.7.0's): what it refuses was refused by every await, so it is refused when
+# `resolve` is called, with the same error (type and message). The conversation digests are
+# computed only for candidates that share the fingerprint, so what only they refuse (the
+# content of an item the fingerprint does not read) still depends on the rollout's calls and
+# is refused when awaited, if at all: the refused set is unchanged, only the moment moves.
+
+
+class _Item(dict[str, Any]):
+    """A dict subclass: the native hashes defer it to `tokencapture.fingerprint`."""
+
+
+def _user(text: Any) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def _assistant(content: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": content}
+
+
+# Request items the fingerprint refuses, with the error class awaiting raised.
+BAD_CONTENT: list[tuple[str, Callable[[], list[Any]], type[Exception]]] = [
+    ("assistant content an int", lambda: [_user("a"), _assistant(5)], ValueError),
+    ("assistant content a dict", lambda: [_user("a"), _assistant({"text": "x"})], ValueError),
+    ("assistant text a lone surrogate", lambda: [_user("a"), _assistant("\udc00")], UnicodeError),
+    (
+        "assistant text block a lone surrogate",
+        lambda: [_assistant([{"type": "output_text", "text": "ok \ud800"}])],
+        UnicodeError,
+    ),
+    ("a content block an int", lambda: [_assistant([42])], ValueError),
+    ("an untyped block without text", lambda: [_assistant([{"data": 1}])], ValueError),
+    (
+        "a typed block holding a lone surrogate",
+        lambda: [_assistant([{"type": "image", "url": "\ud800"}])],
+        ValueError,
+    ),
+    (
+        "tool arguments that parse to a lone surrogate",
+        lambda: [{"type": "function_call", "name": "f", "arguments": '"\\ud800"'}],
+        ValueError,
+    ),
+    (
+        "tool arguments beyond 64 bits",
+        lambda: [{"type": "function_call", "name": "f", "arguments": {"n": 2**70}}],
+        ValueError,
+    ),
+    ("a tool call an int", lambda: [{"role": "assistant", "tool_calls": [3]}], TypeError),
+    (
+        "a tool call function a str",
+        lambda: [{"role": "assistant", "tool_calls": [{"function": "f"}]}],
+        TypeError,
+    ),
+    (
+        "a dict subclass with bad content",
+        lambda: [_user("a"), _Item(role="assistant", content=5)],
+        ValueError,
+    ),
+    (
+        "bad content after a float",
+        lambda: [_assistant([{"type": "image", "detail": 0.5}]), _assistant(5)],
+        ValueError,
+    ),
+]
+
+RESOLVERS = [
+    "FileLineageStore",
+    "InMemoryLineageStore",
+    "FileCaptureLedger",
+    "PostgresLineageStore",
+    "PostgresCaptureLedger",
+]
+
+
+def fingerprint_error(items: list[Any]) -> BaseException:
+    """What `tokencapture.fingerprint` raises for `items`: what every await of a resolve of
+    them raised (the native hashes defer such items to it)."""
+    with pytest.raises(Exception) as raised:  # any error: compared by the caller
+        assistant_fingerprint(items)
+    return raised.value
+
+
+async def _close(obj: Any) -> None:
+    close = getattr(obj, "close", None)
+    if close is not None:
+        await close()
+
+
+@pytest.mark.parametrize("cls_name", RESOLVERS)
+@pytest.mark.parametrize(
+    ("items", "error"), [pytest.param(items, error, id=what) for what, items, error in BAD_CONTENT]
+)
+async def test_content_the_fingerprint_refuses_raises_when_resolve_is_called(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    cls_name: str,
+    items: Callable[[], list[Any]],
+    error: type[Exception],
+) -> None:
+    obj = FACTORIES[cls_name](tmp_path, lambda: str(request.getfixturevalue("pg_dsn")))
+    expected = fingerprint_error(items())
+    assert isinstance(expected, error)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(error) as raised:
+            obj.resolve("r1", items())  # not awaited: it must raise right here
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+    assert (type(raised.value), str(raised.value)) == (type(expected), str(expected))
+    with pytest.raises(error) as raised_now:
+        obj.resolve_now("r1", items())
+    assert (type(raised_now.value), str(raised_now.value)) == (type(expected), str(expected))
+    await _close(obj)
+
+
+# A committed call per rollout: "r1" answered by the native hashes, "r2" by
+# `tokencapture.fingerprint` (a float in its tool arguments, which the native port defers).
+QUESTION: list[dict[str, Any]] = [_user("question")]
+ANSWERS: dict[str, list[dict[str, Any]]] = {
+    "r1": [_assistant("answer")],
+    "r2": [{"type": "function_call", "call_id": "f1", "name": "set", "arguments": '{"t": 0.5}'}],
+}
+
+# (rollout, request items, expected (status, call id, reason)) of good requests.
+GOOD_REQUESTS: list[tuple[str, str, Callable[[], list[Any]], tuple[str, str | None, str]]] = [
+    ("native", "r1", lambda: [*QUESTION, *ANSWERS["r1"], _user("next")], ("resolved", "c1", "")),
+    (
+        "dict subclass",
+        "r1",
+        lambda: [*QUESTION, _Item(ANSWERS["r1"][0]), _user("next")],
+        ("resolved", "c1", ""),
+    ),
+    (
+        "float in tool arguments",
+        "r2",
+        lambda: [
+            *QUESTION,
+            *ANSWERS["r2"],
+            {"type": "function_call_output", "call_id": "f1", "output": "ok"},
+        ],
+        ("resolved", "c2", ""),
+    ),
+    ("root", "r1", lambda: [*QUESTION, _user("more")], ("root", None, "")),
+    (
+        "no turn of the rollout",
+        "r1",
+        lambda: [*QUESTION, _assistant("other")],
+        ("unresolved", None, "no_match"),
+    ),
+    # The fingerprint does not read a user turn's content: no candidate shares this request's
+    # fingerprint, so no digest reads it either (NeMo Gym 0.7.0 answers the same).
+    (
+        "a user turn's int content, no candidate",
+        "r1",
+        lambda: [_user(5), _assistant("other")],
+        ("unresolved", None, "no_match"),
+    ),
+    (
+        "an unknown rollout",
+        "r9",
+        lambda: [*QUESTION, *ANSWERS["r1"]],
+        ("unresolved", None, "no_match"),
+    ),
+]
+
+
+async def _commit_calls(cls_name: str, obj: Any, root: Path, dsn: Callable[[], str]) -> Any:
+    """Commit the call of each rollout of `ANSWERS` where `obj` resolves it; the writer to
+    close after, if any."""
+    from tests.test_ledger import make_commit
+
+    from tokencapture.lineage import stamp_continuation
+    from tokencapture.records import ParentResolutionStatus, stamp_lineage
+
+    if cls_name in ("FileCaptureLedger", "PostgresCaptureLedger"):
+        for n, (rollout_id, answer) in enumerate(ANSWERS.items(), 1):
+            commit = make_commit(f"c{n}", rollout_id, request=QUESTION, response=answer)
+            await obj.record(commit)
+        return None
+    writer: Any = {
+        "FileLineageStore": lambda: TokenCaptureStore(root / "store"),
+        "InMemoryLineageStore": lambda: obj,
+        "PostgresLineageStore": lambda: PostgresTokenCaptureStore(dsn(), install_schema=True),
+    }[cls_name]()
+    for n, (rollout_id, answer) in enumerate(ANSWERS.items(), 1):
+        entry = make_entry(rollout_id, f"c{n}", output_items=answer)
+        stamp_continuation(entry, QUESTION)
+        stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.ROOT)
+        await writer.put(entry)
+    return None if writer is obj else writer
+
+
+def _summary(resolution: Any) -> tuple[str, str | None, str]:
+    match = resolution.match
+    return (
+        resolution.status.value,
+        None if match is None else match.model_call_id,
+        resolution.reason or "",
+    )
+
+
+@pytest.mark.parametrize("cls_name", RESOLVERS)
+async def test_good_content_resolves_as_before_and_digest_refusals_wait_for_the_await(
+    request: pytest.FixtureRequest, tmp_path: Path, cls_name: str
+) -> None:
+    """Good requests (the native hashes' and `tokencapture.fingerprint`'s) resolve as
+    `resolve_now` does. A request whose only bad content is in a turn the fingerprint does not
+    read is accepted when called: the digest that reads it runs only for a candidate, so it is
+    refused when awaited, and only then (as `resolve_now` refuses it), exactly as before."""
+    dsn = lambda: str(request.getfixturevalue("pg_dsn"))  # noqa: E731
+    obj = FACTORIES[cls_name](tmp_path, dsn)
+    writer = await _commit_calls(cls_name, obj, tmp_path, dsn)
+    for what, rollout_id, items, expected in GOOD_REQUESTS:
+        answer = await obj.resolve(rollout_id, items())
+        assert _summary(answer) == expected, what
+        assert answer == obj.resolve_now(rollout_id, items()), what
+    # A candidate shares the fingerprint and its context covers the user turn: its digest
+    # refuses the content when awaited, as `resolve_now` refuses it.
+    bad_user = [_user(5), *ANSWERS["r1"], _user("next")]
+    call = obj.resolve("r1", bad_user)  # accepted when called
+    with pytest.raises(ValueError) as raised:
+        await call
+    with pytest.raises(ValueError) as raised_now:
+        obj.resolve_now("r1", bad_user)
+    assert (type(raised.value), str(raised.value)) == (
+        type(raised_now.value),
+        str(raised_now.value),
+    )
+    digest_error = str(digest_error_of(bad_user[:1]))
+    if cls_name.endswith("Ledger"):
+        # The ledgers report it inside a corrupt-row error (the row's check reads the request).
+        assert f"(ValueError: {digest_error})" in str(raised.value)
+    else:
+        assert str(raised.value) == digest_error
+    if writer is not None:
+        await writer.close()
+    await _close(obj)
+
+
+def digest_error_of(items: list[Any]) -> BaseException:
+    """What `tokencapture.fingerprint.conversation_digest` raises for `items`."""
+    with pytest.raises(ValueError) as raised:
+        conversation_digest(items)
+    return raised.value

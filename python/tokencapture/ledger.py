@@ -58,7 +58,6 @@ from typing import Any, Final
 
 from tokencapture import _core
 from tokencapture.descriptors import check_max_open_files, descriptor_stats
-from tokencapture.fingerprint import assistant_fingerprint
 from tokencapture.jobs import native_job, off_loop
 from tokencapture.ledger_rows import (
     ROW_ERRORS,
@@ -78,6 +77,7 @@ from tokencapture.protocols import (
     TokenCaptureConflictError,
 )
 from tokencapture.records import ParentResolutionStatus
+from tokencapture.resolution import fingerprint_of
 from tokencapture.staging_records import CaptureLedgerCommit
 from tokencapture.validation import (
     check_failure_args,
@@ -116,13 +116,14 @@ _NO_MATCH: Final[LineageResolution] = LineageResolution(
         "manifest_now": "manifest",
         "has_rows_now": "has_rows",
         "resolve_now": "resolve",
+        # Timed itself: its executor runs `_resolve_fingerprinted`, not the timed twin.
+        "resolve": "resolve",
         "retire_now": "retire",
         "delete_now": "delete",
     },
     refusals={
         "manifest": "manifest",
         "has_rows": "has_rows",
-        "resolve": "resolve",
         "retire": "retire",
         "delete": "delete",
     },
@@ -263,7 +264,13 @@ class FileCaptureLedger:
     ) -> LineageResolution:
         """Synchronous `resolve`."""
         items = check_resolve_args(rollout_id, request_items)
-        fingerprint = assistant_fingerprint(items)
+        return self._resolve_fingerprinted(rollout_id, items, fingerprint_of(items))
+
+    def _resolve_fingerprinted(
+        self, rollout_id: str, items: list[Any], fingerprint: str
+    ) -> LineageResolution:
+        """`resolve_now` of checked items whose fingerprint is known (not timed: its callers
+        are)."""
         if not fingerprint:
             return _ROOT
         found = self._native.candidate(rollout_id, fingerprint)
@@ -287,9 +294,13 @@ class FileCaptureLedger:
         its ``cum_len`` as ``prev_len`` and the commit's ``staging_chain``;
         ``cumulative_token_ids`` is empty (the tokens live in the framework's staging). A
         retired rollout resolves no parent.
+
+        The arguments are checked, and the request's fingerprint computed, when this is
+        called: content the fingerprint refuses raises then (`ValueError` / `TypeError`).
         """
         items = check_resolve_args(rollout_id, request_items)
-        return off_loop(self.resolve_now, rollout_id, items)
+        fingerprint = fingerprint_of(items)
+        return off_loop(self._resolve_fingerprinted, rollout_id, items, fingerprint)
 
     def is_process_shared(self) -> bool:
         return True

@@ -61,7 +61,15 @@ from tokencapture.protocols import LineageMatch, LineageResolution, RolloutRemov
 from tokencapture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokencapture.resolution import DEFAULT_CACHED_ROLLOUTS as DEFAULT_CACHED_ROLLOUTS
 from tokencapture.resolution import DEFAULT_CACHED_TOKENS as DEFAULT_CACHED_TOKENS
-from tokencapture.resolution import ROOT, resolution_of, resolve_in_python, resolve_native
+from tokencapture.resolution import (
+    ROOT,
+    Prepared,
+    prepare,
+    resolution_of,
+    resolve_in_python,
+    resolve_native,
+    resolve_prepared,
+)
 from tokencapture.staging_records import CaptureLedgerCommit
 from tokencapture.validation import check_cache_limits as check_cache_limits
 from tokencapture.validation import check_failure_args, validate_rollout_id, validate_rollout_ids
@@ -183,25 +191,32 @@ class FileLineageStore:
     ) -> Coroutine[Any, Any, LineageResolution]:
         """Return ROOT, RESOLVED with the verified parent, or UNRESOLVED with a reason.
 
-        The arguments are checked when this is called (`TypeError` / `ValueError`). When it
-        is awaited the request items are copied; hashing, the file check and materialization
-        run on the native worker pool (no GIL, no thread hop), and only the answer is built
-        on the loop, while the worker checks its digest: it is returned once that passed.
+        The arguments are checked when this is called (`TypeError` / `ValueError`), and the
+        request items are copied and fingerprinted then, so content the fingerprint refuses
+        raises at the call (`tokencapture.resolution.prepare`). When it is awaited, the
+        digests, the file check and materialization run on the native worker pool (no GIL, no
+        thread hop), and only the answer is built on the loop, while the worker checks its
+        digest: it is returned once that passed.
         """
-        return self._resolve_job(rollout_id, check_resolve_args(rollout_id, request_items))
+        items = check_resolve_args(rollout_id, request_items)
+        return self._resolve_job(rollout_id, items, prepare(self._native, rollout_id, items))
 
-    async def _resolve_job(self, rollout_id: str, items: list[Any]) -> LineageResolution:
-        resolution: LineageResolution | None = None
-        job = self._native.prepare(rollout_id, items)
-        if job is not None:
+    async def _resolve_job(
+        self, rollout_id: str, items: list[Any], prepared: Prepared
+    ) -> LineageResolution:
+        job, fingerprint = prepared
+        resolution: LineageResolution | None = ROOT if not fingerprint else None
+        if resolution is None and job is not None:
             await native_job(self._native.submit, job)
             raw = self._native.finish(job)
             if raw is not None:
                 resolution = resolution_of(raw)
         if resolution is None:
-            resolution = await off_loop(resolve_in_python, self._native, rollout_id, items)
+            resolution = await off_loop(
+                resolve_in_python, self._native, rollout_id, items, fingerprint
+            )
         if self._ledger_may_answer(rollout_id, resolution):
-            return await off_loop(self._from_ledger, rollout_id, items, resolution)
+            return await off_loop(self._from_ledger, rollout_id, items, resolution, fingerprint)
         return self._fenced(rollout_id, resolution)
 
     def is_process_shared(self) -> bool:
@@ -234,11 +249,18 @@ class FileLineageStore:
         )
 
     def _from_ledger(
-        self, rollout_id: str, items: list[Any], resolution: LineageResolution
+        self,
+        rollout_id: str,
+        items: list[Any],
+        resolution: LineageResolution,
+        fingerprint: str | None = None,
     ) -> LineageResolution:
         ledger = self._capture_ledger()
         with untimed(ledger):  # part of this resolve, counted once as this store's
-            found = ledger.resolve_now(rollout_id, items)
+            if fingerprint is None:
+                found = ledger.resolve_now(rollout_id, items)
+            else:  # the request's fingerprint, computed when the resolve was called
+                found = ledger._resolve_fingerprinted(rollout_id, items, fingerprint)
         return found if found.status is ParentResolutionStatus.RESOLVED else resolution
 
     def record_now(self, commit: CaptureLedgerCommit | Mapping[str, Any]) -> bool:
@@ -491,23 +513,33 @@ class InMemoryLineageStore:
     def resolve_now(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
-        return self._resolve_checked(rollout_id, check_resolve_args(rollout_id, request_items))
+        items = check_resolve_args(rollout_id, request_items)
+        return self._resolve_checked(rollout_id, items, prepare(self._native, rollout_id, items))
 
     def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> Coroutine[Any, Any, LineageResolution]:
-        """`resolve_now` when awaited; the arguments are checked when this is called."""
-        return self._resolve_job(rollout_id, check_resolve_args(rollout_id, request_items))
+        """`resolve_now` when awaited. The arguments are checked, and the request items
+        copied and fingerprinted (content the fingerprint refuses raises), when this is
+        called."""
+        items = check_resolve_args(rollout_id, request_items)
+        return self._resolve_job(rollout_id, items, prepare(self._native, rollout_id, items))
 
-    async def _resolve_job(self, rollout_id: str, items: list[Any]) -> LineageResolution:
-        return self._resolve_checked(rollout_id, items)
+    async def _resolve_job(
+        self, rollout_id: str, items: list[Any], prepared: Prepared
+    ) -> LineageResolution:
+        return self._resolve_checked(rollout_id, items, prepared)
 
-    def _resolve_checked(self, rollout_id: str, items: list[Any]) -> LineageResolution:
+    def _resolve_checked(
+        self, rollout_id: str, items: list[Any], prepared: Prepared
+    ) -> LineageResolution:
+        fingerprint = prepared[1]
         if rollout_id in self._retired:
-            return ROOT if not assistant_fingerprint(items) else _NO_MATCH
-        resolution = _with_parent_length(resolve_native(self._native, rollout_id, items))
+            return ROOT if not fingerprint else _NO_MATCH
+        resolved = resolve_prepared(self._native, rollout_id, items, prepared)
+        resolution = _with_parent_length(resolved)
         self._touch(rollout_id)
-        return self._or_ledger(rollout_id, items, resolution)
+        return self._or_ledger(rollout_id, items, resolution, fingerprint)
 
     # The capture-ledger surface, as NeMo Gym 0.7.0's `InMemoryLineageStore` has it. Its rows
     # are the custody rows only (``model_call_id`` and the record's columns, no fingerprint or
@@ -521,14 +553,13 @@ class InMemoryLineageStore:
     # and an answer the entries already found ambiguous stays so.
 
     def _or_ledger(
-        self, rollout_id: str, items: list[Any], resolution: LineageResolution
+        self, rollout_id: str, items: list[Any], resolution: LineageResolution, fingerprint: str
     ) -> LineageResolution:
         rows = self._ledger_lookup.get(rollout_id)
         if not rows or resolution.status is ParentResolutionStatus.ROOT:
             return resolution
         if resolution.reason == AMBIGUOUS_REASON:
             return resolution  # more candidates never make distinct ones agree
-        fingerprint = assistant_fingerprint(items)
         matches = [
             match
             for row in rows

@@ -5,11 +5,20 @@ The file, in-memory and PostgreSQL resolvers index rows in a `_core` matcher
 into a `LineageResolution` (`resolution_of`), falling back to `tokencapture.fingerprint` for
 request items the native hashes do not cover (`resolve_in_python`). See docs/architecture.md
 for the layer map.
+
+An async resolve is prepared when it is called (`prepare`): the request's assistant fingerprint
+is computed then, natively where the port covers the items and by `tokencapture.fingerprint`
+otherwise, so content the fingerprint refuses raises at the call, with the error awaiting it
+raised before. The fingerprint is every resolve's first step, over every item, whatever the
+resolver holds, so this refuses exactly what awaiting refused. The conversation digests are
+computed only for candidates whose fingerprint matches (as NeMo Gym 0.7.0 computes them), so
+what only they refuse (the content of an item the fingerprint does not read: a user turn's,
+a tool result's) still depends on the rollout's calls, and is refused when awaited, if at all.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 from tokencapture import _core
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
@@ -21,9 +30,13 @@ __all__ = [
     "DEFAULT_CACHED_TOKENS",
     "ROOT",
     "NativeResolver",
+    "Prepared",
+    "fingerprint_of",
+    "prepare",
     "resolution_of",
     "resolve_in_python",
     "resolve_native",
+    "resolve_prepared",
 ]
 
 DEFAULT_CACHED_ROLLOUTS: Final[int] = 256
@@ -35,6 +48,43 @@ ROOT: Final[LineageResolution] = LineageResolution(ParentResolutionStatus.ROOT)
 """The answer for a request with no model-authored turn."""
 
 NativeResolver = _core.FileLineage | _core.MemoryLineage
+
+Prepared: TypeAlias = tuple[_core.LineageJob | None, str]
+"""A resolve prepared when called: the native job (None when the items need Python's hashes)
+and the request's assistant fingerprint ("" for a root)."""
+
+
+def fingerprint_of(items: list[Any]) -> str:
+    """`assistant_fingerprint(items)`, by the native port where it covers the items: the same
+    value, or, from `tokencapture.fingerprint`, the same error."""
+    fingerprint = _core.request_fingerprint(items)
+    return assistant_fingerprint(items) if fingerprint is None else fingerprint
+
+
+def prepare(native: NativeResolver, rollout_id: str, items: list[Any]) -> Prepared:
+    """Prepare a resolve when it is called (the arguments already checked by
+    `check_resolve_args`): the items copied and fingerprinted natively (a job), or, for items
+    the port does not cover, fingerprinted by `tokencapture.fingerprint`. Raises what the
+    fingerprint raises (`ValueError` / `TypeError`), which is what awaiting the resolve raised;
+    the fingerprint is not computed again when the resolve runs."""
+    job = native.prepare(rollout_id, items)
+    if job is not None:
+        return job, job.fingerprint
+    return None, assistant_fingerprint(items)
+
+
+def resolve_prepared(
+    native: _core.MemoryLineage, rollout_id: str, items: list[Any], prepared: Prepared
+) -> LineageResolution:
+    """Resolve a prepared request by an in-process matcher (`resolve_native`'s answer)."""
+    job, fingerprint = prepared
+    if not fingerprint:
+        return ROOT
+    if job is not None:
+        raw = native.resolve_prepared(job)
+        if raw is not None:
+            return resolution_of(raw)
+    return resolve_in_python(native, rollout_id, items, fingerprint)
 
 
 def resolution_of(
@@ -61,10 +111,12 @@ def resolve_native(native: NativeResolver, rollout_id: str, items: list[Any]) ->
 
 
 def resolve_in_python(
-    native: NativeResolver, rollout_id: str, items: list[Any]
+    native: NativeResolver, rollout_id: str, items: list[Any], fingerprint: str | None = None
 ) -> LineageResolution:
-    """Items the native hashes do not cover: tokencapture.fingerprint decides (or raises)."""
-    fingerprint = assistant_fingerprint(items)
+    """Items the native hashes do not cover: tokencapture.fingerprint decides (or raises).
+    `fingerprint`: the items' fingerprint when it is known already (`prepare`)."""
+    if fingerprint is None:
+        fingerprint = assistant_fingerprint(items)
     if not fingerprint:
         return ROOT
     digests: dict[int, str] = {}

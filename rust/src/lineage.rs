@@ -752,6 +752,9 @@ pub trait Request {
 pub struct ItemsRequest {
     items: Vec<Value>,
     prefix: PrefixDigests,
+    /// The fingerprint, once computed: a request fingerprinted when a resolve is called (so a
+    /// refused request is refused then) is not hashed again when it is resolved.
+    fingerprint: Option<String>,
 }
 
 impl ItemsRequest {
@@ -759,13 +762,19 @@ impl ItemsRequest {
         ItemsRequest {
             items,
             prefix: PrefixDigests::new(),
+            fingerprint: None,
         }
     }
 }
 
 impl Request for ItemsRequest {
     fn fingerprint(&mut self) -> std::result::Result<String, Missing> {
-        Ok(fingerprint::assistant_fingerprint(&self.items)?)
+        if let Some(fingerprint) = &self.fingerprint {
+            return Ok(fingerprint.clone());
+        }
+        let fingerprint = fingerprint::assistant_fingerprint(&self.items)?;
+        self.fingerprint = Some(fingerprint.clone());
+        Ok(fingerprint)
     }
 
     fn len(&self) -> usize {

@@ -17,7 +17,7 @@ from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from tokencapture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
+from tokencapture.fingerprint import FINGERPRINT_VERSION
 from tokencapture.ledger_rows import (
     ROW_ERRORS,
     as_commit,
@@ -36,6 +36,7 @@ from tokencapture.protocols import (
     RolloutRemovalPayload,
 )
 from tokencapture.records import ParentResolutionStatus
+from tokencapture.resolution import fingerprint_of
 from tokencapture.staging_records import CaptureLedgerCommit
 from tokencapture.validation import (
     check_failure_args,
@@ -181,12 +182,15 @@ class PostgresCaptureLedger:
     ) -> Coroutine[Any, Any, LineageResolution]:
         """ROOT, RESOLVED with a token-free `LineageMatch`, or UNRESOLVED ``"no_match"``, by
         `FileCaptureLedger`'s rules (exactly one row of the fingerprint, its context matching).
+        The arguments are checked, and the request's fingerprint computed, when this is called:
+        content the fingerprint refuses raises then (`ValueError` / `TypeError`).
         """
         items = check_resolve_args(rollout_id, request_items)
-        return self._resolve(rollout_id, items)
+        return self._resolve(rollout_id, items, fingerprint_of(items))
 
-    async def _resolve(self, rollout_id: str, items: list[Any]) -> LineageResolution:
-        fingerprint = assistant_fingerprint(items)
+    async def _resolve(
+        self, rollout_id: str, items: list[Any], fingerprint: str
+    ) -> LineageResolution:
         if not fingerprint:
             return _ROOT
         line = await self._client.fetch("val", _CANDIDATE, rollout_id, fingerprint)

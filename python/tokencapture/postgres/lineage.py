@@ -20,7 +20,13 @@ from tokencapture.forking import ProcessOwner, leak, renew_after_fork
 from tokencapture.metrics import instrumented
 from tokencapture.postgres._client import Client
 from tokencapture.protocols import LineageResolution
-from tokencapture.resolution import DEFAULT_CACHED_ROLLOUTS, DEFAULT_CACHED_TOKENS, resolve_native
+from tokencapture.resolution import (
+    DEFAULT_CACHED_ROLLOUTS,
+    DEFAULT_CACHED_TOKENS,
+    Prepared,
+    prepare,
+    resolve_prepared,
+)
 from tokencapture.validation import check_cache_limits, check_resolve_args
 
 __all__ = ["PostgresLineageStore"]
@@ -114,13 +120,18 @@ class PostgresLineageStore:
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> Coroutine[Any, Any, LineageResolution]:
         """Return ROOT, RESOLVED with the verified parent, or UNRESOLVED with a reason. The
-        arguments are checked when this is called (`TypeError` / `ValueError`)."""
+        arguments are checked, and the request items copied and fingerprinted (content the
+        fingerprint refuses raises), when this is called (`TypeError` / `ValueError`)."""
         items = check_resolve_args(rollout_id, request_items)
-        return self._resolve(rollout_id, items)
+        # A prepared job holds no index state: it resolves on whichever index `_refresh`
+        # leaves (a forked child's own).
+        return self._resolve(rollout_id, items, prepare(self._native, rollout_id, items))
 
-    async def _resolve(self, rollout_id: str, items: list[Any]) -> LineageResolution:
+    async def _resolve(
+        self, rollout_id: str, items: list[Any], prepared: Prepared
+    ) -> LineageResolution:
         await self._refresh(rollout_id)
-        return resolve_native(self._native, rollout_id, items)
+        return resolve_prepared(self._native, rollout_id, items, prepared)
 
     def resolve_now(
         self, rollout_id: str, request_items: list[dict[str, Any]]

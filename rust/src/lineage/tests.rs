@@ -1728,3 +1728,30 @@ fn an_unverified_answer_names_its_digest_and_is_cached_only_once_verified() {
     };
     assert_eq!(unverified.0, None);
 }
+
+#[test]
+fn a_request_fingerprinted_before_it_is_resolved_is_not_hashed_again() {
+    // The bindings fingerprint a request when `resolve` is called (refusing bad content
+    // then) and resolve it later: the fingerprint is computed once, and the answer is the
+    // one a fresh request gets.
+    let lineage = MemoryLineage::new(8, 1 << 20, 1 << 20);
+    let turns = conversation(2, "m");
+    lineage
+        .put("r", &turns[0].line(None, None))
+        .expect("put turn 0");
+    let items = turns[0].next_request("n");
+    let mut request = ItemsRequest::new(items.clone());
+    let fingerprint = request.fingerprint().unwrap();
+    assert_eq!(
+        fingerprint,
+        fingerprint::assistant_fingerprint(&items).unwrap()
+    );
+    let fresh = resolve_mem(&lineage, "r", &items);
+    let Step::Done(prepared) = lineage.resolve("r", &mut request).unwrap() else {
+        panic!("expected an answer");
+    };
+    assert_eq!(resolved(&prepared), resolved(&fresh));
+    // White box: the memo answers, the items' authored turns are not read again.
+    request.items[1] = assistant("another reply");
+    assert_eq!(request.fingerprint().unwrap(), fingerprint);
+}

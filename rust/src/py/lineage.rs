@@ -1,7 +1,11 @@
 //! Request-time lineage (`rust/src/lineage.rs`). Request items are copied into JSON values with
 //! the GIL held; anything but plain JSON types (exact dict/list/str/int/float/bool/None) yields
 //! None so that Python's `tokencapture.fingerprint` decides. Hashing, file reads, locks and
-//! materialization run detached (or, for `FileLineage.submit`, on the worker pool). Answers carry
+//! materialization run detached (or, for `FileLineage.submit`, on the worker pool). An async
+//! resolve is prepared when it is called (`prepare`: the items copied and fingerprinted, so
+//! content the fingerprint refuses is refused then, by Python's fingerprint, which the port
+//! defers every such item to) and resolved when it is awaited, without hashing the
+//! fingerprint again. Answers carry
 //! the cumulative tokens as a tuple of fresh ints, or from the rollout's previous
 //! answer plus the new ids. Integrity failures raise `tokencapture.lineage.LineageIntegrityError`
 //! (a `ValueError`); store errors map as in `errors`.
@@ -25,7 +29,7 @@ use crate::fork::{current_pid, PerProcess};
 use crate::lineage::verdict::Verdict;
 use crate::lineage::{
     self, FileLineage, HashedRequest, ItemsRequest, LineageError, MemoryLineage, Missing, Outcome,
-    Step, Tokens, Unverified,
+    Request, Step, Tokens, Unverified,
 };
 
 static INTEGRITY: ExceptionClass =
@@ -368,14 +372,54 @@ impl PyFileLineage {
     }
 }
 
-/// A resolve submitted to the worker pool (`FileLineage.prepare` / `submit` / `finish`):
-/// the request goes in, the decision comes back here.
+/// A prepared resolve (`prepare`): the request items copied and fingerprinted when the
+/// resolve was called. `FileLineage` runs it on the worker pool (`submit` / `finish`: the
+/// request goes in, the decision comes back here), `MemoryLineage` with `resolve_prepared`.
 #[pyclass(frozen, name = "LineageJob", module = "tokencapture._core")]
 struct PyLineageJob {
     rollout_id: String,
+    /// The request's assistant fingerprint ("" for a root).
+    #[pyo3(get)]
+    fingerprint: String,
     request: Mutex<Option<ItemsRequest>>,
     result: Arc<Mutex<Option<lineage::Result<Step>>>>,
     verdict: Arc<Verdict>,
+}
+
+impl PyLineageJob {
+    /// The prepared request, once (a job runs at most once).
+    fn take_request(&self) -> PyResult<ItemsRequest> {
+        self.request
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("this lineage job was already submitted"))
+    }
+}
+
+/// A job with the request items copied and fingerprinted (hashed detached), or None when
+/// they need Python's hashes (`tokencapture.fingerprint` then decides, or refuses them). The
+/// job needs no resolver state: it may run on any resolver of this process.
+fn prepare_job(
+    py: Python<'_>,
+    rollout_id: &Bound<'_, PyString>,
+    items: &Bound<'_, PyAny>,
+) -> PyResult<Option<PyLineageJob>> {
+    let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
+    let Some(values) = request_values(items) else {
+        return Ok(None);
+    };
+    let mut request = ItemsRequest::new(values);
+    let Ok(fingerprint) = py.detach(|| request.fingerprint()) else {
+        return Ok(None); // the port declined: Python's fingerprint decides
+    };
+    Ok(Some(PyLineageJob {
+        rollout_id,
+        fingerprint,
+        request: Mutex::new(Some(request)),
+        result: Arc::new(Mutex::new(None)),
+        verdict: Arc::new(Verdict::default()),
+    }))
 }
 
 #[pymethods]
@@ -444,20 +488,16 @@ impl PyFileLineage {
         resolve_request(py, &*inner, &self.memo, rollout_id, request)
     }
 
-    /// A job for `submit`, with the request items copied (None when they need Python's
-    /// hashes). The event loop then waits for the worker pool instead of a thread hop.
+    /// A job for `submit`, with the request items copied and fingerprinted (None when they
+    /// need Python's hashes). Called when the resolve is called; the event loop then waits
+    /// for the worker pool instead of a thread hop.
     fn prepare(
         &self,
+        py: Python<'_>,
         rollout_id: &Bound<'_, PyString>,
         items: &Bound<'_, PyAny>,
     ) -> PyResult<Option<PyLineageJob>> {
-        let rollout_id = text(rollout_id, "rollout_id")?.to_owned();
-        Ok(request_values(items).map(|values| PyLineageJob {
-            rollout_id,
-            request: Mutex::new(Some(ItemsRequest::new(values))),
-            result: Arc::new(Mutex::new(None)),
-            verdict: Arc::new(Verdict::default()),
-        }))
+        prepare_job(py, rollout_id, items)
     }
 
     /// Run a prepared job on the worker pool; its completion is reported to `completions`.
@@ -469,12 +509,7 @@ impl PyFileLineage {
     ) -> PyResult<()> {
         let inner = self.inner(completions.py())?;
         let job = job.get();
-        let mut request = job
-            .request
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| PyRuntimeError::new_err("this lineage job was already submitted"))?;
+        let mut request = job.take_request()?;
         let rollout_id = job.rollout_id.clone();
         let slot = Arc::clone(&job.result);
         let verdict = Arc::clone(&job.verdict);
@@ -626,6 +661,32 @@ impl PyMemoryLineage {
         resolve_request(py, inner, &self.memo, rollout_id, request)
     }
 
+    /// A job for `resolve_prepared` (see `FileLineage.prepare`); it does not touch the index.
+    fn prepare(
+        &self,
+        py: Python<'_>,
+        rollout_id: &Bound<'_, PyString>,
+        items: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<PyLineageJob>> {
+        prepare_job(py, rollout_id, items)
+    }
+
+    /// Resolve a prepared job (its fingerprint is not hashed again); shaped like `resolve`.
+    fn resolve_prepared(
+        &self,
+        py: Python<'_>,
+        job: &Bound<'_, PyLineageJob>,
+    ) -> PyResult<Py<PyAny>> {
+        let inner = self.inner(py)?;
+        let job = job.get();
+        let mut request = job.take_request()?;
+        let rollout_id = job.rollout_id.as_str();
+        let step = py
+            .detach(|| inner.resolve(rollout_id, &mut request))
+            .map_err(|e| lineage_err(py, e))?;
+        step_to_py(py, step, &self.memo, rollout_id)
+    }
+
     /// Forget rollouts; returns `(removed, absent)`.
     fn delete(
         &self,
@@ -654,6 +715,14 @@ impl PyMemoryLineage {
     fn cached_tokens(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.inner(py)?.cached_tokens())
     }
+}
+
+/// `assistant_fingerprint(items)` by the native port, or None when the items need Python's
+/// implementation (which then computes the same value, or raises).
+#[pyfunction]
+fn request_fingerprint(py: Python<'_>, items: &Bound<'_, PyAny>) -> Option<String> {
+    let values = request_values(items)?;
+    py.detach(|| lineage::fingerprint::assistant_fingerprint(&values).ok())
 }
 
 /// `(assistant_fingerprint(items), conversation_digest(items[:context_len]))` by the
@@ -685,6 +754,7 @@ pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PyMemoryLineage>()?;
     module.add_class::<PyLineageJob>()?;
     module.add_function(wrap_pyfunction!(continuation_hashes, module)?)?;
+    module.add_function(wrap_pyfunction!(request_fingerprint, module)?)?;
     module.add_function(wrap_pyfunction!(tokens_extend, module)?)?;
     Ok(())
 }
