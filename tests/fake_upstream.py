@@ -15,7 +15,9 @@ it renders the assistant turn back: the next prompt no longer begins with what w
 which is what a real engine's re-rendering does to continuations.
 
 Per-request knobs in the body (a real vLLM ignores unknown fields too): `fake_status` (answer
-with that status), `fake_delay` (seconds before answering), `fake_break_after` (a stream drops
+with that status), `fake_delay` (seconds before answering; a client that disconnects
+meanwhile makes it stop, as vLLM aborts such a request, and the request is kept in
+`abandoned`), `fake_break_after` (a stream drops
 the connection after that many chunks), `fake_no_token_ids` (answer as a non-vLLM server),
 `fake_chunk_delay` (seconds between stream chunks), `fake_one_write` (a stream's chunks and
 `[DONE]` all in one write: the engine ran ahead of the reader), `fake_reply` (the text the
@@ -23,6 +25,7 @@ model answers, one chunk per byte when streamed). The engine as a whole can be m
 otherwise without changing a request (a retry must be the same request to be replayed):
 `FakeUpstream.reply`, set in the process or by `POST /fake/reply {"reply": TEXT or null}`, is
 the text every chat call then answers (a body's `fake_reply` still wins).
+A completion whose prompt and `max_tokens` pass `max_model_len` is refused with vLLM's 400.
 Run it as a process with `python tests/fake_upstream.py PORT [--drift]`.
 """
 
@@ -172,6 +175,9 @@ class FakeUpstream:
         # The text every chat call answers, when set (see the module's docstring).
         self.reply: str | None = None
         self.requests: list[dict[str, Any]] = []
+        # The requests whose client (the gateway) closed its connection while the engine
+        # worked on them (`fake_delay`): the engine stopped, as vLLM aborts such a request.
+        self.abandoned: list[dict[str, Any]] = []
         # Streams sent to the end, and streams that stopped early (the reader went away).
         self.streams_done = 0
         self.streams_cut = 0
@@ -220,11 +226,11 @@ class FakeUpstream:
     def _logprobs(ids: list[int]) -> list[float]:
         return [-0.25 - (index % 7) / 8 for index, _ in enumerate(ids)]
 
-    @staticmethod
-    async def _knobs(body: dict[str, Any]) -> Response | None:
+    async def _knobs(self, request: Request, body: dict[str, Any]) -> Response | None:
         delay = body.get("fake_delay")
-        if delay:
-            await asyncio.sleep(float(delay))
+        if delay and await self._left_during(request, float(delay)):
+            self.abandoned.append(body)
+            return Response(b"", 499)  # read by no one
         status = body.get("fake_status")
         if status:
             error = {
@@ -236,6 +242,43 @@ class FakeUpstream:
             }
             return Response(orjson.dumps(error), int(status), media_type="application/json")
         return None
+
+    @staticmethod
+    async def _left_during(request: Request, seconds: float) -> bool:
+        """Wait `seconds` (the engine at work), unless the client disconnects first, as
+        vLLM's server notices (its `with_cancellation`) and aborts the generation: True
+        then."""
+
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        try:
+            await asyncio.wait_for(gone(), seconds)
+        except TimeoutError:
+            return False
+        return True
+
+    def _over_the_context(self, prompt: list[int], max_tokens: object) -> Response | None:
+        """vLLM's 400 for a request whose prompt and `max_tokens` pass the context length
+        (`max_model_len`, as its model card says), else None."""
+        if self.max_model_len is None or type(max_tokens) is not int:
+            return None
+        if len(prompt) + max_tokens <= self.max_model_len:
+            return None
+        error = {
+            "object": "error",
+            "message": (
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the "
+                f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion."
+            ),
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+        return Response(orjson.dumps(error), 400, media_type="application/json")
 
     def _sample(self, prompt: list[int]) -> tuple[list[int], str, dict[str, Any] | None]:
         """Tokenizer mode: pseudo-random token ids (as a random-weight model samples them),
@@ -266,7 +309,7 @@ class FakeUpstream:
         self.requests.append(body)
         if self.on_request is not None:
             self.on_request(body)
-        refused = await self._knobs(body)
+        refused = await self._knobs(request, body)
         if refused is not None:
             return refused
         self.calls += 1
@@ -459,12 +502,15 @@ class FakeUpstream:
         self.requests.append(body)
         if self.on_request is not None:
             self.on_request(body)
-        refused = await self._knobs(body)
+        refused = await self._knobs(request, body)
         if refused is not None:
             return refused
         self.calls += 1
         prompt_in = body.get("prompt")
         prompt = list(prompt_in) if isinstance(prompt_in, list) else encode(str(prompt_in))
+        too_long = self._over_the_context(prompt, body.get("max_tokens"))
+        if too_long is not None:
+            return too_long
         if self.bridge is not None:
             ids, _, _ = self._sample(prompt)
         else:

@@ -680,7 +680,10 @@ async def test_client_gone_before_the_store_is_marked_not_stored(tmp_path: Path)
             return {"type": "http.request", "body": payload, "more_body": False}
         if gone:
             return {"type": "http.disconnect"}
-        result: dict[str, Any] = await never
+        # Shielded: a receive cancelled by its caller (the gateway's disconnect watch while
+        # the engine works, as Starlette's listener does) leaves the others pending, as a
+        # server's receive does.
+        result: dict[str, Any] = await asyncio.shield(never)
         return result
 
     async def send(message: dict[str, Any]) -> None:
@@ -715,10 +718,17 @@ class _GoneBeforeTheAnswer(OSError):
     when the client has gone."""
 
 
-def _client_gone_after_its_request(payload: bytes, *, send_raises: bool) -> tuple[Any, Any]:
+def _client_gone_after_its_request(
+    payload: bytes, *, send_raises: bool, seen_by_receive: bool = True
+) -> tuple[Any, Any]:
     """(receive, send) of an ASGI server whose client sent `payload` and left: every later
     `receive` answers `http.disconnect`; `send` raises (as uvicorn's does under ASGI spec 2.4)
-    or, with `send_raises` false, drops what it is given (spec 2.3)."""
+    or, with `send_raises` false, drops what it is given (spec 2.3).
+
+    With `seen_by_receive` false, a later `receive` blocks instead (the server has not read
+    the departure off the socket yet, or the client leaves only once the engine answered): the
+    gateway's watch of the client while the engine works sees nothing, and the departure shows
+    when the answer is sent (`send` raises)."""
     requested = False
 
     async def receive() -> dict[str, Any]:
@@ -726,6 +736,8 @@ def _client_gone_after_its_request(payload: bytes, *, send_raises: bool) -> tupl
         if not requested:
             requested = True
             return {"type": "http.request", "body": payload, "more_body": False}
+        if not seen_by_receive:
+            await asyncio.Event().wait()  # never set; cancellable, as a server's receive is
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
@@ -760,7 +772,7 @@ async def test_stream_whose_client_left_before_its_first_byte_is_marked_and_let_
     )
     scope = _chat_scope("unread", "left-early", payload)
     scope["asgi"] = {"version": "3.0", "spec_version": "2.4"}
-    receive, send = _client_gone_after_its_request(payload, send_raises=True)
+    receive, send = _client_gone_after_its_request(payload, send_raises=True, seen_by_receive=False)
     try:
         with pytest.raises(ClientDisconnect):
             await asyncio.wait_for(app(scope, receive, send), 30)
@@ -810,7 +822,7 @@ async def test_passthrough_whose_client_left_before_its_first_byte_frees_its_con
     scope["asgi"] = {"version": "3.0", "spec_version": "2.4"}
     scope["path"] = "/v1/chat/completions"  # and no X-Rollout-Id: passed through
     scope["raw_path"] = b"/v1/chat/completions"
-    receive, send = _client_gone_after_its_request(payload, send_raises=True)
+    receive, send = _client_gone_after_its_request(payload, send_raises=True, seen_by_receive=False)
     try:
         with pytest.raises(ClientDisconnect):
             await asyncio.wait_for(app(scope, receive, send), 30)
@@ -840,7 +852,7 @@ async def test_call_cancelled_in_the_gateway_is_marked(tmp_path: Path) -> None:
     app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
     store = TokenCaptureStore(root)
     payload = orjson.dumps({"model": MODEL, "messages": [_user("slow")], "fake_delay": 3})
-    receive, send = _client_gone_after_its_request(payload, send_raises=True)
+    receive, send = _client_gone_after_its_request(payload, send_raises=True, seen_by_receive=False)
     call = asyncio.ensure_future(app(_chat_scope("stopped", "in-flight", payload), receive, send))
     try:
         deadline = asyncio.get_running_loop().time() + 10
@@ -1213,22 +1225,44 @@ async def test_a_call_failing_after_its_rollout_froze_keeps_the_snapshot_droppab
 async def test_a_client_gone_before_the_answer_is_marked_not_stored(tmp_path: Path) -> None:
     """A non-streaming client that leaves while the engine works (an agent's timeout): as for
     a stream it leaves, the call is marked `client_disconnected` and not stored, rather than
-    kept as a call no one saw in a rollout that stays unmasked. Driven through ASGI by hand: the
-    server answers `http.disconnect` to every `receive` after the request's body."""
+    kept as a call no one saw in a rollout that stays unmasked; and the engine's request is
+    cancelled (its connection closed: the engine stops) rather than waited for. Driven through
+    ASGI by hand: the client leaves once the engine has its request, and the server then
+    answers `http.disconnect` to `receive` (also to the one already waiting)."""
     root = tmp_path / "store"
-    fake = FakeUpstream()
+    loop = asyncio.get_running_loop()
+    at_the_engine = asyncio.Event()
+    fake = FakeUpstream(on_request=lambda body: loop.call_soon_threadsafe(at_the_engine.set))
     upstream = ThreadServer(fake.app)
     app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
-    payload = orjson.dumps({"model": MODEL, "messages": [_user("slow")], "fake_delay": 0.2})
-    receive, send = _client_gone_after_its_request(payload, send_raises=False)
+    payload = orjson.dumps({"model": MODEL, "messages": [_user("slow")], "fake_delay": 5})
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await at_the_engine.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass  # ASGI spec 2.3: what is sent to a client that is gone is dropped
+
     scope = _chat_scope("left", "gone", payload)
     try:
+        started = loop.time()
         await asyncio.wait_for(app(scope, receive, send), 30)
+        assert loop.time() - started < 4  # not held until the engine's answer
+        deadline = loop.time() + 4
+        while not fake.abandoned:  # the engine saw its connection closed, and stopped
+            assert loop.time() < deadline, "the engine's request went on"
+            await asyncio.sleep(0.02)
     finally:
         await app.state.gateway.close()
         upstream.stop()
     store = TokenCaptureStore(root)
-    assert fake.calls == 1  # the engine answered
+    assert fake.calls == 0  # the engine did not finish it
     assert store.read_entries("left") == []
     assert json.loads((root / "left.lineage.jsonl").read_text()) == {
         "failure_reason": "client_disconnected",

@@ -346,6 +346,40 @@ async def test_a_continuation_without_a_limit_may_use_the_rest_of_the_context(
     assert tito.fake.models_calls == 1  # the context length is kept
 
 
+async def test_a_refused_completion_makes_the_context_length_asked_again(tito: Loop) -> None:
+    """The context length is kept from the engine's `GET /v1/models`; an engine restarted
+    behind the same address with a smaller `--max-model-len` refuses the `max_tokens` made
+    from the kept one (400). That 400 is passed through (the call is not retried; it is
+    marked, as any engine's error), and the kept length is dropped: the next call asks
+    `/v1/models` again and is sent a `max_tokens` within the new context."""
+    messages = await _continued(tito, "s")
+    _, entry = await tito.call("s", messages, "s-1")
+    assert _bridged(entry)
+    prompt_len = len(entry.prompt_token_ids)
+    assert tito.fake.requests[-1]["max_tokens"] == 2048 - prompt_len
+    assert tito.fake.models_calls == 1
+
+    tito.fake.max_model_len = prompt_len + 100  # restarted with a smaller context
+    refused = await tito.client.post(
+        "/rollouts/s/v1/chat/completions",
+        json={"model": MODEL, "messages": messages},
+        headers={"x-model-call-id": "s-2"},
+    )
+    assert refused.status_code == 400, refused.text
+    assert "maximum context length" in refused.json()["message"]
+    assert tito.fake.requests[-1]["max_tokens"] == 2048 - prompt_len  # the kept length's
+    assert len(tito.fake.requests) == 3  # not retried
+    assert tito.store.is_incomplete("s")
+    assert [e.model_call_id for e in tito.store.read_entries("s")] == ["s-root", "s-1"]
+
+    _, entry = await tito.call("s", messages, "s-3")
+    assert _bridged(entry)
+    assert tito.fake.models_calls == 2  # asked again
+    assert tito.fake.requests[-1]["max_tokens"] == 100  # within the new context
+    _, entry = await tito.call("s", messages, "s-4")
+    assert tito.fake.models_calls == 2  # and kept again
+
+
 async def test_a_continuation_without_a_limit_goes_to_chat_when_the_default_is_unknown(
     tmp_path: Path, tokenizer_dir: Path
 ) -> None:

@@ -30,6 +30,7 @@ from tokencapture.latency import BUCKET_BOUNDS_SECONDS
 __all__ = [
     "ATTR_BACKEND",
     "ATTR_ERROR_TYPE",
+    "ATTR_HTTP_STATUS",
     "ATTR_OPERATION",
     "ATTR_OUTCOME",
     "ATTR_STORE",
@@ -50,6 +51,9 @@ ATTR_BACKEND = "tokencapture.backend"
 ATTR_OPERATION = "tokencapture.operation"
 ATTR_OUTCOME = "tokencapture.outcome"
 ATTR_ERROR_TYPE = "error.type"
+# OpenTelemetry's semantic convention for an HTTP server's response status (an int): on the
+# capture gateway's calls, where the status answered is known.
+ATTR_HTTP_STATUS = "http.response.status_code"
 
 # The outcome of a failure, by the name of a class in the exception's MRO (first match wins).
 _OUTCOME_BY_CLASS = {
@@ -102,7 +106,7 @@ class _Tally:
 
     __slots__ = ("attributes", "count")
 
-    def __init__(self, attributes: Mapping[str, str]) -> None:
+    def __init__(self, attributes: Mapping[str, str | int]) -> None:
         self.attributes = attributes
         self.count = 0
 
@@ -124,20 +128,31 @@ class _Kind:
         self.histogram = instruments.histogram  # None until the global provider is set
         self.lock = threading.Lock()
         renew_after_fork(self, "lock")
-        self.successes: dict[str, _Tally] = {}
-        self.failures: dict[tuple[str, type[BaseException] | None], _Tally] = {}
+        # Keyed by operation (and the error type), and the HTTP status when there is one.
+        self.successes: dict[tuple[str, int | None], _Tally] = {}
+        self.failures: dict[tuple[str, type[BaseException] | None, int | None], _Tally] = {}
 
     def tallies(self) -> list[_Tally]:
         with self.lock:
             return [*self.successes.values(), *self.failures.values()]
 
     def new_tally(
-        self, operation: str, failed: bool, error_type: type[BaseException] | None
+        self,
+        operation: str,
+        failed: bool,
+        error_type: type[BaseException] | None,
+        status: int | None = None,
     ) -> _Tally:
-        attributes = {**self.base, ATTR_OPERATION: operation, ATTR_OUTCOME: "success"}
+        attributes: dict[str, str | int] = {
+            **self.base,
+            ATTR_OPERATION: operation,
+            ATTR_OUTCOME: "success",
+        }
         if failed:
             attributes[ATTR_OUTCOME] = "error" if error_type is None else outcome_of(error_type)
             attributes[ATTR_ERROR_TYPE] = _error_type_name(error_type)
+        if status is not None:
+            attributes[ATTR_HTTP_STATUS] = status
         return _Tally(attributes)
 
     def live_histogram(self) -> Any:
@@ -267,8 +282,10 @@ class Recorder:
         seconds: float,
         failed: bool,
         error_type: type[BaseException] | None,
+        status: int | None = None,
     ) -> None:
-        """One call of `operation` took `seconds` (`failed`: it raised `error_type`)."""
+        """One call of `operation` took `seconds` (`failed`: it raised `error_type`;
+        `status`: the HTTP status it answered, for a gateway call)."""
         kind = self._kind
         histogram = kind.histogram
         if histogram is None:
@@ -276,14 +293,17 @@ class Recorder:
             if histogram is None:  # the global provider is not set: nothing would see it
                 return
         if not failed:
-            tally = kind.successes.get(operation)
+            success_key = (operation, status)
+            tally = kind.successes.get(success_key)
             if tally is None:
-                tally = kind.successes.setdefault(operation, kind.new_tally(operation, False, None))
+                made = kind.new_tally(operation, False, None, status)
+                tally = kind.successes.setdefault(success_key, made)
         else:
-            key = (operation, error_type)
+            key = (operation, error_type, status)
             tally = kind.failures.get(key)
             if tally is None:
-                tally = kind.failures.setdefault(key, kind.new_tally(operation, True, error_type))
+                made = kind.new_tally(operation, True, error_type, status)
+                tally = kind.failures.setdefault(key, made)
         with kind.lock:
             tally.count += 1
         histogram.record(seconds, tally.attributes)

@@ -127,11 +127,14 @@ class Metrics:
         *,
         failed: bool = False,
         error_type: type[BaseException] | None = None,
+        status: int | None = None,
     ) -> None:
         """Count one call of `operation` that took `seconds`.
 
         A failure's `error_type` (for OpenTelemetry's `error.type`) defaults to the exception
-        being handled when this is called from an `except` block.
+        being handled when this is called from an `except` block. `status`, the HTTP status a
+        capture gateway call answered, becomes OpenTelemetry's `http.response.status_code`
+        (bounded: the statuses the gateway answers).
         """
         failed = failed or error_type is not None
         with self._lock:
@@ -148,7 +151,7 @@ class Metrics:
         if otel is not None:
             if failed and error_type is None:
                 error_type = sys.exc_info()[0]
-            otel.record(operation, seconds, failed, error_type)
+            otel.record(operation, seconds, failed, error_type, status)
 
     def timed(self, operation: str) -> Timed:
         """A context manager timing the block; an exception counts as a failure."""

@@ -11,8 +11,10 @@ injected (and, meanwhile, the parent is resolved from the request's messages); t
 exact tokens become a `TokenEntry`, stamped for lineage, which is `put` (durable) before one
 byte of the answer is released; the token fields the client did not ask for are removed. An
 upstream error, timeout or disconnect marks the call incomplete with the reason (a failure row
-of the capture ledger) and passes the upstream's status through; a store write that fails
-answers 503, never 200. A stream is passed through chunk by chunk, except that its final chunk
+of the capture ledger) and passes the upstream's status through; a client that leaves while
+the engine works cancels the upstream request (its connection closed: vLLM aborts the
+generation) and marks the call `client_disconnected`; a store write that fails answers 503,
+never 200. A stream is passed through chunk by chunk, except that its final chunk
 and `[DONE]` are held until the entry is stored. A retry of a stored call (the client's own
 call id, the same request) is answered from the stored entry, with nothing sent upstream;
 two calls with one client id at once are answered one after the other, the second as a
@@ -35,7 +37,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import aiohttp
 import orjson
@@ -572,17 +574,31 @@ class Gateway:
         except HttpError as exc:
             return exc.response()
         try:
-            answer = await self.request_upstream(
-                request.method,
-                self._passthrough_url(request, path, as_sent=as_sent),
-                data=body,
-                headers=self._passthrough_headers(request),
+            answer = await _unless_client_leaves(
+                request,
+                self.request_upstream(
+                    request.method,
+                    self._passthrough_url(request, path, as_sent=as_sent),
+                    data=body,
+                    headers=self._passthrough_headers(request),
+                ),
             )
+        except _ClientLeft:
+            # Gone while the engine worked: the request was cancelled (its connection
+            # closed, so the engine stops); the answer reaches no one.
+            self.metrics.observe(
+                "passthrough", time.perf_counter() - started, failed=True, status=499
+            )
+            return error_response(499, "the client disconnected before the answer", "client_gone")
         except TimeoutError:
-            self.metrics.observe("passthrough", time.perf_counter() - started, failed=True)
+            self.metrics.observe(
+                "passthrough", time.perf_counter() - started, failed=True, status=504
+            )
             return error_response(504, "upstream timed out", "upstream_error")
         except aiohttp.ClientError as exc:
-            self.metrics.observe("passthrough", time.perf_counter() - started, failed=True)
+            self.metrics.observe(
+                "passthrough", time.perf_counter() - started, failed=True, status=502
+            )
             return error_response(
                 502, f"upstream unreachable: {type(exc).__name__}", "upstream_error"
             )
@@ -614,15 +630,19 @@ class Gateway:
         error event, or one whose client left is a failure, as a non-streamed call's is)."""
         if isinstance(response, _Relayed) and response.succeeded is not None:
             succeeded = response.succeeded
+            status = response.status_code
 
             def observe() -> None:
                 failed = not succeeded()
-                self.metrics.observe(operation, time.perf_counter() - started, failed=failed)
+                seconds = time.perf_counter() - started
+                self.metrics.observe(operation, seconds, failed=failed, status=status)
 
             response.finally_.append(observe)
             return
-        failed = response.status_code >= 400
-        self.metrics.observe(operation, time.perf_counter() - started, failed=failed)
+        status = response.status_code
+        self.metrics.observe(
+            operation, time.perf_counter() - started, failed=status >= 400, status=status
+        )
 
     def captured(self, kind: str) -> Callable[[Request, str | None], Awaitable[Response]]:
         """The handler of a captured route: `handle(request, rollout_id)`, the rollout id from
@@ -646,7 +666,8 @@ class Gateway:
             try:
                 response = await self._capture(kind, path, request, rollout)
             except HttpError as exc:
-                self.metrics.observe(operation, time.perf_counter() - started, failed=True)
+                seconds = time.perf_counter() - started
+                self.metrics.observe(operation, seconds, failed=True, status=exc.status)
                 return exc.response()
             except BaseException:
                 self.metrics.observe(operation, time.perf_counter() - started, failed=True)
@@ -758,6 +779,14 @@ class Gateway:
             raise
         except _StoredFirst:
             return await self._answer_stored_first(call)
+        except _ClientLeft:
+            # The client left while the engine worked (an agent's timeout): the upstream
+            # request was cancelled, its connection closed (vLLM aborts the generation). As
+            # for a stream its client leaves, the call is marked, and nothing is stored.
+            await call.fail("client_disconnected")
+            raise HttpError(
+                499, "the client disconnected before the answer", "client_gone"
+            ) from None
         except asyncio.CancelledError:
             # The gateway is stopping past its grace period (or its host cancelled the task):
             # no answer leaves, so the call is marked (from a task of its own: this one is
@@ -770,6 +799,8 @@ class Gateway:
             raise HttpError(
                 500, f"the gateway failed: {type(exc).__name__}: {exc}", "gateway_error"
             ) from None
+        finally:
+            call.watch.stop()
 
     async def _answer_stored_first(self, call: _Call) -> Response:
         """The answer to a call whose other attempt (the same client id, through another
@@ -853,7 +884,7 @@ class Gateway:
             response = Response(
                 orjson.dumps(answer), 200, headers=headers, media_type="application/json"
             )
-        self.metrics.observe("replay", time.perf_counter() - started)
+        self.metrics.observe("replay", time.perf_counter() - started, status=200)
         return response
 
 
@@ -944,6 +975,112 @@ async def _disconnect_waiting(request: Request) -> bool:
     return False
 
 
+_T = TypeVar("_T")
+
+
+class _ClientLeft(Exception):
+    """The client disconnected while its call waited for the engine (`_ClientWatch`)."""
+
+
+async def _client_disconnected(receive: Receive) -> bool:
+    """Wait for the ASGI server to say that the client disconnected (`http.disconnect`): True
+    then. A client still there, its body read, is a `receive` that blocks (until the response
+    is sent or the client leaves). A body not read yet (a passthrough `GET`'s empty one) is
+    read past; False (stop watching) on any other message, or a second final body message,
+    rather than spin on a server that answers at once."""
+    bodies = 0
+    while True:
+        message = await receive()
+        kind = message.get("type")
+        if kind == "http.disconnect":
+            return True
+        if kind != "http.request":
+            return False
+        if not message.get("more_body", False):
+            bodies += 1
+            if bodies > 1:
+                return False
+
+
+class _ClientWatch:
+    """A watch of a call's client while the call waits for the engine: `run(work)` awaits
+    `work` (the request upstream, the answer's body), and when the ASGI server says the client
+    disconnected, `work` is cancelled (aiohttp then closes the upstream connection, which is
+    what makes vLLM abort the generation) and `_ClientLeft` raised. A departure seen between
+    two `run`s makes the next raise at once.
+
+    One watcher task for the whole call (its `receive`, pending while the client waits),
+    made at the first `run` and ended by `stop` (before a stream is relayed: Starlette's own
+    listener takes over; always once the call is over). The watcher cancels the task in
+    `run`, as `asyncio.timeout` does, so a cancellation from elsewhere (a server stopping past
+    its grace period) still propagates as one. Only what `run` awaits is watched: nothing
+    else (the store's put, a mark) is ever cancelled by the client's departure. A client that
+    finished sending its body and waits is a `receive` that blocks: never taken for gone."""
+
+    __slots__ = ("cancelled", "left", "receive", "running", "watcher")
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.watcher: asyncio.Task[None] | None = None
+        self.running: asyncio.Task[Any] | None = None  # the task in `run`, while it is
+        self.left = False
+        self.cancelled = False  # the watcher cancelled `running`
+
+    async def _watch(self) -> None:
+        try:
+            gone = await _client_disconnected(self.receive)
+        except Exception:  # a server whose receive fails: not watched (as before this watch)
+            return
+        if gone:
+            self.left = True
+            if self.running is not None:
+                self.cancelled = True
+                self.running.cancel()
+
+    async def run(self, work: Awaitable[_T]) -> _T:
+        if self.left:
+            if inspect.iscoroutine(work):
+                work.close()
+            raise _ClientLeft
+        task = asyncio.current_task()
+        assert task is not None
+        if self.watcher is None:
+            self.watcher = asyncio.ensure_future(self._watch())
+        self.running = task
+        try:
+            result = await work
+        except BaseException:
+            if self._uncancelled(task):
+                raise _ClientLeft from None
+            raise
+        finally:
+            self.running = None
+        if self._uncancelled(task):  # `work` swallowed the cancellation: gone all the same
+            raise _ClientLeft
+        return result
+
+    def _uncancelled(self, task: asyncio.Task[Any]) -> bool:
+        """Whether the watcher cancelled `task` and no one else did (the cancellation is
+        then taken back: the call goes on, to be marked)."""
+        if not self.cancelled:
+            return False
+        self.cancelled = False
+        return task.uncancel() == 0
+
+    def stop(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[_T]) -> _T:
+    """`await work` while watching the client (`_ClientWatch`; `_ClientLeft` if it left)."""
+    watch = _ClientWatch(request.receive)
+    try:
+        return await watch.run(work)
+    finally:
+        watch.stop()
+
+
 def _same_request(
     kind: str,
     entry: TokenEntry,
@@ -1012,6 +1149,8 @@ class _Call:
         # The client's body, kept for a call with the client's own id: its entry is put
         # unless another attempt stored one first, whose answer is then given (a replay).
         self.body: dict[str, Any] | None = None
+        # The client, watched while the call waits for the engine (`send`, `read`).
+        self.watch = _ClientWatch(request.receive)
         # A stream's outcome: set once its last event ([DONE], after the stored entry's
         # final chunk) was taken by the sending, so not for a stream that ended in an error
         # event or lost its client.
@@ -1164,7 +1303,7 @@ class _Call:
         answered: then, as for a stream it leaves, the call is marked `client_disconnected`
         and not stored: its answer reaches no one, so it must not sit in the rollout as a
         call the agent saw (nor leave it unmasked)."""
-        if await _disconnect_waiting(self.request):
+        if self.watch.left or await _disconnect_waiting(self.request):
             await self.fail("client_disconnected")
             raise HttpError(499, "the client disconnected before the answer", "client_gone")
         await self.store(generation)
@@ -1172,14 +1311,17 @@ class _Call:
     # Dispatch ------------------------------------------------------------------------------
 
     async def send(self, body: dict[str, Any], path: str) -> aiohttp.ClientResponse:
-        """POST upstream; the answer's headers are in, its body is still to be read."""
+        """POST upstream; the answer's headers are in, its body is still to be read. A client
+        that disconnects meanwhile cancels the request (`_ClientLeft`)."""
         gateway = self.gateway
         try:
-            return await gateway.request_upstream(
-                "POST",
-                gateway.url(path),
-                data=orjson.dumps(body),
-                headers=gateway._upstream_headers(self.request),
+            return await self.watch.run(
+                gateway.request_upstream(
+                    "POST",
+                    gateway.url(path),
+                    data=orjson.dumps(body),
+                    headers=gateway._upstream_headers(self.request),
+                ),
             )
         except TimeoutError:
             await self.fail("upstream_timeout")
@@ -1191,9 +1333,15 @@ class _Call:
             ) from None
 
     async def read(self, answer: aiohttp.ClientResponse) -> bytes:
-        """The answer's body; a timeout or a disconnect while reading marks the call."""
+        """The answer's body; a timeout or a disconnect while reading marks the call. A client
+        that disconnects meanwhile drops the answer's connection (`_ClientLeft`). The last
+        wait for the engine: the client's watch ends here (what follows, the store's put, is
+        not watched)."""
         try:
-            return await answer.read()
+            return await self.watch.run(answer.read())
+        except _ClientLeft:
+            answer.close()  # the connection, not back to the pool: the engine aborts
+            raise
         except TimeoutError:
             await self.fail("upstream_timeout")
             raise HttpError(504, "upstream timed out", "upstream_error") from None
@@ -1203,6 +1351,7 @@ class _Call:
                 502, f"upstream disconnected: {type(exc).__name__}", "upstream_error"
             ) from None
         finally:
+            self.watch.stop()
             answer.release()
 
     async def refused(self, answer: aiohttp.ClientResponse) -> Response:
@@ -1235,6 +1384,7 @@ class _Call:
         if answer.status != 200:
             return await self.refused(answer)
         if stream:
+            self.watch.stop()  # the relay (and Starlette's listener) looks at the client now
             return _Relayed(
                 self._relay(answer),
                 answer,

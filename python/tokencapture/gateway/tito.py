@@ -255,6 +255,11 @@ def _card_length(models: object, model: object) -> tuple[bool, int | None]:
     return True, None
 
 
+def _length_key(call: Any, model: object) -> tuple[str, str | None]:
+    """What a context length is kept under: (upstream, model named by the call or None)."""
+    return (str(call.gateway.config.upstream), model if isinstance(model, str) else None)
+
+
 class TokenizerAdapter:
     """A `tokenizers.Tokenizer` with the surface `renderers` asks of a tokenizer."""
 
@@ -406,7 +411,7 @@ class Bridge:
         """The engine's context length for `model` (vLLM's `max_model_len`, read once from
         its `GET /v1/models`), or None when the engine does not say (another engine)."""
         gateway = call.gateway
-        key = (str(gateway.config.upstream), model if isinstance(model, str) else None)
+        key = _length_key(call, model)
         if key in self._context_lengths:
             return self._context_lengths[key]
         if self._unknown_until.get(key, 0.0) > time.monotonic():
@@ -437,6 +442,13 @@ class Bridge:
             return None
         self._context_lengths[key] = length
         return length
+
+    def forget_context_length(self, call: Any, model: object) -> None:
+        """Drop what is kept of the engine's context length for `model`: the next call asks
+        `GET /v1/models` again. After the engine refused a completion (400): it may have been
+        restarted behind the same address with a smaller `--max-model-len`, and the kept
+        length would make every later call's `max_tokens` too large."""
+        self._context_lengths.pop(_length_key(call, model), None)
 
     def _ask_later(self, key: tuple[str, str | None]) -> None:
         """No context length for `key` yet (the engine failed to answer, or does not list the
@@ -647,6 +659,11 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
     call.prefix_requested = True
     answer = await call.send(body, "/v1/completions")
     if answer.status != 200:
+        if answer.status == 400:
+            # The request was refused, maybe for a `max_tokens` from a context length the
+            # engine no longer has (restarted with a smaller `--max-model-len`): the next
+            # call asks for it again. This one is not retried; its 400 is passed through.
+            bridge.forget_context_length(call, upstream_body.get("model"))
         refused: Response = await call.refused(answer)
         return refused
     content = await call.read(answer)
