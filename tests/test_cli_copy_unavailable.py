@@ -5,7 +5,10 @@ problems"), with every rollout listed under `failed_in_target` (a copy from such
 given rollout names listed each under `unreadable_in_source`; `copy --staging` each under
 `refused`). Now a server that does not answer before anything is copied is the one-line
 "unavailable" error every command gives, exit 2. A server that goes away in the middle of a
-copy is reported rollout by rollout as before: exit 1 if some were copied, 2 if none were.
+copy stops it: the rollout (with `--staging`, the call) that met it is reported as before, and
+the rest are listed under `not_attempted` without being tried (before, each was tried, at the
+cost of a connect timeout each when the host drops packets); exit 1 if some were copied, 2 if
+none were. The same copy run again once the server is back copies the rest.
 """
 
 from __future__ import annotations
@@ -96,16 +99,23 @@ def copy(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any, str]
 
 def stop_before(
     monkeypatch: pytest.MonkeyPatch, server: PgServer, method: str, rollout_id: str
-) -> None:
-    """Stop `server` just before the copy's `_Backend.<method>` of `rollout_id`."""
+) -> list[str]:
+    """Stop `server` just before the copy's `_Backend.<method>` of `rollout_id`; the rollouts
+    that method is then called for (each attempt, once the server is gone, a connection that
+    fails: a connect timeout each when the host drops packets)."""
     real = getattr(cli._Backend, method)
+    attempted: list[str] = []
 
     def wrapped(self: Any, arg: Any) -> Any:
-        if (arg if isinstance(arg, str) else arg.rollout_id) == rollout_id:
+        name = arg if isinstance(arg, str) else arg.rollout_id
+        if name == rollout_id:
             server.stop()
+        if not server.running:
+            attempted.append(name)
         return real(self, arg)
 
     monkeypatch.setattr(cli._Backend, method, wrapped)
+    return attempted
 
 
 def test_a_target_that_goes_away_mid_copy_is_reported_exit_1_or_2_if_nothing_was_copied(
@@ -116,31 +126,57 @@ def test_a_target_that_goes_away_mid_copy_is_reported_exit_1_or_2_if_nothing_was
 ) -> None:
     install_schema_sync(own_server.dsn)
     source = str(token_store(tmp_path / "source"))
-    # Gone after it answered, before the first rollout: nothing copied, exit 2, the report
-    # and one line on stderr.
-    stop_before(monkeypatch, own_server, "create", "a")
+    # Gone after it answered, before the first rollout: the copy stops there, nothing
+    # copied, exit 2, the report and one line on stderr; b and c are not even tried.
+    attempted = stop_before(monkeypatch, own_server, "create", "a")
     code, report, err = copy(capsys, source, own_server.dsn)
     assert code == 2
+    assert attempted == ["a"]
     assert report["copied"] == []
-    assert [f["rollout_id"] for f in report["failed_in_target"]] == list(ROLLOUTS)
-    assert all(" is unavailable: " in f["problem"] for f in report["failed_in_target"])
+    ((failed),) = report["failed_in_target"]
+    assert failed["rollout_id"] == "a" and " is unavailable: " in failed["problem"]
+    assert report["not_attempted"] == ["b", "c"]
     assert err.startswith("tokencapture: error: PostgreSQL at ") and err.count("\n") == 1
     assert err.rstrip().endswith("(nothing was copied)")
-    # Back, then gone again after the first rollout: a copied, b and c not, exit 1.
+    # Back, then gone again after the first rollout: a copied, b met the lost server, c not
+    # tried, exit 1. The text report says so too.
     monkeypatch.undo()
     own_server.start()
-    stop_before(monkeypatch, own_server, "create", "b")
-    code, report, err = copy(capsys, source, own_server.dsn)
-    assert code == 1 and err == ""
-    assert [c["rollout_id"] for c in report["copied"]] == ["a"]
-    assert [f["rollout_id"] for f in report["failed_in_target"]] == ["b", "c"]
-    assert all(" is unavailable: " in f["problem"] for f in report["failed_in_target"])
-    # Back: the same copy takes the rest.
+    attempted = stop_before(monkeypatch, own_server, "create", "b")
+    code = main(["copy", source, own_server.dsn])
+    text = capsys.readouterr()
+    assert code == 1 and text.err == "" and attempted == ["b"]
+    lines = text.out.splitlines()
+    assert lines[0] == "copied 1 rollout(s) (1 entries)"
+    assert lines[1].startswith("not copied, the target refused it: b: PostgreSQL at ")
+    assert lines[2] == (
+        "not attempted, the copy stopped when a PostgreSQL server went away (1 rollout(s); "
+        "run the same copy again once it is back): c"
+    )
+    assert len(lines) == 3
+    # Back: the same copy takes the rest; with nothing lost, the report has no not_attempted.
     monkeypatch.undo()
     own_server.start()
     code, report, _ = copy(capsys, source, own_server.dsn)
     assert code == 1 and report["exists_in_target"] == ["a"]
     assert [c["rollout_id"] for c in report["copied"]] == ["b", "c"]
+    assert "not_attempted" not in report
+
+
+def test_a_target_that_goes_away_at_the_last_rollout_lists_nothing_not_attempted(
+    own_server: PgServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    install_schema_sync(own_server.dsn)
+    source = str(token_store(tmp_path / "source"))
+    attempted = stop_before(monkeypatch, own_server, "create", "c")
+    code, report, err = copy(capsys, source, own_server.dsn, *ROLLOUTS)
+    assert code == 1 and err == "" and attempted == ["c"]
+    assert [c["rollout_id"] for c in report["copied"]] == ["a", "b"]
+    assert [f["rollout_id"] for f in report["failed_in_target"]] == ["c"]
+    assert report["not_attempted"] == []
 
 
 def test_a_source_that_goes_away_mid_copy_is_reported_exit_1_or_2_if_nothing_was_copied(
@@ -152,19 +188,29 @@ def test_a_source_that_goes_away_mid_copy_is_reported_exit_1_or_2_if_nothing_was
     install_schema_sync(own_server.dsn)
     assert main(["copy", str(token_store(tmp_path / "source")), own_server.dsn]) == 0
     capsys.readouterr()
-    stop_before(monkeypatch, own_server, "export", "a")
+    attempted = stop_before(monkeypatch, own_server, "export", "a")
     code, report, err = copy(capsys, own_server.dsn, str(tmp_path / "first"))
-    assert code == 2 and report["copied"] == []
-    assert [u["rollout_id"] for u in report["unreadable_in_source"]] == list(ROLLOUTS)
+    assert code == 2 and report["copied"] == [] and attempted == ["a"]
+    ((unreadable),) = report["unreadable_in_source"]
+    assert unreadable["rollout_id"] == "a" and " is unavailable: " in unreadable["problem"]
+    assert report["not_attempted"] == ["b", "c"]
     assert err.rstrip().endswith("(nothing was copied)") and err.count("\n") == 1
     monkeypatch.undo()
     own_server.start()
-    stop_before(monkeypatch, own_server, "export", "c")
+    attempted = stop_before(monkeypatch, own_server, "export", "b")
     code, report, err = copy(capsys, own_server.dsn, str(tmp_path / "second"))
-    assert code == 1 and err == ""
-    assert [c["rollout_id"] for c in report["copied"]] == ["a", "b"]
+    assert code == 1 and err == "" and attempted == ["b"]
+    assert [c["rollout_id"] for c in report["copied"]] == ["a"]
     ((unreadable),) = report["unreadable_in_source"]
-    assert unreadable["rollout_id"] == "c" and " is unavailable: " in unreadable["problem"]
+    assert unreadable["rollout_id"] == "b" and " is unavailable: " in unreadable["problem"]
+    assert report["not_attempted"] == ["c"]
+    # Back: the same copy takes the rest.
+    monkeypatch.undo()
+    own_server.start()
+    code, report, _ = copy(capsys, own_server.dsn, str(tmp_path / "second"))
+    assert code == 1 and report["exists_in_target"] == ["a"]
+    assert [c["rollout_id"] for c in report["copied"]] == ["b", "c"]
+    assert "not_attempted" not in report
 
 
 def test_a_staging_target_that_goes_away_mid_copy_exits_1_or_2_if_nothing_was_copied(
@@ -177,27 +223,50 @@ def test_a_staging_target_that_goes_away_mid_copy_exits_1_or_2_if_nothing_was_co
     source = str(staging_store(tmp_path / "staged"))
     real = PostgresStagingStore.stage
 
-    def stop_at(rollout_id: str) -> None:
+    def stop_at(rollout_id: str) -> list[str]:
+        """Stop the server at the first stage of `rollout_id`; the keys staged from then on
+        (each attempt a failed connection: a connect timeout when the host drops packets)."""
+        attempted: list[str] = []
+
         def stage(self: PostgresStagingStore, record: Any, **kwargs: Any) -> Any:
             if record.rollout_id == rollout_id and own_server.running:
                 own_server.stop()
+            if not own_server.running:
+                attempted.append(record.staging_key)
             return real(self, record, **kwargs)
 
         monkeypatch.setattr(PostgresStagingStore, "stage", stage)
+        return attempted
 
-    stop_at("a")
+    attempted = stop_at("a")
     code = main(["copy", source, own_server.dsn, "--staging", "--json"])
     captured = capsys.readouterr()
     report = json.loads(captured.out)
-    assert code == 2 and report["copied"] == {}
-    assert report["refused"][0].startswith("a/c0: PostgresUnavailableError: PostgreSQL at ")
+    assert code == 2 and report["copied"] == {} and attempted == ["a/c0"]
+    ((refused),) = report["refused"]
+    assert refused.startswith("a/c0: PostgresUnavailableError: PostgreSQL at ")
+    assert report["not_attempted"] == ["a/c1", "b/c0", "b/c1", "c/c0", "c/c1"]
     assert captured.err.rstrip().endswith("(nothing was copied)")
     monkeypatch.undo()
     own_server.start()
-    stop_at("b")
-    code = main(["copy", source, own_server.dsn, "--staging", "--json"])
+    attempted = stop_at("b")
+    code = main(["copy", source, own_server.dsn, "--staging"])
     captured = capsys.readouterr()
-    report = json.loads(captured.out)
-    assert code == 1 and captured.err == ""
-    assert report["copied"] == {"a": 2}
-    assert report["refused"][0].startswith("b/c0: PostgresUnavailableError: PostgreSQL at ")
+    assert code == 1 and captured.err == "" and attempted == ["b/c0"]
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("copied 2 staged call(s) of 1 rollout(s)")
+    assert lines[1].startswith(
+        "refused by the target: b/c0: PostgresUnavailableError: PostgreSQL at "
+    )
+    assert lines[2] == (
+        "not attempted, the copy stopped when a PostgreSQL server went away (3 staged "
+        "call(s); run the same copy again once it is back): b/c1, c/c0, c/c1"
+    )
+    assert len(lines) == 3
+    # Back: the same copy stages the rest (and a's calls again, idempotently).
+    monkeypatch.undo()
+    own_server.start()
+    code = main(["copy", source, own_server.dsn, "--staging", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["copied"] == {"a": 2, "b": 2, "c": 2}
+    assert report["refused"] == [] and "not_attempted" not in report

@@ -356,6 +356,66 @@ async def test_a_row_the_manifest_cannot_read_is_corruption(ledger: Ledger) -> N
         await ledger.resolve("r2", [user("question"), assistant("answer of c3")])
 
 
+# Request content only the conversation digest reads (a user turn's): the fingerprint accepts it,
+# so the digest is computed for the candidate row, and refuses it.
+DIGEST_ONLY_BAD_USER_TURNS = [
+    {"role": "user", "content": 5},  # ValueError
+    {"role": "user", "content": "lone \ud800"},  # UnicodeEncodeError (a ValueError)
+    {"role": "user", "content": "q", "tool_calls": [5]},  # TypeError
+]
+
+
+def digest_error(items: list[Any]) -> Exception:
+    """What `conversation_digest` raises for these items (the request's own error)."""
+    with pytest.raises((ValueError, TypeError)) as raised:
+        conversation_digest(items)
+    return raised.value
+
+
+@pytest.mark.parametrize("bad_turn", DIGEST_ONLY_BAD_USER_TURNS)
+async def test_request_content_the_context_digest_refuses_is_the_requests_error(
+    ledger: Ledger, bad_turn: dict[str, Any]
+) -> None:
+    commit = make_commit("c1", request=[user("question")])
+    await ledger.record(commit)
+    items = [bad_turn, assistant("answer of c1")]
+    # The row is the request's candidate: the fingerprint reads only the assistant turn.
+    assert assistant_fingerprint(items) == expected_row(commit)["fingerprint"]
+    expected = digest_error(items[:1])
+    assert not isinstance(expected, TokenCaptureCorruptionError)
+    for resolve in (ledger.resolve, ledger.resolve_now):
+        with pytest.raises((ValueError, TypeError)) as raised:
+            result = resolve("r1", items)
+            if asyncio.iscoroutine(result):
+                await result
+        assert type(raised.value) is type(expected), resolve
+        assert str(raised.value) == str(expected)
+    # The same request with good content resolves the row: nothing was wrong with it.
+    found = await ledger.resolve("r1", [user("question"), assistant("answer of c1")])
+    assert found.match is not None and found.match.model_call_id == "c1"
+
+
+async def test_a_damaged_candidate_row_is_still_corruption(ledger: Ledger) -> None:
+    request = [user("question"), assistant("answer of c1")]
+    damaged = [
+        changed_row("c1", context_len="two"),  # int() raises ValueError: the row's
+        changed_row("c1", context_len=[1]),  # TypeError
+        changed_row("c1", context_digest=...),  # KeyError, after the context digest
+        changed_row("c1", digest=...),  # the context matches; the match cannot be built
+    ]
+    for index, row in enumerate(damaged):
+        rollout = f"damaged-{index}"
+        write_rows(rows_path(ledger, rollout), [row])
+        for resolve in (ledger.resolve, ledger.resolve_now):
+            with pytest.raises(TokenCaptureCorruptionError, match=r"cannot be read.*offset 0"):
+                result = resolve(rollout, request)
+                if asyncio.iscoroutine(result):
+                    await result
+    # A row whose context_len cannot be read is damaged whatever the request holds: read first.
+    with pytest.raises(TokenCaptureCorruptionError, match="ValueError"):
+        await ledger.resolve("damaged-0", [{"role": "user", "content": 5}, request[1]])
+
+
 async def test_torn_final_line_is_ignored_then_truncated_by_the_next_write(
     ledger: Ledger,
 ) -> None:

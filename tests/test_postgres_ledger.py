@@ -9,16 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.postgres_fixture import dsn, pg_dsn, pg_server
+from tests.postgres_fixture import dsn, execute, pg_dsn, pg_server
 from tests.test_conformance import LEDGER_CHECKS, STORE_CHECKS
 
 from tokencapture.conformance import _commit, _continuation_of, run_conformance
+from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
 from tokencapture.ledger import CaptureLedgerConflictError, FileCaptureLedger
+from tokencapture.ledger_rows import commit_row
 from tokencapture.postgres import (
     PostgresCaptureLedger,
     PostgresTokenCaptureStore,
 )
-from tokencapture.protocols import RolloutRetiredError
+from tokencapture.protocols import RolloutRetiredError, TokenCaptureCorruptionError
 
 __all__ = ["dsn", "pg_dsn", "pg_server"]
 
@@ -112,5 +114,76 @@ def test_conflicts_and_fences_raise_the_file_ledgers_exceptions(dsn: str) -> Non
             pg.has_rows_now("x")
         with pytest.raises(TypeError):
             pg.record(42)  # type: ignore[arg-type]
+    finally:
+        pg.close_sync()
+
+
+# Request content only the conversation digest reads (a user turn's): the fingerprint accepts it,
+# so the candidate row's context digest is computed, and refuses it.
+_BAD_USER_TURNS = [
+    {"role": "user", "content": 5},  # ValueError
+    {"role": "user", "content": "lone \ud800"},  # UnicodeEncodeError (a ValueError)
+    {"role": "user", "content": "q", "tool_calls": [5]},  # TypeError
+]
+
+
+def _request_with(commit: Any, turn: dict[str, Any]) -> list[dict[str, Any]]:
+    """The commit's continuation with its request's user turn (the last) replaced by `turn`."""
+    items = _continuation_of(commit)
+    items[len(commit.request_items) - 1] = turn
+    return items
+
+
+def test_request_content_the_context_digest_refuses_is_the_requests_error(dsn: str) -> None:
+    pg = PostgresCaptureLedger(dsn)
+    try:
+        commit = _commit("digest", "call-0")
+        assert pg.record_now(commit) is True
+        for turn in _BAD_USER_TURNS:
+            items = _request_with(commit, turn)
+            # The stored row is the request's candidate: the fingerprint reads no user turn.
+            assert assistant_fingerprint(items) == assistant_fingerprint(_continuation_of(commit))
+            with pytest.raises((ValueError, TypeError)) as digest:
+                conversation_digest(items[: len(commit.request_items)])
+            expected = digest.value
+            assert not isinstance(expected, TokenCaptureCorruptionError)
+            with pytest.raises((ValueError, TypeError)) as raised:
+                pg.resolve_now("digest", items)  # runs `resolve` to its end
+            assert (type(raised.value), str(raised.value)) == (type(expected), str(expected))
+        found = pg.resolve_now("digest", _continuation_of(commit))
+        assert found.match is not None and found.match.model_call_id == "call-0"
+    finally:
+        pg.close_sync()
+
+
+def test_a_damaged_candidate_row_is_still_corruption(dsn: str) -> None:
+    pg = PostgresCaptureLedger(dsn)
+    try:
+        commit = _commit("damaged", "call-0")
+        assert pg.record_now(commit) is True
+        row = commit_row(commit)  # the stored row, as the ledger wrote it
+        request = _continuation_of(commit)
+        for column, value in [
+            ("context_len", "two"),  # int() raises ValueError: the row's fault
+            ("context_digest", ...),  # KeyError, read after the request's context digest
+            ("digest", ...),  # the context matches; the match cannot be built
+        ]:
+            damaged = dict(row)
+            if value is ...:
+                del damaged[column]
+            else:
+                damaged[column] = value
+            execute(
+                dsn,
+                "UPDATE tokencapture.ledger_rows SET line = $2 WHERE rollout_id = $1",
+                "damaged",
+                json.dumps(damaged, sort_keys=True, separators=(",", ":")).encode(),
+            )
+            with pytest.raises(TokenCaptureCorruptionError, match=r"damaged.*cannot be read"):
+                pg.resolve_now("damaged", request)
+            if column == "context_len":
+                # Damaged whatever the request holds: the row's context_len is read first.
+                with pytest.raises(TokenCaptureCorruptionError, match="ValueError"):
+                    pg.resolve_now("damaged", _request_with(commit, _BAD_USER_TURNS[0]))
     finally:
         pg.close_sync()

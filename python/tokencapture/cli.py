@@ -549,6 +549,22 @@ def _unavailable(exc: BaseException) -> bool:
     return client is not None and isinstance(exc, client.PostgresUnavailableError)
 
 
+def _stopped(payload: dict[str, Any], not_attempted: list[str] | None) -> None:
+    """Add `not_attempted` to a copy's report when a server went away mid-copy, which stops it:
+    what was not tried (rollouts; with `--staging`, staged calls' keys), empty if it went away
+    at the last one. Absent when no server went away, so such a report keeps its keys."""
+    if not_attempted is not None:
+        payload["not_attempted"] = not_attempted
+
+
+def _not_attempted_line(what: str, not_attempted: list[str]) -> str:
+    return (
+        f"not attempted, the copy stopped when a PostgreSQL server went away "
+        f"({len(not_attempted)} {what}; run the same copy again once it is back): "
+        f"{', '.join(not_attempted)}"
+    )
+
+
 def _lost_server(lost: list[str], copied: int) -> int | None:
     """The exit code of a copy a server went away in the middle of (`lost`: what the first
     such failure said): 2, said on stderr too, if nothing was copied; None (the usual code)
@@ -570,14 +586,20 @@ def cmd_copy(args: argparse.Namespace) -> int:
     unreadable: list[dict[str, str]] = []
     failed: list[dict[str, str]] = []
     lost: list[str] = []  # a server that went away mid-copy: what it said
+    not_attempted: list[str] | None = None  # set when that stopped the copy
     try:
         # Each database side is reached before anything is copied: a server that does not
         # answer is the one-line error every command gives it (exit 2), not a failure listed
         # under every rollout.
         source.reach()
         target.reach()
-        names = args.rollouts or source.rollouts()
-        for rollout_id in names:
+        names = list(args.rollouts or source.rollouts())
+        for index, rollout_id in enumerate(names):
+            # A server that went away stops the copy: trying the rest would cost each rollout
+            # the connect timeout; they are listed as not attempted (run the copy again).
+            if lost:
+                not_attempted = names[index:]
+                break
             try:
                 image = source.export(validate_rollout_id(rollout_id))
             except (OSError, ValueError) as exc:  # one damaged rollout must not stop the rest
@@ -599,6 +621,8 @@ def cmd_copy(args: argparse.Namespace) -> int:
                 copied.append(image.summary())
             else:
                 skipped.append(rollout_id)
+        if lost and not_attempted is None:
+            not_attempted = []  # it went away at the last rollout
     finally:
         source.close()
         target.close()
@@ -609,6 +633,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
         "unreadable_in_source": unreadable,
         "failed_in_target": failed,
     }
+    _stopped(payload, not_attempted)
 
     def render(p: dict[str, Any]) -> str:
         lines = [
@@ -627,10 +652,12 @@ def cmd_copy(args: argparse.Namespace) -> int:
             f"not copied, the target refused it: {f['rollout_id']}: {f['problem']}"
             for f in p["failed_in_target"]
         )
+        if "not_attempted" in p:
+            lines.append(_not_attempted_line("rollout(s)", p["not_attempted"]))
         return "\n".join(lines)
 
     _emit(args, payload, render)
-    clean = not skipped and not missing and not unreadable and not failed
+    clean = not skipped and not missing and not unreadable and not failed and not not_attempted
     code = _lost_server(lost, len(copied))
     return code if code is not None else 0 if clean else EXIT_PROBLEMS
 
@@ -909,6 +936,7 @@ def _staging_copy(args: argparse.Namespace) -> int:
     mismatched: list[str] = []
     not_copied: set[tuple[str, str]] = set()  # (rollout, call): its children are not either
     lost: list[str] = []  # a server that went away mid-copy: what it said
+    not_attempted: list[str] | None = None  # set when that stopped the copy
     try:
         # A database target is reached before anything is copied (a source is, listing its
         # keys): one that does not answer is the one-line error of every command, exit 2.
@@ -917,32 +945,43 @@ def _staging_copy(args: argparse.Namespace) -> int:
         # Frames the source acknowledged that no longer read back: not copied, and said so.
         damage = getattr(source, "damage", None)
         damaged = [list(entry) for entry in damage()] if callable(damage) else []
-        for rollout_id, records in _staged_by_rollout(source, args.rollouts).items():
-            for record in records:
-                key = record.staging_key
-                parent = record.parent_call_id
-                if parent is not None and (rollout_id, parent) in not_copied:
-                    refused.append(f"{key}: its parent call {parent!r} was not copied")
-                    not_copied.add((rollout_id, record.model_call_id))
-                    continue
-                attachments = source.fetch_attachments(key)
-                restaged = {name: _restageable(a) for name, a in attachments.items()}
-                result = target.stage(record, attachments=restaged or None)
-                if not result.ok:
-                    refused.append(f"{key}: {result.error}")
-                    if result.error.startswith("PostgresUnavailableError: "):  # failure_reason
-                        lost.append(result.error.split(": ", 1)[1])
-                    not_copied.add((rollout_id, record.model_call_id))
-                    continue
-                # Verified: the target gives back the same record and attachments.
-                (back,) = target.fetch_records([key])
-                if back.model_dump() != record.model_dump() or (
-                    target.fetch_attachments(key) != attachments
-                ):
-                    mismatched.append(key)
-                    not_copied.add((rollout_id, record.model_call_id))
-                    continue
-                copied[rollout_id] = copied.get(rollout_id, 0) + 1
+        calls = [
+            (rollout_id, record)
+            for rollout_id, records in _staged_by_rollout(source, args.rollouts).items()
+            for record in records
+        ]
+        for index, (rollout_id, record) in enumerate(calls):
+            # A server that went away stops the copy: trying the rest would cost each call the
+            # connect timeout; they are listed as not attempted (run the copy again).
+            if lost:
+                not_attempted = [call.staging_key for _, call in calls[index:]]
+                break
+            key = record.staging_key
+            parent = record.parent_call_id
+            if parent is not None and (rollout_id, parent) in not_copied:
+                refused.append(f"{key}: its parent call {parent!r} was not copied")
+                not_copied.add((rollout_id, record.model_call_id))
+                continue
+            attachments = source.fetch_attachments(key)
+            restaged = {name: _restageable(a) for name, a in attachments.items()}
+            result = target.stage(record, attachments=restaged or None)
+            if not result.ok:
+                refused.append(f"{key}: {result.error}")
+                if result.error.startswith("PostgresUnavailableError: "):  # failure_reason
+                    lost.append(result.error.split(": ", 1)[1])
+                not_copied.add((rollout_id, record.model_call_id))
+                continue
+            # Verified: the target gives back the same record and attachments.
+            (back,) = target.fetch_records([key])
+            if back.model_dump() != record.model_dump() or (
+                target.fetch_attachments(key) != attachments
+            ):
+                mismatched.append(key)
+                not_copied.add((rollout_id, record.model_call_id))
+                continue
+            copied[rollout_id] = copied.get(rollout_id, 0) + 1
+        if lost and not_attempted is None:
+            not_attempted = []  # it went away at the last call
         missing = [r for r in args.rollouts or [] if r not in copied and not source.keys(r)]
     finally:
         _close(source)
@@ -954,6 +993,7 @@ def _staging_copy(args: argparse.Namespace) -> int:
         "missing_in_source": missing,
         "damaged_in_source": damaged,
     }
+    _stopped(payload, not_attempted)
 
     def render(p: dict[str, Any]) -> str:
         lines = [
@@ -969,13 +1009,16 @@ def _staging_copy(args: argparse.Namespace) -> int:
             f"damaged in the source, not copied: segment {segment} bytes {start}..{end}"
             for segment, start, end in p["damaged_in_source"]
         )
+        if "not_attempted" in p:
+            lines.append(_not_attempted_line("staged call(s)", p["not_attempted"]))
         return "\n".join(lines)
 
     _emit(args, payload, render)
     code = _lost_server(lost, sum(copied.values()))
     if code is not None:
         return code
-    return 0 if not refused and not mismatched and not missing and not damaged else EXIT_PROBLEMS
+    clean = not refused and not mismatched and not missing and not damaged and not not_attempted
+    return 0 if clean else EXIT_PROBLEMS
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

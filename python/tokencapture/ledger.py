@@ -48,7 +48,6 @@ raises at once instead of inside a coroutine nobody awaits.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -59,14 +58,12 @@ from typing import Any, Final
 from tokencapture import _core
 from tokencapture.descriptors import check_max_open_files, descriptor_stats
 from tokencapture.jobs import native_job, off_loop
+from tokencapture.ledger_rows import CaptureLedgerConflictError as CaptureLedgerConflictError
 from tokencapture.ledger_rows import (
-    ROW_ERRORS,
     commit_line,
     conflict_error,
-    corrupt_row,
-    match_of,
+    stored_match,
 )
-from tokencapture.ledger_rows import CaptureLedgerConflictError as CaptureLedgerConflictError
 from tokencapture.ledger_rows import commit_row as commit_row
 from tokencapture.ledger_rows import commit_row_of as commit_row_of
 from tokencapture.ledger_rows import manifest_from_rows as manifest_from_rows
@@ -277,10 +274,9 @@ class FileCaptureLedger:
         if found is None:
             return _NO_MATCH
         offset, line = found
-        try:
-            match = match_of(json.loads(line), items)
-        except ROW_ERRORS as exc:
-            raise corrupt_row(self.path_for(rollout_id), offset, exc) from exc
+        # A row it cannot read is corruption; request content the context digest refuses is
+        # the request's own error, raised as `conversation_digest` raises it.
+        match = stored_match(line, items, self.path_for(rollout_id), offset)
         if match is None:
             return _NO_MATCH
         return LineageResolution(ParentResolutionStatus.RESOLVED, match=match)

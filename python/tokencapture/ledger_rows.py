@@ -11,7 +11,9 @@ read and match rows with these:
   row for a call id (NeMo Gym's words first).
 * `manifest_entry`, `manifest_from_rows`: rows as a `RolloutManifest`, by NeMo Gym's rules;
   `corrupt_row` for a row NeMo Gym could not read (`ROW_ERRORS` are what reading one raises).
-* `match_of(row, items)`: the token-free `LineageMatch` a candidate row makes of a request.
+* `match_of(row, items)`: the token-free `LineageMatch` a candidate row makes of a request;
+  `stored_match` for a stored row's bytes, which raises `corrupt_row` for a row it cannot read
+  and the request's own error (unwrapped) for request content the context digest refuses.
 
 See docs/architecture.md for the layer map.
 """
@@ -45,13 +47,16 @@ __all__ = [
     "commit_row",
     "commit_row_of",
     "conflict_error",
+    "context_len_of",
     "corrupt_row",
     "custody_columns",
     "manifest_entry",
     "manifest_from_rows",
+    "match_by_digest",
     "match_of",
     "retired_error",
     "row_bytes",
+    "stored_match",
 ]
 
 # What reading a row the way NeMo Gym reads it can raise on a row it cannot use.
@@ -237,11 +242,27 @@ def manifest_from_rows(
 
 
 def match_of(row: dict[str, Any], items: list[Any]) -> LineageMatch | None:
-    """The parent a candidate row makes of this request, or None when its context differs."""
-    context_len = int(row["context_len"])
+    """The parent a candidate row makes of this request, or None when its context differs.
+
+    Raises what reading the row raises (`ROW_ERRORS`) and what digesting the request's context
+    raises (`conversation_digest`'s `ValueError` / `TypeError`) alike; a stored row is matched
+    by `stored_match`, which tells the two apart.
+    """
+    context_len = context_len_of(row)
     if len(items) < context_len:
         return None
-    if conversation_digest(items[:context_len]) != row["context_digest"]:
+    return match_by_digest(row, conversation_digest(items[:context_len]))
+
+
+def context_len_of(row: dict[str, Any]) -> int:
+    """A candidate row's recorded ``context_len`` (raises one of `ROW_ERRORS` if unreadable)."""
+    return int(row["context_len"])
+
+
+def match_by_digest(row: dict[str, Any], request_digest: str) -> LineageMatch | None:
+    """The match a candidate row makes of a request whose context (the row's ``context_len``
+    first items) digests to `request_digest`; None when the row's ``context_digest`` differs."""
+    if request_digest != row["context_digest"]:
         return None
     return LineageMatch(
         model_call_id=str(row["model_call_id"]),
@@ -251,3 +272,28 @@ def match_of(row: dict[str, Any], items: list[Any]) -> LineageMatch | None:
         prev_len=int(row.get("cum_len") or 0),
         chain_hash=str(row.get("chain_hash") or ""),
     )
+
+
+def stored_match(
+    line: str | bytes, items: list[Any], path: Path, offset: int
+) -> LineageMatch | None:
+    """`match_of` of a stored candidate row (its bytes, at `offset` of `path`).
+
+    A row that cannot be read as NeMo Gym reads it raises `TokenCaptureCorruptionError`
+    (`corrupt_row`); content of the request that its context digest refuses raises
+    `conversation_digest`'s own error, unwrapped: the request's fault, not the row's. The
+    digest is computed between reading the row's ``context_len`` and the rest of it, the order
+    `match_of` reads them in.
+    """
+    try:
+        row = json.loads(line)
+        context_len = context_len_of(row)
+    except ROW_ERRORS as exc:
+        raise corrupt_row(path, offset, exc) from exc
+    if len(items) < context_len:
+        return None
+    request_digest = conversation_digest(items[:context_len])  # the request's errors, as is
+    try:
+        return match_by_digest(row, request_digest)
+    except ROW_ERRORS as exc:
+        raise corrupt_row(path, offset, exc) from exc

@@ -11,7 +11,6 @@ rollout raise `RolloutRetiredError`. Every operation is one function call (sql/0
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -19,15 +18,13 @@ from typing import Any, Final
 
 from tokencapture.fingerprint import FINGERPRINT_VERSION
 from tokencapture.ledger_rows import (
-    ROW_ERRORS,
     as_commit,
     commit_row,
     conflict_error,
-    corrupt_row,
     manifest_from_rows,
-    match_of,
     retired_error,
     row_bytes,
+    stored_match,
 )
 from tokencapture.metrics import instrumented
 from tokencapture.postgres._client import Client
@@ -196,10 +193,9 @@ class PostgresCaptureLedger:
         line = await self._client.fetch("val", _CANDIDATE, rollout_id, fingerprint)
         if line is None:
             return _NO_MATCH
-        try:
-            match = match_of(json.loads(line), items)
-        except ROW_ERRORS as exc:
-            raise corrupt_row(self._where(rollout_id), 0, exc) from exc
+        # A row it cannot read is corruption; request content the context digest refuses is
+        # the request's own error, raised as `conversation_digest` raises it.
+        match = stored_match(line, items, self._where(rollout_id), 0)
         if match is None:
             return _NO_MATCH
         return LineageResolution(ParentResolutionStatus.RESOLVED, match=match)
