@@ -2,7 +2,7 @@
 
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 __all__ = [
@@ -22,6 +22,8 @@ __all__ = [
     "StagingFileStore",
     "Store",
     "close_cached_descriptors",
+    "columnar_array_from_ipc",
+    "columnar_entries_from_ipc",
     "columns_of_lines",
     "columns_of_log",
     "compute_digest",
@@ -144,6 +146,8 @@ class ColumnarEntries:
     ) -> tuple[object, object]: ...
     def __arrow_c_schema__(self) -> object: ...
     def cumulative_tokens(self) -> ColumnarArray: ...
+    # Pickles as columnar_entries_from_ipc(<the batch as an Arrow IPC stream>).
+    def __reduce__(self) -> tuple[Callable[[bytes], ColumnarEntries], tuple[bytes]]: ...
 
 @final
 class ColumnarArray:
@@ -152,6 +156,8 @@ class ColumnarArray:
         self, requested_schema: object | None = None
     ) -> tuple[object, object]: ...
     def __arrow_c_schema__(self) -> object: ...
+    # Pickles as columnar_array_from_ipc(<the array as a one-column Arrow IPC stream>).
+    def __reduce__(self) -> tuple[Callable[[bytes], ColumnarArray], tuple[bytes]]: ...
 
 def freeze_columns(
     store: Store, rollout_id: str, shared_prefixes: bool = False
@@ -166,6 +172,11 @@ def columns_of_log(
     source: str = "<log>",
     shared_prefixes: bool = False,
 ) -> ColumnarEntries: ...
+
+# What ColumnarEntries / ColumnarArray pickle to: an Arrow IPC stream of one record batch with
+# exactly their schema, else ValueError.
+def columnar_entries_from_ipc(data: bytes) -> ColumnarEntries: ...
+def columnar_array_from_ipc(data: bytes) -> ColumnarArray: ...
 
 # ---- lineage ----
 # A resolve answers `(status, model_call_id, cumulative_token_ids, digest, reason)`; the native

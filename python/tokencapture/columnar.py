@@ -83,6 +83,9 @@ class ColumnarSnapshot:
     `entries` is a record batch object (`__arrow_c_array__`); the snapshot itself is an Arrow
     stream of that one batch (`__arrow_c_stream__`). The buffers are shared with every
     consumer that imports them and freed when the last one lets go.
+
+    A snapshot pickles (for a data loader's worker processes): `entries` as its batch written
+    as an Arrow IPC stream, the same buffers copied once (see docs/columnar.md, "Pickling").
     """
 
     rollout_id: str

@@ -8,6 +8,12 @@
 //! the structure's address as the interface requires. A consumer moves the structure out
 //! (copying it and marking the original released); if none does, dropping the capsule drops
 //! the structure, whose `Drop` calls its release callback. No `unsafe` is needed here.
+//!
+//! Both classes pickle (`__reduce__`) as their record batch written as an Arrow IPC stream:
+//! the same buffers, copied once into a `bytes` with the GIL released. The constructors that
+//! read it back (`columnar_entries_from_ipc`, `columnar_array_from_ipc`) take only a stream of
+//! exactly one batch with exactly the class's schema, fully validated; anything else is a
+//! `ValueError` naming what is wrong.
 
 use std::ffi::CString;
 use std::sync::Arc;
@@ -24,7 +30,8 @@ use arrow_buffer::{OffsetBuffer, ScalarBuffer};
 use arrow_schema::{ArrowError, DataType, Field, FieldRef, Schema, SchemaRef};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyString, PyTuple};
+use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::{PyBytes, PyCapsule, PyString, PyTuple};
 
 use super::errors::{text, to_pyerr};
 use super::store::PyStore;
@@ -54,6 +61,20 @@ fn columns_err(py: Python<'_>, err: ColumnsError) -> PyErr {
 
 fn list_type(item: DataType) -> DataType {
     DataType::List(Arc::new(Field::new("item", item, false)))
+}
+
+/// The shared-prefix prompt column's type (see `list_array`).
+fn list_view_type(item: DataType) -> DataType {
+    DataType::ListView(Arc::new(Field::new("item", item, false)))
+}
+
+/// The field of the array `cumulative_tokens` returns.
+fn cumulative_field() -> FieldRef {
+    Arc::new(Field::new(
+        "cumulative_token_ids",
+        list_type(DataType::Int64),
+        false,
+    ))
 }
 
 /// The schema of every columnar snapshot: `TokenEntry`'s fields in its order, then `extras`;
@@ -300,12 +321,19 @@ impl ColumnarEntries {
             .detach(|| columnar::cumulative_tokens(&links, prompt, generation))
             .map_err(PyValueError::new_err)?;
         let array = list_array(cumulative, int64_array, DataType::Int64).map_err(arrow_err)?;
-        let field = Arc::new(Field::new(
-            "cumulative_token_ids",
-            list_type(DataType::Int64),
-            false,
-        ));
-        Ok(ColumnarArray { field, array })
+        Ok(ColumnarArray {
+            field: cumulative_field(),
+            array,
+        })
+    }
+
+    /// Pickle as `columnar_entries_from_ipc(<the batch as an Arrow IPC stream>)`.
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let data = ipc_bytes(py, &self.batch)?;
+        let constructor = py
+            .import("tokencapture._core")?
+            .getattr("columnar_entries_from_ipc")?;
+        PyTuple::new(py, [constructor, PyTuple::new(py, [data])?.into_any()])
     }
 }
 
@@ -341,6 +369,328 @@ impl ColumnarArray {
     fn __arrow_c_schema__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
         schema_capsule(py, self.field.as_ref())
     }
+
+    /// Pickle as `columnar_array_from_ipc(<the array as a one-column Arrow IPC stream>)`.
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let schema = Arc::new(Schema::new(vec![self.field.clone()]));
+        let batch = RecordBatch::try_new(schema, vec![self.array.clone()]).map_err(arrow_err)?;
+        let data = ipc_bytes(py, &batch)?;
+        let constructor = py
+            .import("tokencapture._core")?
+            .getattr("columnar_array_from_ipc")?;
+        PyTuple::new(py, [constructor, PyTuple::new(py, [data])?.into_any()])
+    }
+}
+
+/// `batch` as an Arrow IPC stream (its schema, the batch, the end-of-stream marker) in a new
+/// `bytes`. The encoder hands back the batch's own buffers (no copy) between the messages it
+/// writes; they are copied once, straight into the `bytes`, with the GIL released.
+fn ipc_bytes<'py>(py: Python<'py>, batch: &RecordBatch) -> PyResult<Bound<'py, PyBytes>> {
+    let parts = py
+        .detach(|| -> Result<Vec<arrow_buffer::Buffer>, ArrowError> {
+            let mut encoder = arrow_ipc::writer::StreamEncoder::try_new(batch.schema_ref())?;
+            let mut parts = encoder.encode(batch)?;
+            parts.extend(encoder.finish()?);
+            Ok(parts)
+        })
+        .map_err(|err| PyRuntimeError::new_err(format!("writing the Arrow IPC stream: {err}")))?;
+    let len = parts.iter().map(|part| part.len()).sum();
+    PyBytes::new_with(py, len, |out| {
+        py.detach(|| {
+            let mut at = 0;
+            for part in &parts {
+                out[at..at + part.len()].copy_from_slice(part);
+                at += part.len();
+            }
+        });
+        Ok(())
+    })
+}
+
+/// The end-of-stream marker: the continuation marker and a zero length (or, before Arrow
+/// 0.15's format, a zero length alone).
+const IPC_END: [u8; 8] = [0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0];
+const IPC_LEGACY_END: [u8; 4] = [0; 4];
+
+/// What `from_ipc` refuses: a message for the `ValueError`.
+type Refusal = String;
+
+/// The one record batch of an Arrow IPC stream (`data`, copied once into an aligned buffer the
+/// batch's arrays then share), fully validated (offsets, UTF-8, nulls of non-null fields), the
+/// stream ending right after it with the end-of-stream marker. `what` names the object for
+/// the messages.
+fn read_ipc_batch(
+    data: &[u8],
+    what: &str,
+    check: impl Fn(&Schema) -> Result<(), Refusal>,
+) -> Result<RecordBatch, Refusal> {
+    let refused = |why: String| format!("not a pickled {what}: {why}");
+    // The schema is checked before any batch is decoded with it, so the decoder only ever
+    // builds arrays of the types expected here, over buffers checked to fit them.
+    check_ipc_messages(data, &check).map_err(refused)?;
+    let mut buffer = arrow_buffer::Buffer::from_slice_ref(data);
+    let mut decoder = arrow_ipc::reader::StreamDecoder::new();
+    // The decoder refuses malformed input with errors; a panic deep in it on some input
+    // nobody foresaw must still reach Python as this ValueError, never as a crash.
+    let decoded =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decoder.decode(&mut buffer)))
+            .map_err(|_| refused("the Arrow IPC reader failed on it".to_owned()))?;
+    let batch = match decoded {
+        Ok(Some(batch)) => batch,
+        Ok(None) if data.is_empty() => return Err(refused("it is empty".to_owned())),
+        Ok(None) => {
+            let inside = decoder.finish().is_err();
+            let at = match (decoder.schema().is_some(), inside) {
+                (false, true) => "inside its first message",
+                (false, false) => "before any schema message",
+                (true, true) => "after its schema, inside its record batch",
+                (true, false) => "after its schema, before any record batch",
+            };
+            return Err(refused(format!(
+                "the Arrow IPC stream ({} bytes) ends {at} (truncated, or not Arrow IPC?)",
+                data.len()
+            )));
+        }
+        Err(err) => {
+            return Err(refused(format!(
+                "it is not a valid Arrow IPC stream: {err}"
+            )))
+        }
+    };
+    let rest: &[u8] = &buffer;
+    if rest != IPC_END && rest != IPC_LEGACY_END {
+        let why = if rest.is_empty() || IPC_END.starts_with(rest) {
+            "the Arrow IPC stream ends after its record batch without the end-of-stream marker \
+             (truncated?)"
+                .to_owned()
+        } else {
+            format!(
+                "{} bytes follow its record batch where only the end-of-stream marker belongs \
+                 (a second batch, or bytes that are not part of the stream)",
+                rest.len()
+            )
+        };
+        return Err(refused(why));
+    }
+    check(&batch.schema()).map_err(refused)?;
+    check_list_items(&batch).map_err(refused)?;
+    Ok(batch)
+}
+
+/// Checks the messages of the Arrow IPC stream `data` before arrow-ipc's decoder reads them:
+/// the schema message's schema passes `check`, and every record batch places its buffers
+/// inside its body, 8-byte aligned as the format requires, each a whole number of its items
+/// (see `buffer_widths`). The decoder slices buffers unchecked and its validation views them
+/// as typed slices, so such damage would panic there. Framing that runs past the end, or a
+/// message that does not parse, is left to the decoder, which reports it.
+fn check_ipc_messages(
+    data: &[u8],
+    check: &dyn Fn(&Schema) -> Result<(), Refusal>,
+) -> Result<(), Refusal> {
+    let word = |at: usize| -> Option<u32> {
+        let bytes = data.get(at..at.checked_add(4)?)?;
+        Some(u32::from_le_bytes(bytes.try_into().ok()?))
+    };
+    let mut widths: Option<Vec<usize>> = None;
+    let mut at = 0;
+    for index in 0.. {
+        let Some(first) = word(at) else { break };
+        let (len, header) = if first == u32::MAX {
+            match word(at + 4) {
+                Some(len) => (len as usize, 8),
+                None => break,
+            }
+        } else {
+            (first as usize, 4)
+        };
+        if len == 0 {
+            break;
+        }
+        let start = at + header;
+        let Some(metadata) = start.checked_add(len).and_then(|end| data.get(start..end)) else {
+            break;
+        };
+        let Ok(message) = arrow_ipc::root_as_message(metadata) else {
+            break;
+        };
+        let body = u64::try_from(message.bodyLength()).map_err(|_| {
+            format!("message {index} of the Arrow IPC stream declares a negative body length")
+        })?;
+        if let Some(schema) = message.header_as_schema() {
+            if widths.is_none() {
+                let schema = arrow_ipc::convert::try_fb_to_schema(schema)
+                    .map_err(|err| format!("it is not a valid Arrow IPC stream: {err}"))?;
+                check(&schema)?;
+                widths = Some(buffer_widths(&schema));
+            }
+        }
+        if let Some(batch) = message.header_as_record_batch() {
+            // A batch before any schema: the decoder refuses it ("Missing schema").
+            let Some(widths) = &widths else { break };
+            if (start + len) % 8 != 0 {
+                return Err(format!(
+                    "the body of its record batch starts at byte {}, not 8-byte aligned: not a \
+                     valid Arrow IPC stream",
+                    start + len
+                ));
+            }
+            if batch.compression().is_some() {
+                return Err("its record batch is compressed (a pickle's never is)".to_owned());
+            }
+            for (number, buffer) in batch.buffers().into_iter().flatten().enumerate() {
+                let (offset, length) = (buffer.offset(), buffer.length());
+                let inside = u64::try_from(offset).ok().zip(u64::try_from(length).ok());
+                let width = widths.get(number).map_or(1, |&width| width as u64);
+                let fits = inside.is_some_and(|(offset, length)| {
+                    offset % 8 == 0
+                        && length % width == 0
+                        && offset.checked_add(length).is_some_and(|end| end <= body)
+                });
+                if !fits {
+                    return Err(format!(
+                        "buffer {number} of its record batch (offset {offset}, length {length}) \
+                         is not a whole, aligned part of the batch's {body}-byte body: not a \
+                         valid Arrow IPC stream"
+                    ));
+                }
+            }
+        }
+        let Some(next) = usize::try_from(body)
+            .ok()
+            .and_then(|body| (start + len).checked_add(body))
+        else {
+            break;
+        };
+        at = next;
+    }
+    Ok(())
+}
+
+/// The byte width of the items of each buffer of a record batch of `schema`, in IPC order
+/// (each field's validity bitmap and own buffers, then its child's), for the types a
+/// snapshot has.
+fn buffer_widths(schema: &Schema) -> Vec<usize> {
+    fn push(data_type: &DataType, out: &mut Vec<usize>) {
+        out.push(1); // the validity bitmap
+        match data_type {
+            DataType::Int64 | DataType::Float64 => out.push(8),
+            DataType::Boolean => out.push(1),
+            DataType::Utf8 => out.extend([4, 1]),
+            DataType::List(item) => {
+                out.push(4);
+                push(item.data_type(), out);
+            }
+            DataType::ListView(item) => {
+                out.extend([4, 4]);
+                push(item.data_type(), out);
+            }
+            _ => {} // no snapshot has it: refused by the schema check first
+        }
+    }
+    let mut out = Vec::new();
+    for field in schema.fields() {
+        push(field.data_type(), &mut out);
+    }
+    out
+}
+
+/// `got` is exactly `expected` (names, types, nullability, no metadata), or the first
+/// difference.
+fn check_schema(got: &Schema, expected: &Schema) -> Result<(), Refusal> {
+    let describe = |field: &Field| {
+        let null = if field.is_nullable() {
+            "nullable"
+        } else {
+            "non-null"
+        };
+        format!("{:?} ({null} {})", field.name(), field.data_type())
+    };
+    for (at, (got, expected)) in got.fields().iter().zip(expected.fields()).enumerate() {
+        if got != expected {
+            return Err(format!(
+                "column {at} is {} where it should be {}",
+                describe(got),
+                describe(expected)
+            ));
+        }
+    }
+    if got.fields().len() != expected.fields().len() {
+        return Err(format!(
+            "it has {} columns where there should be {}",
+            got.fields().len(),
+            expected.fields().len()
+        ));
+    }
+    if !got.metadata().is_empty() {
+        return Err(format!(
+            "its schema has metadata (keys {:?}) where there should be none",
+            got.metadata().keys().collect::<Vec<_>>()
+        ));
+    }
+    Ok(())
+}
+
+/// No list column holds a null item (the schema says its items are non-null; Arrow's
+/// validation checks that for lists but not for list views).
+fn check_list_items(batch: &RecordBatch) -> Result<(), Refusal> {
+    for (field, column) in batch.schema().fields().iter().zip(batch.columns()) {
+        let values = match column.data_type() {
+            DataType::List(_) => column.as_list::<i32>().values(),
+            DataType::ListView(_) => column.as_list_view::<i32>().values(),
+            _ => continue,
+        };
+        if values.null_count() > 0 {
+            return Err(format!(
+                "column {:?} has null items where its items are non-null",
+                field.name()
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn refusal(err: Refusal) -> PyErr {
+    PyValueError::new_err(err)
+}
+
+/// The `ColumnarEntries` that `ColumnarEntries.__reduce__` wrote: an Arrow IPC stream of one
+/// record batch with exactly a snapshot's schema (either prompt layout). Anything else
+/// raises `ValueError` naming what is wrong.
+#[pyfunction]
+fn columnar_entries_from_ipc(py: Python<'_>, data: PyBackedBytes) -> PyResult<ColumnarEntries> {
+    const WHAT: &str = "ColumnarEntries";
+    let batch = py
+        .detach(|| {
+            read_ipc_batch(&data, WHAT, |got| {
+                // Either prompt layout; every other column as every snapshot has it.
+                let prompt = match got.fields().get(4).map(|f| f.data_type()) {
+                    Some(DataType::ListView(_)) => list_view_type(DataType::Int64),
+                    _ => list_type(DataType::Int64),
+                };
+                check_schema(got, &schema(prompt))
+            })
+        })
+        .map_err(refusal)?;
+    Ok(ColumnarEntries { batch })
+}
+
+/// The `ColumnarArray` that `ColumnarArray.__reduce__` wrote: an Arrow IPC stream of one
+/// record batch whose one column is `cumulative_tokens`'s. Anything else raises `ValueError`
+/// naming what is wrong.
+#[pyfunction]
+fn columnar_array_from_ipc(py: Python<'_>, data: PyBackedBytes) -> PyResult<ColumnarArray> {
+    const WHAT: &str = "ColumnarArray";
+    let field = cumulative_field();
+    let batch = py
+        .detach(|| {
+            let expected = Schema::new(vec![field.clone()]);
+            read_ipc_batch(&data, WHAT, |got| check_schema(got, &expected))
+        })
+        .map_err(refusal)?;
+    Ok(ColumnarArray {
+        field,
+        array: batch.column(0).clone(),
+    })
 }
 
 /// The entries of a batch `batch_of` built (detached, as each caller builds it).
@@ -443,5 +793,7 @@ pub(super) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(read_columns, module)?)?;
     module.add_function(wrap_pyfunction!(columns_of_lines, module)?)?;
     module.add_function(wrap_pyfunction!(columns_of_log, module)?)?;
+    module.add_function(wrap_pyfunction!(columnar_entries_from_ipc, module)?)?;
+    module.add_function(wrap_pyfunction!(columnar_array_from_ipc, module)?)?;
     Ok(())
 }
