@@ -270,3 +270,70 @@ def test_a_staging_target_that_goes_away_mid_copy_exits_1_or_2_if_nothing_was_co
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["copied"] == {"a": 2, "b": 2, "c": 2}
     assert report["refused"] == [] and "not_attempted" not in report
+
+
+def test_a_staging_source_that_goes_away_mid_copy_is_reported(
+    own_server: PgServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A PostgreSQL staging source lost while the copy reads a call's attachments: the copy
+    stops with its report (what it copied, the rest not attempted) instead of one line that
+    drops it; the rollouts named but not read are not claimed missing."""
+    install_schema_sync(own_server.dsn)
+    source = PostgresStagingStore(own_server.dsn)
+    for rollout_id in ROLLOUTS:
+        for record in chain(rollout_id, 2):
+            assert source.stage(record).ok
+    source.close()
+    real = PostgresStagingStore.fetch_attachments
+
+    def fetch_attachments(self: PostgresStagingStore, key: str) -> Any:
+        if key == "b/c0" and own_server.running:
+            own_server.stop()
+        return real(self, key)
+
+    monkeypatch.setattr(PostgresStagingStore, "fetch_attachments", fetch_attachments)
+    target = tmp_path / "target"
+    code = main(["copy", own_server.dsn, str(target), *ROLLOUTS, "--staging", "--json"])
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert code == 1, captured
+    assert report["copied"] == {"a": 2} and report["refused"] == []
+    assert report["not_attempted"] == ["b/c0", "b/c1", "c/c0", "c/c1"]
+    assert report["missing_in_source"] == []
+    monkeypatch.undo()
+    own_server.start()
+    code = main(["copy", own_server.dsn, str(target), "--staging", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["copied"] == {"a": 2, "b": 2, "c": 2}
+
+
+def test_a_staging_target_lost_before_a_call_is_read_back_reports_it_unverified(
+    own_server: PgServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every copied call is read back from the target and compared; a target lost between a
+    call's stage and that read leaves it staged but not verified: reported so (not copied),
+    the rest not attempted, and the report kept."""
+    install_schema_sync(own_server.dsn)
+    source = str(staging_store(tmp_path / "staged"))
+    real = PostgresStagingStore.fetch_records
+
+    def fetch_records(self: PostgresStagingStore, keys: list[str]) -> Any:
+        if keys == ["b/c1"] and own_server.running:
+            own_server.stop()
+        return real(self, keys)
+
+    monkeypatch.setattr(PostgresStagingStore, "fetch_records", fetch_records)
+    code = main(["copy", source, own_server.dsn, "--staging", "--json"])
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert code == 1, captured
+    assert report["copied"] == {"a": 2, "b": 1}
+    ((refused),) = report["refused"]
+    assert refused.startswith("b/c1: staged, but not read back to compare: PostgreSQL at ")
+    assert report["not_attempted"] == ["c/c0", "c/c1"]

@@ -962,7 +962,14 @@ def _staging_copy(args: argparse.Namespace) -> int:
                 refused.append(f"{key}: its parent call {parent!r} was not copied")
                 not_copied.add((rollout_id, record.model_call_id))
                 continue
-            attachments = source.fetch_attachments(key)
+            try:
+                attachments = source.fetch_attachments(key)
+            except OSError as exc:
+                if not _unavailable(exc):
+                    raise
+                lost.append(str(exc))  # the source went away: this call is not tried either
+                not_attempted = [call.staging_key for _, call in calls[index:]]
+                break
             restaged = {name: _restageable(a) for name, a in attachments.items()}
             result = target.stage(record, attachments=restaged or None)
             if not result.ok:
@@ -972,17 +979,35 @@ def _staging_copy(args: argparse.Namespace) -> int:
                 not_copied.add((rollout_id, record.model_call_id))
                 continue
             # Verified: the target gives back the same record and attachments.
-            (back,) = target.fetch_records([key])
-            if back.model_dump() != record.model_dump() or (
-                target.fetch_attachments(key) != attachments
-            ):
+            try:
+                (back,) = target.fetch_records([key])
+                same = back.model_dump() == record.model_dump() and (
+                    target.fetch_attachments(key) == attachments
+                )
+            except OSError as exc:
+                if not _unavailable(exc):
+                    raise
+                # Staged, but the target went away before it was read back: not verified
+                # (the same copy run again stages it again, idempotently, and compares).
+                lost.append(str(exc))
+                refused.append(
+                    f"{key}: staged, but not read back to compare: {_one_line(str(exc))}"
+                )
+                not_copied.add((rollout_id, record.model_call_id))
+                continue
+            if not same:
                 mismatched.append(key)
                 not_copied.add((rollout_id, record.model_call_id))
                 continue
             copied[rollout_id] = copied.get(rollout_id, 0) + 1
         if lost and not_attempted is None:
             not_attempted = []  # it went away at the last call
-        missing = [r for r in args.rollouts or [] if r not in copied and not source.keys(r)]
+        try:
+            missing = [r for r in args.rollouts or [] if r not in copied and not source.keys(r)]
+        except OSError as exc:
+            if not (lost and _unavailable(exc)):
+                raise
+            missing = []  # the source went away: which named rollouts it lacks is unknown
     finally:
         _close(source)
         _close(target)
