@@ -29,7 +29,8 @@ import tomllib
 
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-print("\n".join([*project["dependencies"], *extras["test"], *extras["gateway"]]))
+# dev: mypy, which tests/test_staging_store_typing.py runs on a caller of the installed package.
+print("\n".join([*project["dependencies"], *extras["test"], *extras["gateway"], *extras["dev"]]))
 PY
 "$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$wheel"
 "$venv/bin/python" -c 'import tokencapture, tokencapture._core as core; print("tokencapture from", tokencapture.__file__, "core", core.__file__)'
