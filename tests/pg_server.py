@@ -600,7 +600,9 @@ class CitusCluster:
         return sum(node.cpu_seconds() for node in self.nodes)
 
     def cleanup(self) -> None:
-        """Kill every node (and its children) and remove the directory."""
+        """Kill every node (and its children) and remove the directory (and each killed
+        node's System V shared memory block, as `PgServer.cleanup` removes its own)."""
         for node in self.nodes:
             node.kill()
+            _remove_orphaned_shared_memory(node.data / "postmaster.pid")
         shutil.rmtree(self.base, ignore_errors=True)
