@@ -12,13 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
+from starlette.requests import Request
+from starlette.responses import Response
 from tests.engine.tiny_model import ADDED, SPECIAL
 from tests.fake_upstream import MODEL, FakeUpstream, ThreadServer
 
 from tokencapture import ParentResolutionStatus, TokenCaptureStore
 from tokencapture.gateway import DIVERGED_REASON, GatewayConfig, create_app, open_backend
-from tokencapture.gateway.tito import FALLBACK_FIELD, Bridge
+from tokencapture.gateway.tito import FALLBACK_FIELD, Bridge, _about_context_length
 
 TOOLS = [
     {
@@ -349,9 +352,10 @@ async def test_a_continuation_without_a_limit_may_use_the_rest_of_the_context(
 async def test_a_refused_completion_makes_the_context_length_asked_again(tito: Loop) -> None:
     """The context length is kept from the engine's `GET /v1/models`; an engine restarted
     behind the same address with a smaller `--max-model-len` refuses the `max_tokens` made
-    from the kept one (400). That 400 is passed through (the call is not retried; it is
-    marked, as any engine's error), and the kept length is dropped: the next call asks
-    `/v1/models` again and is sent a `max_tokens` within the new context."""
+    from the kept one (400, in vLLM's words: "This model's maximum context length is ...").
+    That 400 is passed through (the call is not retried; it is marked, as any engine's
+    error), and the kept length is dropped: the next call asks `/v1/models` again and is sent
+    a `max_tokens` within the new context."""
     messages = await _continued(tito, "s")
     _, entry = await tito.call("s", messages, "s-1")
     assert _bridged(entry)
@@ -378,6 +382,90 @@ async def test_a_refused_completion_makes_the_context_length_asked_again(tito: L
     assert tito.fake.requests[-1]["max_tokens"] == 100  # within the new context
     _, entry = await tito.call("s", messages, "s-4")
     assert tito.fake.models_calls == 2  # and kept again
+
+
+class _StrictEngine(FakeUpstream):
+    """The fake engine, refusing a completion with a negative temperature as vLLM does (its
+    `SamplingParams` check, a 400): a client's own bad request, not about the context."""
+
+    async def completions(self, request: Request) -> Response:
+        temperature = orjson.loads(await request.body()).get("temperature")
+        if isinstance(temperature, int | float) and temperature < 0:
+            self.requests.append({"temperature": temperature})
+            message = f"temperature must be non-negative, got {float(temperature)}."
+            error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+            return Response(orjson.dumps({"error": error}), 400, media_type="application/json")
+        return await super().completions(request)
+
+
+async def test_a_refusal_about_something_else_keeps_the_context_length(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """A 400 that is not about the context length (the client's own bad parameter) is passed
+    through and marked as any refusal, and the kept context length stays: the next call does
+    not ask `GET /v1/models` again (one request to the engine per client error, not two)."""
+    fake = _StrictEngine(bridge=Bridge.from_tokenizer_dir(tokenizer_dir, "qwen3"))
+    upstream = ThreadServer(fake.app)
+    loop = Loop(tmp_path / "strict", tokenizer_dir, tito=True, upstream=(fake, upstream))
+    try:
+        messages = await _continued(loop, "k")
+        _, entry = await loop.call("k", messages, "k-1")
+        assert _bridged(entry)
+        assert fake.models_calls == 1
+        for attempt in range(3):
+            refused = await loop.client.post(
+                "/rollouts/k/v1/chat/completions",
+                json={"model": MODEL, "messages": messages, "temperature": -1},
+                headers={"x-model-call-id": f"k-bad-{attempt}"},
+            )
+            assert refused.status_code == 400, refused.text
+            assert "temperature" in refused.json()["error"]["message"]
+            assert fake.requests[-1] == {"temperature": -1}  # refused by the completions route
+        assert loop.store.is_incomplete("k")
+        _, entry = await loop.call("k", messages, "k-2")
+        assert _bridged(entry)
+        assert fake.requests[-1]["max_tokens"] == 2048 - len(entry.prompt_token_ids)
+        assert fake.models_calls == 1  # kept through the client's errors
+    finally:
+        await loop.close()
+        upstream.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "forgotten"),
+    [
+        # vLLM's OpenAI server (`_validate_input`), old and new words, and its engine's.
+        (
+            b'{"object":"error","message":"This model\'s maximum context length is 2048 '
+            b"tokens. However, you requested 2100 tokens (100 in the messages, 2000 in the "
+            b'completion). Please reduce the length of the messages or completion."}',
+            True,
+        ),
+        (
+            b'{"error":{"message":"\'max_tokens\' or \'max_completion_tokens\' is too '
+            b"large: 2000. This model's maximum context length is 2048 tokens and your request "
+            b'has 100 input tokens (2000 > 2048 - 100).","code":400}}',
+            True,
+        ),
+        (
+            b'{"error":{"message":"The decoder prompt (length 3000) is longer than the maximum '
+            b"model length of 2048. Make sure that `max_model_len` is no smaller than the "
+            b'number of text tokens.","code":400}}',
+            True,
+        ),
+        (b"MAX_MODEL_LEN exceeded", True),  # in any case
+        (b"", True),  # nothing read (a broken body) or said: nothing tells it is not
+        (b" \n", True),
+        (b'{"error":{"message":"temperature must be non-negative, got -1.0."}}', False),
+        (b'{"error":{"message":"Token id 999999 is out of vocabulary"}}', False),
+        (b"x" * 70_000 + b"context length", False),  # only the body's head is looked at
+    ],
+)
+def test_a_400_is_taken_for_one_about_the_context_length_by_its_words(
+    body: bytes, forgotten: bool
+) -> None:
+    assert _about_context_length(body) is forgotten
+    assert _about_context_length(memoryview(body)) is forgotten
 
 
 async def test_a_continuation_without_a_limit_goes_to_chat_when_the_default_is_unknown(

@@ -233,6 +233,35 @@ _NO_MODELS_ROUTE: Final[frozenset[int]] = frozenset({404, 405, 501})
 _ASK_AGAIN_SECONDS: Final[float] = 30.0
 
 
+# How much of an engine's 400 body `_about_context_length` looks at (vLLM's message opens its
+# error object; the body itself was already read, for the client).
+_REFUSAL_SCAN_BYTES: Final[int] = 64 * 1024
+# What vLLM's refusals of a request past the context length say (lowercased): its OpenAI
+# server's "This model's maximum context length is N tokens. However, your request has M
+# input tokens ..." and "'max_tokens' or 'max_completion_tokens' is too large: T. This
+# model's maximum context length is N tokens ..." (`_validate_input`; older versions "...
+# However, you requested ..."), its engine's "The decoder prompt (length L) is longer than
+# the maximum model length of N. Make sure that `max_model_len` is ..." (`InputProcessor.
+# _validate_prompt_len`).
+_CONTEXT_LENGTH_WORDS: Final[tuple[bytes, ...]] = (
+    b"context length",
+    b"maximum model length",
+    b"max_model_len",
+)
+
+
+def _about_context_length(body: bytes | memoryview) -> bool:
+    """Whether an engine's 400 (its body, as read for the client) may be about the context
+    length: its first `_REFUSAL_SCAN_BYTES` name it as vLLM does (`_CONTEXT_LENGTH_WORDS`, in
+    any case), or it is empty (a body that could not be read, or an engine that says nothing:
+    nothing tells it is not). Another refusal (a client's own bad parameter) is not."""
+    head = bytes(body[:_REFUSAL_SCAN_BYTES])
+    if not head.strip():
+        return True
+    head = head.lower()
+    return any(words in head for words in _CONTEXT_LENGTH_WORDS)
+
+
 def _card_length(models: object, model: object) -> tuple[bool, int | None]:
     """(whether `model` has a card, its context length) in a `GET /v1/models` answer: vLLM's
     cards carry `max_model_len`; an adapter's card names its base model as `parent`. No
@@ -445,9 +474,10 @@ class Bridge:
 
     def forget_context_length(self, call: Any, model: object) -> None:
         """Drop what is kept of the engine's context length for `model`: the next call asks
-        `GET /v1/models` again. After the engine refused a completion (400): it may have been
-        restarted behind the same address with a smaller `--max-model-len`, and the kept
-        length would make every later call's `max_tokens` too large."""
+        `GET /v1/models` again. After the engine refused a completion (400) about the context
+        length (`_about_context_length`): it may have been restarted behind the same address
+        with a smaller `--max-model-len`, and the kept length would make every later call's
+        `max_tokens` too large."""
         self._context_lengths.pop(_length_key(call, model), None)
 
     def _ask_later(self, key: tuple[str, str | None]) -> None:
@@ -659,12 +689,14 @@ async def run_tito(call: Any, upstream_body: dict[str, Any]) -> Response:
     call.prefix_requested = True
     answer = await call.send(body, "/v1/completions")
     if answer.status != 200:
-        if answer.status == 400:
-            # The request was refused, maybe for a `max_tokens` from a context length the
-            # engine no longer has (restarted with a smaller `--max-model-len`): the next
-            # call asks for it again. This one is not retried; its 400 is passed through.
-            bridge.forget_context_length(call, upstream_body.get("model"))
         refused: Response = await call.refused(answer)
+        if answer.status == 400 and _about_context_length(refused.body):
+            # Refused about the context length, maybe for a `max_tokens` from a length the
+            # engine no longer has (restarted with a smaller `--max-model-len`): the next
+            # call asks for it again. A 400 about anything else (the client's own bad
+            # parameter) keeps it: no `GET /v1/models` per client error. This call is not
+            # retried; its 400 is passed through.
+            bridge.forget_context_length(call, upstream_body.get("model"))
         return refused
     content = await call.read(answer)
     try:
