@@ -24,6 +24,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 from tests.fake_upstream import MODEL, FakeUpstream
 from tests.test_gateway import Harness, _user
+from tests.test_gateway_disconnect import Served, _leave_after
 
 from tokencapture import metrics
 
@@ -82,6 +83,25 @@ def gateway_points(reader: InMemoryMetricReader) -> tuple[Counter[Point], Counte
     return histogram, counter
 
 
+def gateway_error_types(reader: InMemoryMetricReader) -> Counter[tuple[str, Any, str]]:
+    """The gateway's failed calls in the histogram by (operation, status, `error.type`)."""
+    data = reader.get_metrics_data()
+    assert data is not None
+    found: Counter[tuple[str, Any, str]] = Counter()
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    attributes = dict(point.attributes or {})
+                    if attributes.get("tokencapture.store") != "gateway":
+                        continue
+                    if isinstance(point, HistogramDataPoint) and "error.type" in attributes:
+                        operation = attributes["tokencapture.operation"]
+                        key = (operation, attributes.get(STATUS), attributes["error.type"])
+                        found[key] += point.count
+    return found
+
+
 async def test_gateway_calls_carry_their_http_status(
     gw: Harness, reader: InMemoryMetricReader
 ) -> None:
@@ -122,6 +142,35 @@ async def test_gateway_calls_carry_their_http_status(
         ("passthrough", "success", 200): 1,
     }
     assert counter == histogram
+    assert gateway_error_types(reader) == {
+        ("chat_completions", 400, "400"): 1,  # the engine's, relayed: the status code
+        ("chat_completions", 400, "invalid_request_error"): 1,  # the gateway's own
+        ("chat_completions", 500, "500"): 1,
+        ("chat_completions", 200, "_OTHER"): 1,  # the broken stream: no error status
+        ("passthrough", 503, "503"): 1,
+    }
     # `stats()` is as before: by operation only.
     stats = gw.app.state.gateway.metrics.snapshot()
     assert (stats["chat_completions"]["count"], stats["chat_completions"]["failures"]) == (7, 4)
+
+
+async def test_a_client_that_left_is_counted_as_client_gone(
+    tmp_path: Path, reader: InMemoryMetricReader
+) -> None:
+    """A captured call and a passthrough whose client left while the engine worked: both
+    499 with `error.type` `client_gone` (the answer's error type), never a class name."""
+    served = Served(tmp_path / "store")
+    try:
+        for path, call in (
+            ("/rollouts/left/v1/chat/completions", "chat_completions"),
+            ("/v1/chat/completions", "passthrough"),
+        ):
+            body = {"model": MODEL, "messages": [_user("slow")], "fake_delay": 5}
+            await _leave_after(served.gateway.url, path, body, 0.5)
+            await served.counted(call)
+    finally:
+        served.stop()
+    assert gateway_error_types(reader) == {
+        ("chat_completions", 499, "client_gone"): 1,
+        ("passthrough", 499, "client_gone"): 1,
+    }

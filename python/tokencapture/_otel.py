@@ -71,10 +71,13 @@ _OUTCOME_BY_CLASS = {
 }
 
 
-def outcome_of(error_type: type[BaseException] | None) -> str:
-    """The `tokencapture.outcome` value of an operation that raised `error_type` (None: ok)."""
+def outcome_of(error_type: type[BaseException] | str | None) -> str:
+    """The `tokencapture.outcome` value of an operation that raised `error_type` (None: ok;
+    a string, a failure named without an exception class: `error`)."""
     if error_type is None:
         return "success"
+    if isinstance(error_type, str):
+        return "error"
     for cls in error_type.__mro__:
         outcome = _OUTCOME_BY_CLASS.get(cls.__name__)
         if outcome is not None:
@@ -82,10 +85,13 @@ def outcome_of(error_type: type[BaseException] | None) -> str:
     return "error"
 
 
-def _error_type_name(error_type: type[BaseException] | None) -> str:
-    """OpenTelemetry's `error.type`: the exception's qualified class name (`_OTHER` unknown)."""
+def _error_type_name(error_type: type[BaseException] | str | None) -> str:
+    """OpenTelemetry's `error.type`: the exception's qualified class name, or the name given
+    as a string (the gateway's answered error types); `_OTHER` unknown."""
     if error_type is None:
         return "_OTHER"
+    if isinstance(error_type, str):
+        return error_type
     module = error_type.__module__
     if module == "builtins":
         return error_type.__qualname__
@@ -130,7 +136,7 @@ class _Kind:
         renew_after_fork(self, "lock")
         # Keyed by operation (and the error type), and the HTTP status when there is one.
         self.successes: dict[tuple[str, int | None], _Tally] = {}
-        self.failures: dict[tuple[str, type[BaseException] | None, int | None], _Tally] = {}
+        self.failures: dict[tuple[str, type[BaseException] | str | None, int | None], _Tally] = {}
 
     def tallies(self) -> list[_Tally]:
         with self.lock:
@@ -140,7 +146,7 @@ class _Kind:
         self,
         operation: str,
         failed: bool,
-        error_type: type[BaseException] | None,
+        error_type: type[BaseException] | str | None,
         status: int | None = None,
     ) -> _Tally:
         attributes: dict[str, str | int] = {
@@ -281,7 +287,7 @@ class Recorder:
         operation: str,
         seconds: float,
         failed: bool,
-        error_type: type[BaseException] | None,
+        error_type: type[BaseException] | str | None,
         status: int | None = None,
     ) -> None:
         """One call of `operation` took `seconds` (`failed`: it raised `error_type`;

@@ -126,15 +126,16 @@ class Metrics:
         seconds: float,
         *,
         failed: bool = False,
-        error_type: type[BaseException] | None = None,
+        error_type: type[BaseException] | str | None = None,
         status: int | None = None,
     ) -> None:
         """Count one call of `operation` that took `seconds`.
 
-        A failure's `error_type` (for OpenTelemetry's `error.type`) defaults to the exception
-        being handled when this is called from an `except` block. `status`, the HTTP status a
-        capture gateway call answered, becomes OpenTelemetry's `http.response.status_code`
-        (bounded: the statuses the gateway answers).
+        A failure's `error_type` (for OpenTelemetry's `error.type`: an exception class, or a
+        low-cardinality name such as the gateway's answered error type) defaults to the
+        exception being handled when this is called from an `except` block. `status`, the
+        HTTP status a capture gateway call answered, becomes OpenTelemetry's
+        `http.response.status_code` (bounded: the statuses the gateway answers).
         """
         failed = failed or error_type is not None
         with self._lock:

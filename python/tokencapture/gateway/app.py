@@ -586,19 +586,13 @@ class Gateway:
         except _ClientLeft:
             # Gone while the engine worked: the request was cancelled (its connection
             # closed, so the engine stops); the answer reaches no one.
-            self.metrics.observe(
-                "passthrough", time.perf_counter() - started, failed=True, status=499
-            )
+            self._observe_refused("passthrough", started, 499, "client_gone")
             return error_response(499, "the client disconnected before the answer", "client_gone")
         except TimeoutError:
-            self.metrics.observe(
-                "passthrough", time.perf_counter() - started, failed=True, status=504
-            )
+            self._observe_refused("passthrough", started, 504, "upstream_error")
             return error_response(504, "upstream timed out", "upstream_error")
         except aiohttp.ClientError as exc:
-            self.metrics.observe(
-                "passthrough", time.perf_counter() - started, failed=True, status=502
-            )
+            self._observe_refused("passthrough", started, 502, "upstream_error")
             return error_response(
                 502, f"upstream unreachable: {type(exc).__name__}", "upstream_error"
             )
@@ -623,6 +617,12 @@ class Gateway:
         self._observe_when_sent("passthrough", started, relayed)
         return relayed
 
+    def _observe_refused(self, operation: str, started: float, status: int, kind: str) -> None:
+        """Count a call the gateway answered with its own error: `error.type` is the answer's
+        error type (`client_gone`, `upstream_error`, ...), a bounded set, never a class name."""
+        seconds = time.perf_counter() - started
+        self.metrics.observe(operation, seconds, error_type=kind, status=status)
+
     def _observe_when_sent(self, operation: str, started: float, response: Response) -> None:
         """Count a call whose response is ready: now, by its status; a relayed one once its
         sending is over (its duration then covers the whole stream, and it failed unless the
@@ -633,16 +633,23 @@ class Gateway:
             status = response.status_code
 
             def observe() -> None:
-                failed = not succeeded()
                 seconds = time.perf_counter() - started
-                self.metrics.observe(operation, seconds, failed=failed, status=status)
+                if succeeded():
+                    self.metrics.observe(operation, seconds, status=status)
+                else:  # an error status relayed, or a stream that broke after its 200
+                    error_type = str(status) if status >= 400 else None
+                    self.metrics.observe(
+                        operation, seconds, failed=True, error_type=error_type, status=status
+                    )
 
             response.finally_.append(observe)
             return
         status = response.status_code
-        self.metrics.observe(
-            operation, time.perf_counter() - started, failed=status >= 400, status=status
-        )
+        seconds = time.perf_counter() - started
+        if status >= 400:  # OpenTelemetry's HTTP convention: the status code as error.type
+            self.metrics.observe(operation, seconds, error_type=str(status), status=status)
+        else:
+            self.metrics.observe(operation, seconds, status=status)
 
     def captured(self, kind: str) -> Callable[[Request, str | None], Awaitable[Response]]:
         """The handler of a captured route: `handle(request, rollout_id)`, the rollout id from
@@ -666,8 +673,7 @@ class Gateway:
             try:
                 response = await self._capture(kind, path, request, rollout)
             except HttpError as exc:
-                seconds = time.perf_counter() - started
-                self.metrics.observe(operation, seconds, failed=True, status=exc.status)
+                self._observe_refused(operation, started, exc.status, exc.kind)
                 return exc.response()
             except BaseException:
                 self.metrics.observe(operation, time.perf_counter() - started, failed=True)
