@@ -367,6 +367,7 @@ BAD_CONTENT: list[tuple[str, Callable[[], list[Any]], type[Exception]]] = [
 
 RESOLVERS = [
     "FileLineageStore",
+    "reference.FileLineageStore",
     "InMemoryLineageStore",
     "FileCaptureLedger",
     "PostgresLineageStore",
@@ -481,6 +482,7 @@ async def _commit_calls(cls_name: str, obj: Any, root: Path, dsn: Callable[[], s
         return None
     writer: Any = {
         "FileLineageStore": lambda: TokenCaptureStore(root / "store"),
+        "reference.FileLineageStore": lambda: TokenCaptureStore(root / "store"),
         "InMemoryLineageStore": lambda: obj,
         "PostgresLineageStore": lambda: PostgresTokenCaptureStore(dsn(), install_schema=True),
     }[cls_name]()
@@ -546,3 +548,153 @@ def digest_error_of(items: list[Any]) -> BaseException:
     with pytest.raises(ValueError) as raised:
         conversation_digest(items)
     return raised.value
+
+
+# ---- the request as it was when called ------------------------------------------------------
+#
+# A resolve answers the request as it was when `resolve` was called: a request list changed
+# before the await (a message inserted, a content replaced) does not change the answer, on the
+# native path (its job holds the items copied natively) as on the Python one (items the port
+# does not cover are copied when called, then hashed by `tokencapture.fingerprint`). Each
+# change below would change the answer of a resolve that read the list when awaited: the
+# question is the context every call of `ANSWERS` recorded.
+
+
+def _replace_question(items: list[Any]) -> None:
+    items[0] = _user("another question")
+
+
+def _edit_question(items: list[Any]) -> None:
+    items[0]["content"] = "another question"
+
+
+def _insert_first(items: list[Any]) -> None:
+    items.insert(0, {"role": "system", "content": "Be brief."})
+
+
+CHANGES: list[tuple[str, Callable[[list[Any]], None]]] = [
+    ("the question replaced", _replace_question),
+    ("the question's content edited", _edit_question),
+    ("a message inserted first", _insert_first),
+    ("the list emptied", list.clear),
+]
+
+# (what, rollout, a fresh request, expected call id, whether the port fingerprints it)
+AS_CALLED: list[tuple[str, str, Callable[[], list[Any]], str, bool]] = [
+    ("native", "r1", lambda: [_user("question"), _assistant("answer"), _user("next")], "c1", True),
+    (
+        "Python: a float in tool arguments",
+        "r2",
+        lambda: [
+            _user("question"),
+            {"type": "function_call", "call_id": "f1", "name": "set", "arguments": '{"t": 0.5}'},
+            {"type": "function_call_output", "call_id": "f1", "output": "ok"},
+        ],
+        "c2",
+        False,
+    ),
+    (
+        "Python: a dict subclass",
+        "r1",
+        lambda: [_user("question"), _Item(role="assistant", content="answer"), _user("next")],
+        "c1",
+        False,
+    ),
+]
+
+
+@pytest.mark.parametrize("cls_name", RESOLVERS)
+async def test_a_request_changed_before_the_await_resolves_as_it_was_called(
+    request: pytest.FixtureRequest, tmp_path: Path, cls_name: str
+) -> None:
+    from tokencapture import _core
+
+    dsn = lambda: str(request.getfixturevalue("pg_dsn"))  # noqa: E731
+    obj = FACTORIES[cls_name](tmp_path, dsn)
+    writer = None
+    try:
+        writer = await _commit_calls(cls_name, obj, tmp_path, dsn)
+        for what, rollout_id, fresh, call_id, native in AS_CALLED:
+            assert (_core.request_fingerprint(fresh()) is not None) is native, what
+            expected = obj.resolve_now(rollout_id, fresh())
+            assert _summary(expected) == ("resolved", call_id, ""), what
+            for change_name, change in CHANGES:
+                items = fresh()
+                call = obj.resolve(rollout_id, items)
+                change(items)
+                # Read when awaited, the changed list would answer otherwise.
+                assert _summary(obj.resolve_now(rollout_id, items)) != _summary(expected)
+                assert await call == expected, (what, change_name)
+    finally:
+        if writer is not None:
+            await writer.close()
+        await _close(obj)
+
+
+# A committed call whose recorded context holds a float in a part of a turn the fingerprint
+# does not read: the port fingerprints the request, then declines that context's digest, and
+# the resolve goes on in Python (the Python path of a native job).
+_FLOAT_QUESTION: Callable[[], dict[str, Any]] = lambda: _user(  # noqa: E731
+    [{"type": "input_text", "text": "question"}, {"type": "input_image", "detail": 1.5}]
+)
+
+
+@pytest.mark.parametrize(
+    "cls_name", ["FileLineageStore", "InMemoryLineageStore", "reference.FileLineageStore"]
+)
+async def test_a_native_job_handed_to_python_resolves_the_list_as_it_was_called(
+    tmp_path: Path, cls_name: str
+) -> None:
+    """A job the port fingerprinted but whose context digest it declines is resolved by
+    Python's digests: of the list as it was when called (a message inserted first, the
+    question replaced, the list emptied: the answer is unchanged). The job's copy of the
+    items stays the port's, so an item's content edited in place is read when awaited."""
+    from tokencapture import _core
+    from tokencapture.lineage import stamp_continuation
+    from tokencapture.records import ParentResolutionStatus, stamp_lineage
+
+    obj = FACTORIES[cls_name](tmp_path, lambda: "")
+    writer = obj if cls_name == "InMemoryLineageStore" else TokenCaptureStore(tmp_path / "store")
+    try:
+        entry = make_entry("r1", "c1", output_items=[_assistant("answer")])
+        stamp_continuation(entry, [_FLOAT_QUESTION()])
+        stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.ROOT)
+        await writer.put(entry)
+        fresh = lambda: [_FLOAT_QUESTION(), _assistant("answer"), _user("next")]  # noqa: E731
+        assert _core.request_fingerprint(fresh()) is not None
+        assert _core.continuation_hashes(fresh(), 1) is None  # the port declines the digest
+        expected = obj.resolve_now("r1", fresh())
+        assert _summary(expected) == ("resolved", "c1", "")
+        for change_name, change in [*CHANGES[:1], *CHANGES[2:]]:
+            items = fresh()
+            call = obj.resolve("r1", items)
+            change(items)
+            assert _summary(obj.resolve_now("r1", items)) != _summary(expected)
+            assert await call == expected, change_name
+    finally:
+        if writer is not obj:
+            await writer.close()
+        await _close(obj)
+
+
+@pytest.mark.parametrize("cls_name", ["InMemoryLineageStore", "reference.FileLineageStore"])
+async def test_a_field_too_deep_to_copy_is_kept_as_it_is(tmp_path: Path, cls_name: str) -> None:
+    """The Python path copies the request's containers when called; a field nested deeper
+    than Python's recursion allows is kept uncopied rather than refused: the hashes do not
+    read it (an unknown field), so the request resolves as it did before the copy."""
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(5_000):
+        inner["a"] = {}
+        inner = inner["a"]
+    obj = FACTORIES[cls_name](tmp_path, lambda: "")
+    writer = await _commit_calls(cls_name, obj, tmp_path, lambda: "")
+    try:
+        items = [{**_user("question"), "metadata": deep}, _assistant("answer"), _user("next")]
+        answer = await obj.resolve("r1", items)
+        assert _summary(answer) == ("resolved", "c1", "")
+        assert answer == obj.resolve_now("r1", items)
+    finally:
+        if writer is not None:
+            await writer.close()
+        await _close(obj)

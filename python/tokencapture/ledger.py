@@ -74,7 +74,7 @@ from tokencapture.protocols import (
     TokenCaptureConflictError,
 )
 from tokencapture.records import ParentResolutionStatus
-from tokencapture.resolution import fingerprint_of
+from tokencapture.resolution import fingerprint_of, request_copy
 from tokencapture.staging_records import CaptureLedgerCommit
 from tokencapture.validation import (
     check_failure_args,
@@ -294,7 +294,8 @@ class FileCaptureLedger:
         The arguments are checked, and the request's fingerprint computed, when this is
         called: content the fingerprint refuses raises then (`ValueError` / `TypeError`).
         """
-        items = check_resolve_args(rollout_id, request_items)
+        # Copied now: the context digest, computed when awaited, reads the request as called.
+        items = request_copy(check_resolve_args(rollout_id, request_items))
         fingerprint = fingerprint_of(items)
         return off_loop(self._resolve_fingerprinted, rollout_id, items, fingerprint)
 

@@ -196,15 +196,14 @@ class FileLineageStore:
         raises at the call (`tokencapture.resolution.prepare`). When it is awaited, the
         digests, the file check and materialization run on the native worker pool (no GIL, no
         thread hop), and only the answer is built on the loop, while the worker checks its
-        digest: it is returned once that passed.
+        digest: it is returned once that passed. The answer is the request's as it was when
+        called (the items the port does not cover are copied then for Python's hashes).
         """
         items = check_resolve_args(rollout_id, request_items)
-        return self._resolve_job(rollout_id, items, prepare(self._native, rollout_id, items))
+        return self._resolve_job(rollout_id, prepare(self._native, rollout_id, items))
 
-    async def _resolve_job(
-        self, rollout_id: str, items: list[Any], prepared: Prepared
-    ) -> LineageResolution:
-        job, fingerprint = prepared
+    async def _resolve_job(self, rollout_id: str, prepared: Prepared) -> LineageResolution:
+        job, fingerprint, items = prepared  # the items as they were when called
         resolution: LineageResolution | None = ROOT if not fingerprint else None
         if resolution is None and job is not None:
             await native_job(self._native.submit, job)
@@ -514,26 +513,22 @@ class InMemoryLineageStore:
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> LineageResolution:
         items = check_resolve_args(rollout_id, request_items)
-        return self._resolve_checked(rollout_id, items, prepare(self._native, rollout_id, items))
+        return self._resolve_checked(rollout_id, prepare(self._native, rollout_id, items))
 
     def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> Coroutine[Any, Any, LineageResolution]:
-        """`resolve_now` when awaited. The arguments are checked, and the request items
-        copied and fingerprinted (content the fingerprint refuses raises), when this is
-        called."""
+        """`resolve_now` when awaited, of the request as it was when called. The arguments
+        are checked, and the request items copied and fingerprinted (content the fingerprint
+        refuses raises), when this is called."""
         items = check_resolve_args(rollout_id, request_items)
-        return self._resolve_job(rollout_id, items, prepare(self._native, rollout_id, items))
+        return self._resolve_job(rollout_id, prepare(self._native, rollout_id, items))
 
-    async def _resolve_job(
-        self, rollout_id: str, items: list[Any], prepared: Prepared
-    ) -> LineageResolution:
-        return self._resolve_checked(rollout_id, items, prepared)
+    async def _resolve_job(self, rollout_id: str, prepared: Prepared) -> LineageResolution:
+        return self._resolve_checked(rollout_id, prepared)
 
-    def _resolve_checked(
-        self, rollout_id: str, items: list[Any], prepared: Prepared
-    ) -> LineageResolution:
-        fingerprint = prepared[1]
+    def _resolve_checked(self, rollout_id: str, prepared: Prepared) -> LineageResolution:
+        _, fingerprint, items = prepared  # the items as they were when called
         if rollout_id in self._retired:
             return ROOT if not fingerprint else _NO_MATCH
         resolved = resolve_prepared(self._native, rollout_id, items, prepared)

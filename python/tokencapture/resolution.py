@@ -14,11 +14,18 @@ resolver holds, so this refuses exactly what awaiting refused. The conversation 
 computed only for candidates whose fingerprint matches (as NeMo Gym 0.7.0 computes them), so
 what only they refuse (the content of an item the fingerprint does not read: a user turn's,
 a tool result's) still depends on the rollout's calls, and is refused when awaited, if at all.
+
+The answer is the request's as it was when called, whichever path computes it: the native job
+holds the items copied natively, and items the port does not cover are copied (`request_copy`)
+before Python fingerprints them, so a list changed between the call and the await (a message
+inserted, a content edited) does not change the answer. Beside a job only the list is copied:
+what Python digests after the job (a context digest the port declines, a ledger's candidate)
+reads the items' contents as they are then.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, NamedTuple
 
 from tokencapture import _core
 from tokencapture.fingerprint import assistant_fingerprint, conversation_digest
@@ -33,6 +40,8 @@ __all__ = [
     "Prepared",
     "fingerprint_of",
     "prepare",
+    "prepare_in_python",
+    "request_copy",
     "resolution_of",
     "resolve_in_python",
     "resolve_native",
@@ -49,9 +58,46 @@ ROOT: Final[LineageResolution] = LineageResolution(ParentResolutionStatus.ROOT)
 
 NativeResolver = _core.FileLineage | _core.MemoryLineage
 
-Prepared: TypeAlias = tuple[_core.LineageJob | None, str]
-"""A resolve prepared when called: the native job (None when the items need Python's hashes)
-and the request's assistant fingerprint ("" for a root)."""
+
+class Prepared(NamedTuple):
+    """A resolve prepared when it was called (`prepare`)."""
+
+    job: _core.LineageJob | None
+    """The native job, the items copied natively; None when the items need Python's hashes."""
+    fingerprint: str
+    """The request's assistant fingerprint ("" for a root)."""
+    items: list[Any]
+    """The request items for Python's digests, as they were when called: a copy
+    (`request_copy`) where Python hashes the request; beside a native job, which holds its
+    own copy of the contents, a copy of the list only, for what Python reads after the job
+    (a ledger's candidates, a context digest the port declines)."""
+
+
+def request_copy(items: list[Any]) -> list[Any]:
+    """The request items as they are now, for hashes computed later: every plain `dict`,
+    `list` and `tuple` copied, recursively. Anything else is kept, not copied: strings and
+    numbers cannot change, and an object of another type (a `dict` subclass) is read as it is
+    when hashed. An item nested deeper than Python's recursion allows is kept as it is (no
+    error at the call: a hash that reads that deep refuses it, a field no hash reads is
+    harmless)."""
+    copied: list[Any] = []
+    for item in items:
+        try:
+            copied.append(_copy(item))
+        except RecursionError:
+            copied.append(item)
+    return copied
+
+
+def _copy(value: Any) -> Any:
+    kind = type(value)
+    if kind is dict:
+        return {key: _copy(inner) for key, inner in value.items()}
+    if kind is list:
+        return [_copy(inner) for inner in value]
+    if kind is tuple:
+        return tuple(_copy(inner) for inner in value)
+    return value
 
 
 def fingerprint_of(items: list[Any]) -> str:
@@ -64,27 +110,37 @@ def fingerprint_of(items: list[Any]) -> str:
 def prepare(native: NativeResolver, rollout_id: str, items: list[Any]) -> Prepared:
     """Prepare a resolve when it is called (the arguments already checked by
     `check_resolve_args`): the items copied and fingerprinted natively (a job), or, for items
-    the port does not cover, fingerprinted by `tokencapture.fingerprint`. Raises what the
-    fingerprint raises (`ValueError` / `TypeError`), which is what awaiting the resolve raised;
-    the fingerprint is not computed again when the resolve runs."""
+    the port does not cover, copied and fingerprinted by `tokencapture.fingerprint`
+    (`prepare_in_python`). Raises what the fingerprint raises (`ValueError` / `TypeError`),
+    which is what awaiting the resolve raised; the fingerprint is not computed again when the
+    resolve runs."""
     job = native.prepare(rollout_id, items)
     if job is not None:
-        return job, job.fingerprint
-    return None, assistant_fingerprint(items)
+        return Prepared(job, job.fingerprint, list(items))
+    return prepare_in_python(items)
+
+
+def prepare_in_python(items: list[Any]) -> Prepared:
+    """`prepare` by `tokencapture.fingerprint` alone: the items copied (`request_copy`), then
+    fingerprinted. The pure-Python reference resolver prepares its resolves so."""
+    copied = request_copy(items)
+    return Prepared(None, assistant_fingerprint(copied), copied)
 
 
 def resolve_prepared(
     native: _core.MemoryLineage, rollout_id: str, items: list[Any], prepared: Prepared
 ) -> LineageResolution:
-    """Resolve a prepared request by an in-process matcher (`resolve_native`'s answer)."""
-    job, fingerprint = prepared
+    """Resolve a prepared request by an in-process matcher (`resolve_native`'s answer), as
+    the request was when prepared: `items` (the list given to `prepare`) is not read again,
+    `prepared.items` is."""
+    job, fingerprint, copied = prepared
     if not fingerprint:
         return ROOT
     if job is not None:
         raw = native.resolve_prepared(job)
         if raw is not None:
             return resolution_of(raw)
-    return resolve_in_python(native, rollout_id, items, fingerprint)
+    return resolve_in_python(native, rollout_id, copied, fingerprint)
 
 
 def resolution_of(

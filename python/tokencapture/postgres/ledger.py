@@ -33,7 +33,7 @@ from tokencapture.protocols import (
     RolloutRemovalPayload,
 )
 from tokencapture.records import ParentResolutionStatus
-from tokencapture.resolution import fingerprint_of
+from tokencapture.resolution import fingerprint_of, request_copy
 from tokencapture.staging_records import CaptureLedgerCommit
 from tokencapture.validation import (
     check_failure_args,
@@ -182,7 +182,8 @@ class PostgresCaptureLedger:
         The arguments are checked, and the request's fingerprint computed, when this is called:
         content the fingerprint refuses raises then (`ValueError` / `TypeError`).
         """
-        items = check_resolve_args(rollout_id, request_items)
+        # Copied now: the context digest, computed when awaited, reads the request as called.
+        items = request_copy(check_resolve_args(rollout_id, request_items))
         return self._resolve(rollout_id, items, fingerprint_of(items))
 
     async def _resolve(

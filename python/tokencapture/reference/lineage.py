@@ -32,6 +32,7 @@ from tokencapture.lineage import (
 )
 from tokencapture.protocols import LineageMatch, LineageResolution, TokenCaptureCorruptionError
 from tokencapture.records import ParentResolutionStatus
+from tokencapture.resolution import prepare_in_python
 from tokencapture.validation import check_resolve_args, validate_rollout_id
 
 __all__ = ["FileLineageStore", "token_digest"]
@@ -214,7 +215,11 @@ class FileLineageStore:
     ) -> LineageResolution:
         validate_rollout_id(rollout_id)
         items = list(request_list(request_items))
-        fingerprint = assistant_fingerprint(items)
+        return self._resolve_fingerprinted(rollout_id, items, assistant_fingerprint(items))
+
+    def _resolve_fingerprinted(
+        self, rollout_id: str, items: list[Any], fingerprint: str
+    ) -> LineageResolution:
         if not fingerprint:
             return LineageResolution(ParentResolutionStatus.ROOT)
         with self._mutex:
@@ -245,8 +250,13 @@ class FileLineageStore:
     def resolve(
         self, rollout_id: str, request_items: list[dict[str, Any]]
     ) -> Coroutine[Any, Any, LineageResolution]:
-        """`resolve_now` off the event loop; the arguments are checked when this is called."""
-        return off_loop(self.resolve_now, rollout_id, check_resolve_args(rollout_id, request_items))
+        """`resolve_now` off the event loop, of the request as it was when called: the
+        arguments are checked, and the items copied and fingerprinted (content the fingerprint
+        refuses raises), when this is called, as the native resolvers prepare a resolve."""
+        prepared = prepare_in_python(check_resolve_args(rollout_id, request_items))
+        return off_loop(
+            self._resolve_fingerprinted, rollout_id, prepared.items, prepared.fingerprint
+        )
 
     @staticmethod
     def _unresolved(reason: str) -> LineageResolution:
