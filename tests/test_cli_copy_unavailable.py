@@ -14,6 +14,7 @@ none were. The same copy run again once the server is back copies the rest.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,16 @@ def token_store(root: Path) -> Path:
     return root
 
 
-def staging_store(root: Path) -> Path:
-    store = FileStagingStore(root)
+def stage_rollouts(store: FileStagingStore | PostgresStagingStore) -> None:
+    """Stage two calls of each rollout into `store`, then close it."""
     for rollout_id in ROLLOUTS:
         for record in chain(rollout_id, 2):
             assert store.stage(record).ok
     store.close()
+
+
+def staging_store(root: Path) -> Path:
+    stage_rollouts(FileStagingStore(root))
     return root
 
 
@@ -97,39 +102,80 @@ def copy(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any, str]
     return code, json.loads(captured.out), captured.err
 
 
-def stop_before(
-    monkeypatch: pytest.MonkeyPatch, server: PgServer, method: str, rollout_id: str
-) -> list[str]:
-    """Stop `server` just before the copy's `_Backend.<method>` of `rollout_id`; the rollouts
-    that method is then called for (each attempt, once the server is gone, a connection that
-    fails: a connect timeout each when the host drops packets)."""
-    real = getattr(cli._Backend, method)
-    attempted: list[str] = []
+def the_same_copy_takes_the_rest(capsys: pytest.CaptureFixture[str], *args: str) -> None:
+    """The copy run again, the server back: a (copied before) exists, b and c are copied."""
+    code, report, _ = copy(capsys, *args)
+    assert code == 1 and report["exists_in_target"] == ["a"]
+    assert [c["rollout_id"] for c in report["copied"]] == ["b", "c"]
+    assert "not_attempted" not in report
 
-    def wrapped(self: Any, arg: Any) -> Any:
-        name = arg if isinstance(arg, str) else arg.rollout_id
-        if name == rollout_id:
-            server.stop()
-        if not server.running:
-            attempted.append(name)
-        return real(self, arg)
 
-    monkeypatch.setattr(cli._Backend, method, wrapped)
-    return attempted
+class Outage:
+    """The setup of the mid-copy tests: a PostgreSQL server of the test's own, its schema
+    installed, that the test stops when the copy reaches a chosen call (`stop_at`), then
+    brings back (`back`)."""
+
+    def __init__(self, server: PgServer, monkeypatch: pytest.MonkeyPatch) -> None:
+        install_schema_sync(server.dsn)
+        self.server = server
+        self.dsn = server.dsn
+        self._monkeypatch = monkeypatch
+
+    def stop_at(
+        self,
+        owner: type,
+        method: str,
+        stops: Callable[[Any], bool],
+        name: Callable[[Any], str] = str,
+    ) -> list[str]:
+        """Stop the server just before the first call of `owner.<method>` whose first argument
+        `stops` accepts; the `name`s of that argument in every call from then on (each, once
+        the server is gone, a connection that fails: a connect timeout when the host drops
+        packets)."""
+        real = getattr(owner, method)
+        attempted: list[str] = []
+        server = self.server
+
+        def wrapped(self: Any, arg: Any, *args: Any, **kwargs: Any) -> Any:
+            if server.running and stops(arg):
+                server.stop()
+            if not server.running:
+                attempted.append(name(arg))
+            return real(self, arg, *args, **kwargs)
+
+        self._monkeypatch.setattr(owner, method, wrapped)
+        return attempted
+
+    def stop_before(self, method: str, rollout_id: str) -> list[str]:
+        """`stop_at` the copy's `_Backend.<method>` of `rollout_id`; the rollouts it is then
+        called for."""
+        return self.stop_at(
+            cli._Backend, method, lambda arg: _rollout_of(arg) == rollout_id, _rollout_of
+        )
+
+    def back(self) -> None:
+        """Undo the interception and start the server again."""
+        self._monkeypatch.undo()
+        self.server.start()
+
+
+def _rollout_of(arg: Any) -> str:
+    return arg if isinstance(arg, str) else str(arg.rollout_id)
+
+
+@pytest.fixture
+def outage(own_server: PgServer, monkeypatch: pytest.MonkeyPatch) -> Outage:
+    return Outage(own_server, monkeypatch)
 
 
 def test_a_target_that_goes_away_mid_copy_is_reported_exit_1_or_2_if_nothing_was_copied(
-    own_server: PgServer,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    outage: Outage, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    install_schema_sync(own_server.dsn)
     source = str(token_store(tmp_path / "source"))
     # Gone after it answered, before the first rollout: the copy stops there, nothing
     # copied, exit 2, the report and one line on stderr; b and c are not even tried.
-    attempted = stop_before(monkeypatch, own_server, "create", "a")
-    code, report, err = copy(capsys, source, own_server.dsn)
+    attempted = outage.stop_before("create", "a")
+    code, report, err = copy(capsys, source, outage.dsn)
     assert code == 2
     assert attempted == ["a"]
     assert report["copied"] == []
@@ -140,10 +186,9 @@ def test_a_target_that_goes_away_mid_copy_is_reported_exit_1_or_2_if_nothing_was
     assert err.rstrip().endswith("(nothing was copied)")
     # Back, then gone again after the first rollout: a copied, b met the lost server, c not
     # tried, exit 1. The text report says so too.
-    monkeypatch.undo()
-    own_server.start()
-    attempted = stop_before(monkeypatch, own_server, "create", "b")
-    code = main(["copy", source, own_server.dsn])
+    outage.back()
+    attempted = outage.stop_before("create", "b")
+    code = main(["copy", source, outage.dsn])
     text = capsys.readouterr()
     assert code == 1 and text.err == "" and attempted == ["b"]
     lines = text.out.splitlines()
@@ -155,24 +200,16 @@ def test_a_target_that_goes_away_mid_copy_is_reported_exit_1_or_2_if_nothing_was
     )
     assert len(lines) == 3
     # Back: the same copy takes the rest; with nothing lost, the report has no not_attempted.
-    monkeypatch.undo()
-    own_server.start()
-    code, report, _ = copy(capsys, source, own_server.dsn)
-    assert code == 1 and report["exists_in_target"] == ["a"]
-    assert [c["rollout_id"] for c in report["copied"]] == ["b", "c"]
-    assert "not_attempted" not in report
+    outage.back()
+    the_same_copy_takes_the_rest(capsys, source, outage.dsn)
 
 
 def test_a_target_that_goes_away_at_the_last_rollout_lists_nothing_not_attempted(
-    own_server: PgServer,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    outage: Outage, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    install_schema_sync(own_server.dsn)
     source = str(token_store(tmp_path / "source"))
-    attempted = stop_before(monkeypatch, own_server, "create", "c")
-    code, report, err = copy(capsys, source, own_server.dsn, *ROLLOUTS)
+    attempted = outage.stop_before("create", "c")
+    code, report, err = copy(capsys, source, outage.dsn, *ROLLOUTS)
     assert code == 1 and err == "" and attempted == ["c"]
     assert [c["rollout_id"] for c in report["copied"]] == ["a", "b"]
     assert [f["rollout_id"] for f in report["failed_in_target"]] == ["c"]
@@ -180,66 +217,46 @@ def test_a_target_that_goes_away_at_the_last_rollout_lists_nothing_not_attempted
 
 
 def test_a_source_that_goes_away_mid_copy_is_reported_exit_1_or_2_if_nothing_was_copied(
-    own_server: PgServer,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    outage: Outage, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    install_schema_sync(own_server.dsn)
-    assert main(["copy", str(token_store(tmp_path / "source")), own_server.dsn]) == 0
+    assert main(["copy", str(token_store(tmp_path / "source")), outage.dsn]) == 0
     capsys.readouterr()
-    attempted = stop_before(monkeypatch, own_server, "export", "a")
-    code, report, err = copy(capsys, own_server.dsn, str(tmp_path / "first"))
+    attempted = outage.stop_before("export", "a")
+    code, report, err = copy(capsys, outage.dsn, str(tmp_path / "first"))
     assert code == 2 and report["copied"] == [] and attempted == ["a"]
     ((unreadable),) = report["unreadable_in_source"]
     assert unreadable["rollout_id"] == "a" and " is unavailable: " in unreadable["problem"]
     assert report["not_attempted"] == ["b", "c"]
     assert err.rstrip().endswith("(nothing was copied)") and err.count("\n") == 1
-    monkeypatch.undo()
-    own_server.start()
-    attempted = stop_before(monkeypatch, own_server, "export", "b")
-    code, report, err = copy(capsys, own_server.dsn, str(tmp_path / "second"))
+    outage.back()
+    attempted = outage.stop_before("export", "b")
+    code, report, err = copy(capsys, outage.dsn, str(tmp_path / "second"))
     assert code == 1 and err == "" and attempted == ["b"]
     assert [c["rollout_id"] for c in report["copied"]] == ["a"]
     ((unreadable),) = report["unreadable_in_source"]
     assert unreadable["rollout_id"] == "b" and " is unavailable: " in unreadable["problem"]
     assert report["not_attempted"] == ["c"]
     # Back: the same copy takes the rest.
-    monkeypatch.undo()
-    own_server.start()
-    code, report, _ = copy(capsys, own_server.dsn, str(tmp_path / "second"))
-    assert code == 1 and report["exists_in_target"] == ["a"]
-    assert [c["rollout_id"] for c in report["copied"]] == ["b", "c"]
-    assert "not_attempted" not in report
+    outage.back()
+    the_same_copy_takes_the_rest(capsys, outage.dsn, str(tmp_path / "second"))
 
 
 def test_a_staging_target_that_goes_away_mid_copy_exits_1_or_2_if_nothing_was_copied(
-    own_server: PgServer,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    outage: Outage, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    install_schema_sync(own_server.dsn)
     source = str(staging_store(tmp_path / "staged"))
-    real = PostgresStagingStore.stage
 
     def stop_at(rollout_id: str) -> list[str]:
-        """Stop the server at the first stage of `rollout_id`; the keys staged from then on
-        (each attempt a failed connection: a connect timeout when the host drops packets)."""
-        attempted: list[str] = []
-
-        def stage(self: PostgresStagingStore, record: Any, **kwargs: Any) -> Any:
-            if record.rollout_id == rollout_id and own_server.running:
-                own_server.stop()
-            if not own_server.running:
-                attempted.append(record.staging_key)
-            return real(self, record, **kwargs)
-
-        monkeypatch.setattr(PostgresStagingStore, "stage", stage)
-        return attempted
+        """Stop the server at the first stage of `rollout_id`; the keys staged from then on."""
+        return outage.stop_at(
+            PostgresStagingStore,
+            "stage",
+            lambda record: record.rollout_id == rollout_id,
+            lambda record: str(record.staging_key),
+        )
 
     attempted = stop_at("a")
-    code = main(["copy", source, own_server.dsn, "--staging", "--json"])
+    code = main(["copy", source, outage.dsn, "--staging", "--json"])
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     assert code == 2 and report["copied"] == {} and attempted == ["a/c0"]
@@ -247,10 +264,9 @@ def test_a_staging_target_that_goes_away_mid_copy_exits_1_or_2_if_nothing_was_co
     assert refused.startswith("a/c0: PostgresUnavailableError: PostgreSQL at ")
     assert report["not_attempted"] == ["a/c1", "b/c0", "b/c1", "c/c0", "c/c1"]
     assert captured.err.rstrip().endswith("(nothing was copied)")
-    monkeypatch.undo()
-    own_server.start()
+    outage.back()
     attempted = stop_at("b")
-    code = main(["copy", source, own_server.dsn, "--staging"])
+    code = main(["copy", source, outage.dsn, "--staging"])
     captured = capsys.readouterr()
     assert code == 1 and captured.err == "" and attempted == ["b/c0"]
     lines = captured.out.splitlines()
@@ -264,72 +280,44 @@ def test_a_staging_target_that_goes_away_mid_copy_exits_1_or_2_if_nothing_was_co
     )
     assert len(lines) == 3
     # Back: the same copy stages the rest (and a's calls again, idempotently).
-    monkeypatch.undo()
-    own_server.start()
-    code = main(["copy", source, own_server.dsn, "--staging", "--json"])
+    outage.back()
+    code = main(["copy", source, outage.dsn, "--staging", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["copied"] == {"a": 2, "b": 2, "c": 2}
     assert report["refused"] == [] and "not_attempted" not in report
 
 
 def test_a_staging_source_that_goes_away_mid_copy_is_reported(
-    own_server: PgServer,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    outage: Outage, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A PostgreSQL staging source lost while the copy reads a call's attachments: the copy
     stops with its report (what it copied, the rest not attempted) instead of one line that
     drops it; the rollouts named but not read are not claimed missing."""
-    install_schema_sync(own_server.dsn)
-    source = PostgresStagingStore(own_server.dsn)
-    for rollout_id in ROLLOUTS:
-        for record in chain(rollout_id, 2):
-            assert source.stage(record).ok
-    source.close()
-    real = PostgresStagingStore.fetch_attachments
-
-    def fetch_attachments(self: PostgresStagingStore, key: str) -> Any:
-        if key == "b/c0" and own_server.running:
-            own_server.stop()
-        return real(self, key)
-
-    monkeypatch.setattr(PostgresStagingStore, "fetch_attachments", fetch_attachments)
+    stage_rollouts(PostgresStagingStore(outage.dsn))
+    outage.stop_at(PostgresStagingStore, "fetch_attachments", lambda key: key == "b/c0")
     target = tmp_path / "target"
-    code = main(["copy", own_server.dsn, str(target), *ROLLOUTS, "--staging", "--json"])
+    code = main(["copy", outage.dsn, str(target), *ROLLOUTS, "--staging", "--json"])
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     assert code == 1, captured
     assert report["copied"] == {"a": 2} and report["refused"] == []
     assert report["not_attempted"] == ["b/c0", "b/c1", "c/c0", "c/c1"]
     assert report["missing_in_source"] == []
-    monkeypatch.undo()
-    own_server.start()
-    code = main(["copy", own_server.dsn, str(target), "--staging", "--json"])
+    outage.back()
+    code = main(["copy", outage.dsn, str(target), "--staging", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["copied"] == {"a": 2, "b": 2, "c": 2}
 
 
 def test_a_staging_target_lost_before_a_call_is_read_back_reports_it_unverified(
-    own_server: PgServer,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    outage: Outage, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Every copied call is read back from the target and compared; a target lost between a
     call's stage and that read leaves it staged but not verified: reported so (not copied),
     the rest not attempted, and the report kept."""
-    install_schema_sync(own_server.dsn)
     source = str(staging_store(tmp_path / "staged"))
-    real = PostgresStagingStore.fetch_records
-
-    def fetch_records(self: PostgresStagingStore, keys: list[str]) -> Any:
-        if keys == ["b/c1"] and own_server.running:
-            own_server.stop()
-        return real(self, keys)
-
-    monkeypatch.setattr(PostgresStagingStore, "fetch_records", fetch_records)
-    code = main(["copy", source, own_server.dsn, "--staging", "--json"])
+    outage.stop_at(PostgresStagingStore, "fetch_records", lambda keys: keys == ["b/c1"])
+    code = main(["copy", source, outage.dsn, "--staging", "--json"])
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     assert code == 1, captured
