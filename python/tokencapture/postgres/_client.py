@@ -19,7 +19,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -30,7 +30,9 @@ from tokencapture.postgres._citus import describe, is_distributed
 from tokencapture.postgres._schema import SCHEMA_VERSION, install_schema, schema_version
 
 __all__ = [
+    "ALLOWANCE_BYTES_PER_SECOND",
     "MAX_ARGUMENT_BYTES",
+    "SIZED_ABOVE_BYTES",
     "CallBatcher",
     "Client",
     "GroupCommit",
@@ -38,9 +40,11 @@ __all__ = [
     "PostgresSchemaError",
     "PostgresUnavailableError",
     "argument_byte_limit",
+    "argument_bytes",
     "describe_distribution_sync",
     "install_schema_sync",
     "on_own_connection",
+    "statement_timeout_for",
     "unavailable_error",
 ]
 
@@ -63,8 +67,73 @@ def argument_byte_limit(distributed: bool | None, plain: int = MAX_ARGUMENT_BYTE
     MiB of text: 256 MiB of bytes. The limit there is a quarter of the plain one, 268,173,312
     bytes (256 MiB - 256 KiB), so each of two arguments and the statement fit. Over it a call
     failed late, on the worker ("invalid memory alloc request size 1073741824"; measured with
-    stages, 255.7 MiB stored, 256.1 MiB failed, and with a put of 257 MiB)."""
+    stages, 255.7 MiB stored, 256.1 MiB failed, and with a put of 257 MiB). A call over
+    `SIZED_ABOVE_BYTES` runs in a transaction of its own (`Client.call`), not delegated: a
+    put of 300 MiB failed the same way there, so the limit stands for it too."""
     return plain // 4 if distributed else plain
+
+
+# A write that sends more than SIZED_ABOVE_BYTES of binary arguments (a put's line, a batch's
+# lines, a stage's row and attachments) gets one more second of timeout per
+# ALLOWANCE_BYTES_PER_SECOND bytes it sends, on the client and as the server's
+# statement_timeout (`statement_timeout_for`, `Client.call`): a put just under the Citus limit
+# took 26 s on the test cluster (~10 MiB/s delegated), and timed out under the default 30 s
+# when the machine was loaded. 4 MiB/s is well below every rate measured (one server 67-95
+# MiB/s, Citus 10-13 MiB/s delegated and ~20 MiB/s in a transaction; docs/postgres.md).
+SIZED_ABOVE_BYTES = 1 << 20
+ALLOWANCE_BYTES_PER_SECOND = 4 << 20
+
+
+def statement_timeout_for(timeout: float, nbytes: int) -> float:
+    """The timeout (seconds) of a write that sends `nbytes` bytes of binary arguments, for a
+    configured `timeout`: `timeout` itself up to `SIZED_ABOVE_BYTES` (a small write keeps
+    exactly the configured timeout), else `timeout` plus one second per
+    `ALLOWANCE_BYTES_PER_SECOND` bytes (all of them, not only those over the threshold)."""
+    if nbytes <= SIZED_ABOVE_BYTES:
+        return timeout
+    return timeout + nbytes / ALLOWANCE_BYTES_PER_SECOND
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, bytes | bytearray):
+        return len(value)
+    if isinstance(value, memoryview):
+        return value.nbytes
+    return 0
+
+
+def _column_bytes(column: Sequence[Any]) -> int:
+    """The bytes of a batch's column: one type throughout (an array), None for NULL."""
+    first = next((item for item in column if item is not None), None)
+    if isinstance(first, bytes | bytearray):
+        return sum(map(len, filter(None, column)))  # in C: a batch is counted in microseconds
+    if isinstance(first, memoryview):
+        return sum(_nbytes(item) for item in column)
+    return 0
+
+
+def argument_bytes(args: Sequence[Any]) -> int:
+    """The bytes of a statement's binary arguments: each `bytes`-like argument, and the
+    `bytes`-like items of a list argument (a batch's column); text and numbers count 0."""
+    total = 0
+    for arg in args:
+        if isinstance(arg, list | tuple):
+            total += _column_bytes(arg)
+        else:
+            total += _nbytes(arg)
+    return total
+
+
+async def _statement(
+    connection: Any, kind: str, sql: str, args: Sequence[Any], timeout: float | None
+) -> Any:
+    """`connection.fetchval` ("val"), `fetch` ("rows") or `fetchrow` ("row") of `sql`, the
+    client waiting at most `timeout` (None: the connection's `command_timeout`)."""
+    if kind == "val":
+        return await connection.fetchval(sql, *args, timeout=timeout)
+    if kind == "rows":
+        return await connection.fetch(sql, *args, timeout=timeout)
+    return await connection.fetchrow(sql, *args, timeout=timeout)
 
 
 class PostgresUnavailableError(ConnectionError):
@@ -550,19 +619,61 @@ class Client:
 
     # Calls -----------------------------------------------------------------------------------
 
-    async def fetch(self, kind: str, sql: str, *args: Any, idempotent: bool = True) -> Any:
+    async def fetch(
+        self, kind: str, sql: str, *args: Any, idempotent: bool = True, sized: bool = False
+    ) -> Any:
         """Run one statement (`kind` is "val", "row" or "rows"); one retry of an idempotent call
         whose connection failed (a pooled connection that died with a restarted server) or that
-        lost a deadlock."""
+        lost a deadlock. `sized`: a write whose timeout allows for its size (`call`)."""
+        if not sized:
 
-        async def statement(connection: Any) -> Any:
-            if kind == "val":
-                return await connection.fetchval(sql, *args)
-            if kind == "rows":
-                return await connection.fetch(sql, *args)
-            return await connection.fetchrow(sql, *args)
+            async def statement(connection: Any) -> Any:
+                return await _statement(connection, kind, sql, args, None)
 
-        return await self.on_connection(statement, idempotent=idempotent)
+            return await self.on_connection(statement, idempotent=idempotent)
+        return await self.on_connection(
+            functools.partial(self.call, kind=kind, sql=sql, args=args),
+            idempotent=idempotent,
+        )
+
+    async def call(self, connection: Any, *, kind: str, sql: str, args: Sequence[Any]) -> Any:
+        """One write on `connection`, within a timeout that allows for its size: over
+        `SIZED_ABOVE_BYTES` of binary arguments (`argument_bytes`), `statement_timeout_for`
+        the configured `statement_timeout`, both as the client's wait and as the server's
+        `statement_timeout` for it (`SET LOCAL`, so nothing outlives its transaction: the
+        caller's when it runs in one, else one of its own, `BEGIN; SET LOCAL ...`, the
+        statement, `COMMIT`, each within that timeout). A small write is sent as it is, under
+        the configured timeout. A failure that breaks the connection (a timeout, a cut) leaves
+        its transaction to the connection's end (`on_connection` terminates it); any other
+        rolls back its own transaction first.
+
+        A write of its own transaction is not a top-level call: on Citus it runs on the
+        coordinator, not delegated (measured twice as fast for large lines: docs/citus.md)."""
+        timeout = statement_timeout_for(self.statement_timeout, argument_bytes(args))
+        if timeout == self.statement_timeout:
+            return await _statement(connection, kind, sql, args, None)
+        setting = f"SET LOCAL statement_timeout = {int(timeout * 1000)}"
+        if connection.is_in_transaction():
+            await connection.execute(setting)
+            return await _statement(connection, kind, sql, args, timeout)
+        try:
+            await connection.execute(f"BEGIN; {setting}")
+            result = await _statement(connection, kind, sql, args, timeout)
+            await connection.execute("COMMIT", timeout=timeout)
+        except _BREAKS_CONNECTION:
+            raise
+        except BaseException:
+            if not connection.is_closed() and connection.is_in_transaction():
+                try:
+                    await connection.execute("ROLLBACK")
+                except BaseException as failure:
+                    # Never back to the pool inside a transaction; the write's own failure
+                    # is the answer (a cancellation still cancels).
+                    connection.terminate()
+                    if not isinstance(failure, Exception):
+                        raise
+            raise
+        return result
 
     async def on_connection(
         self, work: Callable[[Any], Awaitable[_T]], *, idempotent: bool = True
@@ -751,7 +862,7 @@ class CallBatcher:
     async def _flush(self, batch: list[tuple[tuple[Any, ...], asyncio.Future[int]]]) -> None:
         try:
             columns = [list(column) for column in zip(*(args for args, _ in batch), strict=True)]
-            statuses = await self.client.fetch("val", self.sql, *columns)
+            statuses = await self.client.fetch("val", self.sql, *columns, sized=True)
         except BaseException as exc:
             for _, future in batch:
                 if not future.done():
@@ -866,7 +977,9 @@ class GroupCommit:
         try:
             if batch:
                 columns = [list(column) for column in zip(*(w.args for w in batch), strict=True)]
-                statuses = loop.run_until_complete(self.client.fetch("val", self.sql, *columns))
+                statuses = loop.run_until_complete(
+                    self.client.fetch("val", self.sql, *columns, sized=True)
+                )
         except BaseException as exc:
             failure = exc
         with self._lock:

@@ -626,7 +626,8 @@ class PostgresStagingStore:
         connection (`stage_byte_limit`)."""
         if self._client.distributed:
             _check_stage_size(args, True)
-        status: int = await connection.fetchval(_STAGE, *args)
+        # Its timeout allows for its size (`Client.call`).
+        status: int = await self._client.call(connection, kind="val", sql=_STAGE, args=args)
         return status
 
     async def _alone(self, args: _StageArgs) -> int:
@@ -636,7 +637,7 @@ class PostgresStagingStore:
         own again, alone, in its own transaction, and gets its own answer (stored, or the
         server's error for this stage only). So one stage the server cannot take fails no
         other. Stages are idempotent, so this is safe whatever happened before."""
-        status: int = await self._client.fetch("val", _STAGE, *args)
+        status: int = await self._client.fetch("val", _STAGE, *args, sized=True)
         return status
 
     async def _recheck_conflict(self, args: _StageArgs) -> int:

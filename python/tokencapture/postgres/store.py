@@ -237,7 +237,9 @@ class PostgresTokenCaptureStore:
         async def put_or_roll_back(connection: Any) -> int:
             _check_line_size(args, self._client.distributed)
             async with connection.transaction():
-                status: int = await connection.fetchval(_PUT, *args)
+                # A large line: the transaction's statement_timeout and the client's wait
+                # allow for its size (`Client.call`).
+                status: int = await self._client.call(connection, kind="val", sql=_PUT, args=args)
                 if status == _CONFLICT:
                     raise _KeepStored  # rolls the conflict's mark back: nothing is written
                 return status
@@ -258,9 +260,11 @@ class PostgresTokenCaptureStore:
     async def _put_alone(self, args: _PutArgs, connection: Any) -> int:
         """One put sent alone on `connection`; refused first (`ValueError`, nothing sent) when
         its line is too large for a Citus cluster, which the client knows once it has a
-        connection (a store's first put is checked against the plain limit when called)."""
+        connection (a store's first put is checked against the plain limit when called).
+        Its timeout allows for its size (`Client.call`: a line over 1 MiB goes in a
+        transaction of its own, not delegated on Citus)."""
         _check_line_size(args, self._client.distributed)
-        status: int = await connection.fetchval(_PUT, *args)
+        status: int = await self._client.call(connection, kind="val", sql=_PUT, args=args)
         return status
 
     def append(self, entry: TokenEntry) -> None:

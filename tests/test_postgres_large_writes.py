@@ -1,0 +1,249 @@
+"""A write's timeout allows for its size (`tokencapture.postgres._client.statement_timeout_for`):
+a put (alone, batched, `put_unless_stored`) or a stage under the size limit must not time out
+only because it is large. Measured on this machine: a put of a 64 MiB line takes ~0.8 s on one
+server, ~5 s delegated on the test Citus cluster, so a timeout of a fraction of a second cut
+it off before; over 1 MiB the client's wait and the server's statement_timeout now grow by
+one second per 4 MiB sent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import asyncpg
+import pytest
+from tests.conftest import make_entry
+from tests.postgres_fixture import dsn, pg_dsn, pg_server
+from tests.staging_backends import make_record
+
+from tokencapture.postgres import (
+    PostgresStagingStore,
+    PostgresTokenCaptureStore,
+    PostgresUnavailableError,
+)
+from tokencapture.postgres._client import (
+    ALLOWANCE_BYTES_PER_SECOND,
+    SIZED_ABOVE_BYTES,
+    Client,
+    argument_bytes,
+    statement_timeout_for,
+)
+
+__all__ = ["dsn", "pg_dsn", "pg_server"]  # the fixtures, imported for pytest
+
+MiB = 1 << 20
+# Short enough that a put of a LINE_BYTES line took longer on this machine (~0.8 s); the
+# allowance for it is 16 s.
+SHORT = 0.2
+LINE_BYTES = 64 * MiB
+
+
+def _reader(dsn: str) -> PostgresTokenCaptureStore:
+    """A store with the default timeout, to read back: a read's timeout does not allow for
+    the size of what it fetches (it is not known before), so a read of a 64 MiB line under
+    0.2 s may time out."""
+    return PostgresTokenCaptureStore(dsn)
+
+
+def test_the_rule_sizes_to_timeouts() -> None:
+    """Expected values worked out by hand: timeout + bytes / (4 MiB/s) over 1 MiB."""
+    assert SIZED_ABOVE_BYTES == 1_048_576
+    assert ALLOWANCE_BYTES_PER_SECOND == 4_194_304
+    # A small write keeps exactly the configured timeout, up to and including 1 MiB.
+    assert statement_timeout_for(30.0, 0) == 30.0
+    assert statement_timeout_for(30.0, 100_000) == 30.0
+    assert statement_timeout_for(30.0, 1_048_576) == 30.0
+    assert statement_timeout_for(0.2, 1_048_576) == 0.2
+    # Over it, every byte counts: 1 MiB + 4 bytes is a quarter second and a bit more.
+    assert statement_timeout_for(30.0, 1_048_580) == pytest.approx(30.250000954)
+    assert statement_timeout_for(30.0, 16 * MiB) == 34.0
+    assert statement_timeout_for(30.0, 64 * MiB) == 46.0
+    assert statement_timeout_for(30.0, 128 * MiB) == 62.0
+    assert statement_timeout_for(30.0, 255 * MiB) == 93.75
+    assert statement_timeout_for(30.0, 268_173_312) == 93.9375  # the Citus limit
+    assert statement_timeout_for(30.0, 1_072_693_248) == 285.75  # the single-server limit
+    assert statement_timeout_for(0.2, 64 * MiB) == pytest.approx(16.2)
+    assert statement_timeout_for(5.0, 512 * MiB) == 133.0
+
+
+def test_argument_bytes_counts_binary_arguments_and_batch_columns() -> None:
+    assert argument_bytes(("rollout", b"call", "digest", b"x" * 10)) == 14
+    assert argument_bytes(("r", b"k", "d", b"row", None)) == 4
+    assert argument_bytes((memoryview(b"abcdef"), bytearray(3), 7, 1.5)) == 9
+    # A batch: one list per argument.
+    columns = (["r1", "r2"], [b"c1", b"c22"], ["d", "d"], [b"l" * 5, b"l" * 6])
+    assert argument_bytes(columns) == 2 + 3 + 5 + 6
+    assert argument_bytes(([b"row", b"rows"], [None, b"blob"])) == 3 + 4 + 4
+    assert argument_bytes(([None, None], [], ["text"], [memoryview(b"ab"), None])) == 2
+
+
+# A statement that takes 0.6 s on the server whatever its argument: it shows which timeout
+# applied, the client's or the server's, without depending on the machine's speed.
+SLOW = "SELECT pg_sleep(0.6) IS NOT NULL AND length($1::bytea) > 0"
+
+
+def test_a_large_statement_gets_the_allowance_on_both_sides_a_small_one_does_not(
+    dsn: str,
+) -> None:
+    """The same slow statement under a 0.2 s timeout: with 1 MiB of argument it is cut off
+    (today's timeout); with 2 MiB (0.5 s allowance) it completes. The server's cut is
+    QueryCanceledError, the client's TimeoutError: each is checked alone. The SET LOCAL ends
+    with the statement's transaction: the session's own timeout is still 200ms after it."""
+    client = Client(dsn, statement_timeout=SHORT, pool_size=1)
+
+    async def run() -> None:
+        with pytest.raises(PostgresUnavailableError):
+            await client.fetch("val", SLOW, b"x" * MiB, sized=True)
+        assert await client.fetch("val", SLOW, b"x" * (2 * MiB), sized=True) is True
+        # Not sized: today's timeout, whatever the size.
+        with pytest.raises(PostgresUnavailableError):
+            await client.fetch("val", SLOW, b"x" * (2 * MiB))
+
+        async def on_one(connection: Any) -> tuple[Any, ...]:
+            # The server's side alone: a client that waits long enough, the server's
+            # statement_timeout raised only by the sized call.
+            try:
+                await connection.fetchval(SLOW, b"x" * (2 * MiB), timeout=5)
+            except asyncpg.QueryCanceledError:
+                server_cut = True
+            else:
+                server_cut = False
+            sized = await client.call(connection, kind="val", sql=SLOW, args=(b"x" * (2 * MiB),))
+            after = await connection.fetchval("SHOW statement_timeout")
+            in_transaction = connection.is_in_transaction()
+            return server_cut, sized, after, in_transaction
+
+        assert await client.on_connection(on_one) == (True, True, "200ms", False)
+        # The statement's transaction committed: a sized write is durable when it returns.
+        rows = await client.fetch(
+            "val",
+            "SELECT count(*) FROM (SELECT tokencapture.put($1, $2, $3, $4)) AS put",
+            "direct",
+            b"call",
+            "0" * 64,
+            b"y",
+        )
+        assert rows == 1
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_refused_large_write_rolls_back_its_transaction_and_keeps_the_connection(
+    dsn: str,
+) -> None:
+    """A sized write the server answers with an error: raised as that error, its transaction
+    rolled back, the pooled connection reusable (not left in a failed transaction)."""
+    client = Client(dsn, statement_timeout=SHORT, pool_size=1)
+
+    async def run() -> None:
+        with pytest.raises(asyncpg.DivisionByZeroError):
+            await client.fetch(
+                "val", "SELECT 1 / (length($1::bytea) * 0)", b"x" * 2 * MiB, sized=True
+            )
+
+        async def state(connection: Any) -> tuple[bool, Any]:
+            return connection.is_in_transaction(), await connection.fetchval("SELECT 1")
+
+        assert await client.on_connection(state) == (False, 1)
+        await client.close()
+
+    asyncio.run(run())
+
+
+def _line(size: int, seed: int = 0) -> str:
+    """Incompressible text (PostgreSQL would compress a run of one character)."""
+    import base64
+
+    return base64.b64encode(os.urandom(size * 3 // 4)).decode()[: size - 4096 - seed]
+
+
+def test_a_large_put_succeeds_under_a_timeout_shorter_than_it_takes(dsn: str) -> None:
+    """A put of a 64 MiB line (a new store's first put: sent alone) takes ~0.8 s here; under a
+    0.2 s timeout it failed, `PostgresUnavailableError`, the outcome unknown. With the
+    allowance (16 s) it is stored, and read back whole."""
+    entry = make_entry("big", blob=_line(LINE_BYTES))
+    store = PostgresTokenCaptureStore(dsn, statement_timeout=SHORT)
+    reader = _reader(dsn)
+    try:
+        started = time.monotonic()
+        store.append(entry)
+        took = time.monotonic() - started
+        # It did take longer than the configured timeout: without the allowance, cut off.
+        assert took > SHORT, took
+        # A small put afterwards: the configured timeout, on a connection left as it was.
+        store.append(make_entry("big", call=2))
+        assert reader.read_entries("big") == [entry, make_entry("big", call=2)]
+    finally:
+        store.close_sync()
+        reader.close_sync()
+
+
+def test_large_put_unless_stored_and_a_large_batch_succeed_under_a_short_timeout(
+    dsn: str,
+) -> None:
+    """`put_unless_stored` of a 64 MiB line (its own transaction: the allowance set in it),
+    and four puts of 16 MiB lines sent as one batch (64 MiB in one `put_batch` call, with
+    put_batch_size=4 a 16 MiB line joins a batch), under a 0.2 s timeout."""
+    store = PostgresTokenCaptureStore(dsn, statement_timeout=SHORT, put_batch_size=4)
+
+    async def run() -> None:
+        await store.put(make_entry("warm"))  # the store knows it is not on Citus: batching
+        big = make_entry("unless", blob=_line(LINE_BYTES))
+        assert await store.put_unless_stored(big) is False
+        assert await store.put_unless_stored(big) is False  # stored, byte for byte
+        other = make_entry("unless", blob="other")
+        assert await store.put_unless_stored(other) is True  # the stored entry stands
+        del big, other
+        batch = [make_entry("batch", call=n, blob=_line(16 * MiB, n)) for n in range(4)]
+        await asyncio.gather(*(store.put(entry) for entry in batch))
+        assert reader.read_entries("batch") == batch
+
+    reader = _reader(dsn)
+    try:
+        store._client.run_sync(run())
+        [stored] = reader.read_entries("unless")
+        assert len(stored.blob) == LINE_BYTES - 4096  # type: ignore[attr-defined]
+        assert store.stats()["put"]["count"] == 8
+        assert store.stats()["put"]["failures"] == 0
+    finally:
+        store.close_sync()
+        reader.close_sync()
+
+
+def test_large_stages_succeed_under_a_short_timeout(dsn: str) -> None:
+    """A stage with 64 MiB of attachments (sent alone: `_alone_on`) and four stages of 16 MiB
+    sent by four threads through the group commit (stage_batch_size=4: up to 128 MiB joins a
+    batch), under a 0.2 s timeout (the asyncpg paths; the native group commit is Rust's)."""
+    alone = PostgresStagingStore(dsn, statement_timeout=SHORT, native_group_commit=False)
+    batched = PostgresStagingStore(
+        dsn, statement_timeout=SHORT, native_group_commit=False, stage_batch_size=4
+    )
+    reader = PostgresStagingStore(dsn)  # reads under the default timeout (`_reader`)
+    try:
+        big = os.urandom(LINE_BYTES)
+        record = make_record("s", "alone")
+        result = alone.stage(record, attachments={"blob": big})
+        assert result.ok, result
+        assert reader.fetch_attachments(record.staging_key)["blob"].data == big
+        del big
+        assert batched.stage(make_record("s", "warm")).ok  # it knows it is not on Citus
+        blobs = [os.urandom(16 * MiB) for _ in range(4)]
+        records = [make_record("s", f"batch{n}") for n in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            results = list(
+                pool.map(
+                    lambda n: batched.stage(records[n], attachments={"blob": blobs[n]}),
+                    range(4),
+                )
+            )
+        assert all(result.ok for result in results), results
+        for n, record in enumerate(records):
+            assert reader.fetch_attachments(record.staging_key)["blob"].data == blobs[n]
+    finally:
+        alone.close()
+        batched.close()
+        reader.close()
