@@ -11,6 +11,7 @@ import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -247,3 +248,29 @@ def test_large_stages_succeed_under_a_short_timeout(dsn: str) -> None:
         alone.close()
         batched.close()
         reader.close()
+
+
+def test_a_large_rollout_copied_in_succeeds_under_a_short_timeout(dsn: str, tmp_path: Path) -> None:
+    """`tokencapture copy` into PostgreSQL: a file-store rollout holding a 64 MiB line is
+    imported in one call (`import_into_postgres`), which took longer than 0.2 s here and was
+    cut off before; with the allowance it lands whole."""
+    from tokencapture.postgres.transfer import import_into_postgres
+    from tokencapture.store import TokenCaptureStore
+    from tokencapture.transfer import export_from_directory
+
+    entry = make_entry("copied", blob=_line(LINE_BYTES))
+    files = TokenCaptureStore(tmp_path / "files")
+    files.append(entry)
+    image = export_from_directory(files, "copied")
+    assert image is not None
+    store = PostgresTokenCaptureStore(dsn, statement_timeout=SHORT)
+    reader = _reader(dsn)
+    try:
+        client = store._client
+        started = time.monotonic()
+        assert client.run_sync(import_into_postgres(client, image)) is True
+        assert time.monotonic() - started > SHORT  # without the allowance: cut off
+        assert reader.read_entries("copied") == [entry]
+    finally:
+        store.close_sync()
+        reader.close_sync()

@@ -78,5 +78,6 @@ async def import_into_postgres(client: Client, image: RolloutImage) -> bool:
             image.intents,
             image.markers,
             idempotent=False,  # a retry after a commit would report the rollout as existing
+            sized=True,  # a whole rollout's lines: its timeout allows for their size
         )
     )
