@@ -274,3 +274,173 @@ def test_a_large_rollout_copied_in_succeeds_under_a_short_timeout(dsn: str, tmp_
     finally:
         store.close_sync()
         reader.close_sync()
+
+
+def _native_calls(store: PostgresStagingStore) -> tuple[int, int]:
+    """`(calls, stages)` of the store's native group commit (it must be the one in use)."""
+    native = store._native
+    assert native is not None, store.native_fallback_reason
+    calls, stages, _ = native.stats()
+    return calls, stages
+
+
+def test_large_native_stages_succeed_under_a_short_timeout(dsn: str) -> None:
+    """The native group commit (Rust): a stage with 64 MiB of attachments, then four stages of
+    16 MiB from four threads batched together, under a 0.2 s timeout (stage_batch_size=4, so
+    a stage of up to 128 MiB joins a native batch rather than going alone through asyncpg).
+    A 64 MiB batch takes ~0.8 s here: without the allowance the client gave up at 0.2 s."""
+    store = PostgresStagingStore(dsn, statement_timeout=SHORT, stage_batch_size=4)
+    reader = PostgresStagingStore(dsn)  # reads under the default timeout (`_reader`)
+    try:
+        assert store.stage(make_record("n", "warm")).ok
+        assert store.native_group_commit, store.native_fallback_reason
+        big = os.urandom(LINE_BYTES)
+        record = make_record("n", "alone")
+        result = store.stage(record, attachments={"blob": big})
+        assert result.ok, result
+        assert _native_calls(store) == (2, 2)
+        assert reader.fetch_attachments(record.staging_key)["blob"].data == big
+        del big
+        blobs = [os.urandom(16 * MiB) for _ in range(4)]
+        records = [make_record("n", f"batch{n}") for n in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            results = list(
+                pool.map(
+                    lambda n: store.stage(records[n], attachments={"blob": blobs[n]}),
+                    range(4),
+                )
+            )
+        assert all(result.ok for result in results), results
+        calls, stages = _native_calls(store)
+        assert stages == 6
+        assert calls < 6  # at least one batch of two or more stages (up to 64 MiB)
+        for n, record in enumerate(records):
+            assert reader.fetch_attachments(record.staging_key)["blob"].data == blobs[n]
+    finally:
+        store.close()
+        reader.close()
+
+
+# On the server, every staged row records the statement_timeout it was inserted under (in
+# ms) and the bytes its stage sent (row and attachments); a row of the rollout "slow" takes
+# 0.6 s more, one of "refuse" is refused. A deterministic probe of both sides of the native
+# group commit's allowance.
+_PROBE = """
+CREATE TABLE stage_probe (
+    n serial PRIMARY KEY, rollout_id text, nbytes bigint, timeout_ms text);
+CREATE FUNCTION stage_probe() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO stage_probe (rollout_id, nbytes, timeout_ms) VALUES (
+        NEW.rollout_id,
+        octet_length(NEW.row_bytes) + coalesce(octet_length(NEW.attachments), 0),
+        (SELECT setting FROM pg_settings WHERE name = 'statement_timeout'));
+    IF NEW.rollout_id = 'slow' THEN
+        PERFORM pg_sleep(0.6);
+    END IF;
+    IF NEW.rollout_id = 'refuse' THEN
+        RAISE EXCEPTION 'refused by the probe';
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER stage_probe BEFORE INSERT ON tokencapture.staged_calls
+    FOR EACH ROW EXECUTE FUNCTION stage_probe();
+"""
+_NATIVE_BATCH = "SELECT tokencapture.stage_batch($1, $2, $3, $4, $5)"
+
+
+def test_a_large_native_batch_gets_the_allowance_on_both_sides_a_small_one_does_not(
+    dsn: str,
+) -> None:
+    """Under a 0.2 s timeout, through the native group commit: a stage of a few bytes runs
+    under the plain 200 ms, as one statement (the backend's last query is the batch call, no
+    transaction around it); a stage of more than 1 MiB runs under the statement_timeout the
+    Python rule gives for its bytes (`statement_timeout_for`: the Rust side agrees on
+    several sizes), in a transaction of its own (its last query is the COMMIT), and the
+    setting does not outlive it on the connection. A 4 MiB stage that sleeps 0.6 s on the
+    server (allowance 1 s) is stored: neither the server (QueryCanceledError) nor the client
+    (TimeoutError) cut it; a small one that sleeps is cut. A large batch the server refuses
+    leaves its connection outside a transaction, kept for the next batch."""
+
+    async def sql(query: str) -> list[Any]:
+        connection = await asyncpg.connect(dsn)
+        try:
+            return list(await connection.fetch(query))
+        finally:
+            await connection.close()
+
+    async def install_probe() -> None:
+        connection = await asyncpg.connect(dsn)
+        try:
+            await connection.execute(_PROBE)
+        finally:
+            await connection.close()
+
+    asyncio.run(install_probe())
+
+    def last_query() -> str:
+        [row] = asyncio.run(
+            sql(
+                "SELECT query FROM pg_stat_activity WHERE datname = current_database() "
+                f"AND pid <> pg_backend_pid() AND query IN ('COMMIT', '{_NATIVE_BATCH}')"
+            )
+        )
+        return str(row["query"])
+
+    def probed() -> tuple[int, str]:
+        rows = asyncio.run(sql("SELECT nbytes, timeout_ms FROM stage_probe ORDER BY n"))
+        return int(rows[-1]["nbytes"]), str(rows[-1]["timeout_ms"])
+
+    store = PostgresStagingStore(dsn, statement_timeout=SHORT, stage_batch_size=4)
+    try:
+        assert store.stage(make_record("fast", "small")).ok
+        assert store.native_group_commit, store.native_fallback_reason
+        assert probed()[1] == "200"
+        assert last_query() == _NATIVE_BATCH
+        sizes = [SIZED_ABOVE_BYTES - 2048, SIZED_ABOVE_BYTES + 7, 3 * MiB + 5, 10 * MiB + 1]
+        for n, size in enumerate(sizes):
+            result = store.stage(
+                make_record("fast", f"sized{n}"), attachments={"blob": os.urandom(size)}
+            )
+            assert result.ok, result
+            nbytes, timeout_ms = probed()
+            assert timeout_ms == str(int(statement_timeout_for(SHORT, nbytes) * 1000))
+            expected = _NATIVE_BATCH if nbytes <= SIZED_ABOVE_BYTES else "COMMIT"
+            assert last_query() == expected, (size, nbytes)
+        # Slow on the server, large: 0.6 s under an allowance of 1.2 s on both sides.
+        started = time.monotonic()
+        result = store.stage(
+            make_record("slow", "large"), attachments={"blob": os.urandom(4 * MiB)}
+        )
+        assert result.ok, result
+        assert time.monotonic() - started > 0.6
+        nbytes, timeout_ms = probed()
+        assert timeout_ms == str(int(statement_timeout_for(SHORT, nbytes) * 1000))
+        assert int(timeout_ms) >= 1200
+        # The raised setting ended with that batch's transaction: the next one, on the same
+        # connection, runs under the plain 200 ms.
+        assert store.stage(make_record("fast", "after")).ok
+        assert probed()[1] == "200"
+        assert last_query() == _NATIVE_BATCH
+        # Refused, large: the store's answer is the server's (its retry alone through asyncpg
+        # is refused too); the native connection is kept and its next batch commits.
+        native = store._native
+        assert native is not None
+        connects = native.stats()[2]
+        result = store.stage(
+            make_record("refuse", "large"), attachments={"blob": os.urandom(2 * MiB)}
+        )
+        assert not result.ok
+        assert "refused by the probe" in str(result), result
+        assert _native_calls(store)[1] == 7  # every stage so far went native
+        assert store.stage(make_record("fast", "after refused")).ok
+        assert probed()[1] == "200"
+        assert _native_calls(store)[1] == 8  # answered natively, not by the asyncpg retry
+        assert native.stats()[2] == connects
+        # Slow and small: cut off at 0.2 s.
+        result = store.stage(make_record("slow", "small"))
+        assert not result.ok
+        assert "TimeoutError" in str(result) or "QueryCanceledError" in str(result), result
+        assert _native_calls(store)[1] == 8
+    finally:
+        store.close()

@@ -347,6 +347,8 @@ class PostgresStageGroup:
         place: str,
         max_batch: int,
         max_leaders: int,
+        sized_above_bytes: int,
+        allowance_bytes_per_second: int,
     ) -> PostgresStageGroup: ...
     def stage(
         self, record: Any, attachments: Sequence[_EncodedAttachment] | None = None

@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from tokencapture import _core
+from tokencapture.postgres._client import ALLOWANCE_BYTES_PER_SECOND, SIZED_ABOVE_BYTES
 
 __all__ = ["native_group"]
 
@@ -86,4 +87,8 @@ def native_group(client: Any, max_batch: int, max_leaders: int) -> _core.Postgre
         client.where,
         max_batch,
         max_leaders,
+        # A batch of more than 1 MiB gets the asyncpg paths' allowance (`statement_timeout_for`),
+        # the same numbers: the rule lives in one place.
+        SIZED_ABOVE_BYTES,
+        ALLOWANCE_BYTES_PER_SECOND,
     )

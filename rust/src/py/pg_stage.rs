@@ -13,7 +13,9 @@ use pyo3::prelude::*;
 
 use super::staging::{attachments_of, call_of_record, staging_err, verified};
 use crate::fork::PerProcess;
-use crate::staging::postgres::{Address, PgStageError, PlainSslMode, StageGroup, StageRow, Target};
+use crate::staging::postgres::{
+    Address, PgStageError, PlainSslMode, SizeAllowance, StageGroup, StageRow, Target,
+};
 use crate::staging::row;
 use crate::staging::StagingError;
 
@@ -72,7 +74,7 @@ impl PyStageGroup {
     #[pyo3(signature = (
         addresses, user, password, database, settings, application_name, connect_timeout,
         statement_timeout, allow_unflushed_commits, sslmode, place, max_batch,
-        max_leaders
+        max_leaders, sized_above_bytes, allowance_bytes_per_second
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -89,6 +91,8 @@ impl PyStageGroup {
         place: String,
         max_batch: usize,
         max_leaders: usize,
+        sized_above_bytes: u64,
+        allowance_bytes_per_second: u64,
     ) -> PyResult<Self> {
         let seconds = |value: f64, name: &str| {
             Duration::try_from_secs_f64(value).map_err(|_| {
@@ -97,6 +101,11 @@ impl PyStageGroup {
                 ))
             })
         };
+        if allowance_bytes_per_second == 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "allowance_bytes_per_second must be positive",
+            ));
+        }
         let sslmode = PlainSslMode::parse(sslmode).ok_or_else(|| {
             pyo3::exceptions::PyValueError::new_err(format!(
                 "sslmode {sslmode:?}: the native client serves disable, allow or prefer"
@@ -123,6 +132,11 @@ impl PyStageGroup {
             application_name,
             connect_timeout: seconds(connect_timeout, "connect_timeout")?,
             statement_timeout: seconds(statement_timeout, "statement_timeout")?,
+            // A batch's timeout grows by the asyncpg paths' rule, whose numbers Python passes.
+            allowance: SizeAllowance {
+                above_bytes: sized_above_bytes,
+                bytes_per_second: allowance_bytes_per_second,
+            },
             allow_unflushed_commits,
             sslmode,
             place,

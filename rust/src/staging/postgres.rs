@@ -18,6 +18,12 @@
 //! Sync in one round trip), so nothing prepared outlives a transaction (PgBouncer in
 //! transaction mode).
 //!
+//! A batch that sends more than a threshold of row and attachment bytes gets a longer timeout,
+//! by the rule of the asyncpg paths ([`SizeAllowance`], its numbers passed from Python): the
+//! client's wait, and the server's `statement_timeout` set for that batch alone in a
+//! transaction of its own (`BEGIN; SET LOCAL statement_timeout = ...`, the batch, `COMMIT`,
+//! pipelined: still one round trip). A batch up to the threshold is sent as above.
+//!
 //! Every connection is checked as the asyncpg client checks its sessions: it refuses one whose
 //! `synchronous_commit` is `off` (unless unflushed commits are allowed). What it cannot do as
 //! asyncpg would (TLS: a TCP server that offers it under `sslmode=prefer`; an authentication
@@ -34,6 +40,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use futures_util::future::join3;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::runtime::{Builder, Runtime};
@@ -44,6 +51,46 @@ use tokio_postgres::{Client, Config, NoTls, SimpleQueryMessage};
 
 /// The batch call (sql/005_staging.sql): one status per row, in order.
 const STAGE_BATCH: &str = "SELECT tokencapture.stage_batch($1, $2, $3, $4, $5)";
+/// How a large batch's timeout grows with its size: the rule of the asyncpg paths
+/// (`statement_timeout_for` in python/tokencapture/postgres/_client.py), whose two numbers the
+/// binding receives from there (`SIZED_ABOVE_BYTES`, `ALLOWANCE_BYTES_PER_SECOND`), so the rule
+/// has one home.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SizeAllowance {
+    /// A batch sending up to this many bytes of rows and attachments keeps the plain timeout.
+    pub above_bytes: u64,
+    /// Over it, one more second per this many bytes sent (all of them). Positive.
+    pub bytes_per_second: u64,
+}
+
+impl SizeAllowance {
+    /// The timeout of a batch that sends `nbytes` under the configured `timeout`, or None when
+    /// it keeps `timeout` (`nbytes` up to `above_bytes`): `timeout + nbytes / bytes_per_second`
+    /// seconds, computed in `f64` as the Python rule computes it.
+    pub fn raised(&self, timeout: Duration, nbytes: u64) -> Option<Duration> {
+        if nbytes <= self.above_bytes {
+            return None;
+        }
+        let seconds = timeout.as_secs_f64() + nbytes as f64 / self.bytes_per_second.max(1) as f64;
+        Some(Duration::try_from_secs_f64(seconds).unwrap_or(Duration::MAX))
+    }
+}
+
+/// A timeout as the server's `statement_timeout` takes it: whole milliseconds, truncated as
+/// the Python side truncates them (`int(seconds * 1000)`), at most the server's maximum
+/// (`INT_MAX` ms, ~24.8 days).
+fn millis(timeout: Duration) -> u64 {
+    (timeout.as_secs_f64() * 1000.0).min(f64::from(i32::MAX)) as u64
+}
+
+/// The row and attachment bytes a batch sends (what its size allowance counts; the text
+/// arguments count nothing, as on the asyncpg paths).
+fn batch_bytes(rows: &[&StageRow]) -> u64 {
+    rows.iter()
+        .map(|row| (row.row.len() + row.attachments.as_ref().map_or(0, Vec::len)) as u64)
+        .sum()
+}
+
 /// The most row and attachment bytes one batch call sends (more than one stage's worth): the
 /// call is one message, which the server holds to 1 GiB, and a message past it drops the
 /// connection and fails every stage of the batch. Half of that leaves room for the rest.
@@ -72,8 +119,11 @@ pub struct Target {
     pub settings: Vec<(String, String)>,
     pub application_name: Option<String>,
     pub connect_timeout: Duration,
-    /// The client-side bound of one batch call (asyncpg's `command_timeout`).
+    /// The client-side bound of one batch call (asyncpg's `command_timeout`), and the
+    /// server's `statement_timeout` (in `settings`).
     pub statement_timeout: Duration,
+    /// How a large batch's timeout grows, on both sides.
+    pub allowance: SizeAllowance,
     pub allow_unflushed_commits: bool,
     /// What the DSN's `sslmode` leaves this client, which speaks no TLS, to do over TCP.
     pub sslmode: PlainSslMode,
@@ -476,17 +526,18 @@ impl Target {
         classify(&self.place, err)
     }
 
-    /// `query`, run on `connection`'s runtime within the statement timeout: its answer, the
-    /// server's error (classified), or a `TimeoutError` saying `timed_out()`.
+    /// `query`, run on `connection`'s runtime within `timeout`: its answer, the server's
+    /// error (classified), or a `TimeoutError` saying `timed_out()`.
     fn bounded<T>(
         &self,
         connection: &Connection,
+        timeout: Duration,
         query: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
         timed_out: impl FnOnce() -> String,
     ) -> Result<T, PgStageError> {
         let answer = connection
             .runtime
-            .block_on(async { tokio::time::timeout(self.statement_timeout, query).await });
+            .block_on(async { tokio::time::timeout(timeout, query).await });
         match answer {
             Err(_) => Err(PgStageError::unavailable(
                 &self.place,
@@ -504,6 +555,7 @@ impl Target {
         }
         let messages = self.bounded(
             connection,
+            self.statement_timeout,
             connection.client.simple_query("SHOW synchronous_commit"),
             || "SHOW synchronous_commit timed out".to_owned(),
         )?;
@@ -518,31 +570,73 @@ impl Target {
 
     /// One `stage_batch` call on `connection`: a status per row, or why it failed (and whether
     /// the connection is still fit for the next call).
+    ///
+    /// A batch over the allowance's threshold runs under its raised timeout
+    /// ([`SizeAllowance::raised`]) on both sides: `BEGIN; SET LOCAL statement_timeout = ...`
+    /// (one simple query), the call, and `COMMIT`, sent together (pipelined: one round trip),
+    /// the three answers awaited within that timeout. The setting ends with the transaction,
+    /// through PgBouncer's transaction mode too; a call the server refuses leaves the
+    /// transaction failed, and the `COMMIT` behind it rolls it back (the connection is left
+    /// outside a transaction, fit for the next call). A batch up to the threshold is the call
+    /// alone, under the plain timeout.
     fn call(&self, connection: &Connection, rows: &[&StageRow]) -> Result<Vec<i16>, PgStageError> {
         let rollouts: Vec<&str> = rows.iter().map(|r| r.rollout_id.as_str()).collect();
         let keys: Vec<&str> = rows.iter().map(|r| r.key.as_str()).collect();
         let digests: Vec<&str> = rows.iter().map(|r| r.content_digest.as_str()).collect();
         let bodies: Vec<&[u8]> = rows.iter().map(|r| r.row.as_slice()).collect();
         let blobs: Vec<Option<&[u8]>> = rows.iter().map(|r| r.attachments.as_deref()).collect();
-        let found = self.bounded(
-            connection,
-            connection.client.query_typed(
-                STAGE_BATCH,
-                &[
-                    (&rollouts, Type::TEXT_ARRAY),
-                    (&keys, Type::TEXT_ARRAY),
-                    (&digests, Type::TEXT_ARRAY),
-                    (&bodies, Type::BYTEA_ARRAY),
-                    (&blobs, Type::BYTEA_ARRAY),
-                ],
-            ),
-            || {
-                format!(
-                    "no answer within the statement timeout ({:?})",
-                    self.statement_timeout
-                )
-            },
-        )?;
+        let params: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 5] = [
+            (&rollouts, Type::TEXT_ARRAY),
+            (&keys, Type::TEXT_ARRAY),
+            (&digests, Type::TEXT_ARRAY),
+            (&bodies, Type::BYTEA_ARRAY),
+            (&blobs, Type::BYTEA_ARRAY),
+        ];
+        let nbytes = batch_bytes(rows);
+        let raised = self.allowance.raised(self.statement_timeout, nbytes);
+        let timeout = raised.unwrap_or(self.statement_timeout);
+        let timed_out = || {
+            let allowing = match raised {
+                Some(_) => format!(", allowing for the {nbytes} bytes sent"),
+                None => String::new(),
+            };
+            format!("no answer within the statement timeout ({timeout:?}{allowing})")
+        };
+        let found = match raised {
+            None => self.bounded(
+                connection,
+                timeout,
+                connection.client.query_typed(STAGE_BATCH, &params),
+                timed_out,
+            )?,
+            Some(timeout) => {
+                let client = &connection.client;
+                let setting = format!("BEGIN; SET LOCAL statement_timeout = {}", millis(timeout));
+                let (begun, found, committed) = self.bounded(
+                    connection,
+                    timeout,
+                    async {
+                        // Polled together, first in this order: tokio-postgres sends a
+                        // request when its future is first polled, so the three go out
+                        // pipelined, in order.
+                        Ok(join3(
+                            client.batch_execute(&setting),
+                            client.query_typed(STAGE_BATCH, &params),
+                            client.batch_execute("COMMIT"),
+                        )
+                        .await)
+                    },
+                    timed_out,
+                )?;
+                // The first failure is the answer (one after it follows from it: a call in a
+                // failed transaction is refused, and its COMMIT rolls back without an error).
+                // Statuses count only once their transaction committed.
+                begun.map_err(|err| classify(&self.place, &err))?;
+                let found = found.map_err(|err| classify(&self.place, &err))?;
+                committed.map_err(|err| classify(&self.place, &err))?;
+                found
+            }
+        };
         let statuses: Vec<i16> = match found.first().map(|row| row.try_get(0)) {
             Some(Ok(statuses)) => statuses,
             Some(Err(err)) => return Err(classify(&self.place, &err)),
@@ -954,6 +1048,64 @@ mod tests {
         assert_eq!(unavailable_kind("23505"), None);
     }
 
+    const MIB: u64 = 1 << 20;
+    /// The Python side's numbers (`SIZED_ABOVE_BYTES`, `ALLOWANCE_BYTES_PER_SECOND`).
+    const ALLOWANCE: SizeAllowance = SizeAllowance {
+        above_bytes: MIB,
+        bytes_per_second: 4 * MIB,
+    };
+
+    #[test]
+    fn a_large_batch_gets_one_more_second_per_4_mib_a_small_one_none() {
+        // The values of `test_the_rule_sizes_to_timeouts` (tests/test_postgres_large_writes.py),
+        // worked out by hand: timeout + bytes / (4 MiB/s) over 1 MiB.
+        let secs = Duration::from_secs_f64;
+        let thirty = secs(30.0);
+        assert_eq!(ALLOWANCE.raised(thirty, 0), None);
+        assert_eq!(ALLOWANCE.raised(thirty, 100_000), None);
+        assert_eq!(ALLOWANCE.raised(thirty, MIB), None); // up to and including 1 MiB
+        assert_eq!(ALLOWANCE.raised(secs(0.2), MIB), None);
+        let just_over = ALLOWANCE.raised(thirty, MIB + 4).unwrap();
+        assert!((just_over.as_secs_f64() - 30.250000954).abs() < 1e-9);
+        assert_eq!(ALLOWANCE.raised(thirty, 16 * MIB), Some(secs(34.0)));
+        assert_eq!(ALLOWANCE.raised(thirty, 64 * MIB), Some(secs(46.0)));
+        assert_eq!(ALLOWANCE.raised(thirty, 255 * MIB), Some(secs(93.75)));
+        assert_eq!(ALLOWANCE.raised(thirty, 268_173_312), Some(secs(93.9375)));
+        assert_eq!(ALLOWANCE.raised(thirty, 1_072_693_248), Some(secs(285.75)));
+        assert_eq!(ALLOWANCE.raised(secs(5.0), 512 * MIB), Some(secs(133.0)));
+        // The server's setting, in whole milliseconds as Python's int(seconds * 1000).
+        assert_eq!(millis(ALLOWANCE.raised(secs(0.2), 4 * MIB).unwrap()), 1200);
+        assert_eq!(
+            millis(ALLOWANCE.raised(secs(0.2), 64 * MIB).unwrap()),
+            16200
+        );
+        assert_eq!(millis(ALLOWANCE.raised(thirty, MIB + 4).unwrap()), 30250);
+        assert_eq!(millis(secs(0.2)), 200);
+        assert_eq!(millis(Duration::MAX), 2_147_483_647); // the server's largest setting
+
+        // The threshold and the rate are the caller's.
+        let other = SizeAllowance {
+            above_bytes: 10,
+            bytes_per_second: 10,
+        };
+        assert_eq!(other.raised(secs(1.0), 10), None);
+        assert_eq!(other.raised(secs(1.0), 25), Some(secs(3.5)));
+        // An absurd size saturates rather than panics.
+        let huge = SizeAllowance {
+            above_bytes: 0,
+            bytes_per_second: 1,
+        };
+        assert_eq!(huge.raised(secs(1.0), u64::MAX), Some(Duration::MAX));
+    }
+
+    #[test]
+    fn a_batch_counts_its_rows_and_attachments() {
+        let rows = [sized(40, None), sized(30, Some(30)), sized(0, Some(7))];
+        let refs: Vec<&StageRow> = rows.iter().collect();
+        assert_eq!(batch_bytes(&refs), 107);
+        assert_eq!(batch_bytes(&[]), 0);
+    }
+
     fn nowhere() -> Target {
         Target {
             addresses: vec![Address::Tcp {
@@ -967,6 +1119,7 @@ mod tests {
             application_name: None,
             connect_timeout: Duration::from_secs(2),
             statement_timeout: Duration::from_secs(2),
+            allowance: ALLOWANCE,
             allow_unflushed_commits: false,
             sslmode: PlainSslMode::Disable,
             place: "127.0.0.1:9/none".into(),
