@@ -531,7 +531,7 @@ class InMemoryLineageStore:
         _, fingerprint, items = prepared  # the items as they were when called
         if rollout_id in self._retired:
             return ROOT if not fingerprint else _NO_MATCH
-        resolved = resolve_prepared(self._native, rollout_id, items, prepared)
+        resolved = resolve_prepared(self._native, rollout_id, prepared)
         resolution = _with_parent_length(resolved)
         self._touch(rollout_id)
         return self._or_ledger(rollout_id, items, resolution, fingerprint)

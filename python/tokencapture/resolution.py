@@ -128,11 +128,10 @@ def prepare_in_python(items: list[Any]) -> Prepared:
 
 
 def resolve_prepared(
-    native: _core.MemoryLineage, rollout_id: str, items: list[Any], prepared: Prepared
+    native: _core.MemoryLineage, rollout_id: str, prepared: Prepared
 ) -> LineageResolution:
     """Resolve a prepared request by an in-process matcher (`resolve_native`'s answer), as
-    the request was when prepared: `items` (the list given to `prepare`) is not read again,
-    `prepared.items` is."""
+    the request was when prepared (`prepared.items`, never the caller's list again)."""
     job, fingerprint, copied = prepared
     if not fingerprint:
         return ROOT

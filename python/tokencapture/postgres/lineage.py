@@ -125,13 +125,11 @@ class PostgresLineageStore:
         items = check_resolve_args(rollout_id, request_items)
         # A prepared job holds no index state: it resolves on whichever index `_refresh`
         # leaves (a forked child's own).
-        return self._resolve(rollout_id, items, prepare(self._native, rollout_id, items))
+        return self._resolve(rollout_id, prepare(self._native, rollout_id, items))
 
-    async def _resolve(
-        self, rollout_id: str, items: list[Any], prepared: Prepared
-    ) -> LineageResolution:
+    async def _resolve(self, rollout_id: str, prepared: Prepared) -> LineageResolution:
         await self._refresh(rollout_id)
-        return resolve_prepared(self._native, rollout_id, items, prepared)
+        return resolve_prepared(self._native, rollout_id, prepared)
 
     def resolve_now(
         self, rollout_id: str, request_items: list[dict[str, Any]]
