@@ -12,7 +12,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +155,32 @@ def served(tmp_path: Path) -> Iterator[Served]:
     served.stop()
 
 
+def _leaving_client(
+    payload: bytes, leave: Callable[[], Awaitable[object]]
+) -> tuple[
+    Callable[[], Awaitable[dict[str, Any]]],
+    Callable[[dict[str, Any]], Awaitable[None]],
+    list[dict[str, Any]],
+]:
+    """An ASGI client driven by hand: `receive` gives the request body, then waits for
+    `leave()` and disconnects; `send` keeps what the gateway sent, in the list returned."""
+    requested = False
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await leave()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    return receive, send, sent
+
+
 async def _leave_after(url: str, path: str, body: dict[str, Any], seconds: float) -> None:
     """POST and give up after `seconds` (an agent's timeout): the connection is closed."""
     async with httpx.AsyncClient(base_url=url, timeout=seconds) as client:
@@ -245,20 +271,7 @@ async def test_an_entry_being_put_when_the_client_leaves_is_put_whole(tmp_path: 
 
     backend.put = slow_put  # type: ignore[method-assign]
     payload = orjson.dumps({"model": MODEL, "messages": [_user("hi")], "fake_delay": 0.2})
-    requested = False
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        await putting.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
+    receive, send, sent = _leaving_client(payload, putting.wait)
     try:
         await asyncio.wait_for(app(_chat_scope("put", "whole", payload), receive, send), 30)
     finally:
@@ -318,24 +331,15 @@ async def test_a_departure_during_the_body_read_is_answered_and_leaves_nothing_b
     upstream = ThreadServer(engine)
     app = create_app(open_backend(store_dir=root), GatewayConfig(upstream.url))
     payload = orjson.dumps({"model": MODEL, "messages": [_user("hi")], "fake_stall_body": True})
-    requested = False
-    sent: list[dict[str, Any]] = []
+    left_at: list[float] = []
 
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": payload, "more_body": False}
+    async def leave_once_stalled() -> None:
         while not engine.stalled.is_set():
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)  # the headers are in: the gateway waits for the body
         left_at.append(time.monotonic())
-        return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    left_at: list[float] = []
+    receive, send, sent = _leaving_client(payload, leave_once_stalled)
     try:
         await asyncio.wait_for(app(_chat_scope("body", "stalled", payload), receive, send), 10)
         assert time.monotonic() - left_at[0] < 2  # at once, not at the engine's pace

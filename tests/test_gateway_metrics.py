@@ -55,50 +55,44 @@ async def gw(tmp_path: Path, reader: InMemoryMetricReader) -> AsyncIterator[Harn
 Point = tuple[str, str, Any]  # (operation, outcome, status or None)
 
 
-def gateway_points(reader: InMemoryMetricReader) -> tuple[Counter[Point], Counter[Point]]:
-    """The gateway's (histogram counts, counter values) by (operation, outcome, status)."""
+def _gateway_data_points(
+    reader: InMemoryMetricReader,
+) -> Iterator[tuple[dict[str, Any], HistogramDataPoint | NumberDataPoint]]:
+    """Every data point of the gateway's instruments, with its attributes."""
     data = reader.get_metrics_data()
     assert data is not None
-    histogram: Counter[Point] = Counter()
-    counter: Counter[Point] = Counter()
     for resource in data.resource_metrics:
         for scope in resource.scope_metrics:
             for metric in scope.metrics:
                 for point in metric.data.data_points:
                     attributes = dict(point.attributes or {})
-                    if attributes.get("tokencapture.store") != "gateway":
-                        continue
-                    status = attributes.get(STATUS)
-                    assert status is None or type(status) is int  # the convention's int
-                    found = (
-                        attributes["tokencapture.operation"],
-                        attributes["tokencapture.outcome"],
-                        status,
-                    )
-                    if isinstance(point, HistogramDataPoint):
-                        histogram[found] += point.count
-                    else:
-                        assert isinstance(point, NumberDataPoint)
-                        counter[found] += int(point.value)
+                    if attributes.get("tokencapture.store") == "gateway":
+                        assert isinstance(point, HistogramDataPoint | NumberDataPoint)
+                        yield attributes, point
+
+
+def gateway_points(reader: InMemoryMetricReader) -> tuple[Counter[Point], Counter[Point]]:
+    """The gateway's (histogram counts, counter values) by (operation, outcome, status)."""
+    histogram: Counter[Point] = Counter()
+    counter: Counter[Point] = Counter()
+    for attributes, point in _gateway_data_points(reader):
+        status = attributes.get(STATUS)
+        assert status is None or type(status) is int  # the convention's int
+        found = (attributes["tokencapture.operation"], attributes["tokencapture.outcome"], status)
+        if isinstance(point, HistogramDataPoint):
+            histogram[found] += point.count
+        else:
+            counter[found] += int(point.value)
     return histogram, counter
 
 
 def gateway_error_types(reader: InMemoryMetricReader) -> Counter[tuple[str, Any, str]]:
     """The gateway's failed calls in the histogram by (operation, status, `error.type`)."""
-    data = reader.get_metrics_data()
-    assert data is not None
     found: Counter[tuple[str, Any, str]] = Counter()
-    for resource in data.resource_metrics:
-        for scope in resource.scope_metrics:
-            for metric in scope.metrics:
-                for point in metric.data.data_points:
-                    attributes = dict(point.attributes or {})
-                    if attributes.get("tokencapture.store") != "gateway":
-                        continue
-                    if isinstance(point, HistogramDataPoint) and "error.type" in attributes:
-                        operation = attributes["tokencapture.operation"]
-                        key = (operation, attributes.get(STATUS), attributes["error.type"])
-                        found[key] += point.count
+    for attributes, point in _gateway_data_points(reader):
+        if isinstance(point, HistogramDataPoint) and "error.type" in attributes:
+            operation = attributes["tokencapture.operation"]
+            found[(operation, attributes.get(STATUS), attributes["error.type"])] += point.count
     return found
 
 

@@ -215,6 +215,25 @@ def test_large_put_unless_stored_and_a_large_batch_succeed_under_a_short_timeout
         reader.close_sync()
 
 
+def _four_stages_at_once(
+    store: PostgresStagingStore, reader: PostgresStagingStore, rollout: str
+) -> None:
+    """Four stages of 16 MiB attachments from four threads (batched together where the store
+    batches), each acknowledged and read back whole."""
+    blobs = [os.urandom(16 * MiB) for _ in range(4)]
+    records = [make_record(rollout, f"batch{n}") for n in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(
+            pool.map(
+                lambda n: store.stage(records[n], attachments={"blob": blobs[n]}),
+                range(4),
+            )
+        )
+    assert all(result.ok for result in results), results
+    for n, record in enumerate(records):
+        assert reader.fetch_attachments(record.staging_key)["blob"].data == blobs[n]
+
+
 def test_large_stages_succeed_under_a_short_timeout(dsn: str) -> None:
     """A stage with 64 MiB of attachments (sent alone: `_alone_on`) and four stages of 16 MiB
     sent by four threads through the group commit (stage_batch_size=4: up to 128 MiB joins a
@@ -232,18 +251,7 @@ def test_large_stages_succeed_under_a_short_timeout(dsn: str) -> None:
         assert reader.fetch_attachments(record.staging_key)["blob"].data == big
         del big
         assert batched.stage(make_record("s", "warm")).ok  # it knows it is not on Citus
-        blobs = [os.urandom(16 * MiB) for _ in range(4)]
-        records = [make_record("s", f"batch{n}") for n in range(4)]
-        with ThreadPoolExecutor(4) as pool:
-            results = list(
-                pool.map(
-                    lambda n: batched.stage(records[n], attachments={"blob": blobs[n]}),
-                    range(4),
-                )
-            )
-        assert all(result.ok for result in results), results
-        for n, record in enumerate(records):
-            assert reader.fetch_attachments(record.staging_key)["blob"].data == blobs[n]
+        _four_stages_at_once(batched, reader, "s")
     finally:
         alone.close()
         batched.close()
@@ -301,21 +309,10 @@ def test_large_native_stages_succeed_under_a_short_timeout(dsn: str) -> None:
         assert _native_calls(store) == (2, 2)
         assert reader.fetch_attachments(record.staging_key)["blob"].data == big
         del big
-        blobs = [os.urandom(16 * MiB) for _ in range(4)]
-        records = [make_record("n", f"batch{n}") for n in range(4)]
-        with ThreadPoolExecutor(4) as pool:
-            results = list(
-                pool.map(
-                    lambda n: store.stage(records[n], attachments={"blob": blobs[n]}),
-                    range(4),
-                )
-            )
-        assert all(result.ok for result in results), results
+        _four_stages_at_once(store, reader, "n")
         calls, stages = _native_calls(store)
         assert stages == 6
         assert calls < 6  # at least one batch of two or more stages (up to 64 MiB)
-        for n, record in enumerate(records):
-            assert reader.fetch_attachments(record.staging_key)["blob"].data == blobs[n]
     finally:
         store.close()
         reader.close()
