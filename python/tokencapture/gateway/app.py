@@ -633,23 +633,23 @@ class Gateway:
             status = response.status_code
 
             def observe() -> None:
-                seconds = time.perf_counter() - started
-                if succeeded():
-                    self.metrics.observe(operation, seconds, status=status)
-                else:  # an error status relayed, or a stream that broke after its 200
-                    error_type = str(status) if status >= 400 else None
-                    self.metrics.observe(
-                        operation, seconds, failed=True, error_type=error_type, status=status
-                    )
+                # Failed: an error status relayed, or a stream that broke after its 200.
+                self._observe_answered(operation, started, status, failed=not succeeded())
 
             response.finally_.append(observe)
             return
         status = response.status_code
+        self._observe_answered(operation, started, status, failed=status >= 400)
+
+    def _observe_answered(self, operation: str, started: float, status: int, failed: bool) -> None:
+        """Count a call answered with `status`: a failure with an error status has that status
+        as its `error.type` (OpenTelemetry's HTTP convention); one under a 200 (a stream that
+        broke) has none."""
+        error_type = str(status) if failed and status >= 400 else None
         seconds = time.perf_counter() - started
-        if status >= 400:  # OpenTelemetry's HTTP convention: the status code as error.type
-            self.metrics.observe(operation, seconds, error_type=str(status), status=status)
-        else:
-            self.metrics.observe(operation, seconds, status=status)
+        self.metrics.observe(
+            operation, seconds, failed=failed, error_type=error_type, status=status
+        )
 
     def captured(self, kind: str) -> Callable[[Request, str | None], Awaitable[Response]]:
         """The handler of a captured route: `handle(request, rollout_id)`, the rollout id from
